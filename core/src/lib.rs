@@ -1,0 +1,18 @@
+//! kvwire's pure core: the KV byte inventory, shard maps, transfer plans.
+//!
+//! No I/O, no clocks, no `unsafe`: transports and the daemon feed it bytes
+//! and timestamps. Everything here is deterministic and testable on plain
+//! buffers.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod format;
+pub mod layout;
+pub mod plan;
+pub mod reuse;
+pub mod shard;
+pub mod verify;
+
+pub use format::{CacheFormat, FormatError};
+pub use layout::{Geometry, ModelSpec, SpecError};

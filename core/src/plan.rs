@@ -1,0 +1,727 @@
+//! Transfer plans: every destination-owned byte mapped to exactly one source byte.
+//!
+//! A plan is pure data: a list of [`Segment`]s, each one contiguous run of
+//! `len` bytes repeated `count` times at fixed strides on both sides (a 2-D
+//! copy; `count == 1` is a plain run). The data plane executes it without
+//! thinking: a `Direct` segment is `count` one-sided writes (or one
+//! scatter-gather list), a `Packed` one is gathered into staging at the
+//! source, sent as one write, and scattered at the destination.
+//!
+//! Planning works per (destination rank, layer, tensor, run of heads held by
+//! the same source replicas): it walks the retained positions in chunks
+//! bounded by both sides' block boundaries, emits each chunk as a 2-D
+//! pattern, and coalesces. Layers with the same shape reuse one computed
+//! pattern, so planning cost grows with distinct layer shapes and block-table
+//! fragments, not with layers × tokens.
+//!
+//! Replica choice: a head held by several source ranks is read from the one
+//! with the fewest bytes assigned so far, decided per (layer, tensor), so
+//! load spreads by layers across ranks and NICs.
+//!
+//! Cost model (documented defaults in [`CostModel`]): a strided segment of
+//! `count` runs is packed when the per-write overhead it saves exceeds the
+//! cost of the extra pack and unpack copies:
+//! `(count - 1) × per_write_ns > 2 × bytes / copy_bytes_per_ns`.
+
+use crate::format::CacheFormat;
+use crate::layout::{ModelSpec, Retention, Tensor};
+use crate::shard::{LayoutSpec, MemLayout, RegionId, ShardError, ShardMap, TableKind};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+
+/// One side (source or destination) of a transfer, resolved for a request.
+#[derive(Debug, Clone)]
+pub struct Side {
+    /// Who holds what.
+    pub shard: ShardMap,
+    /// Format, block size and padding.
+    pub geo: crate::Geometry,
+    /// Row order inside a block.
+    pub mem: MemLayout,
+    /// The request's block ids, in position order (shared by every rank of the side).
+    pub block_table: Vec<u32>,
+    /// Capacity of every region in blocks (≥ every id in the table + 1).
+    pub num_blocks: u32,
+}
+
+/// Errors building a side or a plan.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum PlanError {
+    /// The layout does not fit the model.
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    /// A size that must be positive was zero.
+    #[error(transparent)]
+    Geometry(#[from] crate::layout::GeometryError),
+    /// `tokens` was zero.
+    #[error("`tokens` must be > 0")]
+    ZeroTokens,
+    /// The prefix is longer than the request.
+    #[error("prefix_tokens {prefix} exceeds tokens {tokens}")]
+    PrefixTooLong {
+        /// Prefix tokens asked for.
+        prefix: u64,
+        /// Tokens in the request.
+        tokens: u64,
+    },
+    /// The block table cannot hold the request.
+    #[error("block table: {0}")]
+    BlockTable(String),
+    /// The two sides store different formats (conversion is a codec's job).
+    #[error("source format {src} differs from destination format {dst}")]
+    FormatMismatch {
+        /// Source format id.
+        src: String,
+        /// Destination format id.
+        dst: String,
+    },
+    /// No source rank holds a byte the destination needs.
+    #[error("no source rank holds head {head} of layer {layer}")]
+    NoSource {
+        /// Layer.
+        layer: u32,
+        /// Head.
+        head: u32,
+    },
+}
+
+fn shuffled(n: u32, seed: u64) -> Vec<u32> {
+    // Fisher–Yates with splitmix64: deterministic, no dependency.
+    let mut v: Vec<u32> = (0..n).collect();
+    let mut s = seed;
+    for i in (1..v.len()).rev() {
+        s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        v.swap(i, (z % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+impl Side {
+    /// Resolves `layout` for a request of `tokens` in `format`, with the
+    /// table the layout names.
+    pub fn new(model: &ModelSpec, layout: &LayoutSpec, format: CacheFormat, tokens: u64) -> Result<Side, PlanError> {
+        let geo = layout.geometry(format)?;
+        if tokens == 0 {
+            return Err(PlanError::ZeroTokens);
+        }
+        let n = u32::try_from(tokens.div_ceil(u64::from(geo.block_size)))
+            .map_err(|_| PlanError::BlockTable(format!("{tokens} tokens need more than 2^32 blocks")))?;
+        let (table, capacity) = match layout.table {
+            TableKind::Contiguous => ((0..n).collect(), n),
+            TableKind::Shuffled { seed } => {
+                let pool = n + n / 4 + 1;
+                (shuffled(pool, seed)[..n as usize].to_vec(), pool)
+            }
+        };
+        Side::with_table(model, layout, format, tokens, table, capacity)
+    }
+
+    /// Resolves `layout` with an explicit block table and region capacity.
+    pub fn with_table(
+        model: &ModelSpec,
+        layout: &LayoutSpec,
+        format: CacheFormat,
+        tokens: u64,
+        block_table: Vec<u32>,
+        num_blocks: u32,
+    ) -> Result<Side, PlanError> {
+        let geo = layout.geometry(format)?;
+        let shard = layout.shard_map(model)?;
+        let need = tokens.div_ceil(u64::from(geo.block_size));
+        if (block_table.len() as u64) < need {
+            return Err(PlanError::BlockTable(format!(
+                "{} blocks listed but {tokens} tokens at {} per block need {need}",
+                block_table.len(),
+                geo.block_size
+            )));
+        }
+        let mut seen = vec![false; num_blocks as usize];
+        for &b in &block_table[..need as usize] {
+            if b >= num_blocks {
+                return Err(PlanError::BlockTable(format!("block id {b} is past the region's {num_blocks} blocks")));
+            }
+            if std::mem::replace(&mut seen[b as usize], true) {
+                return Err(PlanError::BlockTable(format!("block id {b} appears twice")));
+            }
+        }
+        Ok(Side { shard, geo, mem: layout.mem, block_table, num_blocks })
+    }
+
+    /// The regions rank `rank` holds and their byte lengths.
+    pub fn regions(&self, model: &ModelSpec, rank: u32) -> Vec<(RegionId, u64)> {
+        let mut out = Vec::new();
+        for ls in &self.shard.ranks[rank as usize].layers {
+            let spec = &model.layers[ls.layer as usize];
+            for t in spec.tensors() {
+                let lh = ls.heads.end - ls.heads.start;
+                out.push((
+                    RegionId { layer: ls.layer, tensor: t.tensor },
+                    u64::from(self.num_blocks) * self.geo.block_bytes(lh, t.dim),
+                ));
+            }
+            if spec.state_bytes > 0 {
+                out.push((RegionId { layer: ls.layer, tensor: Tensor::State }, spec.state_bytes));
+            }
+        }
+        out
+    }
+}
+
+/// How a segment is carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// `count` one-sided writes straight into place.
+    Direct,
+    /// Gather → one write into staging → scatter.
+    Packed,
+}
+
+/// One run of bytes, repeated `count` times at fixed strides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Segment {
+    /// Source rank.
+    pub src_rank: u32,
+    /// Source region.
+    pub src_region: RegionId,
+    /// Byte offset of the first run in the source region.
+    pub src_offset: u64,
+    /// Destination rank.
+    pub dst_rank: u32,
+    /// Destination region.
+    pub dst_region: RegionId,
+    /// Byte offset of the first run in the destination region.
+    pub dst_offset: u64,
+    /// Bytes per run.
+    pub len: u64,
+    /// Runs (≥ 1).
+    pub count: u64,
+    /// Distance between runs at the source (0 when `count == 1`).
+    pub src_stride: u64,
+    /// Distance between runs at the destination (0 when `count == 1`).
+    pub dst_stride: u64,
+    /// How the data plane carries it.
+    pub mode: Mode,
+}
+
+impl Segment {
+    /// Bytes this segment moves.
+    pub fn bytes(&self) -> u64 {
+        self.len * self.count
+    }
+
+    /// One-sided writes it takes.
+    pub fn writes(&self) -> u64 {
+        match self.mode {
+            Mode::Direct => self.count,
+            Mode::Packed => 1,
+        }
+    }
+
+    /// `(src_offset, dst_offset)` of each run.
+    pub fn runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        (0..self.count).map(|i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride))
+    }
+}
+
+/// Cost model behind the direct / packed choice.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct CostModel {
+    /// Fixed cost of one write: posting, NIC work-request processing, completion (default 500 ns).
+    pub per_write_ns: f64,
+    /// Local copy bandwidth for pack and unpack, in bytes per ns (= GB/s) (default 8).
+    pub copy_bytes_per_ns: f64,
+}
+
+impl Default for CostModel {
+    fn default() -> Self {
+        CostModel { per_write_ns: 500.0, copy_bytes_per_ns: 8.0 }
+    }
+}
+
+impl CostModel {
+    fn mode(&self, len: u64, count: u64) -> Mode {
+        let saved = (count.saturating_sub(1)) as f64 * self.per_write_ns;
+        let extra = 2.0 * (len * count) as f64 / self.copy_bytes_per_ns;
+        if saved > extra {
+            Mode::Packed
+        } else {
+            Mode::Direct
+        }
+    }
+}
+
+/// Bytes a rank sent or received.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RankBytes {
+    /// Rank.
+    pub rank: u32,
+    /// Bytes.
+    pub bytes: u64,
+}
+
+/// A plan's counters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PlanCounters {
+    /// Segment records.
+    pub segments: u64,
+    /// One-sided writes the data plane will post.
+    pub writes: u64,
+    /// Bytes moved (sum over segments).
+    pub total_bytes_moved: u64,
+    /// Bytes in packed segments.
+    pub packed_bytes: u64,
+    /// Bytes in direct segments.
+    pub direct_bytes: u64,
+    /// Destination bytes not moved because the destination holds the prefix.
+    pub reused_bytes: u64,
+    /// Static per-tensor scales that travel in the manifest, not in segments.
+    pub metadata_bytes: u64,
+    /// Bytes sent per source rank (every rank listed).
+    pub src_ranks: Vec<RankBytes>,
+    /// Bytes received per destination rank (every rank listed).
+    pub dst_ranks: Vec<RankBytes>,
+}
+
+/// A transfer plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// Tokens in the request.
+    pub tokens: u64,
+    /// Leading positions the destination already holds.
+    pub prefix_tokens: u64,
+    /// The cost model used.
+    pub cost: CostModel,
+    /// Counters.
+    pub counters: PlanCounters,
+    /// The segments, grouped by destination rank, layer, tensor.
+    pub segments: Vec<Segment>,
+}
+
+/// Everything [`build`] needs.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanInput<'a> {
+    /// The model.
+    pub model: &'a ModelSpec,
+    /// Tokens in the request.
+    pub tokens: u64,
+    /// Leading positions the destination already holds (after [`crate::reuse::check_prefix`]).
+    pub prefix_tokens: u64,
+    /// Source side.
+    pub src: &'a Side,
+    /// Destination side.
+    pub dst: &'a Side,
+    /// Direct/packed cost model.
+    pub cost: CostModel,
+}
+
+/// Positions of a layer the destination needs: retained, at or after the prefix.
+fn needed_ranges(retention: &Retention, tokens: u64, prefix: u64) -> Vec<Range<u64>> {
+    retention
+        .ranges(tokens)
+        .into_iter()
+        .map(|r| r.start.max(prefix)..r.end)
+        .filter(|r| !r.is_empty())
+        .collect()
+}
+
+/// Offsets relative to a region, before ranks and regions are stamped on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Shape {
+    src: u64,
+    dst: u64,
+    len: u64,
+    count: u64,
+    src_stride: u64,
+    dst_stride: u64,
+}
+
+impl Shape {
+    fn run(src: u64, dst: u64, len: u64) -> Shape {
+        Shape { src, dst, len, count: 1, src_stride: 0, dst_stride: 0 }
+    }
+
+    fn strided(src: u64, dst: u64, len: u64, count: u64, src_stride: u64, dst_stride: u64) -> Shape {
+        if count == 1 || (src_stride == len && dst_stride == len) {
+            Shape::run(src, dst, len * count)
+        } else {
+            Shape { src, dst, len, count, src_stride, dst_stride }
+        }
+    }
+}
+
+/// `b` continues the strided pattern of `a`: merge them.
+fn merge_strided(a: &Shape, b: &Shape) -> Option<Shape> {
+    if a.len != b.len {
+        return None;
+    }
+    let (ss, ds) = if a.count > 1 {
+        (a.src_stride, a.dst_stride)
+    } else if b.count > 1 {
+        (b.src_stride, b.dst_stride)
+    } else {
+        (b.src.checked_sub(a.src)?, b.dst.checked_sub(a.dst)?)
+    };
+    if ss == 0 || ds == 0 {
+        return None;
+    }
+    let strides_agree = |s: &Shape| s.count == 1 || (s.src_stride == ss && s.dst_stride == ds);
+    if !strides_agree(a) || !strides_agree(b) {
+        return None;
+    }
+    if b.src != a.src + a.count * ss || b.dst != a.dst + a.count * ds {
+        return None;
+    }
+    Some(Shape::strided(a.src, a.dst, a.len, a.count + b.count, ss, ds))
+}
+
+/// Collects shapes, merging contiguous runs at once and settled runs into strides.
+#[derive(Default)]
+struct Coalescer {
+    out: Vec<Shape>,
+}
+
+impl Coalescer {
+    fn push(&mut self, s: Shape) {
+        if let Some(last) = self.out.last_mut() {
+            if last.count == 1 && s.count == 1 && last.src + last.len == s.src && last.dst + last.len == s.dst {
+                last.len += s.len;
+                return;
+            }
+        }
+        self.settle();
+        self.out.push(s);
+    }
+
+    /// The last shape can no longer grow: fold it into the one before if it continues its stride.
+    fn settle(&mut self) {
+        let n = self.out.len();
+        if n >= 2 {
+            if let Some(m) = merge_strided(&self.out[n - 2], &self.out[n - 1]) {
+                self.out[n - 2] = m;
+                self.out.pop();
+            }
+        }
+    }
+
+    fn finish(mut self) -> Vec<Shape> {
+        self.settle();
+        self.out
+    }
+}
+
+/// Address model of one side for one (layer tensor, head run).
+struct Addr<'a> {
+    table: &'a [u32],
+    block: u64,
+    block_bytes: u64,
+    row_stride: u64,
+    local_heads: u64,
+    head_off: u64,
+    mem: MemLayout,
+}
+
+impl Addr<'_> {
+    /// Offset of (position `p`, first head of the run), token stride, head stride.
+    fn at(&self, p: u64) -> (u64, u64, u64) {
+        let base = u64::from(self.table[(p / self.block) as usize]) * self.block_bytes;
+        let slot = p % self.block;
+        match self.mem {
+            MemLayout::Nhd => {
+                (base + (slot * self.local_heads + self.head_off) * self.row_stride, self.local_heads * self.row_stride, self.row_stride)
+            }
+            MemLayout::Hnd => (base + (self.head_off * self.block + slot) * self.row_stride, self.row_stride, self.block * self.row_stride),
+        }
+    }
+}
+
+/// Emits the `nt × nh` rows starting at (src, dst) with the fewest shapes.
+fn emit_2d(c: &mut Coalescer, src: (u64, u64, u64), dst: (u64, u64, u64), nt: u64, nh: u64, len: u64) {
+    let (sb, sst, ssh) = src;
+    let (db, dst_t, dsh) = dst;
+    let heads_contig = nh == 1 || (ssh == len && dsh == len);
+    if heads_contig {
+        let unit = nh * len;
+        c.push(Shape::strided(sb, db, unit, nt, sst, dst_t));
+    } else if nt == 1 || (sst == len && dst_t == len) {
+        c.push(Shape::strided(sb, db, nt * len, nh, ssh, dsh));
+    } else {
+        for h in 0..nh {
+            c.push(Shape::strided(sb + h * ssh, db + h * dsh, len, nt, sst, dst_t));
+        }
+    }
+}
+
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct TemplateKey {
+    src_local_heads: u32,
+    src_head_off: u32,
+    dst_local_heads: u32,
+    dst_head_off: u32,
+    heads: u32,
+    dim: u32,
+    ranges: Vec<Range<u64>>,
+}
+
+fn template(key: &TemplateKey, src: &Side, dst: &Side) -> Vec<Shape> {
+    fn addr<'a>(key: &TemplateKey, side: &'a Side, lh: u32, off: u32) -> Addr<'a> {
+        Addr {
+        table: &side.block_table,
+        block: u64::from(side.geo.block_size),
+        block_bytes: side.geo.block_bytes(lh, key.dim),
+        row_stride: side.geo.row_stride(key.dim),
+        local_heads: u64::from(lh),
+        head_off: u64::from(off),
+        mem: side.mem,
+        }
+    }
+    let sa = addr(key, src, key.src_local_heads, key.src_head_off);
+    let da = addr(key, dst, key.dst_local_heads, key.dst_head_off);
+    let len = src.geo.row_bytes(key.dim);
+    let mut c = Coalescer::default();
+    for r in &key.ranges {
+        let mut p = r.start;
+        while p < r.end {
+            let end = r.end.min((p / sa.block + 1) * sa.block).min((p / da.block + 1) * da.block);
+            emit_2d(&mut c, sa.at(p), da.at(p), end - p, u64::from(key.heads), len);
+            p = end;
+        }
+    }
+    c.finish()
+}
+
+/// Source ranks holding each layer: (rank, heads) — built once per plan.
+fn holders(src: &ShardMap, n_layers: usize) -> Vec<Vec<(u32, Range<u32>)>> {
+    let mut by_layer = vec![Vec::new(); n_layers];
+    for r in &src.ranks {
+        for ls in &r.layers {
+            by_layer[ls.layer as usize].push((r.rank, ls.heads.clone()));
+        }
+    }
+    by_layer
+}
+
+/// Builds the plan.
+pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
+    let PlanInput { model, tokens, prefix_tokens, src, dst, cost } = *input;
+    if tokens == 0 {
+        return Err(PlanError::ZeroTokens);
+    }
+    if prefix_tokens > tokens {
+        return Err(PlanError::PrefixTooLong { prefix: prefix_tokens, tokens });
+    }
+    if src.geo.format != dst.geo.format {
+        return Err(PlanError::FormatMismatch { src: src.geo.format.id(), dst: dst.geo.format.id() });
+    }
+    for side in [src, dst] {
+        let need = tokens.div_ceil(u64::from(side.geo.block_size));
+        if (side.block_table.len() as u64) < need {
+            return Err(PlanError::BlockTable(format!("{} blocks listed, {need} needed", side.block_table.len())));
+        }
+    }
+    let holders = holders(&src.shard, model.layers.len());
+    let mut load = vec![0u64; src.shard.ranks.len()];
+    let mut received = vec![0u64; dst.shard.ranks.len()];
+    let mut templates: HashMap<TemplateKey, Vec<Shape>> = HashMap::new();
+    let mut segments = Vec::new();
+    let mut reused_bytes = 0;
+    let mut metadata_bytes = 0;
+
+    for d in &dst.shard.ranks {
+        for ls in &d.layers {
+            let layer = ls.layer;
+            let spec = &model.layers[layer as usize];
+            let ranges = needed_ranges(&spec.retention, tokens, prefix_tokens);
+            let needed: u64 = ranges.iter().map(|r| r.end - r.start).sum();
+            let reused = spec.retention.retained(tokens) - needed;
+            for t in spec.tensors() {
+                metadata_bytes += dst.geo.format.tensor_static_bytes();
+                let row = dst.geo.row_bytes(t.dim);
+                reused_bytes += reused * u64::from(ls.heads.end - ls.heads.start) * row;
+                let mut h = ls.heads.start;
+                while h < ls.heads.end {
+                    // The run of heads from `h` whose candidate replicas are the same ranks.
+                    let cands: Vec<&(u32, Range<u32>)> =
+                        holders[layer as usize].iter().filter(|(_, hs)| hs.contains(&h)).collect();
+                    if cands.is_empty() {
+                        return Err(PlanError::NoSource { layer, head: h });
+                    }
+                    let run_end = cands.iter().map(|(_, hs)| hs.end).min().unwrap_or(h + 1).min(ls.heads.end);
+                    let &(rank, ref sheads) = *cands
+                        .iter()
+                        .min_by_key(|(r, _)| (load[*r as usize], *r))
+                        .expect("cands is not empty");
+                    let heads = run_end - h;
+                    let bytes = needed * u64::from(heads) * row;
+                    load[rank as usize] += bytes;
+                    received[d.rank as usize] += bytes;
+                    if bytes > 0 {
+                        let key = TemplateKey {
+                            src_local_heads: sheads.end - sheads.start,
+                            src_head_off: h - sheads.start,
+                            dst_local_heads: ls.heads.end - ls.heads.start,
+                            dst_head_off: h - ls.heads.start,
+                            heads,
+                            dim: t.dim,
+                            ranges: ranges.clone(),
+                        };
+                        let shapes = templates.entry(key).or_insert_with_key(|k| template(k, src, dst));
+                        let region = RegionId { layer, tensor: t.tensor };
+                        segments.extend(shapes.iter().map(|s| Segment {
+                            src_rank: rank,
+                            src_region: region,
+                            src_offset: s.src,
+                            dst_rank: d.rank,
+                            dst_region: region,
+                            dst_offset: s.dst,
+                            len: s.len,
+                            count: s.count,
+                            src_stride: s.src_stride,
+                            dst_stride: s.dst_stride,
+                            mode: if s.count > 1 { cost.mode(s.len, s.count) } else { Mode::Direct },
+                        }));
+                    }
+                    h = run_end;
+                }
+            }
+            if spec.state_bytes > 0 {
+                // Constant state: copied whole from the least-loaded holder of the layer.
+                let &(rank, _) = holders[layer as usize]
+                    .iter()
+                    .min_by_key(|(r, _)| (load[*r as usize], *r))
+                    .ok_or(PlanError::NoSource { layer, head: 0 })?;
+                load[rank as usize] += spec.state_bytes;
+                received[d.rank as usize] += spec.state_bytes;
+                let region = RegionId { layer, tensor: Tensor::State };
+                segments.push(Segment {
+                    src_rank: rank,
+                    src_region: region,
+                    src_offset: 0,
+                    dst_rank: d.rank,
+                    dst_region: region,
+                    dst_offset: 0,
+                    len: spec.state_bytes,
+                    count: 1,
+                    src_stride: 0,
+                    dst_stride: 0,
+                    mode: Mode::Direct,
+                });
+            }
+        }
+    }
+
+    let total_bytes_moved = segments.iter().map(Segment::bytes).sum();
+    let packed_bytes = segments.iter().filter(|s| s.mode == Mode::Packed).map(Segment::bytes).sum();
+    let counters = PlanCounters {
+        segments: segments.len() as u64,
+        writes: segments.iter().map(Segment::writes).sum(),
+        total_bytes_moved,
+        packed_bytes,
+        direct_bytes: total_bytes_moved - packed_bytes,
+        reused_bytes,
+        metadata_bytes,
+        src_ranks: load.iter().enumerate().map(|(r, &bytes)| RankBytes { rank: r as u32, bytes }).collect(),
+        dst_ranks: received.iter().enumerate().map(|(r, &bytes)| RankBytes { rank: r as u32, bytes }).collect(),
+    };
+    Ok(Plan { tokens, prefix_tokens, cost, counters, segments })
+}
+
+/// Per-rank byte buffers, one per region: what [`execute`] runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Buffers {
+    /// `ranks[r][region]` = that region's bytes.
+    pub ranks: Vec<BTreeMap<RegionId, Vec<u8>>>,
+}
+
+impl Buffers {
+    /// Allocates every region of every rank of `side`, filled with `fill`.
+    pub fn alloc(model: &ModelSpec, side: &Side, fill: u8) -> Buffers {
+        let ranks = (0..side.shard.ranks.len() as u32)
+            .map(|r| side.regions(model, r).into_iter().map(|(id, len)| (id, vec![fill; len as usize])).collect())
+            .collect();
+        Buffers { ranks }
+    }
+
+    /// Total bytes allocated.
+    pub fn len(&self) -> u64 {
+        self.ranks.iter().flat_map(|r| r.values()).map(|v| v.len() as u64).sum()
+    }
+
+    /// True when no region holds a byte.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Why a plan could not run on the given buffers.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ExecError {
+    /// A segment names a region its rank does not have.
+    #[error("segment {index}: {side} rank {rank} has no region {region:?}")]
+    UnknownRegion {
+        /// Segment index.
+        index: usize,
+        /// `source` or `destination`.
+        side: &'static str,
+        /// Rank.
+        rank: u32,
+        /// Region.
+        region: RegionId,
+    },
+    /// A segment reaches past its region.
+    #[error("segment {index}: {side} bytes [{start}, {end}) past region length {region_len}")]
+    OutOfBounds {
+        /// Segment index.
+        index: usize,
+        /// `source` or `destination`.
+        side: &'static str,
+        /// First byte.
+        start: u64,
+        /// One past the last byte.
+        end: u64,
+        /// Region length.
+        region_len: u64,
+    },
+}
+
+fn span(s: &Segment, start: u64, stride: u64) -> (u64, u64) {
+    (start, start + (s.count - 1) * stride + s.len)
+}
+
+/// Runs `plan` on plain buffers: copies every run from `src` into `dst`.
+/// Checks every segment's bounds first, so a bad plan touches nothing.
+/// Returns the bytes copied.
+pub fn execute(plan: &Plan, src: &Buffers, dst: &mut Buffers) -> Result<u64, ExecError> {
+    for (index, s) in plan.segments.iter().enumerate() {
+        for (side, bufs, rank, region, start, stride) in [
+            ("source", &*src, s.src_rank, s.src_region, s.src_offset, s.src_stride),
+            ("destination", &*dst, s.dst_rank, s.dst_region, s.dst_offset, s.dst_stride),
+        ] {
+            let buf = bufs
+                .ranks
+                .get(rank as usize)
+                .and_then(|r| r.get(&region))
+                .ok_or(ExecError::UnknownRegion { index, side, rank, region })?;
+            let (start, end) = span(s, start, stride);
+            if end > buf.len() as u64 {
+                return Err(ExecError::OutOfBounds { index, side, start, end, region_len: buf.len() as u64 });
+            }
+        }
+    }
+    let mut copied = 0;
+    for s in &plan.segments {
+        let from = &src.ranks[s.src_rank as usize][&s.src_region];
+        let to = dst.ranks[s.dst_rank as usize].get_mut(&s.dst_region).expect("checked above");
+        for (so, d) in s.runs() {
+            let (so, d, l) = (so as usize, d as usize, s.len as usize);
+            to[d..d + l].copy_from_slice(&from[so..so + l]);
+        }
+        copied += s.bytes();
+    }
+    Ok(copied)
+}

@@ -1,0 +1,186 @@
+//! An independent oracle for plans: fills source caches with codes that name
+//! every byte, computes the destination cache a correct transfer must leave,
+//! and checks an executed plan against it.
+//!
+//! It deliberately shares nothing with the planner's address machinery: each
+//! row's offset is computed directly from the layout's definition
+//! (`block_table[p / B] * block_bytes + row index * row_stride`), one row at
+//! a time.
+
+use crate::layout::{ModelSpec, Tensor};
+use crate::plan::{execute, Buffers, ExecError, Plan, Side};
+use crate::shard::{MemLayout, RegionId};
+
+/// Value every destination byte starts as; no code ever equals it, so a
+/// stray write always shows.
+pub const CANARY: u8 = 0xA5;
+
+/// The code of one byte of the cache: a hash of everything that identifies it.
+pub fn code(layer: u32, tensor: Tensor, head: u32, pos: u64, byte: u64) -> u8 {
+    let mut z = u64::from(layer) << 48 ^ (tensor as u64) << 44 ^ u64::from(head) << 32 ^ pos.rotate_left(16) ^ byte;
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    let c = (z ^ (z >> 31)) as u8;
+    if c == CANARY {
+        !CANARY
+    } else {
+        c
+    }
+}
+
+fn row_offset(side: &Side, local_heads: u32, dim: u32, local_head: u32, pos: u64) -> u64 {
+    let b = u64::from(side.geo.block_size);
+    let block = u64::from(side.block_table[(pos / b) as usize]);
+    let slot = pos % b;
+    let row_index = match side.mem {
+        MemLayout::Nhd => slot * u64::from(local_heads) + u64::from(local_head),
+        MemLayout::Hnd => u64::from(local_head) * b + slot,
+    };
+    block * side.geo.block_bytes(local_heads, dim) + row_index * side.geo.row_stride(dim)
+}
+
+/// Writes the code of every retained row byte (and of every state byte) the
+/// ranks of `side` hold into `bufs`, for positions in `from..`; other bytes
+/// are left as they are.
+fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, bufs: &mut Buffers) {
+    for rank in &side.shard.ranks {
+        for ls in &rank.layers {
+            let spec = &model.layers[ls.layer as usize];
+            let lh = ls.heads.end - ls.heads.start;
+            for t in spec.tensors() {
+                let region = bufs.ranks[rank.rank as usize]
+                    .get_mut(&RegionId { layer: ls.layer, tensor: t.tensor })
+                    .expect("region allocated for every held tensor");
+                let len = side.geo.row_bytes(t.dim);
+                for r in spec.retention.ranges(tokens) {
+                    for pos in r.start.max(from)..r.end {
+                        for (i, head) in ls.heads.clone().enumerate() {
+                            let off = row_offset(side, lh, t.dim, i as u32, pos) as usize;
+                            for byte in 0..len {
+                                region[off + byte as usize] = code(ls.layer, t.tensor, head, pos, byte);
+                            }
+                        }
+                    }
+                }
+            }
+            if spec.state_bytes > 0 {
+                let region = bufs.ranks[rank.rank as usize]
+                    .get_mut(&RegionId { layer: ls.layer, tensor: Tensor::State })
+                    .expect("state region allocated");
+                for (byte, b) in region.iter_mut().enumerate() {
+                    *b = code(ls.layer, Tensor::State, 0, 0, byte as u64);
+                }
+            }
+        }
+    }
+}
+
+/// Source caches: every held, retained byte carries its code; the rest is zero.
+pub fn fill_source(model: &ModelSpec, side: &Side, tokens: u64) -> Buffers {
+    let mut bufs = Buffers::alloc(model, side, 0);
+    write_codes(model, side, tokens, 0, &mut bufs);
+    bufs
+}
+
+/// What the destination must hold after a correct transfer that skipped the
+/// first `prefix` positions: codes for every needed byte, [`CANARY`] elsewhere.
+pub fn expected_destination(model: &ModelSpec, side: &Side, tokens: u64, prefix: u64) -> Buffers {
+    let mut bufs = Buffers::alloc(model, side, CANARY);
+    write_codes(model, side, tokens, prefix, &mut bufs);
+    bufs
+}
+
+/// What [`verify`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// Bytes the plan copied.
+    pub bytes_copied: u64,
+    /// Destination bytes that had to receive a code.
+    pub bytes_expected: u64,
+    /// Destination bytes checked (all of them).
+    pub bytes_checked: u64,
+}
+
+/// How a plan failed verification.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum VerifyError {
+    /// The plan could not run.
+    #[error(transparent)]
+    Exec(#[from] ExecError),
+    /// The buffers would be too large to check here.
+    #[error("verification needs {needed} bytes of buffers, more than the {limit} allowed; use fewer tokens or a smaller model")]
+    TooLarge {
+        /// Bytes needed.
+        needed: u64,
+        /// Limit.
+        limit: u64,
+    },
+    /// A destination byte differs from what it must hold.
+    #[error("dst rank {rank} {region:?} byte {offset}: expected {expected:#04x}, found {found:#04x} ({mismatches} bytes differ)")]
+    Mismatch {
+        /// Rank.
+        rank: u32,
+        /// Region.
+        region: RegionId,
+        /// First differing offset.
+        offset: u64,
+        /// Expected byte.
+        expected: u8,
+        /// Found byte.
+        found: u8,
+        /// Differing bytes in all.
+        mismatches: u64,
+    },
+    /// Bytes were written more than once (or were needless writes).
+    #[error("plan copied {copied} bytes but the destination needs exactly {expected}")]
+    Count {
+        /// Bytes copied.
+        copied: u64,
+        /// Bytes needed.
+        expected: u64,
+    },
+}
+
+/// Executes `plan` on coded buffers and checks every destination byte.
+///
+/// Correct values everywhere, canaries untouched outside, and bytes copied
+/// equal to bytes needed together prove each needed byte was written exactly
+/// once from the right source byte.
+pub fn verify(model: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, limit: u64) -> Result<VerifyReport, VerifyError> {
+    let needed: u64 = (0..src.shard.ranks.len() as u32)
+        .flat_map(|r| src.regions(model, r))
+        .chain((0..dst.shard.ranks.len() as u32).flat_map(|r| dst.regions(model, r)))
+        .map(|(_, len)| len)
+        .sum::<u64>()
+        .saturating_mul(2);
+    if needed > limit {
+        return Err(VerifyError::TooLarge { needed, limit });
+    }
+    let source = fill_source(model, src, plan.tokens);
+    let expected = expected_destination(model, dst, plan.tokens, plan.prefix_tokens);
+    let mut got = Buffers::alloc(model, dst, CANARY);
+    let bytes_copied = execute(plan, &source, &mut got)?;
+    let mut bytes_expected = 0;
+    let mut bytes_checked = 0;
+    for (rank, (want, have)) in expected.ranks.iter().zip(&got.ranks).enumerate() {
+        for ((region, w), h) in want.iter().zip(have.values()) {
+            bytes_expected += w.iter().filter(|&&b| b != CANARY).count() as u64;
+            bytes_checked += w.len() as u64;
+            let mut diffs = w.iter().zip(h).enumerate().filter(|(_, (a, b))| a != b);
+            if let Some((offset, (&expected, &found))) = diffs.next() {
+                return Err(VerifyError::Mismatch {
+                    rank: rank as u32,
+                    region: *region,
+                    offset: offset as u64,
+                    expected,
+                    found,
+                    mismatches: 1 + diffs.count() as u64,
+                });
+            }
+        }
+    }
+    if bytes_copied != bytes_expected {
+        return Err(VerifyError::Count { copied: bytes_copied, expected: bytes_expected });
+    }
+    Ok(VerifyReport { bytes_copied, bytes_expected, bytes_checked })
+}

@@ -1,0 +1,321 @@
+//! The `kvwire` command line: raw arguments (clap) → validated settings → run → render.
+
+use anyhow::{anyhow, Context};
+use clap::{Args, Parser, Subcommand};
+use kvwire_core::layout::{self, Inventory};
+use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
+use kvwire_core::shard::LayoutSpec;
+use kvwire_core::{verify, CacheFormat, Geometry, ModelSpec};
+use std::fmt::Write as _;
+use std::path::Path;
+use std::process::ExitCode;
+
+/// kvwire: move KV caches between inference servers, and account for every byte.
+#[derive(Debug, Parser)]
+#[command(name = "kvwire", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Count a model's KV cache for a request: payload and allocated bytes, per layer kind.
+    Inventory(InventoryArgs),
+    /// Plan a transfer between two parallel layouts and report its counters.
+    Plan(PlanArgs),
+    /// List the built-in models.
+    Models,
+    /// List the cache formats.
+    Formats,
+}
+
+#[derive(Debug, Args)]
+struct ModelArgs {
+    /// Built-in model name, a Hugging Face config.json, or a TOML spec.
+    #[arg(long)]
+    model: String,
+    /// Tokens in the request.
+    #[arg(long)]
+    tokens: u64,
+    /// Cache format (default: the config's dtype).
+    #[arg(long)]
+    format: Option<String>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct InventoryArgs {
+    #[command(flatten)]
+    common: ModelArgs,
+    /// Tokens per block (page).
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Pad every row to a multiple of this many bytes.
+    #[arg(long, default_value_t = 1)]
+    row_align: u32,
+    /// Pad every block to a multiple of this many bytes.
+    #[arg(long, default_value_t = 1)]
+    block_align: u32,
+}
+
+#[derive(Debug, Args)]
+struct PlanArgs {
+    #[command(flatten)]
+    common: ModelArgs,
+    /// Source layout: tp=8[,pp=2][,pp_layers=…][,block=16][,layout=nhd|hnd][,table=contig|shuffle[:SEED]].
+    #[arg(long)]
+    src: String,
+    /// Destination layout, same keys as --src.
+    #[arg(long)]
+    dst: String,
+    /// Explicit source shard map (TOML `[[rank]]` entries); overrides tp/pp of --src.
+    #[arg(long)]
+    src_map: Option<String>,
+    /// Explicit destination shard map; overrides tp/pp of --dst.
+    #[arg(long)]
+    dst_map: Option<String>,
+    /// Leading positions the destination already holds (same model, format, tenant, positions).
+    #[arg(long, default_value_t = 0)]
+    prefix_tokens: u64,
+    /// Execute the plan on synthetic buffers and check every destination byte.
+    #[arg(long)]
+    verify: bool,
+    /// Buffer limit for --verify, in MiB.
+    #[arg(long, default_value_t = 4096)]
+    verify_limit_mib: u64,
+}
+
+/// A failure, with the exit status it maps to.
+#[derive(Debug)]
+pub enum Failure {
+    /// Bad input: exit 2.
+    BadInput(anyhow::Error),
+    /// The check that was asked for failed: exit 1.
+    Failed(anyhow::Error),
+}
+
+impl Failure {
+    /// Prints the error chain and returns the exit status.
+    pub fn report(self) -> ExitCode {
+        let (err, code) = match self {
+            Failure::BadInput(e) => (e, 2),
+            Failure::Failed(e) => (e, 1),
+        };
+        eprintln!("kvwire: error: {err:#}");
+        ExitCode::from(code)
+    }
+}
+
+fn bad<E: Into<anyhow::Error>>(e: E) -> Failure {
+    Failure::BadInput(e.into())
+}
+
+/// Loads a model from a built-in name, a `.json` HF config or a `.toml` spec.
+pub fn load_model(arg: &str) -> anyhow::Result<ModelSpec> {
+    let path = Path::new(arg);
+    let is_path = arg.ends_with(".json") || arg.ends_with(".toml") || arg.contains('/');
+    if !is_path {
+        return Ok(layout::builtin(arg)?);
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read model file {}", path.display()))?;
+    let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or(arg);
+    let spec = if arg.ends_with(".toml") {
+        layout::from_toml_spec(name, &text)
+    } else {
+        layout::from_hf_config(name, &text)
+    };
+    spec.with_context(|| format!("model {}", path.display()))
+}
+
+/// The format asked for, or the model's dtype.
+fn resolve_format(model: &ModelSpec, format: Option<&str>) -> anyhow::Result<CacheFormat> {
+    match format {
+        Some(f) => Ok(CacheFormat::parse(f).context("--format")?),
+        None => {
+            let dtype = model
+                .dtype
+                .as_deref()
+                .ok_or_else(|| anyhow!("model {} declares no torch_dtype/dtype; pass --format", model.name))?;
+            Ok(CacheFormat::parse(dtype).with_context(|| format!("model {}'s dtype", model.name))?)
+        }
+    }
+}
+
+/// Runs the parsed command line, writing its output to `out`.
+pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
+    match cli.command {
+        Command::Inventory(a) => inventory(a, out),
+        Command::Plan(a) => plan_cmd(a, out),
+        Command::Models => {
+            for (name, _) in layout::BUILTINS {
+                let m = layout::builtin(name).map_err(|e| Failure::Failed(e.into()))?;
+                let _ = writeln!(out, "{name:<18} {:<12} {} layers, dtype {}", m.family, m.layers.len(), m.dtype.as_deref().unwrap_or("-"));
+            }
+            Ok(())
+        }
+        Command::Formats => {
+            for f in kvwire_core::format::FORMATS {
+                let _ = writeln!(out, "{:<18} {}", f.id(), f.summary);
+            }
+            Ok(())
+        }
+    }
+}
+
+fn inventory(a: InventoryArgs, out: &mut String) -> Result<(), Failure> {
+    let model = load_model(&a.common.model).map_err(bad)?;
+    let format = resolve_format(&model, a.common.format.as_deref()).map_err(bad)?;
+    let geo = Geometry { format, block_size: a.block_size, row_align: a.row_align, block_align: a.block_align }
+        .validated()
+        .map_err(bad)?;
+    let inv = layout::inventory(&model, &geo, a.common.tokens).map_err(bad)?;
+    if a.common.json {
+        out.push_str(&serde_json::to_string_pretty(&inv).expect("inventory serializes"));
+        out.push('\n');
+    } else {
+        render_inventory(&inv, out);
+    }
+    Ok(())
+}
+
+/// `1234567 (1.2 MiB)`.
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{n} B")
+    } else {
+        format!("{n} ({v:.1} {})", UNITS[u])
+    }
+}
+
+fn render_inventory(inv: &Inventory, out: &mut String) {
+    let _ = writeln!(
+        out,
+        "model {}  format {}  tokens {}  block {}  row_align {}  block_align {}",
+        inv.model, inv.format, inv.tokens, inv.block_size, inv.row_align, inv.block_align
+    );
+    let _ = writeln!(out, "{:<12} {:>6} {:>10} {:>16} {:>26} {:>26}", "kind", "layers", "retained", "bytes/token/layer", "payload_bytes", "allocated_bytes");
+    for k in &inv.kinds {
+        let _ = writeln!(
+            out,
+            "{:<12} {:>6} {:>10} {:>16} {:>26} {:>26}",
+            k.kind,
+            k.layers,
+            k.retained_tokens,
+            k.per_token_bytes,
+            bytes(k.payload_bytes),
+            bytes(k.allocated_bytes)
+        );
+    }
+    let _ = writeln!(out, "{:<12} {:>6} {:>10} {:>16} {:>26} {:>26}", "total", inv.per_layer.len(), "", "", bytes(inv.payload_bytes), bytes(inv.allocated_bytes));
+    match inv.per_token_bytes {
+        Some(p) => {
+            let _ = writeln!(out, "per_token_bytes {p}  fixed_bytes {}", inv.fixed_bytes);
+        }
+        None => {
+            let _ = writeln!(out, "per_token_bytes not uniform (windowed layers retain fewer tokens)  fixed_bytes {}", inv.fixed_bytes);
+        }
+    }
+    let _ = writeln!(out, "wire_bytes: set by the transfer layer (payload actually sent + framing)");
+}
+
+fn layout_arg(flag: &str, text: &str, map: Option<&str>) -> anyhow::Result<LayoutSpec> {
+    let spec = LayoutSpec::parse(text).with_context(|| format!("--{flag}"))?;
+    match map {
+        Some(path) => {
+            let toml = std::fs::read_to_string(path).with_context(|| format!("cannot read --{flag}-map {path}"))?;
+            Ok(spec.with_explicit_toml(&toml).with_context(|| format!("--{flag}-map {path}"))?)
+        }
+        None => Ok(spec),
+    }
+}
+
+/// Builds both sides and the plan from CLI-level inputs.
+pub fn build_plan(
+    model: &ModelSpec,
+    tokens: u64,
+    format: CacheFormat,
+    src: &LayoutSpec,
+    dst: &LayoutSpec,
+    prefix_tokens: u64,
+) -> anyhow::Result<(Side, Side, Plan)> {
+    let src = Side::new(model, src, format, tokens).context("source layout")?;
+    let dst = Side::new(model, dst, format, tokens).context("destination layout")?;
+    let input = PlanInput { model, tokens, prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() };
+    let plan = plan::build(&input)?;
+    Ok((src, dst, plan))
+}
+
+fn plan_cmd(a: PlanArgs, out: &mut String) -> Result<(), Failure> {
+    let model = load_model(&a.common.model).map_err(bad)?;
+    let format = resolve_format(&model, a.common.format.as_deref()).map_err(bad)?;
+    let src_spec = layout_arg("src", &a.src, a.src_map.as_deref()).map_err(bad)?;
+    let dst_spec = layout_arg("dst", &a.dst, a.dst_map.as_deref()).map_err(bad)?;
+    let (src, dst, plan) =
+        build_plan(&model, a.common.tokens, format, &src_spec, &dst_spec, a.prefix_tokens).map_err(bad)?;
+    let verified = if a.verify {
+        let report = verify::verify(&model, &src, &dst, &plan, a.verify_limit_mib << 20).map_err(|e| match e {
+            verify::VerifyError::TooLarge { .. } => bad(e),
+            other => Failure::Failed(anyhow!(other).context("plan verification failed")),
+        })?;
+        Some(report)
+    } else {
+        None
+    };
+    let c = &plan.counters;
+    if a.common.json {
+        let v = serde_json::json!({
+            "model": model.name,
+            "format": format.id(),
+            "tokens": plan.tokens,
+            "prefix_tokens": plan.prefix_tokens,
+            "segments": c.segments,
+            "writes": c.writes,
+            "total_bytes_moved": c.total_bytes_moved,
+            "reused_bytes": c.reused_bytes,
+            "packed_bytes": c.packed_bytes,
+            "direct_bytes": c.direct_bytes,
+            "metadata_bytes": c.metadata_bytes,
+            "src_ranks": c.src_ranks.iter().map(|r| serde_json::json!({"rank": r.rank, "bytes_sent": r.bytes})).collect::<Vec<_>>(),
+            "dst_ranks": c.dst_ranks.iter().map(|r| serde_json::json!({"rank": r.rank, "bytes_received": r.bytes})).collect::<Vec<_>>(),
+            "cost_model": plan.cost,
+            "verified": verified.as_ref().map(|r| serde_json::json!({
+                "bytes_copied": r.bytes_copied, "bytes_expected": r.bytes_expected, "bytes_checked": r.bytes_checked,
+            })),
+        });
+        out.push_str(&serde_json::to_string_pretty(&v).expect("plan serializes"));
+        out.push('\n');
+        return Ok(());
+    }
+    let _ = writeln!(out, "model {}  format {}  tokens {}  prefix {}", model.name, format.id(), plan.tokens, plan.prefix_tokens);
+    let _ = writeln!(out, "src {}  ->  dst {}", a.src, a.dst);
+    let _ = writeln!(out, "segments {}  writes {}", c.segments, c.writes);
+    let _ = writeln!(out, "total_bytes_moved {}", bytes(c.total_bytes_moved));
+    let _ = writeln!(out, "  direct {}  packed {}", bytes(c.direct_bytes), bytes(c.packed_bytes));
+    let _ = writeln!(out, "reused_bytes {}  metadata_bytes {}", bytes(c.reused_bytes), c.metadata_bytes);
+    let _ = writeln!(out, "{:<10} {:>26}", "src rank", "bytes_sent");
+    for r in &c.src_ranks {
+        let _ = writeln!(out, "{:<10} {:>26}", r.rank, bytes(r.bytes));
+    }
+    let _ = writeln!(out, "{:<10} {:>26}", "dst rank", "bytes_received");
+    for r in &c.dst_ranks {
+        let _ = writeln!(out, "{:<10} {:>26}", r.rank, bytes(r.bytes));
+    }
+    if let Some(r) = verified {
+        let _ = writeln!(
+            out,
+            "verify: ok — {} bytes copied, every one of {} destination bytes checked",
+            r.bytes_copied, r.bytes_checked
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,5 @@
+//! kvwired: the per-host daemon, and the pieces the `kvwire` CLI shares with it.
+
+#![warn(missing_docs)]
+
+pub mod cli;
