@@ -1,0 +1,1 @@
+//! Inventory tests (filled in below).

@@ -1,0 +1,4 @@
+//! kvwire-core integration tests: one module per area.
+
+mod inventory;
+mod plan;
