@@ -699,7 +699,7 @@ fn span(s: &Segment, start: u64, stride: u64) -> (u64, u64) {
 pub fn execute(plan: &Plan, src: &Buffers, dst: &mut Buffers) -> Result<u64, ExecError> {
     for (index, s) in plan.segments.iter().enumerate() {
         for (side, bufs, rank, region, start, stride) in [
-            ("source", &*src, s.src_rank, s.src_region, s.src_offset, s.src_stride),
+            ("source", src, s.src_rank, s.src_region, s.src_offset, s.src_stride),
             ("destination", &*dst, s.dst_rank, s.dst_region, s.dst_offset, s.dst_stride),
         ] {
             let buf = bufs

@@ -73,6 +73,7 @@ pub enum Retention {
 impl Retention {
     /// The retained positions of a sequence of `tokens`, as at most two
     /// half-open ranges in increasing order.
+    #[allow(clippy::single_range_in_vec_init)] // a list of ranges, often of one
     pub fn ranges(&self, tokens: u64) -> Vec<std::ops::Range<u64>> {
         match *self {
             Retention::All => vec![0..tokens],
