@@ -86,6 +86,9 @@ pub enum PlanError {
     },
 }
 
+/// Most blocks in one request's table (2^26: a billion tokens at 16 per block).
+pub const MAX_TABLE_BLOCKS: u64 = 1 << 26;
+
 fn shuffled(n: u32, seed: u64) -> Vec<u32> {
     // Fisher–Yates with splitmix64: deterministic, no dependency.
     let mut v: Vec<u32> = (0..n).collect();
@@ -109,8 +112,17 @@ impl Side {
         if tokens == 0 {
             return Err(PlanError::ZeroTokens);
         }
-        let n = u32::try_from(tokens.div_ceil(u64::from(geo.block_size)))
-            .map_err(|_| PlanError::BlockTable(format!("{tokens} tokens need more than 2^32 blocks")))?;
+        if tokens > crate::layout::MAX_TOKENS {
+            return Err(PlanError::BlockTable(format!("{tokens} tokens is more than the {} kvwire accepts", crate::layout::MAX_TOKENS)));
+        }
+        let n = tokens.div_ceil(u64::from(geo.block_size));
+        if n > MAX_TABLE_BLOCKS {
+            return Err(PlanError::BlockTable(format!(
+                "{tokens} tokens at {} per block need {n} blocks, more than the {MAX_TABLE_BLOCKS} kvwire accepts",
+                geo.block_size
+            )));
+        }
+        let n = n as u32;
         let (table, capacity) = match layout.table {
             TableKind::Contiguous => ((0..n).collect(), n),
             TableKind::Shuffled { seed } => {
@@ -133,6 +145,9 @@ impl Side {
         let geo = layout.geometry(format)?;
         let shard = layout.shard_map(model)?;
         let need = tokens.div_ceil(u64::from(geo.block_size));
+        if num_blocks as u64 > MAX_TABLE_BLOCKS * 2 {
+            return Err(PlanError::BlockTable(format!("{num_blocks} blocks per region is more than {} ", MAX_TABLE_BLOCKS * 2)));
+        }
         if (block_table.len() as u64) < need {
             return Err(PlanError::BlockTable(format!(
                 "{} blocks listed but {tokens} tokens at {} per block need {need}",
@@ -149,26 +164,43 @@ impl Side {
                 return Err(PlanError::BlockTable(format!("block id {b} appears twice")));
             }
         }
-        Ok(Side { shard, geo, mem: layout.mem, block_table, num_blocks })
+        let side = Side { shard, geo, mem: layout.mem, block_table, num_blocks };
+        // Every region length, and their sum over the side, must fit in u64:
+        // then every offset, and every plan counter, does too.
+        let mut total = 0u64;
+        for rank in 0..side.shard.ranks.len() as u32 {
+            for (id, len) in side.regions_checked(model, rank) {
+                let len = len.ok_or_else(|| {
+                    PlanError::BlockTable(format!("rank {rank} region {id:?}: {num_blocks} blocks overflow 64 bits"))
+                })?;
+                total = total
+                    .checked_add(len)
+                    .ok_or_else(|| PlanError::BlockTable("regions of this side overflow 64 bits".into()))?;
+            }
+        }
+        Ok(side)
     }
 
-    /// The regions rank `rank` holds and their byte lengths.
-    pub fn regions(&self, model: &ModelSpec, rank: u32) -> Vec<(RegionId, u64)> {
+    fn regions_checked(&self, model: &ModelSpec, rank: u32) -> Vec<(RegionId, Option<u64>)> {
         let mut out = Vec::new();
         for ls in &self.shard.ranks[rank as usize].layers {
             let spec = &model.layers[ls.layer as usize];
             for t in spec.tensors() {
                 let lh = ls.heads.end - ls.heads.start;
-                out.push((
-                    RegionId { layer: ls.layer, tensor: t.tensor },
-                    u64::from(self.num_blocks) * self.geo.block_bytes(lh, t.dim),
-                ));
+                let len = u64::from(self.num_blocks).checked_mul(self.geo.block_bytes(lh, t.dim));
+                out.push((RegionId { layer: ls.layer, tensor: t.tensor }, len));
             }
             if spec.state_bytes > 0 {
-                out.push((RegionId { layer: ls.layer, tensor: Tensor::State }, spec.state_bytes));
+                out.push((RegionId { layer: ls.layer, tensor: Tensor::State }, Some(spec.state_bytes)));
             }
         }
         out
+    }
+
+    /// The regions rank `rank` holds and their byte lengths (checked to fit
+    /// when the side was built).
+    pub fn regions(&self, model: &ModelSpec, rank: u32) -> Vec<(RegionId, u64)> {
+        self.regions_checked(model, rank).into_iter().map(|(id, len)| (id, len.unwrap_or(u64::MAX))).collect()
     }
 }
 

@@ -120,6 +120,9 @@ pub enum ShardError {
     Explicit(String),
 }
 
+/// Most ranks on one side of a transfer.
+pub const MAX_RANKS: u32 = 1 << 16;
+
 fn opt_err(key: &str, reason: impl Into<String>) -> ShardError {
     ShardError::Option { key: key.to_string(), reason: reason.into() }
 }
@@ -152,8 +155,8 @@ impl LayoutSpec {
                 }
             };
             match key.as_str() {
-                "tp" => spec.tp = num(&value)?,
-                "pp" => spec.pp = num(&value)?,
+                "tp" => spec.tp = num(&value)?.min(MAX_RANKS + 1),
+                "pp" => spec.pp = num(&value)?.min(MAX_RANKS + 1),
                 "pp_layers" => spec.pp_layers = Some(value.split(':').map(num).collect::<Result<_, _>>()?),
                 "block" | "block_size" => spec.block_size = num(&value)?,
                 "row_align" => spec.row_align = num(&value)?,
@@ -278,6 +281,12 @@ fn tp_heads(attention: &Attention, layer: u32, tp: u32, tp_rank: u32) -> Result<
 
 fn formula_map(model: &ModelSpec, tp: u32, pp: u32, pp_layers: Option<&[u32]>) -> Result<ShardMap, ShardError> {
     let n = model.layers.len() as u32;
+    if u64::from(tp) * u64::from(pp) > u64::from(MAX_RANKS) {
+        return Err(ShardError::Option {
+            key: "tp".into(),
+            reason: format!("tp={tp} × pp={pp} is more than the {MAX_RANKS} ranks kvwire accepts"),
+        });
+    }
     let split = match pp_layers {
         Some(split) => {
             if split.len() as u32 != pp {
@@ -314,7 +323,11 @@ fn formula_map(model: &ModelSpec, tp: u32, pp: u32, pp_layers: Option<&[u32]>) -
 
 fn explicit_map(model: &ModelSpec, entries: &[ExplicitEntry]) -> Result<ShardMap, ShardError> {
     let n = model.layers.len() as u32;
-    let n_ranks = entries.iter().map(|e| e.rank + 1).max().unwrap_or(0);
+    let n_ranks = entries.iter().map(|e| u64::from(e.rank) + 1).max().unwrap_or(0);
+    if n_ranks > u64::from(MAX_RANKS) {
+        return Err(ShardError::Explicit(format!("rank {} is past the {MAX_RANKS} ranks kvwire accepts", n_ranks - 1)));
+    }
+    let n_ranks = n_ranks as u32;
     let mut ranks: Vec<RankShard> = (0..n_ranks).map(|rank| RankShard { rank, layers: vec![] }).collect();
     for e in entries {
         let [l0, l1] = e.layers;

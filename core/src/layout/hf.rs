@@ -115,13 +115,25 @@ fn str_field(map: &Map<String, Value>, key: &str, prefix: &str) -> Result<Option
     }
 }
 
+/// `num_hidden_layers`, bounded before anything is sized by it.
+fn layer_count(c: &Cfg<'_>) -> Result<usize, SpecError> {
+    let n = c.u64_req("num_hidden_layers")?;
+    if n > super::MAX_LAYERS {
+        return Err(SpecError::Invalid {
+            field: c.field("num_hidden_layers"),
+            reason: format!("{n} layers, more than the {} kvwire accepts", super::MAX_LAYERS),
+        });
+    }
+    Ok(n as usize)
+}
+
 fn to_u32(n: u64, field: &str) -> Result<u32, SpecError> {
     u32::try_from(n).map_err(|_| SpecError::Invalid { field: field.into(), reason: format!("{n} is too large") })
 }
 
 /// Dense-attention families: KV heads, head dims, and the sliding rule.
 fn dense_layers(c: &Cfg<'_>, model_type: &str) -> Result<Vec<LayerSpec>, SpecError> {
-    let n_layers = c.u64_req("num_hidden_layers")? as usize;
+    let n_layers = layer_count(c)?;
     let q_heads = c.u64_req("num_attention_heads")?;
     // KV heads default to query heads (plain MHA) when the config omits them.
     let kv_heads = to_u32(c.u64_opt("num_key_value_heads")?.unwrap_or(q_heads), &c.field("num_key_value_heads"))?;
@@ -192,14 +204,14 @@ fn sliding_pattern(c: &Cfg<'_>, model_type: &str, n_layers: usize) -> Result<Vec
         // `max_window_layers` on.
         "qwen2" | "qwen3" => {
             let on = c.bool_opt("use_sliding_window")?.unwrap_or(false) && has_window;
-            let from = if on { c.u64_req("max_window_layers")? as usize } else { n_layers };
+            let from = if on { c.u64_req("max_window_layers")?.min(n_layers as u64) as usize } else { n_layers };
             (0..n_layers).map(|i| on && i >= from).collect()
         }
         // Gemma 2 alternates, starting with a sliding layer at index 0.
         "gemma2" => (0..n_layers).map(|i| i % 2 == 0).collect(),
         // Gemma 3: every `sliding_window_pattern`-th layer is global, the rest slide.
         "gemma3_text" | "gemma3" => {
-            let period = c.u64_opt("sliding_window_pattern")?.unwrap_or(6) as usize;
+            let period = c.u64_opt("sliding_window_pattern")?.unwrap_or(6).min(n_layers as u64 + 1) as usize;
             (0..n_layers).map(|i| (i + 1) % period != 0).collect()
         }
         // gpt-oss publishes `layer_types`; without it every layer is full.
@@ -210,7 +222,7 @@ fn sliding_pattern(c: &Cfg<'_>, model_type: &str, n_layers: usize) -> Result<Vec
 
 /// DeepSeek-V2/V3: one MLA latent per token per layer, whatever the KV head count says.
 fn mla_layers(c: &Cfg<'_>) -> Result<Vec<LayerSpec>, SpecError> {
-    let n_layers = c.u64_req("num_hidden_layers")? as usize;
+    let n_layers = layer_count(c)?;
     let kv_lora_rank = c.u32_req("kv_lora_rank")?;
     let qk_rope_head_dim = c.u32_req("qk_rope_head_dim")?;
     Ok(vec![

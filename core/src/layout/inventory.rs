@@ -89,29 +89,39 @@ pub enum InventoryError {
     /// A request must hold at least one token.
     #[error("`tokens` must be > 0")]
     ZeroTokens,
+    /// More tokens than kvwire accepts.
+    #[error("`tokens` is {0}, more than the {max} kvwire accepts", max = super::MAX_TOKENS)]
+    TooManyTokens(u64),
+    /// A byte count does not fit in 64 bits.
+    #[error("byte counts exceed 2^64 (at layer {layer}); the request is too large to describe")]
+    Overflow {
+        /// Layer where the sum overflowed (the layer count for the totals).
+        layer: u32,
+    },
 }
 
-fn layer_inventory(i: usize, layer: &LayerSpec, geo: &Geometry, tokens: u64) -> LayerInventory {
+fn layer_inventory(i: usize, layer: &LayerSpec, geo: &Geometry, tokens: u64) -> Result<LayerInventory, InventoryError> {
     let retained = layer.retention.retained(tokens);
     let blocks = geo.blocks_touched(&layer.retention, tokens);
-    let mut per_token = 0;
-    let mut allocated = 0;
-    let mut fixed = 0;
+    // u128: a large request of a large model can pass 2^64 bytes; say so
+    // instead of wrapping.
+    let (mut per_token, mut allocated, mut fixed) = (0u128, 0u128, 0u128);
     for t in layer.tensors() {
-        per_token += u64::from(t.heads) * geo.row_bytes(t.dim);
-        allocated += blocks * geo.block_bytes(t.heads, t.dim);
-        fixed += geo.format.tensor_static_bytes();
+        per_token += u128::from(t.heads) * u128::from(geo.row_bytes(t.dim));
+        allocated += u128::from(blocks) * u128::from(geo.block_bytes(t.heads, t.dim));
+        fixed += u128::from(geo.format.tensor_static_bytes());
     }
-    fixed += layer.state_bytes;
-    LayerInventory {
+    fixed += u128::from(layer.state_bytes);
+    let fit = |v: u128| u64::try_from(v).map_err(|_| InventoryError::Overflow { layer: i as u32 });
+    Ok(LayerInventory {
         layer: i as u32,
         kind: layer.kind(),
         retained_tokens: retained,
         blocks,
-        payload_bytes: retained * per_token + fixed,
-        allocated_bytes: allocated + fixed,
-        per_token_bytes: per_token,
-    }
+        payload_bytes: fit(u128::from(retained) * per_token + fixed)?,
+        allocated_bytes: fit(allocated + fixed)?,
+        per_token_bytes: fit(per_token)?,
+    })
 }
 
 /// Counts the cache of `model` for a request of `tokens` in `geo`.
@@ -119,13 +129,26 @@ pub fn inventory(model: &ModelSpec, geo: &Geometry, tokens: u64) -> Result<Inven
     if tokens == 0 {
         return Err(InventoryError::ZeroTokens);
     }
-    let per_layer: Vec<LayerInventory> =
-        model.layers.iter().enumerate().map(|(i, l)| layer_inventory(i, l, geo, tokens)).collect();
-    let payload_bytes = per_layer.iter().map(|l| l.payload_bytes).sum();
-    let allocated_bytes = per_layer.iter().map(|l| l.allocated_bytes).sum();
+    if tokens > super::MAX_TOKENS {
+        return Err(InventoryError::TooManyTokens(tokens));
+    }
+    let per_layer = model
+        .layers
+        .iter()
+        .enumerate()
+        .map(|(i, l)| layer_inventory(i, l, geo, tokens))
+        .collect::<Result<Vec<_>, _>>()?;
+    let total = |f: fn(&LayerInventory) -> u64| {
+        per_layer
+            .iter()
+            .try_fold(0u64, |acc, l| acc.checked_add(f(l)))
+            .ok_or(InventoryError::Overflow { layer: per_layer.len() as u32 })
+    };
+    let payload_bytes = total(|l| l.payload_bytes)?;
+    let allocated_bytes = total(|l| l.allocated_bytes)?;
     let fixed_bytes = per_layer.iter().map(|l| l.payload_bytes - l.retained_tokens * l.per_token_bytes).sum();
     let uniform = per_layer.iter().all(|l| l.retained_tokens == tokens || l.per_token_bytes == 0);
-    let per_token_bytes = uniform.then(|| per_layer.iter().map(|l| l.per_token_bytes).sum());
+    let per_token_bytes = if uniform { Some(total(|l| l.per_token_bytes)?) } else { None };
 
     let mut kinds: Vec<KindRow> = Vec::new();
     for l in &per_layer {

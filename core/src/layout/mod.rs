@@ -13,11 +13,29 @@ mod spec;
 
 pub use builtin::{builtin, BUILTINS};
 pub use hf::from_hf_config;
-pub use inventory::{inventory, Inventory, KindRow, LayerInventory};
+pub use inventory::{inventory, Inventory, InventoryError, KindRow, LayerInventory};
 pub use spec::from_toml_spec;
 
 use crate::format::CacheFormat;
 use serde::Serialize;
+
+/// Most layers a model may have: far above any real model, low enough that
+/// a hostile config cannot make a reader allocate without bound.
+pub const MAX_LAYERS: u64 = 4096;
+/// Most KV heads per layer.
+pub const MAX_HEADS: u32 = 1 << 16;
+/// Most elements per row (head_dim, v_head_dim, MLA latent width).
+pub const MAX_DIM: u32 = 1 << 20;
+/// Most tokens in one request.
+pub const MAX_TOKENS: u64 = 1 << 40;
+/// Largest constant per-layer state.
+pub const MAX_STATE_BYTES: u64 = 1 << 40;
+/// Largest block size in tokens.
+pub const MAX_BLOCK_SIZE: u32 = 1 << 20;
+/// Largest row alignment in bytes.
+pub const MAX_ROW_ALIGN: u32 = 1 << 20;
+/// Largest block alignment in bytes (1 GiB pages).
+pub const MAX_BLOCK_ALIGN: u32 = 1 << 30;
 
 /// What one layer stores per token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -237,25 +255,35 @@ impl ModelSpec {
         if self.layers.is_empty() {
             return Err(SpecError::Invalid { field: "layers".into(), reason: "a model needs at least one layer".into() });
         }
+        if self.layers.len() as u64 > MAX_LAYERS {
+            return Err(SpecError::Invalid {
+                field: "layers".into(),
+                reason: format!("{} layers, more than the {MAX_LAYERS} kvwire accepts", self.layers.len()),
+            });
+        }
         for (i, layer) in self.layers.iter().enumerate() {
             let bad = |field: &str, reason: &str| {
                 Err(SpecError::Invalid { field: format!("layers[{i}].{field}"), reason: reason.into() })
             };
+            let dim_ok = |d: u32| d > 0 && d <= MAX_DIM;
             match layer.attention {
                 Attention::Dense { kv_heads, head_dim, v_head_dim } => {
-                    if kv_heads == 0 {
-                        return bad("kv_heads", "must be > 0");
+                    if kv_heads == 0 || kv_heads > MAX_HEADS {
+                        return bad("kv_heads", &format!("must be in 1..={MAX_HEADS}"));
                     }
-                    if head_dim == 0 {
-                        return bad("head_dim", "must be > 0");
+                    if !dim_ok(head_dim) {
+                        return bad("head_dim", &format!("must be in 1..={MAX_DIM}"));
                     }
-                    if v_head_dim == 0 {
-                        return bad("v_head_dim", "must be > 0");
+                    if !dim_ok(v_head_dim) {
+                        return bad("v_head_dim", &format!("must be in 1..={MAX_DIM}"));
                     }
                 }
-                Attention::Mla { kv_lora_rank, .. } => {
-                    if kv_lora_rank == 0 {
-                        return bad("kv_lora_rank", "must be > 0");
+                Attention::Mla { kv_lora_rank, qk_rope_head_dim } => {
+                    if !dim_ok(kv_lora_rank) {
+                        return bad("kv_lora_rank", &format!("must be in 1..={MAX_DIM}"));
+                    }
+                    if qk_rope_head_dim > MAX_DIM {
+                        return bad("qk_rope_head_dim", &format!("must be at most {MAX_DIM}"));
                     }
                 }
                 Attention::SharedWith { layer: src } => {
@@ -269,6 +297,9 @@ impl ModelSpec {
                     }
                 }
                 Attention::None => {}
+            }
+            if layer.state_bytes > MAX_STATE_BYTES {
+                return bad("state_bytes", &format!("must be at most {MAX_STATE_BYTES}"));
             }
             if let Retention::Window { window, .. } = layer.retention {
                 if window == 0 {
@@ -299,6 +330,16 @@ pub enum GeometryError {
     /// A size that must be positive was zero.
     #[error("`{0}` must be > 0")]
     Zero(&'static str),
+    /// A size is beyond what kvwire accepts.
+    #[error("`{name}` is {value}, more than the {max} kvwire accepts")]
+    TooLarge {
+        /// Setting name.
+        name: &'static str,
+        /// Value given.
+        value: u32,
+        /// Largest accepted value.
+        max: u32,
+    },
 }
 
 impl Geometry {
@@ -307,16 +348,19 @@ impl Geometry {
         Geometry { format, block_size, row_align: 1, block_align: 1 }.validated()
     }
 
-    /// Checks that every size is positive.
+    /// Checks that every size is positive and within kvwire's limits.
     pub fn validated(self) -> Result<Self, GeometryError> {
-        if self.block_size == 0 {
-            return Err(GeometryError::Zero("block_size"));
-        }
-        if self.row_align == 0 {
-            return Err(GeometryError::Zero("row_align"));
-        }
-        if self.block_align == 0 {
-            return Err(GeometryError::Zero("block_align"));
+        for (name, value, max) in [
+            ("block_size", self.block_size, MAX_BLOCK_SIZE),
+            ("row_align", self.row_align, MAX_ROW_ALIGN),
+            ("block_align", self.block_align, MAX_BLOCK_ALIGN),
+        ] {
+            if value == 0 {
+                return Err(GeometryError::Zero(name));
+            }
+            if value > max {
+                return Err(GeometryError::TooLarge { name, value, max });
+            }
         }
         Ok(self)
     }
@@ -332,6 +376,8 @@ impl Geometry {
     }
 
     /// Bytes one block of one tensor occupies on a rank holding `heads` rows per token.
+    /// Within the limits of [`Geometry::validated`] and [`ModelSpec::validate`]
+    /// this stays below 2^60.
     pub fn block_bytes(&self, heads: u32, dim: u32) -> u64 {
         (u64::from(self.block_size) * u64::from(heads) * self.row_stride(dim))
             .next_multiple_of(u64::from(self.block_align))

@@ -92,6 +92,13 @@ pub fn from_toml_spec(fallback_name: &str, text: &str) -> Result<ModelSpec, Spec
         if repeat == 0 {
             return Err(SpecError::Invalid { field: field("repeat"), reason: "must be > 0".into() });
         }
+        // Bound the expansion before allocating it.
+        if layers.len() as u64 + u64::from(repeat) > super::MAX_LAYERS {
+            return Err(SpecError::Invalid {
+                field: field("repeat"),
+                reason: format!("the spec would have more than {} layers", super::MAX_LAYERS),
+            });
+        }
         let layer = LayerSpec { attention, retention, state_bytes: l.state_bytes.unwrap_or(0) };
         layers.extend(std::iter::repeat_n(layer, repeat as usize));
     }
