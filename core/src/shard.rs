@@ -366,6 +366,9 @@ fn explicit_map(model: &ModelSpec, entries: &[ExplicitEntry]) -> Result<ShardMap
                 }
             }
         }
+        if spec.state_bytes > 0 && !ranks.iter().any(|r| r.heads_of(layer).is_some()) {
+            return Err(ShardError::Explicit(format!("no rank holds layer {layer}'s {} bytes of state", spec.state_bytes)));
+        }
     }
     Ok(ShardMap { tp: 1, pp_layers: vec![n], ranks })
 }
