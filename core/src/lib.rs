@@ -10,6 +10,7 @@
 pub mod format;
 pub mod layout;
 pub mod plan;
+pub mod protocol;
 pub mod reuse;
 pub mod shard;
 pub mod verify;

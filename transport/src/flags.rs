@@ -1,0 +1,120 @@
+//! Per-layer completion flags in a shared page.
+//!
+//! One 64-bit word per (transfer slot, layer). Zero means "not ready"; the
+//! destination publishes `layer_ready` by storing the publish time
+//! (CLOCK_MONOTONIC nanoseconds, never zero) with release ordering, after
+//! every byte of the layer was counted as placed. A waiter loads with
+//! acquire ordering, so once it sees the flag every placed byte is visible
+//! to it, and `now - word` is the `notify` hop. The words live in a memfd
+//! so a client process can map the page and wait without a round trip.
+
+use crate::mem::{HostMem, MemError};
+use kvwire_core::protocol::Tag;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Nanoseconds on CLOCK_MONOTONIC: comparable across processes on one host.
+pub fn monotonic_ns() -> u64 {
+    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC is always available");
+    (ts.tv_sec() as u64) * 1_000_000_000 + ts.tv_nsec() as u64
+}
+
+/// The flag page of one endpoint.
+#[derive(Debug, Clone)]
+pub struct FlagTable {
+    mem: Arc<HostMem>,
+    slots: u16,
+    layers: u16,
+}
+
+/// A flag wait that ran out of time.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[error("layer {layer} of transfer slot {slot} not ready after {waited:?}")]
+pub struct WaitTimeout {
+    /// Slot.
+    pub slot: u16,
+    /// Layer.
+    pub layer: u16,
+    /// How long it waited.
+    pub waited: Duration,
+}
+
+impl FlagTable {
+    /// A zeroed table for `slots` transfers × `layers` layers.
+    pub fn new(slots: u16, layers: u16) -> Result<FlagTable, MemError> {
+        let mem = HostMem::new("kvwire-flags", u64::from(slots) * u64::from(layers) * 8)?;
+        Ok(FlagTable { mem: Arc::new(mem), slots, layers })
+    }
+
+    /// The memory holding the words (to share with a client).
+    pub fn mem(&self) -> &Arc<HostMem> {
+        &self.mem
+    }
+
+    /// Whether `tag` has a word in this table.
+    pub fn contains(&self, tag: Tag) -> bool {
+        tag.slot < self.slots && tag.layer < self.layers
+    }
+
+    fn word(&self, tag: Tag) -> Option<&AtomicU64> {
+        if !self.contains(tag) {
+            return None;
+        }
+        let index = usize::from(tag.slot) * usize::from(self.layers) + usize::from(tag.layer);
+        // SAFETY: the mapping is page-aligned and `index * 8` is inside it
+        // (checked above), so the pointer is aligned and valid for the
+        // table's lifetime, which `self.mem` holds; the word is only ever
+        // accessed atomically, by this process or another mapping the page.
+        Some(unsafe { &*(self.mem.as_ptr().add(index * 8) as *const AtomicU64) })
+    }
+
+    /// Publishes `layer_ready` for `tag` (release). Returns false when the tag is outside the table.
+    pub fn publish(&self, tag: Tag) -> bool {
+        match self.word(tag) {
+            Some(w) => {
+                w.store(monotonic_ns().max(1), Ordering::Release);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The publish time of `tag`'s flag, or `None` while not ready (acquire).
+    pub fn ready(&self, tag: Tag) -> Option<u64> {
+        self.word(tag).map(|w| w.load(Ordering::Acquire)).filter(|&v| v != 0)
+    }
+
+    /// Waits until `tag` is ready; returns the `notify` hop (publish → seen).
+    pub fn wait(&self, tag: Tag, timeout: Duration) -> Result<Duration, WaitTimeout> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            if let Some(at) = self.ready(tag) {
+                return Ok(Duration::from_nanos(monotonic_ns().saturating_sub(at)));
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(WaitTimeout { slot: tag.slot, layer: tag.layer, waited });
+            }
+            // Spin briefly for latency, then back off so a long wait costs no core.
+            spins += 1;
+            if spins < 1000 {
+                std::hint::spin_loop();
+            } else if spins < 2000 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    }
+
+    /// Clears every flag of `slot`, before the slot serves another transfer.
+    pub fn clear_slot(&self, slot: u16) {
+        for layer in 0..self.layers {
+            if let Some(w) = self.word(Tag { slot, layer }) {
+                w.store(0, Ordering::Release);
+            }
+        }
+    }
+}

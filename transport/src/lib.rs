@@ -1,0 +1,181 @@
+//! kvwire's data plane: one-sided writes into a peer's registered memory.
+//!
+//! Every backend offers the same contract:
+//! - an [`Endpoint`] owns a [`Registry`] of local regions (what peers may
+//!   write into, and what local writes read from) and a [`Placement`] that
+//!   counts bytes placed per (transfer slot, layer) and publishes the layer's
+//!   flag once the count reaches what the plan declared with
+//!   [`Placement::expect`];
+//! - [`Endpoint::connect`] does the out-of-band TCP handshake (protocol
+//!   version, transport, region descriptors, verbs QP data) and returns a
+//!   [`Connection`];
+//! - [`Connection::post`] takes a [`Batch`] of writes tagged with
+//!   (slot, layer); [`Connection::poll`] returns one [`Completion`] per
+//!   batch once every write in it completed locally — the `source_released`
+//!   boundary for the source ranges it read.
+//!
+//! A refused write (unknown or revoked key, out of bounds, zero length)
+//! fails its batch with a clear error and touches no destination byte.
+
+#![warn(missing_docs)]
+
+pub mod flags;
+pub mod mem;
+pub mod metrics;
+pub mod placement;
+pub mod registry;
+
+pub use flags::FlagTable;
+pub use kvwire_core::protocol::{Hello, RegionDesc, Tag};
+pub use mem::HostMem;
+pub use metrics::{Hop, Hops};
+pub use placement::Placement;
+pub use registry::{Region, Registry};
+
+use std::time::Duration;
+
+/// One one-sided write: `len` bytes from a local region into a peer's region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteOp {
+    /// Key of the local (source) region, in this endpoint's registry.
+    pub src_key: u32,
+    /// Offset in the source region.
+    pub src_offset: u64,
+    /// Remote key of the destination region.
+    pub dst_key: u32,
+    /// Offset in the destination region.
+    pub dst_offset: u64,
+    /// Bytes.
+    pub len: u64,
+}
+
+/// Writes posted together under one tag.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Batch {
+    /// (transfer slot, layer) the destination counts these bytes toward.
+    pub tag: Tag,
+    /// The writes.
+    pub writes: Vec<WriteOp>,
+}
+
+impl Batch {
+    /// Bytes in the batch.
+    pub fn bytes(&self) -> u64 {
+        self.writes.iter().map(|w| w.len).sum()
+    }
+}
+
+/// Identifies a posted batch on its connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BatchId(pub u64);
+
+/// A batch finished at the source: every write in it completed locally
+/// (or the batch failed). Only now may its source ranges be overwritten.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The batch.
+    pub batch: BatchId,
+    /// Its tag.
+    pub tag: Tag,
+    /// Bytes the batch carried.
+    pub bytes: u64,
+    /// Success, or why the batch failed.
+    pub result: Result<(), TransportError>,
+}
+
+/// Why a transport operation failed.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum TransportError {
+    /// A socket operation failed.
+    #[error("{op}: {message}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// Kind of the OS error.
+        kind: std::io::ErrorKind,
+        /// OS message.
+        message: String,
+    },
+    /// The peer's handshake was refused.
+    #[error("handshake: {0}")]
+    Hello(#[from] kvwire_core::protocol::HelloError),
+    /// A malformed frame; the connection is closed.
+    #[error("protocol: {0}")]
+    Frame(#[from] kvwire_core::protocol::FrameError),
+    /// The peer refused a write.
+    #[error("peer refused write: {0}")]
+    Refused(String),
+    /// A write's source range is not in a local registered region.
+    #[error("local source: {0}")]
+    Source(String),
+    /// Memory could not be made or touched.
+    #[error("memory: {0}")]
+    Mem(#[from] mem::MemError),
+    /// Registration failed.
+    #[error("register: {0}")]
+    Register(#[from] registry::RegistryError),
+    /// The peer went away with work outstanding.
+    #[error("peer closed the connection with {pending} batches outstanding")]
+    PeerClosed {
+        /// Batches that will never complete.
+        pending: usize,
+    },
+    /// No RDMA device or driver.
+    #[error("no RDMA device: {0}")]
+    NoDevice(String),
+    /// A verbs call failed.
+    #[error("{verb}: {message}")]
+    Verbs {
+        /// The verb.
+        verb: &'static str,
+        /// What it said, made actionable where possible.
+        message: String,
+    },
+    /// The request is not something this transport can do.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+}
+
+impl TransportError {
+    /// Wraps an I/O error with what was being done.
+    pub fn io(op: &'static str) -> impl Fn(std::io::Error) -> TransportError {
+        move |e| TransportError::Io { op, kind: e.kind(), message: e.to_string() }
+    }
+}
+
+/// A connection to one peer, initiating one-sided writes.
+pub trait Connection: Send {
+    /// The peer's handshake (its regions, node name, version).
+    fn remote(&self) -> &Hello;
+
+    /// Posts a batch. Returns once the writes are handed to the transport;
+    /// their completion is reported by [`Connection::poll`]. The source
+    /// regions stay registered (and so alive) until then.
+    fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError>;
+
+    /// Waits up to `timeout` for at least one completion; returns every
+    /// completion available (possibly none on timeout).
+    fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError>;
+
+    /// Batches posted and not yet completed.
+    fn pending(&self) -> usize;
+}
+
+/// One host's endpoint of a transport.
+pub trait Endpoint: Send + Sync {
+    /// `tcp`, `shm` or `verbs`.
+    fn transport(&self) -> &'static str;
+
+    /// Where peers connect (e.g. `127.0.0.1:40123`).
+    fn local_addr(&self) -> String;
+
+    /// Local regions: register here what peers may write into and what
+    /// local writes read from.
+    fn registry(&self) -> &std::sync::Arc<Registry>;
+
+    /// Incoming-byte accounting and flags.
+    fn placement(&self) -> &std::sync::Arc<Placement>;
+
+    /// Connects to the endpoint at `peer` (as printed by its `local_addr`).
+    fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError>;
+}

@@ -1,0 +1,137 @@
+//! Host memory that can be registered: an mmap'd memfd, so the same pages
+//! can be passed to another process (SCM_RIGHTS) or a NIC.
+//!
+//! The bytes are shared with remote writers and other processes, so Rust
+//! never holds a `&[u8]` or `&mut [u8]` into them: every access is a raw
+//! copy ([`HostMem::write`], [`HostMem::read`]), and whoever reads must
+//! first observe the completion flag that covers the range.
+
+use memmap2::{MmapOptions, MmapRaw};
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use std::fs::File;
+use std::os::fd::{AsFd, BorrowedFd};
+
+/// Why host memory could not be made or touched.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum MemError {
+    /// A system call failed.
+    #[error("{op}: {errno}")]
+    Os {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        errno: nix::errno::Errno,
+    },
+    /// An access past the end of the mapping.
+    #[error("access of {len} bytes at offset {offset} exceeds {size}-byte mapping")]
+    OutOfBounds {
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Mapping size.
+        size: u64,
+    },
+    /// Zero-sized memory cannot be registered.
+    #[error("cannot map 0 bytes")]
+    Empty,
+}
+
+/// A shared, mapped memfd.
+#[derive(Debug)]
+pub struct HostMem {
+    // Field order is drop order: unmap before closing the file.
+    map: MmapRaw,
+    file: File,
+    len: u64,
+}
+
+fn os(op: &'static str) -> impl Fn(std::io::Error) -> MemError {
+    move |e| MemError::Os { op, errno: nix::errno::Errno::from_raw(e.raw_os_error().unwrap_or(0)) }
+}
+
+impl HostMem {
+    /// A new zero-filled memfd of `len` bytes, mapped read-write and shared.
+    pub fn new(name: &str, len: u64) -> Result<HostMem, MemError> {
+        if len == 0 {
+            return Err(MemError::Empty);
+        }
+        let cname = std::ffi::CString::new(name).unwrap_or_else(|_| c"kvwire".into());
+        let fd = memfd_create(cname.as_c_str(), MFdFlags::MFD_CLOEXEC).map_err(|errno| MemError::Os { op: "memfd_create", errno })?;
+        let file = File::from(fd);
+        file.set_len(len).map_err(os("ftruncate"))?;
+        HostMem::map(file, len)
+    }
+
+    /// Maps an existing memfd (e.g. received over SCM_RIGHTS) of `len` bytes.
+    pub fn from_file(file: File) -> Result<HostMem, MemError> {
+        let len = file.metadata().map_err(os("fstat"))?.len();
+        if len == 0 {
+            return Err(MemError::Empty);
+        }
+        HostMem::map(file, len)
+    }
+
+    fn map(file: File, len: u64) -> Result<HostMem, MemError> {
+        let size = usize::try_from(len).map_err(|_| MemError::OutOfBounds { offset: 0, len, size: usize::MAX as u64 })?;
+        let map = MmapOptions::new().len(size).map_raw(&file).map_err(os("mmap"))?;
+        Ok(HostMem { map, file, len })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Never true: empty memory cannot be made.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Base address of the mapping, for NIC registration and raw copies.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    /// The memfd, to pass to another process.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.file.as_fd()
+    }
+
+    /// Checks `offset..offset+len` lies inside the mapping.
+    pub fn check(&self, offset: u64, len: u64) -> Result<(), MemError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(MemError::OutOfBounds { offset, len, size: self.len }),
+        }
+    }
+
+    /// Copies `data` into the mapping at `offset`.
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
+        self.check(offset, data.len() as u64)?;
+        // SAFETY: the range is inside the live mapping (checked above), the
+        // source is a distinct Rust slice, and no Rust reference into the
+        // mapping exists (see module docs); concurrent writers to the same
+        // bytes are a protocol error the placement counters detect.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset as usize), data.len()) };
+        Ok(())
+    }
+
+    /// Copies `out.len()` bytes from the mapping at `offset` into `out`.
+    pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), MemError> {
+        self.check(offset, out.len() as u64)?;
+        // SAFETY: as in `write`, with the roles of source and destination swapped.
+        unsafe { std::ptr::copy_nonoverlapping(self.as_ptr().add(offset as usize), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes within or between mappings.
+    pub fn copy_to(&self, offset: u64, dst: &HostMem, dst_offset: u64, len: u64) -> Result<(), MemError> {
+        self.check(offset, len)?;
+        dst.check(dst_offset, len)?;
+        // SAFETY: both ranges are inside live mappings (checked); `copy`
+        // tolerates overlap when both are the same mapping.
+        unsafe { std::ptr::copy(self.as_ptr().add(offset as usize), dst.as_ptr().add(dst_offset as usize), len as usize) };
+        Ok(())
+    }
+}

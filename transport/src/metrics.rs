@@ -1,0 +1,111 @@
+//! Hop histograms: each hop of the path timed into its own hdrhistogram (ns).
+
+use hdrhistogram::Histogram;
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// The hops of DESIGN.md §1, in path order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Hop {
+    /// Gather source slices into staging.
+    Pack,
+    /// Device → pinned host copy.
+    Stage,
+    /// CPU time to post work requests.
+    Post,
+    /// Post → local completion: the link.
+    Wire,
+    /// Remote completion seen → bytes counted as placed.
+    Place,
+    /// Scatter into the destination layout.
+    Unpack,
+    /// Checksum.
+    Verify,
+    /// Flag published → seen by a waiter.
+    Notify,
+}
+
+impl Hop {
+    /// Every hop, in path order.
+    pub const ALL: [Hop; 8] = [Hop::Pack, Hop::Stage, Hop::Post, Hop::Wire, Hop::Place, Hop::Unpack, Hop::Verify, Hop::Notify];
+
+    /// Lower-case name used in reports and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            Hop::Pack => "pack",
+            Hop::Stage => "stage",
+            Hop::Post => "post",
+            Hop::Wire => "wire",
+            Hop::Place => "place",
+            Hop::Unpack => "unpack",
+            Hop::Verify => "verify",
+            Hop::Notify => "notify",
+        }
+    }
+}
+
+/// Summary of one hop's histogram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HopSummary {
+    /// Samples.
+    pub count: u64,
+    /// Median, ns.
+    pub p50_ns: u64,
+    /// 99th percentile, ns.
+    pub p99_ns: u64,
+    /// Maximum, ns.
+    pub max_ns: u64,
+    /// Sum of samples, ns (for occupancy and effective bandwidth).
+    pub sum_ns: u64,
+    /// Bytes attributed to the hop.
+    pub bytes: u64,
+}
+
+#[derive(Debug)]
+struct HopData {
+    hist: Histogram<u64>,
+    sum_ns: u64,
+    bytes: u64,
+}
+
+/// One histogram per hop.
+#[derive(Debug)]
+pub struct Hops {
+    hops: [Mutex<HopData>; 8],
+}
+
+impl Default for Hops {
+    fn default() -> Self {
+        Hops {
+            hops: std::array::from_fn(|_| {
+                // 1 ns .. 1 hour at 3 significant digits.
+                let hist = Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid histogram bounds");
+                Mutex::new(HopData { hist, sum_ns: 0, bytes: 0 })
+            }),
+        }
+    }
+}
+
+impl Hops {
+    /// Records one sample of `hop` that handled `bytes`.
+    pub fn record(&self, hop: Hop, took: Duration, bytes: u64) {
+        let ns = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX).max(1);
+        let mut d = self.hops[hop as usize].lock().expect("hop histogram lock");
+        d.hist.saturating_record(ns);
+        d.sum_ns = d.sum_ns.saturating_add(ns);
+        d.bytes = d.bytes.saturating_add(bytes);
+    }
+
+    /// The summary of `hop`.
+    pub fn summary(&self, hop: Hop) -> HopSummary {
+        let d = self.hops[hop as usize].lock().expect("hop histogram lock");
+        HopSummary {
+            count: d.hist.len(),
+            p50_ns: d.hist.value_at_quantile(0.5),
+            p99_ns: d.hist.value_at_quantile(0.99),
+            max_ns: d.hist.max(),
+            sum_ns: d.sum_ns,
+            bytes: d.bytes,
+        }
+    }
+}
