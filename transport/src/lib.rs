@@ -24,6 +24,9 @@ pub mod mem;
 pub mod metrics;
 pub mod placement;
 pub mod registry;
+pub mod shm;
+pub mod tcp;
+pub mod verbs;
 
 pub use flags::FlagTable;
 pub use kvwire_core::protocol::{Hello, RegionDesc, Tag};

@@ -1,0 +1,1 @@
+//! Same-host shared-memory transport (being written).

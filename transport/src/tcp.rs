@@ -1,0 +1,1 @@
+//! TCP emulation of one-sided writes (being written).

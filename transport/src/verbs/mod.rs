@@ -1,0 +1,1 @@
+//! Verbs (RDMA) transport (being written).

@@ -1,0 +1,7 @@
+//! kvwire-transport integration tests: the shared conformance suite, run
+//! against every backend, plus each backend's own cases.
+
+mod conformance;
+mod shm;
+mod tcp;
+mod verbs;

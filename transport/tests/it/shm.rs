@@ -1,0 +1,1 @@
+//! shm tests (being written).

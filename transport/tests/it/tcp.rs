@@ -1,0 +1,1 @@
+//! tcp tests (being written).

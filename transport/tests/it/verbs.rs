@@ -1,0 +1,1 @@
+//! verbs tests (being written).
