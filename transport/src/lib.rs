@@ -35,6 +35,7 @@ pub use metrics::{Hop, Hops};
 pub use placement::Placement;
 pub use registry::{Region, Registry};
 
+use std::sync::Arc;
 use std::time::Duration;
 
 /// One one-sided write: `len` bytes from a local region into a peer's region.
@@ -174,11 +175,28 @@ pub trait Endpoint: Send + Sync {
 
     /// Local regions: register here what peers may write into and what
     /// local writes read from.
-    fn registry(&self) -> &std::sync::Arc<Registry>;
+    fn registry(&self) -> &Arc<Registry>;
 
     /// Incoming-byte accounting and flags.
-    fn placement(&self) -> &std::sync::Arc<Placement>;
+    fn placement(&self) -> &Arc<Placement>;
 
     /// Connects to the endpoint at `peer` (as printed by its `local_addr`).
     fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError>;
+
+    /// Registers `mem[offset..offset+len]` for local reads and remote
+    /// writes. Backends that must also register with hardware override it.
+    fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
+        Ok(self.registry().register(mem, offset, len)?)
+    }
+
+    /// Revokes a region: every later write to `key` fails. Returns whether it was registered.
+    fn revoke(&self, key: u32) -> bool {
+        self.registry().revoke(key)
+    }
+
+    /// Whether a connection keeps serving after one of its writes was
+    /// refused (TCP and shm do; an RC queue pair goes to the error state).
+    fn survives_refused_write(&self) -> bool {
+        true
+    }
 }

@@ -94,6 +94,18 @@ impl Placement {
         self.settle(tag, c)
     }
 
+    /// Refuses, before any byte is written, a write that would take `tag`
+    /// past its declared size.
+    pub fn check_room(&self, tag: Tag, bytes: u64) -> Result<(), PlacementError> {
+        let counts = self.counts.lock().expect("placement lock");
+        match counts.get(&tag) {
+            Some(Count { expected: Some(expected), placed, .. }) if placed.saturating_add(bytes) > *expected => {
+                Err(PlacementError::Overrun { slot: tag.slot, layer: tag.layer, placed: placed + bytes, expected: *expected })
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// Counts `bytes` placed for `tag`, whose data is already visible in the
     /// region; `seen_at` is when the transport saw the remote completion.
     pub fn placed(&self, tag: Tag, bytes: u64, seen_at: std::time::Instant) -> Result<(), PlacementError> {

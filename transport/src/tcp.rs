@@ -1,1 +1,500 @@
-//! TCP emulation of one-sided writes (being written).
+//! TCP emulation of one-sided writes, for hosts without RDMA.
+//!
+//! The initiator streams `Write` frames (header + data read straight from
+//! its registered source region); the destination checks the remote key and
+//! bounds against its own registry *before* reading the payload into place,
+//! counts the bytes toward (slot, layer), and acks each frame. A refused
+//! frame's payload is drained and discarded, so the connection stays in
+//! sync and keeps serving later writes; a malformed header closes that
+//! connection only.
+
+use crate::metrics::{Hop, Hops};
+use crate::placement::Placement;
+use crate::registry::Registry;
+use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
+use kvwire_core::protocol::{check_write, Header, Hello, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION};
+use std::collections::{HashMap, VecDeque};
+use std::io::{BufWriter, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Limits of a TCP endpoint.
+#[derive(Debug, Clone, Copy)]
+pub struct TcpLimits {
+    /// Largest write frame payload, sent or accepted; larger writes are split.
+    pub max_frame: u64,
+    /// How long a handshake may take.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for TcpLimits {
+    fn default() -> Self {
+        TcpLimits { max_frame: 16 << 20, handshake_timeout: Duration::from_secs(5) }
+    }
+}
+
+/// A TCP endpoint: listens for peers that write into its regions, and
+/// connects to peers to write into theirs.
+#[derive(Debug)]
+pub struct TcpEndpoint {
+    node: String,
+    addr: SocketAddr,
+    registry: Arc<Registry>,
+    placement: Arc<Placement>,
+    hops: Arc<Hops>,
+    limits: TcpLimits,
+    stop: Arc<AtomicBool>,
+}
+
+impl TcpEndpoint {
+    /// Binds `addr` (port 0 picks one) and starts accepting peers.
+    pub fn bind(
+        node: &str,
+        addr: SocketAddr,
+        registry: Arc<Registry>,
+        placement: Arc<Placement>,
+        limits: TcpLimits,
+    ) -> Result<Arc<TcpEndpoint>, TransportError> {
+        let listener = TcpListener::bind(addr).map_err(TransportError::io("bind"))?;
+        let addr = listener.local_addr().map_err(TransportError::io("local_addr"))?;
+        let hops = placement.hops().clone();
+        let ep = Arc::new(TcpEndpoint {
+            node: node.to_string(),
+            addr,
+            registry,
+            placement,
+            hops,
+            limits,
+            stop: Arc::new(AtomicBool::new(false)),
+        });
+        let (registry, placement, stop, node) = (ep.registry.clone(), ep.placement.clone(), ep.stop.clone(), ep.node.clone());
+        std::thread::Builder::new()
+            .name(format!("kvwire-tcp-accept-{}", addr.port()))
+            .spawn(move || accept_loop(listener, node, registry, placement, limits, stop))
+            .map_err(TransportError::io("spawn accept thread"))?;
+        Ok(ep)
+    }
+
+    /// The hop histograms (shared with the placement).
+    pub fn hops(&self) -> &Arc<Hops> {
+        &self.hops
+    }
+}
+
+impl Drop for TcpEndpoint {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the accept loop so it sees the flag.
+        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
+    }
+}
+
+fn hello(node: &str, registry: &Registry) -> Hello {
+    Hello { version: PROTOCOL_VERSION, transport: "tcp".into(), node: node.into(), regions: registry.descs(), verbs: None }
+}
+
+fn send_hello(s: &mut impl Write, h: &Hello) -> Result<(), TransportError> {
+    let payload = h.encode();
+    let header = Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: payload.len() as u64 };
+    s.write_all(&header.encode()).map_err(TransportError::io("send hello"))?;
+    s.write_all(&payload).map_err(TransportError::io("send hello"))?;
+    s.flush().map_err(TransportError::io("send hello"))
+}
+
+fn read_header(s: &mut impl Read, max_frame: u64, op: &'static str) -> Result<Header, TransportError> {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).map_err(TransportError::io(op))?;
+    Ok(Header::decode(&b, max_frame)?)
+}
+
+fn recv_hello(s: &mut impl Read) -> Result<Hello, TransportError> {
+    let h = read_header(s, 0, "receive hello")?;
+    if h.kind != Kind::Hello {
+        return Err(TransportError::Refused(format!("expected a hello frame first, got {:?}", h.kind)));
+    }
+    let mut payload = vec![0u8; h.len as usize];
+    s.read_exact(&mut payload).map_err(TransportError::io("receive hello"))?;
+    Ok(Hello::decode(&payload, "tcp")?)
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    node: String,
+    registry: Arc<Registry>,
+    placement: Arc<Placement>,
+    limits: TcpLimits,
+    stop: Arc<AtomicBool>,
+) {
+    for stream in listener.incoming() {
+        if stop.load(Ordering::Acquire) {
+            return;
+        }
+        let Ok(stream) = stream else { continue };
+        let (node, registry, placement) = (node.clone(), registry.clone(), placement.clone());
+        let spawned = std::thread::Builder::new().name("kvwire-tcp-recv".into()).spawn(move || {
+            let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            if let Err(e) = serve(stream, &node, &registry, &placement, limits) {
+                tracing::warn!(peer, error = %e, "tcp peer connection closed");
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot spawn a receiver thread");
+        }
+    }
+}
+
+/// Serves one initiating peer until it closes.
+fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Placement, limits: TcpLimits) -> Result<(), TransportError> {
+    stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
+    stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
+    let peer_hello = recv_hello(&mut stream);
+    if let Err(TransportError::Hello(e)) = &peer_hello {
+        // Tell the peer why before hanging up: its error then names the cause.
+        let _ = send_nack(&mut stream, 0, &e.to_string());
+    }
+    let peer = peer_hello?;
+    send_hello(&mut stream, &hello(node, registry))?;
+    stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
+    tracing::debug!(peer = peer.node, "tcp peer connected");
+    let mut reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
+    let mut acks = BufWriter::new(stream);
+    let mut discard = vec![0u8; 64 << 10];
+    loop {
+        let h = match read_header(&mut reader, limits.max_frame, "receive frame") {
+            Ok(h) => h,
+            Err(TransportError::Io { kind: std::io::ErrorKind::UnexpectedEof, .. }) => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if h.kind != Kind::Write {
+            return Err(TransportError::Refused(format!("unexpected {:?} frame from initiator", h.kind)));
+        }
+        let region = registry.get(h.key);
+        let checked = check_write(h.key, region.as_ref().map(|r| r.len), h.offset, h.len)
+            .map_err(|e| e.to_string())
+            .and_then(|range| placement.check_room(h.tag, h.len).map(|()| range).map_err(|e| e.to_string()));
+        match checked {
+            Ok(range) => {
+                let region = region.expect("check_write refuses keys with no region");
+                let at = region.offset + range.start;
+                // SAFETY: `at..at+len` lies inside the region's live mapping
+                // (checked against the registry just above; the region Arc
+                // keeps the mapping alive). The bytes are not counted as
+                // placed yet, so no reader may look at them (flags are the
+                // only licence to read), and a plan never sends two writes
+                // to one byte; the slice lives only for this read.
+                let dst = unsafe { std::slice::from_raw_parts_mut(region.mem.as_ptr().add(at as usize), h.len as usize) };
+                reader.read_exact(dst).map_err(TransportError::io("receive write payload"))?;
+                let seen = Instant::now();
+                match placement.placed(h.tag, h.len, seen) {
+                    Ok(()) => send_ack(&mut acks, h.seq, h.len)?,
+                    Err(e) => send_nack(&mut acks, h.seq, &e.to_string())?,
+                }
+            }
+            Err(why) => {
+                drain(&mut reader, h.len, &mut discard)?;
+                send_nack(&mut acks, h.seq, &why)?;
+            }
+        }
+    }
+}
+
+fn drain(r: &mut impl Read, mut len: u64, buf: &mut [u8]) -> Result<(), TransportError> {
+    while len > 0 {
+        let n = len.min(buf.len() as u64) as usize;
+        r.read_exact(&mut buf[..n]).map_err(TransportError::io("drain refused payload"))?;
+        len -= n as u64;
+    }
+    Ok(())
+}
+
+fn send_ack(w: &mut BufWriter<TcpStream>, seq: u64, placed: u64) -> Result<(), TransportError> {
+    let h = Header { kind: Kind::Ack, tag: Tag { slot: 0, layer: 0 }, key: 0, seq, offset: placed, len: 0 };
+    w.write_all(&h.encode()).map_err(TransportError::io("send ack"))?;
+    w.flush().map_err(TransportError::io("send ack"))
+}
+
+fn send_nack(w: &mut impl Write, seq: u64, why: &str) -> Result<(), TransportError> {
+    let why = &why.as_bytes()[..why.len().min(4096)];
+    let h = Header { kind: Kind::Nack, tag: Tag { slot: 0, layer: 0 }, key: 0, seq, offset: 0, len: why.len() as u64 };
+    w.write_all(&h.encode()).map_err(TransportError::io("send nack"))?;
+    w.write_all(why).map_err(TransportError::io("send nack"))?;
+    w.flush().map_err(TransportError::io("send nack"))
+}
+
+impl Endpoint for TcpEndpoint {
+    fn transport(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn local_addr(&self) -> String {
+        self.addr.to_string()
+    }
+
+    fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
+    fn placement(&self) -> &Arc<Placement> {
+        &self.placement
+    }
+
+    fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError> {
+        Ok(Box::new(TcpConnection::open(peer, &self.node, self.registry.clone(), self.hops.clone(), self.limits)?))
+    }
+}
+
+/// What the ack reader thread reports.
+enum Event {
+    Ack(u64),
+    Nack(u64, String),
+    Closed(TransportError),
+}
+
+struct Pending {
+    tag: Tag,
+    bytes: u64,
+    frames_left: usize,
+    failed: Option<TransportError>,
+    posted: Instant,
+}
+
+/// An initiating TCP connection.
+pub struct TcpConnection {
+    remote: Hello,
+    stream: TcpStream,
+    registry: Arc<Registry>,
+    hops: Arc<Hops>,
+    max_frame: u64,
+    events: Receiver<Event>,
+    next_seq: u64,
+    next_batch: u64,
+    seq_to_batch: HashMap<u64, u64>,
+    pending: HashMap<u64, Pending>,
+    order: VecDeque<u64>,
+    closed: Option<TransportError>,
+}
+
+impl std::fmt::Debug for TcpConnection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpConnection").field("remote", &self.remote.node).field("pending", &self.pending.len()).finish()
+    }
+}
+
+impl TcpConnection {
+    fn open(peer: &str, node: &str, registry: Arc<Registry>, hops: Arc<Hops>, limits: TcpLimits) -> Result<TcpConnection, TransportError> {
+        let mut stream = TcpStream::connect(peer).map_err(TransportError::io("connect"))?;
+        stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
+        stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
+        send_hello(&mut stream, &hello(node, &registry))?;
+        let remote = match read_header(&mut stream, 0, "receive hello") {
+            Ok(h) if h.kind == Kind::Nack => {
+                let mut why = vec![0u8; h.len as usize];
+                stream.read_exact(&mut why).map_err(TransportError::io("receive refusal"))?;
+                return Err(TransportError::Refused(String::from_utf8_lossy(&why).into_owned()));
+            }
+            Ok(h) if h.kind == Kind::Hello => {
+                let mut payload = vec![0u8; h.len as usize];
+                stream.read_exact(&mut payload).map_err(TransportError::io("receive hello"))?;
+                Hello::decode(&payload, "tcp")?
+            }
+            Ok(h) => return Err(TransportError::Refused(format!("expected a hello, got {:?}", h.kind))),
+            Err(e) => return Err(e),
+        };
+        stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
+        let (tx, events) = mpsc::channel();
+        let mut reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
+        std::thread::Builder::new()
+            .name("kvwire-tcp-acks".into())
+            .spawn(move || loop {
+                let ev = match read_header(&mut reader, 0, "receive ack") {
+                    Ok(h) if h.kind == Kind::Ack => Event::Ack(h.seq),
+                    Ok(h) if h.kind == Kind::Nack => {
+                        let mut why = vec![0u8; h.len as usize];
+                        match reader.read_exact(&mut why) {
+                            Ok(()) => Event::Nack(h.seq, String::from_utf8_lossy(&why).into_owned()),
+                            Err(e) => Event::Closed(TransportError::io("receive nack")(e)),
+                        }
+                    }
+                    Ok(h) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
+                    Err(e) => Event::Closed(e),
+                };
+                let last = matches!(ev, Event::Closed(_));
+                if tx.send(ev).is_err() || last {
+                    return;
+                }
+            })
+            .map_err(TransportError::io("spawn ack thread"))?;
+        Ok(TcpConnection {
+            remote,
+            stream,
+            registry,
+            hops,
+            max_frame: limits.max_frame,
+            events,
+            next_seq: 1,
+            next_batch: 1,
+            seq_to_batch: HashMap::new(),
+            pending: HashMap::new(),
+            order: VecDeque::new(),
+            closed: None,
+        })
+    }
+
+    fn apply(&mut self, ev: Event) {
+        match ev {
+            Event::Ack(seq) | Event::Nack(seq, _) if !self.seq_to_batch.contains_key(&seq) => {
+                tracing::warn!(seq, "ack for an unknown write");
+            }
+            Event::Ack(seq) => {
+                let b = self.seq_to_batch.remove(&seq).expect("checked");
+                if let Some(p) = self.pending.get_mut(&b) {
+                    p.frames_left -= 1;
+                }
+            }
+            Event::Nack(seq, why) => {
+                let b = self.seq_to_batch.remove(&seq).expect("checked");
+                if let Some(p) = self.pending.get_mut(&b) {
+                    p.frames_left -= 1;
+                    p.failed.get_or_insert(TransportError::Refused(why));
+                }
+            }
+            Event::Closed(e) => {
+                let pending = self.pending.values().filter(|p| p.frames_left > 0).count();
+                tracing::warn!(error = %e, pending, "destination closed the connection");
+                self.closed = Some(TransportError::PeerClosed { pending });
+                for p in self.pending.values_mut() {
+                    if p.frames_left > 0 {
+                        p.frames_left = 0;
+                        p.failed.get_or_insert(TransportError::PeerClosed { pending });
+                    }
+                }
+                self.seq_to_batch.clear();
+            }
+        }
+    }
+
+    fn harvest(&mut self, out: &mut Vec<Completion>) {
+        let done: Vec<u64> = self.order.iter().copied().filter(|b| self.pending.get(b).is_some_and(|p| p.frames_left == 0)).collect();
+        for b in done {
+            self.order.retain(|x| *x != b);
+            let p = self.pending.remove(&b).expect("listed");
+            if p.failed.is_none() {
+                self.hops.record(Hop::Wire, p.posted.elapsed(), p.bytes);
+            }
+            out.push(Completion { batch: BatchId(b), tag: p.tag, bytes: p.bytes, result: p.failed.map_or(Ok(()), Err) });
+        }
+    }
+}
+
+impl Connection for TcpConnection {
+    fn remote(&self) -> &Hello {
+        &self.remote
+    }
+
+    fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
+        if let Some(e) = &self.closed {
+            return Err(e.clone());
+        }
+        let start = Instant::now();
+        // Check every source window first, so a bad batch sends nothing.
+        let mut sources = Vec::with_capacity(batch.writes.len());
+        for w in &batch.writes {
+            let region = self.registry.get(w.src_key).ok_or_else(|| {
+                TransportError::Source(format!("source key {:#010x} is not registered here", w.src_key))
+            })?;
+            match w.src_offset.checked_add(w.len) {
+                Some(end) if end <= region.len => {}
+                _ => {
+                    return Err(TransportError::Source(format!(
+                        "source window of {} bytes at {} exceeds region {:#010x} of {} bytes",
+                        w.len, w.src_offset, w.src_key, region.len
+                    )))
+                }
+            }
+            sources.push(region);
+        }
+        let id = self.next_batch;
+        self.next_batch += 1;
+        let mut frames = 0;
+        let mut out = BufWriter::with_capacity(64 << 10, &self.stream);
+        for (w, region) in batch.writes.iter().zip(&sources) {
+            // Zero-length writes still go out: the destination refuses them by name.
+            let mut done = 0;
+            loop {
+                let n = (w.len - done).min(self.max_frame);
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset + done, len: n };
+                let at = region.offset + w.src_offset + done;
+                // SAFETY: `at..at+n` is inside the source region's live
+                // mapping (checked above; `sources` holds the region), and
+                // the caller must not modify a posted source range before
+                // its completion (the `source_released` contract).
+                let data = unsafe { std::slice::from_raw_parts(region.mem.as_ptr().add(at as usize), n as usize) };
+                let sent = out.write_all(&h.encode()).and_then(|()| out.write_all(data));
+                if let Err(e) = sent {
+                    // Whatever was already sent is accounted by acks; the rest never will be.
+                    drop(out);
+                    self.closed = Some(TransportError::io("send write")(e));
+                    return Err(self.closed.clone().expect("just set"));
+                }
+                self.seq_to_batch.insert(seq, id);
+                frames += 1;
+                done += n;
+                if done >= w.len {
+                    break;
+                }
+            }
+        }
+        if let Err(e) = out.flush() {
+            drop(out);
+            self.closed = Some(TransportError::io("send write")(e));
+            return Err(self.closed.clone().expect("just set"));
+        }
+        drop(out);
+        self.pending.insert(id, Pending { tag: batch.tag, bytes: batch.bytes(), frames_left: frames, failed: None, posted: start });
+        self.order.push_back(id);
+        self.hops.record(Hop::Post, start.elapsed(), batch.bytes());
+        Ok(BatchId(id))
+    }
+
+    fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {
+        let mut out = Vec::new();
+        let deadline = Instant::now() + timeout;
+        loop {
+            while let Ok(ev) = self.events.try_recv() {
+                self.apply(ev);
+            }
+            self.harvest(&mut out);
+            if !out.is_empty() || self.pending.is_empty() {
+                return Ok(out);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(out);
+            }
+            match self.events.recv_timeout(left) {
+                Ok(ev) => self.apply(ev),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    if self.closed.is_none() {
+                        self.apply(Event::Closed(TransportError::PeerClosed { pending: self.pending.len() }));
+                    }
+                }
+            }
+        }
+    }
+
+    fn pending(&self) -> usize {
+        self.pending.len()
+    }
+}
+
+impl Drop for TcpConnection {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}

@@ -1,1 +1,259 @@
-//! conformance tests (being written).
+//! The contract every backend keeps, written once. A backend's test module
+//! instantiates it with `conformance_tests!(make_pair)`, where `make_pair()`
+//! returns a fresh (source, destination) pair of endpoints.
+
+use kvwire_transport::{Batch, Completion, Connection, Endpoint, HostMem, Region, Tag, TransportError, WriteOp};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub const CANARY: u8 = 0xC3;
+/// Bytes of canary on each side of a destination window.
+pub const GUARD: u64 = 4096;
+const WAIT: Duration = Duration::from_secs(10);
+
+/// Two endpoints, the source connected to the destination.
+pub struct Pair {
+    pub src: Arc<dyn Endpoint>,
+    pub dst: Arc<dyn Endpoint>,
+    pub conn: Box<dyn Connection>,
+}
+
+/// A destination window of `len` bytes inside a canary-filled mapping.
+pub struct Window {
+    pub mem: Arc<HostMem>,
+    pub region: Arc<Region>,
+    pub len: u64,
+}
+
+impl Window {
+    pub fn new(ep: &dyn Endpoint, len: u64) -> Window {
+        let mem = Arc::new(HostMem::new("kvwire-test-dst", len + 2 * GUARD).unwrap());
+        mem.write(0, &vec![CANARY; (len + 2 * GUARD) as usize]).unwrap();
+        let region = ep.register(mem.clone(), GUARD, len).unwrap();
+        Window { mem, region, len }
+    }
+
+    pub fn bytes(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len as usize];
+        self.mem.read(GUARD, &mut v).unwrap();
+        v
+    }
+
+    /// Every guard byte is still the canary.
+    pub fn assert_guards(&self) {
+        let mut g = vec![0u8; GUARD as usize];
+        for at in [0, GUARD + self.len] {
+            self.mem.read(at, &mut g).unwrap();
+            assert!(g.iter().all(|&b| b == CANARY), "guard bytes at {at} were touched");
+        }
+    }
+}
+
+/// A source region filled with a pattern.
+pub fn source(ep: &dyn Endpoint, len: u64, seed: u8) -> (Arc<Region>, Vec<u8>) {
+    let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect();
+    let mem = Arc::new(HostMem::new("kvwire-test-src", len).unwrap());
+    mem.write(0, &data).unwrap();
+    (ep.register(mem, 0, len).unwrap(), data)
+}
+
+pub fn tag(slot: u16, layer: u16) -> Tag {
+    Tag { slot, layer }
+}
+
+pub fn w(src: &Region, src_offset: u64, dst: &Region, dst_offset: u64, len: u64) -> WriteOp {
+    WriteOp { src_key: src.key, src_offset, dst_key: dst.key, dst_offset, len }
+}
+
+/// Polls until `n` completions arrived.
+pub fn complete(conn: &mut dyn Connection, n: usize) -> Vec<Completion> {
+    let start = Instant::now();
+    let mut out = Vec::new();
+    while out.len() < n {
+        assert!(start.elapsed() < WAIT, "only {} of {n} completions after {WAIT:?}", out.len());
+        out.extend(conn.poll(Duration::from_millis(100)).unwrap());
+    }
+    out
+}
+
+pub fn one_segment(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 8192);
+    let (src, data) = source(&*p.src, 8192, 7);
+    p.dst.placement().expect(tag(1, 0), 8192).unwrap();
+    p.conn.post(Batch { tag: tag(1, 0), writes: vec![w(&src, 0, &dst.region, 0, 8192)] }).unwrap();
+    let c = complete(&mut *p.conn, 1);
+    assert_eq!(c[0].result, Ok(()));
+    assert_eq!(c[0].bytes, 8192);
+    p.dst.placement().wait(tag(1, 0), WAIT).unwrap();
+    assert_eq!(dst.bytes(), data);
+    dst.assert_guards();
+}
+
+pub fn scatter(p: &mut Pair) {
+    // 64 runs of 100 bytes, reversed order and spaced at the destination.
+    let dst = Window::new(&*p.dst, 64 * 128);
+    let (src, data) = source(&*p.src, 64 * 100, 3);
+    let writes: Vec<WriteOp> = (0..64).map(|i| w(&src, i * 100, &dst.region, (63 - i) * 128, 100)).collect();
+    p.dst.placement().expect(tag(2, 5), 6400).unwrap();
+    p.conn.post(Batch { tag: tag(2, 5), writes }).unwrap();
+    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    p.dst.placement().wait(tag(2, 5), WAIT).unwrap();
+    let got = dst.bytes();
+    let mut want = vec![CANARY; 64 * 128];
+    for i in 0..64usize {
+        want[(63 - i) * 128..(63 - i) * 128 + 100].copy_from_slice(&data[i * 100..i * 100 + 100]);
+    }
+    assert_eq!(got, want, "runs landed where the plan said, gaps untouched");
+    dst.assert_guards();
+}
+
+pub fn layers_publish_only_after_their_last_byte(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 3 * 4096);
+    let (src, data) = source(&*p.src, 3 * 4096, 11);
+    let pl = p.dst.placement().clone();
+    // Layer 0 declared before its bytes, layer 1 after, layer 2 in between.
+    pl.expect(tag(3, 0), 4096).unwrap();
+    // Interleave layers: 2a 0a 1a 2b 0b 1b; check flags after each completion.
+    let order = [(2, 0), (0, 0), (1, 0), (2, 1), (0, 1), (1, 1)];
+    let mut done = std::collections::HashSet::new();
+    for (i, &(layer, half)) in order.iter().enumerate() {
+        let off = layer * 4096 + half * 2048;
+        p.conn.post(Batch { tag: tag(3, layer as u16), writes: vec![w(&src, off, &dst.region, off, 2048)] }).unwrap();
+        assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+        if i == 0 {
+            pl.expect(tag(3, 2), 4096).unwrap();
+        }
+        done.insert((layer, half));
+        for l in 0..3u64 {
+            let complete_layer = done.contains(&(l, 0)) && done.contains(&(l, 1));
+            let declared = l != 1 || i == order.len();
+            if !complete_layer {
+                assert!(pl.flags().ready(tag(3, l as u16)).is_none(), "layer {l} flagged before its last byte");
+            } else if declared {
+                pl.wait(tag(3, l as u16), WAIT).unwrap();
+            }
+        }
+    }
+    assert!(pl.flags().ready(tag(3, 1)).is_none(), "layer 1 flagged before it was declared");
+    pl.expect(tag(3, 1), 4096).unwrap();
+    pl.wait(tag(3, 1), WAIT).unwrap();
+    assert_eq!(dst.bytes(), data);
+    dst.assert_guards();
+}
+
+pub fn source_released_after_local_completion(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 1 << 20);
+    let (src, data) = source(&*p.src, 1 << 20, 5);
+    p.dst.placement().expect(tag(4, 0), 1 << 20).unwrap();
+    let id = p.conn.post(Batch { tag: tag(4, 0), writes: vec![w(&src, 0, &dst.region, 0, 1 << 20)] }).unwrap();
+    let c = complete(&mut *p.conn, 1);
+    assert_eq!(c[0].batch, id);
+    assert_eq!(c[0].result, Ok(()));
+    // Released: overwriting the source now must not change what arrived.
+    src.mem.write(0, &vec![0u8; 1 << 20]).unwrap();
+    p.dst.placement().wait(tag(4, 0), WAIT).unwrap();
+    assert_eq!(dst.bytes(), data);
+    assert_eq!(p.conn.pending(), 0);
+}
+
+fn refused(p: &mut Pair, op: WriteOp, t: Tag) -> TransportError {
+    match p.conn.post(Batch { tag: t, writes: vec![op] }) {
+        // Refused before sending (e.g. checked against the peer's descriptors).
+        Err(e) => e,
+        Ok(_) => {
+            let c = complete(&mut *p.conn, 1);
+            c[0].result.clone().expect_err("the write must be refused")
+        }
+    }
+}
+
+pub fn bad_writes_fail_alone(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 4096);
+    let other = Window::new(&*p.dst, 4096);
+    let (src, data) = source(&*p.src, 4096, 9);
+    let before = dst.bytes();
+    let cases: Vec<(&str, WriteOp)> = vec![
+        ("unknown key", WriteOp { dst_key: 0xDEAD_BEEF, ..w(&src, 0, &dst.region, 0, 16) }),
+        ("out of bounds", w(&src, 0, &dst.region, 4090, 16)),
+        ("offset overflow", w(&src, 0, &dst.region, u64::MAX - 4, 16)),
+        ("zero length", w(&src, 0, &dst.region, 0, 0)),
+    ];
+    for (what, op) in cases {
+        let e = refused(p, op, tag(5, 0));
+        let text = e.to_string();
+        assert!(!text.is_empty(), "{what}: {text}");
+        assert_eq!(dst.bytes(), before, "{what}: destination changed");
+        dst.assert_guards();
+        if !p.dst.survives_refused_write() {
+            return;
+        }
+    }
+    // Revoked region: refused, bytes unchanged; the other region still served.
+    assert!(p.dst.revoke(dst.region.key));
+    let e = refused(p, w(&src, 0, &dst.region, 0, 64), tag(5, 1));
+    assert!(e.to_string().contains("revoked") || e.to_string().contains("unknown"), "{e}");
+    assert_eq!(dst.bytes(), before);
+    p.dst.placement().expect(tag(5, 2), 4096).unwrap();
+    p.conn.post(Batch { tag: tag(5, 2), writes: vec![w(&src, 0, &other.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    p.dst.placement().wait(tag(5, 2), WAIT).unwrap();
+    assert_eq!(other.bytes(), data);
+    assert!(p.dst.placement().flags().ready(tag(5, 0)).is_none(), "no flag for refused bytes");
+}
+
+pub fn local_source_checked_before_sending(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 4096);
+    let (src, _) = source(&*p.src, 4096, 1);
+    let e = p.conn.post(Batch { tag: tag(6, 0), writes: vec![w(&src, 4000, &dst.region, 0, 200)] }).unwrap_err();
+    assert!(matches!(e, TransportError::Source(_)), "{e}");
+    let e = p
+        .conn
+        .post(Batch { tag: tag(6, 0), writes: vec![WriteOp { src_key: 0x1234_5678, ..w(&src, 0, &dst.region, 0, 8) }] })
+        .unwrap_err();
+    assert!(matches!(e, TransportError::Source(_)), "{e}");
+    assert_eq!(p.dst.placement().placed_bytes(tag(6, 0)), 0);
+}
+
+pub fn overrun_is_refused(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 4096);
+    let (src, _) = source(&*p.src, 4096, 2);
+    p.dst.placement().expect(tag(7, 0), 1024).unwrap();
+    let e = refused(p, w(&src, 0, &dst.region, 0, 2048), tag(7, 0));
+    assert!(e.to_string().contains("expected"), "{e}");
+    assert!(p.dst.placement().flags().ready(tag(7, 0)).is_none());
+}
+
+/// Instantiates every conformance case for a backend.
+#[macro_export]
+macro_rules! conformance_tests {
+    ($make:path) => {
+        #[test]
+        fn one_segment() {
+            $crate::conformance::one_segment(&mut $make());
+        }
+        #[test]
+        fn scatter() {
+            $crate::conformance::scatter(&mut $make());
+        }
+        #[test]
+        fn layers_publish_only_after_their_last_byte() {
+            $crate::conformance::layers_publish_only_after_their_last_byte(&mut $make());
+        }
+        #[test]
+        fn source_released_after_local_completion() {
+            $crate::conformance::source_released_after_local_completion(&mut $make());
+        }
+        #[test]
+        fn bad_writes_fail_alone() {
+            $crate::conformance::bad_writes_fail_alone(&mut $make());
+        }
+        #[test]
+        fn local_source_checked_before_sending() {
+            $crate::conformance::local_source_checked_before_sending(&mut $make());
+        }
+        #[test]
+        fn overrun_is_refused() {
+            $crate::conformance::overrun_is_refused(&mut $make());
+        }
+    };
+}
