@@ -9,8 +9,12 @@ use std::net::TcpStream;
 use std::sync::Arc;
 
 pub fn endpoint(node: &str) -> Arc<TcpEndpoint> {
+    endpoint_at(node, "127.0.0.1:0")
+}
+
+pub fn endpoint_at(node: &str, addr: &str) -> Arc<TcpEndpoint> {
     let placement = Arc::new(Placement::new(FlagTable::new(16, 64).unwrap(), Arc::new(Hops::default())));
-    TcpEndpoint::bind(node, "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(64)), placement, TcpLimits::default()).unwrap()
+    TcpEndpoint::bind(node, addr.parse().unwrap(), Arc::new(Registry::new(64)), placement, TcpLimits::default()).unwrap()
 }
 
 pub fn pair() -> Pair {
@@ -93,4 +97,28 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
         let c = conformance::complete(&mut *conn, 1);
         assert!(matches!(c[0].result, Err(kvwire_transport::TransportError::PeerClosed { .. })), "{:?}", c[0].result);
     }
+}
+
+/// Two "hosts" in network namespaces joined by a veth pair: the TCP path
+/// across a real (virtual) link, not loopback. Needs root and iproute2.
+#[test]
+fn tcp_across_two_network_namespaces() {
+    use std::process::Command;
+    if !nix::unistd::geteuid().is_root() || Command::new("ip").arg("-V").output().is_err() {
+        eprintln!("SKIPPED tcp_across_two_network_namespaces: needs root and iproute2 (ip netns)");
+        return;
+    }
+    let ns = crate::netns::Pair::new("tcp").expect("create namespaces");
+    let dst_ep = ns.a.run(|| endpoint_at("host-a", &format!("{}:0", ns.a.ip)));
+    let dst_addr = dst_ep.local_addr();
+    let mut p = ns.b.run(|| {
+        let src = endpoint_at("host-b", &format!("{}:0", ns.b.ip));
+        let conn = src.connect(&dst_addr).unwrap();
+        let src: Arc<dyn Endpoint> = src;
+        let dst: Arc<dyn Endpoint> = dst_ep.clone();
+        Pair { src, dst, conn }
+    });
+    assert_eq!(p.conn.remote().node, "host-a");
+    conformance::scatter(&mut p);
+    conformance::source_released_after_local_completion(&mut p);
 }
