@@ -28,6 +28,47 @@ enum Command {
     Models,
     /// List the cache formats.
     Formats,
+    /// Benchmarks that print a ratio against a baseline measured in the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// One-sided write throughput of a transport against its baseline.
+    Transport(BenchTransportArgs),
+}
+
+#[derive(Debug, Args)]
+struct BenchTransportArgs {
+    /// tcp, shm or verbs.
+    #[arg(long)]
+    transport: String,
+    /// Bytes per transfer (suffixes K, M, G = KiB, MiB, GiB).
+    #[arg(long, default_value = "64M", value_parser = parse_size)]
+    size: u64,
+    /// Timed transfers after one warm-up.
+    #[arg(long, default_value_t = 5)]
+    iterations: u32,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// `64M` → 67108864.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().trim_end_matches("iB").trim_end_matches('B');
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("`{s}` is not a positive size like 4096, 64K, 64M or 1G"))
 }
 
 #[derive(Debug, Args)]
@@ -153,6 +194,20 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
             for (name, _) in layout::BUILTINS {
                 let m = layout::builtin(name).map_err(|e| Failure::Failed(e.into()))?;
                 let _ = writeln!(out, "{name:<18} {:<12} {} layers, dtype {}", m.family, m.layers.len(), m.dtype.as_deref().unwrap_or("-"));
+            }
+            Ok(())
+        }
+        Command::Bench(BenchCommand::Transport(a)) => {
+            let r = crate::bench::transport(&a.transport, a.size, a.iterations).map_err(Failure::Failed)?;
+            if a.json {
+                out.push_str(&serde_json::to_string_pretty(&r).expect("bench result serializes"));
+                out.push('\n');
+            } else {
+                let _ = writeln!(out, "transport {}  size {}  iterations {}", r.transport, bytes(r.size), r.iterations);
+                let _ = writeln!(out, "{:<34} {:>10}", "path", "GB/s");
+                let _ = writeln!(out, "{:<34} {:>10.3}", format!("kvwire {} one-sided write", r.transport), r.gbps);
+                let _ = writeln!(out, "{:<34} {:>10.3}", r.baseline, r.baseline_gbps);
+                let _ = writeln!(out, "ratio {:.3}", r.ratio);
             }
             Ok(())
         }

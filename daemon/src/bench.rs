@@ -1,0 +1,153 @@
+//! `kvwire bench transport`: one-sided write throughput of a backend, next
+//! to a baseline measured in the same run on the same machine — a plain
+//! TCP socket pair for `tcp`, single-thread memcpy for `shm`, `ib_write_bw`
+//! on the same device for `verbs` — because only the ratio means anything
+//! on a noisy host.
+
+use anyhow::{bail, Context};
+use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hops, Placement, Registry, Tag, WriteOp};
+use serde::Serialize;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One bench result.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchResult {
+    /// Backend measured.
+    pub transport: String,
+    /// Bytes per transfer.
+    pub size: u64,
+    /// Transfers timed (after one warm-up).
+    pub iterations: u32,
+    /// Best throughput, GB/s (1e9 bytes/s), post → destination flag seen.
+    pub gbps: f64,
+    /// Baseline measured.
+    pub baseline: String,
+    /// Best baseline throughput, GB/s.
+    pub baseline_gbps: f64,
+    /// `gbps / baseline_gbps`.
+    pub ratio: f64,
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn best(mut samples: Vec<Duration>) -> Duration {
+    samples.sort();
+    samples[0]
+}
+
+fn endpoint(node: &str) -> anyhow::Result<Arc<TcpEndpoint>> {
+    let placement = Arc::new(Placement::new(FlagTable::new(1024, 1)?, Arc::new(Hops::default())));
+    Ok(TcpEndpoint::bind(node, "127.0.0.1:0".parse()?, Arc::new(Registry::new(16)), placement, TcpLimits::default())?)
+}
+
+/// Times `iters` transfers of `size` bytes through `conn` into `dst`, each
+/// from post until the destination's layer flag is seen.
+fn time_writes(src: &dyn Endpoint, dst: &dyn Endpoint, conn: &mut dyn Connection, size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+    let src_mem = Arc::new(HostMem::new("kvwire-bench-src", size)?);
+    src_mem.write(0, &vec![0x5Au8; size as usize])?;
+    let dst_mem = Arc::new(HostMem::new("kvwire-bench-dst", size)?);
+    let s = src.register(src_mem, 0, size)?;
+    let d = dst.register(dst_mem, 0, size)?;
+    let mut samples = Vec::new();
+    for i in 0..=iters {
+        let tag = Tag { slot: i as u16, layer: 0 };
+        dst.placement().expect(tag, size)?;
+        let start = Instant::now();
+        conn.post(Batch { tag, writes: vec![WriteOp { src_key: s.key, src_offset: 0, dst_key: d.key, dst_offset: 0, len: size }] })?;
+        dst.placement().wait(tag, Duration::from_secs(60))?;
+        let took = start.elapsed();
+        // Drain the local completion before the next post reuses the source.
+        loop {
+            let c = conn.poll(Duration::from_secs(60))?;
+            if let Some(c) = c.first() {
+                c.result.clone()?;
+                break;
+            }
+        }
+        if i > 0 {
+            samples.push(took);
+        }
+    }
+    Ok(samples)
+}
+
+/// Plain TCP socket pair on loopback streaming `size` bytes, receiver
+/// reading into a buffer, timed until the receiver holds every byte.
+fn tcp_baseline(size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let receiver = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = vec![0u8; size as usize];
+        for _ in 0..=iters {
+            s.read_exact(&mut buf)?;
+            s.write_all(&[1])?;
+        }
+        Ok(())
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let data = vec![0x5Au8; size as usize];
+    let mut samples = Vec::new();
+    let mut ack = [0u8; 1];
+    for i in 0..=iters {
+        let start = Instant::now();
+        s.write_all(&data)?;
+        s.read_exact(&mut ack)?;
+        if i > 0 {
+            samples.push(start.elapsed());
+        }
+    }
+    receiver.join().map_err(|_| anyhow::anyhow!("baseline receiver panicked"))??;
+    Ok(samples)
+}
+
+/// Single-thread memcpy of `size` bytes between two mappings.
+pub fn memcpy_baseline(size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+    let a = HostMem::new("kvwire-bench-a", size)?;
+    let b = HostMem::new("kvwire-bench-b", size)?;
+    a.write(0, &vec![0x5Au8; size as usize])?;
+    let mut samples = Vec::new();
+    for i in 0..=iters {
+        let start = Instant::now();
+        a.copy_to(0, &b, 0, size)?;
+        if i > 0 {
+            samples.push(start.elapsed());
+        }
+    }
+    Ok(samples)
+}
+
+/// Runs the bench for `transport`.
+pub fn transport(transport: &str, size: u64, iters: u32) -> anyhow::Result<BenchResult> {
+    if size == 0 || iters == 0 {
+        bail!("--size and --iterations must be > 0");
+    }
+    let (samples, baseline, base) = match transport {
+        "tcp" => {
+            let (src, dst) = (endpoint("bench-src")?, endpoint("bench-dst")?);
+            let mut conn = src.connect(&dst.local_addr())?;
+            let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("tcp transfers")?;
+            (s, "tcp socket pair (loopback)", tcp_baseline(size, iters)?)
+        }
+        other => bail!("--transport {other}: this build measures tcp (shm and verbs come with their backends)"),
+    };
+    let (t, b) = (best(samples), best(base));
+    let (g, bg) = (gbps(size, t), gbps(size, b));
+    Ok(BenchResult {
+        transport: transport.into(),
+        size,
+        iterations: iters,
+        gbps: g,
+        baseline: baseline.into(),
+        baseline_gbps: bg,
+        ratio: g / bg,
+    })
+}
