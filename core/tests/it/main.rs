@@ -2,3 +2,4 @@
 
 mod inventory;
 mod plan;
+mod protocol;
