@@ -7,6 +7,7 @@
 //! first observe the completion flag that covers the range.
 
 use memmap2::{MmapOptions, MmapRaw};
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 use std::fs::File;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -31,6 +32,12 @@ pub enum MemError {
         len: u64,
         /// Mapping size.
         size: u64,
+    },
+    /// A shared file that may shrink under its mapping.
+    #[error("shared file cannot be sealed against shrinking ({errno}); create it with memfd_create(MFD_ALLOW_SEALING)")]
+    Unsealed {
+        /// Why sealing failed.
+        errno: nix::errno::Errno,
     },
     /// Zero-sized memory cannot be registered.
     #[error("cannot map 0 bytes")]
@@ -57,14 +64,25 @@ impl HostMem {
             return Err(MemError::Empty);
         }
         let cname = std::ffi::CString::new(name).unwrap_or_else(|_| c"kvwire".into());
-        let fd = memfd_create(cname.as_c_str(), MFdFlags::MFD_CLOEXEC).map_err(|errno| MemError::Os { op: "memfd_create", errno })?;
+        let fd = memfd_create(cname.as_c_str(), MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+            .map_err(|errno| MemError::Os { op: "memfd_create", errno })?;
         let file = File::from(fd);
         file.set_len(len).map_err(os("ftruncate"))?;
+        // A fixed size, so whoever maps this file (a peer, the daemon) can
+        // never be made to fault by it shrinking under the mapping.
+        fcntl(&file, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL))
+            .map_err(|errno| MemError::Os { op: "fcntl(F_ADD_SEALS)", errno })?;
         HostMem::map(file, len)
     }
 
-    /// Maps an existing memfd (e.g. received over SCM_RIGHTS) of `len` bytes.
+    /// Maps a memfd received from another process (SCM_RIGHTS). The file
+    /// must be sealed against shrinking — or let this side add that seal —
+    /// since a file that shrinks under a mapping turns a copy into SIGBUS.
     pub fn from_file(file: File) -> Result<HostMem, MemError> {
+        let seals = fcntl(&file, FcntlArg::F_GET_SEALS).map_err(|errno| MemError::Unsealed { errno })?;
+        if seals & SealFlag::F_SEAL_SHRINK.bits() == 0 {
+            fcntl(&file, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK)).map_err(|errno| MemError::Unsealed { errno })?;
+        }
         let len = file.metadata().map_err(os("fstat"))?.len();
         if len == 0 {
             return Err(MemError::Empty);

@@ -1,1 +1,878 @@
-//! Same-host shared-memory transport (being written).
+//! Same-host shared-memory transport: one-sided writes as pull copies
+//! between memfd mappings, with a Unix stream socket for control only.
+//!
+//! The trust model is the TCP emulation's: the destination validates.
+//! The initiator hands the memfd of each local source region it writes
+//! from to the destination once per connection (SCM_RIGHTS), and then
+//! sends, per write, a small request naming the source window and the
+//! destination (key, offset). The destination checks the key and bounds
+//! against *its* registry at copy time — so a revoked key is refused
+//! exactly — checks the source window, copies straight from the shared
+//! source mapping into the registered region ([`HostMem::copy_to`]; no
+//! data byte travels through the socket), counts the bytes with
+//! [`Placement::placed`] and acks. The initiator's [`Connection::poll`]
+//! turns the acks of a batch into its [`Completion`] (`source_released`):
+//! once every write of the batch was answered, the destination has
+//! finished reading its source ranges.
+//!
+//! # Messages
+//!
+//! Every message is a [`protocol::Header`] (40 bytes, little-endian),
+//! optionally followed by a payload of `len` bytes.
+//!
+//! Handshake (three messages, so `connect` returns only once the
+//! destination accepted):
+//! 1. both sides send `Hello` (payload: JSON [`Hello`], transport `shm`,
+//!    [`PROTOCOL_VERSION`]); each side checks the other's;
+//! 2. the destination answers the initiator's hello with `Ack` (len 0), or
+//!    `Nack` (payload: why) and closes.
+//!
+//! A write request is a `Write` header with `len` = [`TRAILER_LEN`] and a
+//! fixed trailer instead of data:
+//!
+//! | header field | meaning |
+//! |---|---|
+//! | tag    | (slot, layer) the bytes count toward |
+//! | key    | destination region key |
+//! | seq    | the initiator's write sequence number, echoed by the answer |
+//! | offset | offset in the destination region |
+//! | len    | [`TRAILER_LEN`] (40) |
+//!
+//! | trailer offset | field | type | meaning |
+//! |---|---|---|---|
+//! | 0  | src_key    | u32 | the initiator's key of the source region |
+//! | 4  | share      | u32 | 1: this message carries the region's memfd (SCM_RIGHTS) and defines its window; 0: the key was shared before on this connection |
+//! | 8  | win_offset | u64 | window start in the memfd (share = 1) |
+//! | 16 | win_len    | u64 | window length (share = 1) |
+//! | 24 | src_offset | u64 | offset of the write in the source window |
+//! | 32 | write_len  | u64 | bytes to copy |
+//!
+//! The destination answers every write, in order, with `Ack` (`seq`,
+//! `offset` = bytes placed, len 0) or `Nack` (`seq`, payload: the reason,
+//! at most 4096 bytes). A malformed message, an unexpected kind, a
+//! missing or surplus file descriptor, or a connection past its limits
+//! closes that connection only (with a `tracing::warn!`); the endpoint
+//! keeps serving the others.
+//!
+//! # Limits
+//!
+//! The destination keeps each shared source mapping for the life of the
+//! connection (keys are never reused, so a cached key always names the
+//! same window). [`HostMem::from_file`] insists the memfd is sealed
+//! against shrinking, so a peer cannot turn a copy into SIGBUS.
+
+use crate::mem::HostMem;
+use crate::metrics::{Hop, Hops};
+use crate::placement::Placement;
+use crate::registry::Registry;
+use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
+use kvwire_core::protocol::{self, FrameError, Header, Hello, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION};
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::fs::File;
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Transport name in hellos.
+pub const TRANSPORT: &str = "shm";
+/// Bytes of the trailer that follows a `Write` header (see the module docs).
+pub const TRAILER_LEN: u64 = 40;
+/// Largest `Nack` payload (what [`Header::decode`] accepts).
+const MAX_NACK: usize = 4096;
+/// Most file descriptors one `sendmsg` may carry (Linux `SCM_MAX_FD`).
+const SCM_MAX_FD: usize = 253;
+/// Read buffer of a destination connection.
+const READ_BUF: usize = 64 * 1024;
+
+/// Limits of a [`ShmEndpoint`].
+#[derive(Debug, Clone)]
+pub struct ShmLimits {
+    /// Most source regions one peer connection may share with this endpoint.
+    pub max_sources: usize,
+    /// How long a handshake may take, each way.
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ShmLimits {
+    fn default() -> Self {
+        ShmLimits { max_sources: 1024, handshake_timeout: Duration::from_secs(5) }
+    }
+}
+
+/// Live accepted connections, so dropping the endpoint can close them.
+#[derive(Debug, Default)]
+struct Live {
+    next: u64,
+    conns: HashMap<u64, UnixStream>,
+}
+
+/// What the acceptor and the connection threads share.
+#[derive(Debug)]
+struct Serve {
+    node: String,
+    registry: Arc<Registry>,
+    placement: Arc<Placement>,
+    limits: ShmLimits,
+    shutdown: AtomicBool,
+    live: Mutex<Live>,
+}
+
+/// A shared-memory endpoint: listens on a Unix socket, serves peers' writes
+/// into its registry, and connects to other shm endpoints on this host.
+#[derive(Debug)]
+pub struct ShmEndpoint {
+    serve: Arc<Serve>,
+    hops: Arc<Hops>,
+    path: PathBuf,
+    own_dir: Option<PathBuf>,
+    acceptor: Mutex<Option<JoinHandle<()>>>,
+}
+
+static NEXT_SOCKET: AtomicU64 = AtomicU64::new(0);
+
+fn frame(h: Header, payload: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(HEADER_LEN + payload.len());
+    v.extend_from_slice(&h.encode());
+    v.extend_from_slice(payload);
+    v
+}
+
+fn header(kind: Kind, tag: Tag, key: u32, seq: u64, offset: u64, len: u64) -> Header {
+    Header { kind, tag, key, seq, offset, len }
+}
+
+fn hello_of(node: &str, registry: &Registry) -> Hello {
+    // Addresses mean nothing to another process; keep them private.
+    let regions = registry.descs().into_iter().map(|mut d| {
+        d.addr = 0;
+        d
+    });
+    Hello { version: PROTOCOL_VERSION, transport: TRANSPORT.into(), node: node.into(), regions: regions.collect(), verbs: None }
+}
+
+/// A nack payload: the reason, cut to what a header may carry.
+fn nack_text(reason: &str) -> &[u8] {
+    let mut end = reason.len().min(MAX_NACK);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    &reason.as_bytes()[..end]
+}
+
+impl ShmEndpoint {
+    /// A new endpoint named `node`, listening on a fresh socket in `dir`
+    /// (or in a new private temporary directory, removed on drop), serving
+    /// writes into `registry` and counting them in `placement`. Its
+    /// connections time `post` and `wire` into the placement's [`Hops`].
+    pub fn new(
+        node: &str,
+        dir: Option<&Path>,
+        registry: Arc<Registry>,
+        placement: Arc<Placement>,
+        limits: ShmLimits,
+    ) -> Result<Arc<ShmEndpoint>, TransportError> {
+        let hops = placement.hops().clone();
+        let pid = std::process::id();
+        let n = NEXT_SOCKET.fetch_add(1, Ordering::Relaxed);
+        let (dir, own_dir) = match dir {
+            Some(d) => (d.to_path_buf(), None),
+            None => {
+                let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
+                let d = std::env::temp_dir().join(format!("kvwire-shm-{pid}-{n}-{nanos:08x}"));
+                std::fs::DirBuilder::new().mode(0o700).create(&d).map_err(TransportError::io("create shm socket directory"))?;
+                (d.clone(), Some(d))
+            }
+        };
+        let path = dir.join(format!("kvwire-shm-{pid}-{n}.sock"));
+        // sun_path holds 108 bytes including the terminating NUL.
+        if path.as_os_str().len() > 107 {
+            if let Some(d) = &own_dir {
+                let _ = std::fs::remove_dir(d);
+            }
+            return Err(TransportError::Io {
+                op: "bind shm socket",
+                kind: std::io::ErrorKind::InvalidInput,
+                message: format!("socket path {} is longer than the 107 bytes a Unix socket address holds; use a shorter directory", path.display()),
+            });
+        }
+        let listener = match UnixListener::bind(&path) {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(d) = &own_dir {
+                    let _ = std::fs::remove_dir(d);
+                }
+                return Err(TransportError::io("bind shm socket")(e));
+            }
+        };
+        let serve = Arc::new(Serve { node: node.into(), registry, placement, limits, shutdown: AtomicBool::new(false), live: Mutex::new(Live::default()) });
+        let s = serve.clone();
+        let acceptor = std::thread::Builder::new()
+            .name("kvwire-shm-accept".into())
+            .spawn(move || accept_loop(listener, s))
+            .map_err(TransportError::io("spawn shm acceptor"))?;
+        Ok(Arc::new(ShmEndpoint { serve, hops, path, own_dir, acceptor: Mutex::new(Some(acceptor)) }))
+    }
+
+    /// The socket path peers connect to.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Hop histograms: `post` and `wire` of this endpoint's connections,
+    /// `place` and `notify` of its placement (the same [`Hops`]).
+    pub fn hops(&self) -> &Arc<Hops> {
+        &self.hops
+    }
+}
+
+impl Drop for ShmEndpoint {
+    fn drop(&mut self) {
+        self.serve.shutdown.store(true, Ordering::SeqCst);
+        // Wake the acceptor; it sees the flag and returns. (Should the
+        // socket file be gone, the acceptor is left blocked rather than
+        // joined forever; it holds no more than the registry and placement.)
+        let woke = UnixStream::connect(&self.path).is_ok();
+        if let Some(h) = self.acceptor.lock().map(|mut a| a.take()).unwrap_or(None) {
+            if woke {
+                let _ = h.join();
+            }
+        }
+        if let Ok(live) = self.serve.live.lock() {
+            for s in live.conns.values() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        let _ = std::fs::remove_file(&self.path);
+        if let Some(d) = &self.own_dir {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+impl Endpoint for ShmEndpoint {
+    fn transport(&self) -> &'static str {
+        TRANSPORT
+    }
+
+    fn local_addr(&self) -> String {
+        self.path.display().to_string()
+    }
+
+    fn registry(&self) -> &Arc<Registry> {
+        &self.serve.registry
+    }
+
+    fn placement(&self) -> &Arc<Placement> {
+        &self.serve.placement
+    }
+
+    fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError> {
+        Ok(Box::new(ShmConnection::connect(peer, &self.serve.node, self.serve.registry.clone(), self.hops.clone(), self.serve.limits.handshake_timeout)?))
+    }
+}
+
+fn accept_loop(listener: UnixListener, serve: Arc<Serve>) {
+    loop {
+        let accepted = listener.accept();
+        if serve.shutdown.load(Ordering::SeqCst) {
+            return;
+        }
+        let stream = match accepted {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "shm accept failed");
+                // EMFILE and friends: do not spin.
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let id = match (stream.try_clone(), serve.live.lock()) {
+            (Ok(clone), Ok(mut live)) => {
+                live.next += 1;
+                let id = live.next;
+                live.conns.insert(id, clone);
+                id
+            }
+            (Err(e), _) => {
+                tracing::warn!(error = %e, "shm connection refused: cannot clone its socket");
+                continue;
+            }
+            (_, Err(_)) => return,
+        };
+        let s = serve.clone();
+        let spawned = std::thread::Builder::new().name("kvwire-shm-conn".into()).spawn(move || {
+            let node = match serve_conn(stream, &s) {
+                Ok(node) => node,
+                Err(Closing { node, reason }) if s.shutdown.load(Ordering::SeqCst) => {
+                    tracing::debug!(peer = %node, %reason, "shm connection closed: endpoint shutting down");
+                    node
+                }
+                Err(Closing { node, reason }) => {
+                    tracing::warn!(peer = %node, %reason, "shm connection closed");
+                    node
+                }
+            };
+            tracing::debug!(peer = %node, "shm connection ended");
+            if let Ok(mut live) = s.live.lock() {
+                live.conns.remove(&id);
+            }
+        });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "shm connection refused: cannot spawn its thread");
+            if let Ok(mut live) = serve.live.lock() {
+                live.conns.remove(&id);
+            }
+        }
+    }
+}
+
+/// Why a destination connection was closed.
+#[derive(Debug)]
+struct Closing {
+    node: String,
+    reason: String,
+}
+
+/// A source window a peer shared on one connection.
+#[derive(Debug)]
+struct Source {
+    mem: HostMem,
+    offset: u64,
+    len: u64,
+}
+
+/// Reads a Unix stream, collecting the file descriptors that arrive with it.
+struct FdReader {
+    sock: UnixStream,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    fds: VecDeque<OwnedFd>,
+    cmsg: Vec<u8>,
+}
+
+/// How a read ended early.
+#[derive(Debug)]
+enum ReadEnd {
+    /// The peer closed; `got` bytes of the wanted message had arrived.
+    Eof { got: usize },
+    /// Anything else, as a reason.
+    Failed(String),
+}
+
+impl FdReader {
+    fn new(sock: UnixStream) -> FdReader {
+        FdReader { sock, buf: vec![0u8; READ_BUF].into_boxed_slice(), start: 0, end: 0, fds: VecDeque::new(), cmsg: nix::cmsg_space!([RawFd; SCM_MAX_FD]) }
+    }
+
+    fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// One `recvmsg` into the buffer; returns the bytes read (0 at EOF).
+    fn fill(&mut self) -> Result<usize, ReadEnd> {
+        if self.start > 0 {
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
+            self.start = 0;
+        }
+        let fd = self.sock.as_raw_fd();
+        let mut iov = [IoSliceMut::new(&mut self.buf[self.end..])];
+        let (bytes, fds) = loop {
+            match recvmsg::<()>(fd, &mut iov, Some(&mut self.cmsg), MsgFlags::MSG_CMSG_CLOEXEC) {
+                Ok(msg) => {
+                    let mut fds = Vec::new();
+                    let cmsgs = msg.cmsgs().map_err(|_| ReadEnd::Failed("control data truncated (too many file descriptors at once)".into()))?;
+                    for c in cmsgs {
+                        if let ControlMessageOwned::ScmRights(raw) = c {
+                            fds.extend(raw);
+                        }
+                    }
+                    break (msg.bytes, fds);
+                }
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(ReadEnd::Failed(format!("recvmsg: {e}"))),
+            }
+        };
+        for raw in fds {
+            // SAFETY: the kernel just installed `raw` in this process's fd
+            // table for this SCM_RIGHTS message; nothing else owns it, so
+            // this OwnedFd is its only owner and closes it exactly once.
+            self.fds.push_back(unsafe { OwnedFd::from_raw_fd(raw) });
+        }
+        if self.fds.len() > SCM_MAX_FD {
+            return Err(ReadEnd::Failed(format!("{} file descriptors sent without the messages that use them", self.fds.len())));
+        }
+        self.end += bytes;
+        Ok(bytes)
+    }
+
+    /// The next `n` bytes (`n` ≤ the buffer).
+    fn read_exact(&mut self, n: usize) -> Result<&[u8], ReadEnd> {
+        while self.buffered() < n {
+            if self.fill()? == 0 {
+                return Err(ReadEnd::Eof { got: self.buffered() });
+            }
+        }
+        let s = self.start;
+        self.start += n;
+        Ok(&self.buf[s..s + n])
+    }
+}
+
+/// Serves one accepted connection; returns the peer's node name when it
+/// closed cleanly.
+fn serve_conn(stream: UnixStream, serve: &Serve) -> Result<String, Closing> {
+    let mut node = String::from("?");
+    let closing = |node: &str, reason: String| Closing { node: node.into(), reason };
+    let writer = stream.try_clone().map_err(|e| closing(&node, format!("clone socket: {e}")))?;
+    let mut out = std::io::BufWriter::new(writer);
+    let timeout = Some(serve.limits.handshake_timeout);
+    let _ = stream.set_read_timeout(timeout);
+    let _ = stream.set_write_timeout(timeout);
+    let mut rd = FdReader::new(stream);
+
+    // Handshake: our hello, theirs, then our verdict.
+    let ours = hello_of(&serve.node, &serve.registry).encode();
+    send_now(&mut out, header(Kind::Hello, Tag { slot: 0, layer: 0 }, 0, 0, 0, ours.len() as u64), &ours)
+        .map_err(|e| closing(&node, format!("send hello: {e}")))?;
+    let h = read_header(&mut rd, 0).map_err(|e| closing(&node, format!("handshake: {e}")))?;
+    if h.kind != Kind::Hello {
+        return Err(closing(&node, format!("handshake: expected a Hello frame, got {:?}", h.kind)));
+    }
+    // `len` ≤ MAX_HELLO (checked by decode); read it in buffer-sized pieces.
+    let mut payload = Vec::with_capacity(h.len as usize);
+    let mut left = h.len as usize;
+    while left > 0 {
+        let n = left.min(READ_BUF);
+        payload.extend_from_slice(rd.read_exact(n).map_err(|e| closing(&node, format!("handshake: {}", read_end(e, "hello payload"))))?);
+        left -= n;
+    }
+    let theirs = match Hello::decode(&payload, TRANSPORT) {
+        Ok(h) => h,
+        Err(e) => {
+            let reason = e.to_string();
+            let _ = send_now(&mut out, header(Kind::Nack, Tag { slot: 0, layer: 0 }, 0, 0, 0, nack_text(&reason).len() as u64), nack_text(&reason));
+            return Err(closing(&node, format!("handshake refused: {reason}")));
+        }
+    };
+    node = theirs.node;
+    send_now(&mut out, header(Kind::Ack, Tag { slot: 0, layer: 0 }, 0, 0, 0, 0), &[]).map_err(|e| closing(&node, format!("send hello ack: {e}")))?;
+    let _ = rd.sock.set_read_timeout(None);
+    let _ = out.get_ref().set_write_timeout(None);
+
+    let mut sources: HashMap<u32, Source> = HashMap::new();
+    loop {
+        // Answer everything processed so far before blocking for more.
+        if rd.buffered() < HEADER_LEN + TRAILER_LEN as usize {
+            if let Err(e) = out.flush() {
+                return Err(closing(&node, format!("send answers: {e}")));
+            }
+        }
+        let h = match read_header(&mut rd, TRAILER_LEN) {
+            Ok(h) => h,
+            Err(Either::End(ReadEnd::Eof { got: 0 })) => {
+                return if rd.fds.is_empty() { Ok(node) } else { Err(closing(&node, "file descriptors sent without their messages".into())) }
+            }
+            Err(e) => return Err(closing(&node, e.to_string())),
+        };
+        if h.kind != Kind::Write || h.len != TRAILER_LEN {
+            return Err(closing(&node, format!("expected a Write frame with a {TRAILER_LEN}-byte trailer, got {:?} with {} bytes", h.kind, h.len)));
+        }
+        let t = rd.read_exact(TRAILER_LEN as usize).map_err(|e| closing(&node, read_end(e, "write trailer")))?;
+        let u32_at = |i: usize| u32::from_le_bytes(t[i..i + 4].try_into().expect("4 bytes"));
+        let u64_at = |i: usize| u64::from_le_bytes(t[i..i + 8].try_into().expect("8 bytes"));
+        let (src_key, share, win_offset, win_len, src_offset, len) = (u32_at(0), u32_at(4), u64_at(8), u64_at(16), u64_at(24), u64_at(32));
+
+        let mut refused: Option<String> = None;
+        match share {
+            0 => {}
+            1 => {
+                let Some(fd) = rd.fds.pop_front() else {
+                    return Err(closing(&node, format!("write {} shares source {src_key:#010x} but no file descriptor came with it", h.seq)));
+                };
+                if !sources.contains_key(&src_key) && sources.len() >= serve.limits.max_sources {
+                    return Err(closing(&node, format!("more than {} source regions shared on one connection", serve.limits.max_sources)));
+                }
+                match HostMem::from_file(File::from(fd)) {
+                    Ok(mem) => match mem.check(win_offset, win_len) {
+                        Ok(()) => {
+                            sources.insert(src_key, Source { mem, offset: win_offset, len: win_len });
+                        }
+                        Err(e) => refused = Some(format!("source region {src_key:#010x}: window {e}")),
+                    },
+                    Err(e) => refused = Some(format!("source region {src_key:#010x}: cannot map the shared file: {e}")),
+                }
+            }
+            s => return Err(closing(&node, format!("write {}: share field {s} is neither 0 nor 1", h.seq))),
+        }
+
+        let result = match refused {
+            Some(r) => Err(r),
+            None => place(serve, &sources, h, src_key, src_offset, len),
+        };
+        let written = match result {
+            Ok(()) => out.write_all(&header(Kind::Ack, h.tag, h.key, h.seq, len, 0).encode()),
+            Err(reason) => {
+                tracing::debug!(peer = %node, seq = h.seq, %reason, "shm write refused");
+                let text = nack_text(&reason);
+                out.write_all(&frame(header(Kind::Nack, h.tag, h.key, h.seq, 0, text.len() as u64), text))
+            }
+        };
+        written.map_err(|e| closing(&node, format!("send answer: {e}")))?;
+    }
+}
+
+/// Validates one write against this endpoint's registry and the shared
+/// source, copies it and counts it. Touches no byte unless every check passed.
+fn place(serve: &Serve, sources: &HashMap<u32, Source>, h: Header, src_key: u32, src_offset: u64, len: u64) -> Result<(), String> {
+    let placement = &serve.placement;
+    if !placement.flags().contains(h.tag) {
+        return Err(format!("slot {} layer {} is outside the destination's flag table", h.tag.slot, h.tag.layer));
+    }
+    let region = serve.registry.get(h.key);
+    let range = protocol::check_write(h.key, region.as_ref().map(|r| r.len), h.offset, len).map_err(|e| e.to_string())?;
+    placement.check_room(h.tag, len).map_err(|e| e.to_string())?;
+    let region = region.ok_or_else(|| format!("unknown or revoked remote key {:#010x}", h.key))?;
+    let src = sources.get(&src_key).ok_or_else(|| format!("source region {src_key:#010x} was never shared on this connection"))?;
+    match src_offset.checked_add(len) {
+        Some(end) if end <= src.len => {}
+        _ => return Err(format!("source read of {len} bytes at offset {src_offset} exceeds source region {src_key:#010x} of {} bytes", src.len)),
+    }
+    src.mem.copy_to(src.offset + src_offset, &region.mem, region.offset + range.start, len).map_err(|e| format!("copy: {e}"))?;
+    placement.placed(h.tag, len, Instant::now()).map_err(|e| format!("bytes placed, but: {e}"))
+}
+
+/// A header read that failed: the stream ended or the header was bad.
+#[derive(Debug)]
+enum Either {
+    End(ReadEnd),
+    Frame(FrameError),
+}
+
+impl std::fmt::Display for Either {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Either::End(ReadEnd::Eof { got }) => write!(f, "peer closed after {got} of {HEADER_LEN} header bytes"),
+            Either::End(ReadEnd::Failed(r)) => f.write_str(r),
+            Either::Frame(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+fn read_end(e: ReadEnd, what: &str) -> String {
+    match e {
+        ReadEnd::Eof { got } => format!("truncated {what}: peer closed after {got} bytes"),
+        ReadEnd::Failed(r) => r,
+    }
+}
+
+fn read_header(rd: &mut FdReader, max_write: u64) -> Result<Header, Either> {
+    let b = rd.read_exact(HEADER_LEN).map_err(Either::End)?;
+    Header::decode(b, max_write).map_err(Either::Frame)
+}
+
+fn send_now(out: &mut std::io::BufWriter<UnixStream>, h: Header, payload: &[u8]) -> std::io::Result<()> {
+    out.write_all(&h.encode())?;
+    out.write_all(payload)?;
+    out.flush()
+}
+
+/// What the initiator's reader thread saw.
+#[derive(Debug)]
+enum Event {
+    /// Write `seq` placed (or refused with the reason), answered at `at`.
+    Answer { seq: u64, refused: Option<String>, at: Instant },
+    /// The connection ended.
+    Closed { reason: String },
+}
+
+/// A batch waiting for its answers.
+#[derive(Debug)]
+struct Outstanding {
+    tag: Tag,
+    bytes: u64,
+    left: usize,
+    error: Option<TransportError>,
+    posted_at: Instant,
+}
+
+/// The initiating side of an shm connection.
+#[derive(Debug)]
+pub struct ShmConnection {
+    stream: UnixStream,
+    remote: Hello,
+    registry: Arc<Registry>,
+    hops: Arc<Hops>,
+    /// Source keys whose memfd the peer already holds.
+    shared: HashSet<u32>,
+    next_seq: u64,
+    next_batch: u64,
+    seqs: HashMap<u64, BatchId>,
+    batches: BTreeMap<BatchId, Outstanding>,
+    ready: Vec<Completion>,
+    events: mpsc::Receiver<Event>,
+    closed: Option<String>,
+    reader: Option<JoinHandle<()>>,
+}
+
+fn read_frame(s: &mut UnixStream, max_write: u64) -> Result<(Header, Vec<u8>), String> {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).map_err(|e| if e.kind() == std::io::ErrorKind::UnexpectedEof { "peer closed".to_string() } else { e.to_string() })?;
+    let h = Header::decode(&b, max_write).map_err(|e| e.to_string())?;
+    let mut payload = vec![0u8; h.len as usize];
+    s.read_exact(&mut payload).map_err(|e| format!("truncated {:?} payload: {e}", h.kind))?;
+    Ok((h, payload))
+}
+
+impl ShmConnection {
+    fn connect(peer: &str, node: &str, registry: Arc<Registry>, hops: Arc<Hops>, timeout: Duration) -> Result<ShmConnection, TransportError> {
+        let mut stream = UnixStream::connect(peer).map_err(TransportError::io("connect to shm peer"))?;
+        stream.set_read_timeout(Some(timeout)).map_err(TransportError::io("set shm handshake timeout"))?;
+        stream.set_write_timeout(Some(timeout)).map_err(TransportError::io("set shm handshake timeout"))?;
+        let ours = hello_of(node, &registry).encode();
+        stream
+            .write_all(&frame(header(Kind::Hello, Tag { slot: 0, layer: 0 }, 0, 0, 0, ours.len() as u64), &ours))
+            .map_err(TransportError::io("send shm hello"))?;
+        let handshake = |reason: String| TransportError::Io { op: "shm handshake", kind: std::io::ErrorKind::InvalidData, message: reason };
+        let (h, payload) = read_frame(&mut stream, 0).map_err(handshake)?;
+        if h.kind != Kind::Hello {
+            return Err(handshake(format!("expected a Hello frame from {peer}, got {:?}", h.kind)));
+        }
+        let remote = Hello::decode(&payload, TRANSPORT)?;
+        let (h, payload) = read_frame(&mut stream, 0).map_err(handshake)?;
+        match h.kind {
+            Kind::Ack => {}
+            Kind::Nack => return Err(TransportError::Refused(format!("peer {} refused the handshake: {}", remote.node, String::from_utf8_lossy(&payload)))),
+            k => return Err(handshake(format!("expected the hello's Ack from {peer}, got {k:?}"))),
+        }
+        stream.set_read_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
+        stream.set_write_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
+        let mut rd = stream.try_clone().map_err(TransportError::io("clone shm socket"))?;
+        let (tx, events) = mpsc::channel();
+        let reader = std::thread::Builder::new()
+            .name("kvwire-shm-acks".into())
+            .spawn(move || loop {
+                let ev = match read_frame(&mut rd, 0) {
+                    Ok((h, _)) if h.kind == Kind::Ack => Event::Answer { seq: h.seq, refused: None, at: Instant::now() },
+                    Ok((h, p)) if h.kind == Kind::Nack => {
+                        Event::Answer { seq: h.seq, refused: Some(String::from_utf8_lossy(&p).into_owned()), at: Instant::now() }
+                    }
+                    Ok((h, _)) => Event::Closed { reason: format!("unexpected {:?} frame", h.kind) },
+                    Err(reason) => Event::Closed { reason },
+                };
+                let closed = matches!(ev, Event::Closed { .. });
+                if tx.send(ev).is_err() || closed {
+                    return;
+                }
+            })
+            .map_err(TransportError::io("spawn shm ack reader"))?;
+        Ok(ShmConnection {
+            stream,
+            remote,
+            registry,
+            hops,
+            shared: HashSet::new(),
+            next_seq: 0,
+            next_batch: 0,
+            seqs: HashMap::new(),
+            batches: BTreeMap::new(),
+            ready: Vec::new(),
+            events,
+            closed: None,
+            reader: Some(reader),
+        })
+    }
+
+    fn on_event(&mut self, ev: Event) {
+        match ev {
+            Event::Answer { seq, refused, at } => {
+                let Some(id) = self.seqs.remove(&seq) else {
+                    self.close(format!("peer answered write {seq}, which is not outstanding"));
+                    return;
+                };
+                let Some(b) = self.batches.get_mut(&id) else { return };
+                b.left -= 1;
+                if let (Some(r), None) = (refused, &b.error) {
+                    b.error = Some(TransportError::Refused(r));
+                }
+                if b.left == 0 {
+                    let b = self.batches.remove(&id).expect("batch present");
+                    if b.error.is_none() {
+                        self.hops.record(Hop::Wire, at.saturating_duration_since(b.posted_at), b.bytes);
+                    }
+                    self.ready.push(Completion { batch: id, tag: b.tag, bytes: b.bytes, result: b.error.map_or(Ok(()), Err) });
+                }
+            }
+            Event::Closed { reason } => self.close(reason),
+        }
+    }
+
+    /// Fails every outstanding batch: the peer is gone.
+    fn close(&mut self, reason: String) {
+        if self.closed.is_some() {
+            return;
+        }
+        let pending = self.batches.len();
+        if pending > 0 {
+            tracing::warn!(peer = %self.remote.node, %reason, pending, "shm connection closed with batches outstanding");
+        }
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.seqs.clear();
+        for (id, b) in std::mem::take(&mut self.batches) {
+            self.ready.push(Completion { batch: id, tag: b.tag, bytes: b.bytes, result: Err(TransportError::PeerClosed { pending }) });
+        }
+        self.closed = Some(reason);
+    }
+
+    fn drain(&mut self) {
+        loop {
+            match self.events.try_recv() {
+                Ok(ev) => self.on_event(ev),
+                Err(mpsc::TryRecvError::Empty) => return,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    self.close("ack reader ended".into());
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Sends `buf` with `fds` attached to its first byte.
+    fn send(&self, buf: &[u8], fds: &[RawFd]) -> Result<(), TransportError> {
+        let fd = self.stream.as_raw_fd();
+        let mut sent = 0;
+        while sent < buf.len() {
+            let rights = [ControlMessage::ScmRights(fds)];
+            let cmsgs: &[ControlMessage] = if sent == 0 && !fds.is_empty() { &rights } else { &[] };
+            match sendmsg::<()>(fd, &[IoSlice::new(&buf[sent..])], cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
+                Ok(n) => sent += n,
+                Err(nix::errno::Errno::EINTR) => continue,
+                Err(e) => return Err(TransportError::Io { op: "send shm write requests", kind: std::io::Error::from(e).kind(), message: e.to_string() }),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ShmConnection {
+    fn drop(&mut self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        if let Some(h) = self.reader.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Connection for ShmConnection {
+    fn remote(&self) -> &Hello {
+        &self.remote
+    }
+
+    fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
+        let started = Instant::now();
+        self.drain();
+        if self.closed.is_some() {
+            return Err(TransportError::PeerClosed { pending: self.batches.len() });
+        }
+        // Check every source first: a refused post sends nothing.
+        let mut srcs = Vec::with_capacity(batch.writes.len());
+        for w in &batch.writes {
+            let region = self.registry.get(w.src_key).ok_or_else(|| TransportError::Source(format!("no local region has key {:#010x}", w.src_key)))?;
+            match w.src_offset.checked_add(w.len) {
+                Some(end) if end <= region.len => {}
+                _ => {
+                    return Err(TransportError::Source(format!(
+                        "read of {} bytes at offset {} exceeds local region {:#010x} of {} bytes",
+                        w.len, w.src_offset, w.src_key, region.len
+                    )))
+                }
+            }
+            srcs.push(region);
+        }
+        let id = BatchId(self.next_batch);
+        self.next_batch += 1;
+        let bytes = batch.bytes();
+        if batch.writes.is_empty() {
+            self.ready.push(Completion { batch: id, tag: batch.tag, bytes: 0, result: Ok(()) });
+            self.hops.record(Hop::Post, started.elapsed(), 0);
+            return Ok(id);
+        }
+
+        // Requests, in pieces that each carry at most SCM_MAX_FD memfds.
+        let mut newly = HashSet::new();
+        let mut pieces: Vec<(Vec<u8>, Vec<RawFd>)> = vec![(Vec::new(), Vec::new())];
+        let first_seq = self.next_seq;
+        for (w, region) in batch.writes.iter().zip(&srcs) {
+            let share = !self.shared.contains(&w.src_key) && newly.insert(w.src_key);
+            if share && pieces.last().is_some_and(|p| p.1.len() == SCM_MAX_FD) {
+                pieces.push((Vec::new(), Vec::new()));
+            }
+            let piece = pieces.last_mut().expect("one piece");
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            piece.0.extend_from_slice(&header(Kind::Write, batch.tag, w.dst_key, seq, w.dst_offset, TRAILER_LEN).encode());
+            piece.0.extend_from_slice(&w.src_key.to_le_bytes());
+            piece.0.extend_from_slice(&u32::from(share).to_le_bytes());
+            let (win_offset, win_len) = if share { (region.offset, region.len) } else { (0, 0) };
+            piece.0.extend_from_slice(&win_offset.to_le_bytes());
+            piece.0.extend_from_slice(&win_len.to_le_bytes());
+            piece.0.extend_from_slice(&w.src_offset.to_le_bytes());
+            piece.0.extend_from_slice(&w.len.to_le_bytes());
+            if share {
+                piece.1.push(region.mem.fd().as_raw_fd());
+            }
+        }
+        for seq in first_seq..self.next_seq {
+            self.seqs.insert(seq, id);
+        }
+        self.batches.insert(id, Outstanding { tag: batch.tag, bytes, left: batch.writes.len(), error: None, posted_at: started });
+        // `srcs` keeps every shared memfd open until sent.
+        for (buf, fds) in &pieces {
+            if let Err(e) = self.send(buf, fds) {
+                // The peer is gone (a blocking Unix socket fails no other way):
+                // it reads none of this batch's sources any more.
+                for seq in first_seq..self.next_seq {
+                    self.seqs.remove(&seq);
+                }
+                self.batches.remove(&id);
+                self.close(e.to_string());
+                return Err(e);
+            }
+        }
+        self.shared.extend(newly);
+        self.hops.record(Hop::Post, started.elapsed(), bytes);
+        Ok(id)
+    }
+
+    fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.drain();
+            if !self.ready.is_empty() || self.batches.is_empty() {
+                return Ok(std::mem::take(&mut self.ready));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(Vec::new());
+            }
+            match self.events.recv_timeout(left) {
+                Ok(ev) => self.on_event(ev),
+                Err(mpsc::RecvTimeoutError::Timeout) => return Ok(Vec::new()),
+                Err(mpsc::RecvTimeoutError::Disconnected) => self.close("ack reader ended".into()),
+            }
+        }
+    }
+
+    /// Batches posted whose completion [`Connection::poll`] has not yet returned.
+    fn pending(&self) -> usize {
+        self.batches.len() + self.ready.len()
+    }
+}

@@ -2,6 +2,7 @@
 //! against every backend, plus each backend's own cases.
 
 mod conformance;
+mod mem;
 mod netns;
 mod shm;
 mod tcp;

@@ -1,1 +1,486 @@
-//! shm tests (being written).
+//! Shared-memory transport: the conformance suite over Unix sockets and
+//! memfd mappings, plus shm-only cases (hostile raw clients, fd passing,
+//! handshakes, peers vanishing).
+
+use crate::conformance::{self, complete, source, tag, w, Pair, Window};
+use kvwire_core::protocol::{Header, HelloError, Kind, Tag, HEADER_LEN};
+use kvwire_transport::shm::{ShmEndpoint, ShmLimits, TRAILER_LEN};
+use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, Hops, Placement, Registry, TransportError, WriteOp};
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+use std::time::Duration;
+
+const WAIT: Duration = Duration::from_secs(5);
+
+fn endpoint_with(node: &str, regions: usize, limits: ShmLimits) -> Arc<ShmEndpoint> {
+    let placement = Arc::new(Placement::new(FlagTable::new(16, 64).unwrap(), Arc::new(Hops::default())));
+    ShmEndpoint::new(node, None, Arc::new(Registry::new(regions)), placement, limits).unwrap()
+}
+
+pub fn endpoint(node: &str) -> Arc<ShmEndpoint> {
+    endpoint_with(node, 64, ShmLimits::default())
+}
+
+pub fn pair() -> Pair {
+    let src = endpoint("src");
+    let dst = endpoint("dst");
+    let conn = src.connect(&dst.local_addr()).unwrap();
+    Pair { src, dst, conn }
+}
+
+mod contract {
+    crate::conformance_tests!(super::pair);
+}
+
+fn hdr(kind: Kind, key: u32, seq: u64, offset: u64, len: u64) -> Header {
+    Header { kind, tag: Tag { slot: 0, layer: 0 }, key, seq, offset, len }
+}
+
+fn read_frame(s: &mut UnixStream) -> (Header, Vec<u8>) {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).unwrap();
+    let h = Header::decode(&b, 0).unwrap();
+    let mut p = vec![0u8; h.len as usize];
+    s.read_exact(&mut p).unwrap();
+    (h, p)
+}
+
+fn hello_json(version: u32, transport: &str, node: &str) -> Vec<u8> {
+    format!(r#"{{"version":{version},"transport":"{transport}","node":"{node}","regions":[],"verbs":null}}"#).into_bytes()
+}
+
+/// A raw client that completed the handshake with `path`.
+fn raw_client(path: &str) -> UnixStream {
+    let mut s = UnixStream::connect(path).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let hello = hello_json(1, "shm", "raw");
+    s.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
+    s.write_all(&hello).unwrap();
+    assert_eq!(read_frame(&mut s).0.kind, Kind::Hello);
+    assert_eq!(read_frame(&mut s).0.kind, Kind::Ack);
+    s
+}
+
+/// A write request as the module docs lay it out, sharing no fd.
+fn write_request(t: Tag, dst_key: u32, seq: u64, dst_offset: u64, src_key: u32, share: u32, len: u64) -> Vec<u8> {
+    let mut v = Header { kind: Kind::Write, tag: t, key: dst_key, seq, offset: dst_offset, len: TRAILER_LEN }.encode().to_vec();
+    v.extend_from_slice(&src_key.to_le_bytes());
+    v.extend_from_slice(&share.to_le_bytes());
+    v.extend_from_slice(&[0u8; 16]);
+    v.extend_from_slice(&0u64.to_le_bytes());
+    v.extend_from_slice(&len.to_le_bytes());
+    v
+}
+
+/// Waits until the peer closes `s` (reads and discards what it sends first).
+fn closed_by_peer(mut s: UnixStream) -> Vec<u8> {
+    let mut sink = Vec::new();
+    let _ = s.read_to_end(&mut sink);
+    sink
+}
+
+#[test]
+fn local_addr_is_the_socket_path_and_transport_is_shm() {
+    let ep = endpoint("a");
+    assert_eq!(ep.transport(), "shm");
+    assert_eq!(ep.local_addr(), ep.path().display().to_string());
+    assert!(ep.path().exists());
+    let path = ep.path().to_path_buf();
+    drop(ep);
+    assert!(!path.exists(), "socket file removed with the endpoint");
+}
+
+#[test]
+fn interleaved_layers_count_bytes_not_order() {
+    // 4 layers × 4 batches × 8 scattered runs; every batch but each layer's
+    // last is posted first, interleaved and all in flight together.
+    const RUN: u64 = 512;
+    const LAYER: u64 = 4 * 8 * RUN;
+    let mut p = pair();
+    let dst = Window::new(&*p.dst, 4 * LAYER);
+    let (src, data) = source(&*p.src, 4 * LAYER, 17);
+    let pl = p.dst.placement().clone();
+    // Layers 0 and 1 declared before any byte; 2 midway; 3 after all bytes.
+    pl.expect(tag(9, 0), LAYER).unwrap();
+    pl.expect(tag(9, 1), LAYER).unwrap();
+    // Batch b of layer l carries runs i = b*8..b*8+8, each placed at the
+    // mirrored position inside the layer.
+    let batch = |l: u64, b: u64| Batch {
+        tag: tag(9, l as u16),
+        writes: (b * 8..b * 8 + 8).map(|i| w(&src, l * LAYER + i * RUN, &dst.region, l * LAYER + (31 - i) * RUN, RUN)).collect(),
+    };
+    let mut ids = Vec::new();
+    for b in 0..3 {
+        for l in [2, 0, 3, 1] {
+            ids.push(p.conn.post(batch(l, b)).unwrap());
+        }
+    }
+    let done = complete(&mut *p.conn, ids.len());
+    let mut got: Vec<_> = done.iter().map(|c| c.batch).collect();
+    got.sort();
+    assert_eq!(got, ids, "one completion per batch");
+    for c in &done {
+        assert_eq!(c.result, Ok(()));
+        assert_eq!(c.bytes, 8 * RUN);
+    }
+    for l in 0..4 {
+        assert_eq!(pl.placed_bytes(tag(9, l)), 3 * 8 * RUN, "layer {l}: placed bytes counted by the time the source was released");
+        assert!(pl.flags().ready(tag(9, l)).is_none(), "layer {l} flagged before its last batch");
+    }
+    pl.expect(tag(9, 2), LAYER).unwrap();
+    assert!(pl.flags().ready(tag(9, 2)).is_none());
+    for l in [3, 1, 2, 0] {
+        p.conn.post(batch(l, 3)).unwrap();
+    }
+    assert!(complete(&mut *p.conn, 4).iter().all(|c| c.result.is_ok()));
+    for l in 0..3 {
+        pl.wait(tag(9, l), WAIT).unwrap();
+    }
+    assert!(pl.flags().ready(tag(9, 3)).is_none(), "layer 3 flagged before it was declared");
+    pl.expect(tag(9, 3), LAYER).unwrap();
+    pl.wait(tag(9, 3), WAIT).unwrap();
+    let mut want = vec![0u8; (4 * LAYER) as usize];
+    for l in 0..4u64 {
+        for i in 0..32u64 {
+            let (s, d) = ((l * LAYER + i * RUN) as usize, (l * LAYER + (31 - i) * RUN) as usize);
+            want[d..d + RUN as usize].copy_from_slice(&data[s..s + RUN as usize]);
+        }
+    }
+    assert_eq!(dst.bytes(), want);
+    dst.assert_guards();
+    // The initiator timed its hops into the source endpoint's histograms.
+    let hops = p.src.placement().hops();
+    assert_eq!(hops.summary(Hop::Post).count, 16);
+    assert_eq!(hops.summary(Hop::Wire).count, 16);
+    assert_eq!(hops.summary(Hop::Wire).bytes, 4 * LAYER);
+}
+
+#[test]
+fn batch_from_more_source_regions_than_one_message_can_carry() {
+    // 260 source regions: their memfds go out in two SCM_RIGHTS messages.
+    const N: u64 = 260;
+    let src_ep = endpoint_with("src", 512, ShmLimits::default());
+    let dst_ep = endpoint("dst");
+    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    let dst = Window::new(&*dst_ep, N * 64);
+    let sources: Vec<_> = (0..N).map(|i| source(&*src_ep, 64, i as u8)).collect();
+    let writes = sources.iter().enumerate().map(|(i, (r, _))| w(r, 0, &dst.region, i as u64 * 64, 64)).collect();
+    dst_ep.placement().expect(tag(1, 1), N * 64).unwrap();
+    conn.post(Batch { tag: tag(1, 1), writes }).unwrap();
+    assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
+    dst_ep.placement().wait(tag(1, 1), WAIT).unwrap();
+    let want: Vec<u8> = sources.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+    assert_eq!(dst.bytes(), want);
+    dst.assert_guards();
+    // Reusing the already-shared sources sends no fd and still works.
+    let dst2 = Window::new(&*dst_ep, 64);
+    dst_ep.placement().expect(tag(1, 2), 64).unwrap();
+    conn.post(Batch { tag: tag(1, 2), writes: vec![w(&sources[200].0, 0, &dst2.region, 0, 64)] }).unwrap();
+    assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
+    assert_eq!(dst2.bytes(), sources[200].1);
+    dst2.assert_guards();
+}
+
+#[test]
+fn revoke_after_use_refuses_later_writes_exactly() {
+    let mut p = pair();
+    let dst = Window::new(&*p.dst, 4096);
+    let (src, data) = source(&*p.src, 8192, 4);
+    p.dst.placement().expect(tag(2, 0), 4096).unwrap();
+    p.conn.post(Batch { tag: tag(2, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    assert_eq!(dst.bytes(), &data[..4096]);
+    assert!(p.dst.revoke(dst.region.key));
+    // The same source (already shared) into the revoked region: refused.
+    p.conn.post(Batch { tag: tag(2, 1), writes: vec![w(&src, 4096, &dst.region, 0, 4096)] }).unwrap();
+    let c = complete(&mut *p.conn, 1);
+    match &c[0].result {
+        Err(TransportError::Refused(why)) => assert!(why.contains("revoked"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(dst.bytes(), &data[..4096], "revoked region unchanged");
+    dst.assert_guards();
+    assert_eq!(p.dst.placement().placed_bytes(tag(2, 1)), 0);
+    // A batch mixing a good and a refused write fails as a whole, once
+    // both were answered; the connection keeps serving.
+    let other = Window::new(&*p.dst, 4096);
+    let mixed = vec![w(&src, 0, &other.region, 0, 1024), w(&src, 0, &dst.region, 0, 16)];
+    p.conn.post(Batch { tag: tag(2, 2), writes: mixed }).unwrap();
+    let c = complete(&mut *p.conn, 1);
+    assert!(matches!(c[0].result, Err(TransportError::Refused(_))), "{:?}", c[0].result);
+    assert_eq!(p.conn.pending(), 0);
+    p.dst.placement().expect(tag(2, 3), 3072).unwrap();
+    p.conn.post(Batch { tag: tag(2, 3), writes: vec![w(&src, 1024, &other.region, 1024, 3072)] }).unwrap();
+    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    p.dst.placement().wait(tag(2, 3), WAIT).unwrap();
+    assert_eq!(other.bytes(), &data[..4096]);
+    other.assert_guards();
+}
+
+#[test]
+fn unknown_slot_is_refused_before_any_byte_lands() {
+    let mut p = pair();
+    let dst = Window::new(&*p.dst, 256);
+    let (src, _) = source(&*p.src, 256, 8);
+    let before = dst.bytes();
+    p.conn.post(Batch { tag: tag(999, 0), writes: vec![w(&src, 0, &dst.region, 0, 256)] }).unwrap();
+    let c = complete(&mut *p.conn, 1);
+    match &c[0].result {
+        Err(TransportError::Refused(why)) => assert!(why.contains("flag table"), "{why}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!(dst.bytes(), before);
+    dst.assert_guards();
+}
+
+#[test]
+fn hostile_raw_clients_close_only_their_connection() {
+    let mut p = pair();
+    let addr = p.dst.local_addr();
+    let pl = p.dst.placement().clone();
+    let dst = Window::new(&*p.dst, 4096);
+    pl.expect(tag(3, 0), 4096).unwrap();
+
+    // Garbage instead of a hello.
+    let mut raw = UnixStream::connect(&addr).unwrap();
+    raw.write_all(&[0xFFu8; 100]).unwrap();
+    closed_by_peer(raw);
+    // A hello header claiming an enormous payload.
+    let mut raw = UnixStream::connect(&addr).unwrap();
+    raw.write_all(&hdr(Kind::Hello, 0, 0, 0, u64::MAX).encode()).unwrap();
+    closed_by_peer(raw);
+    // Half a header, then gone.
+    let mut raw = UnixStream::connect(&addr).unwrap();
+    raw.write_all(&hdr(Kind::Hello, 0, 0, 0, 10).encode()[..HEADER_LEN / 2]).unwrap();
+    drop(raw);
+    // After a good handshake: a truncated write request.
+    let mut raw = raw_client(&addr);
+    raw.write_all(&write_request(tag(3, 0), dst.region.key, 0, 0, 1, 0, 4096)[..HEADER_LEN + 10]).unwrap();
+    drop(raw);
+    // A write claiming to share an fd that never came.
+    let mut raw = raw_client(&addr);
+    raw.write_all(&write_request(tag(3, 0), dst.region.key, 0, 0, 1, 1, 4096)).unwrap();
+    closed_by_peer(raw);
+    // An undefined share value; a data-carrying write (TCP style); an ack.
+    for bad in [
+        write_request(tag(3, 0), dst.region.key, 0, 0, 1, 7, 4096),
+        [Header { kind: Kind::Write, tag: tag(3, 0), key: dst.region.key, seq: 0, offset: 0, len: 16 }.encode().as_slice(), &[0u8; 16]].concat(),
+        hdr(Kind::Ack, 0, 0, 0, 0).encode().to_vec(),
+    ] {
+        let mut raw = raw_client(&addr);
+        raw.write_all(&bad).unwrap();
+        closed_by_peer(raw);
+    }
+    // A write from a source never shared: refused by name, connection kept.
+    let mut raw = raw_client(&addr);
+    raw.write_all(&write_request(tag(3, 0), dst.region.key, 5, 0, 0x77, 0, 4096)).unwrap();
+    let (h, why) = read_frame(&mut raw);
+    assert_eq!((h.kind, h.seq), (Kind::Nack, 5));
+    assert!(String::from_utf8_lossy(&why).contains("never shared"), "{}", String::from_utf8_lossy(&why));
+    raw.write_all(&write_request(tag(3, 0), 0xBAD, 6, 0, 0x77, 0, 16)).unwrap();
+    let (h, why) = read_frame(&mut raw);
+    assert_eq!((h.kind, h.seq), (Kind::Nack, 6));
+    assert!(String::from_utf8_lossy(&why).contains("unknown or revoked"));
+    drop(raw);
+
+    assert_eq!(pl.placed_bytes(tag(3, 0)), 0, "no hostile byte counted");
+    assert!(pl.flags().ready(tag(3, 0)).is_none());
+    assert!(dst.bytes().iter().all(|&b| b == conformance::CANARY), "no hostile byte landed");
+    dst.assert_guards();
+    // The endpoint still serves a proper peer, on a new and the old connection.
+    let (src, data) = source(&*p.src, 4096, 6);
+    p.conn.post(Batch { tag: tag(3, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    pl.wait(tag(3, 0), WAIT).unwrap();
+    assert_eq!(dst.bytes(), data);
+    conformance::one_segment(&mut Pair { conn: p.src.connect(&addr).unwrap(), src: p.src.clone(), dst: p.dst.clone() });
+}
+
+#[test]
+fn version_mismatch_is_refused_by_name_at_the_destination() {
+    let dst = endpoint("dst");
+    let mut raw = UnixStream::connect(dst.local_addr()).unwrap();
+    raw.set_read_timeout(Some(WAIT)).unwrap();
+    let hello = hello_json(99, "shm", "old-peer");
+    raw.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
+    raw.write_all(&hello).unwrap();
+    let (h, _) = read_frame(&mut raw);
+    assert_eq!(h.kind, Kind::Hello, "the destination introduces itself first");
+    let (h, why) = read_frame(&mut raw);
+    assert_eq!(h.kind, Kind::Nack);
+    let why = String::from_utf8(why).unwrap();
+    assert!(why.contains("version 99") && why.contains("speaks 1"), "{why}");
+    closed_by_peer(raw);
+    // Still serving.
+    conformance::one_segment(&mut pair_to(&dst));
+}
+
+fn pair_to(dst: &Arc<ShmEndpoint>) -> Pair {
+    let src = endpoint("src");
+    let conn = src.connect(&dst.local_addr()).unwrap();
+    Pair { src, dst: dst.clone(), conn }
+}
+
+/// A fake destination on a fresh socket: sends `hello`, reads the
+/// initiator's, answers with `verdict`, then runs `then` on the stream.
+fn fake_destination(
+    hello: Vec<u8>,
+    verdict: Option<Header>,
+    then: impl FnOnce(UnixStream) + Send + 'static,
+) -> (String, std::thread::JoinHandle<()>, tempdir::Dir) {
+    let dir = tempdir::Dir::new();
+    let path = dir.0.join("fake.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        s.set_read_timeout(Some(WAIT)).unwrap();
+        s.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
+        s.write_all(&hello).unwrap();
+        let (h, _) = read_frame(&mut s);
+        assert_eq!(h.kind, Kind::Hello);
+        if let Some(v) = verdict {
+            s.write_all(&v.encode()).unwrap();
+        }
+        then(s);
+    });
+    (path.display().to_string(), t, dir)
+}
+
+mod tempdir {
+    /// A private directory removed on drop.
+    pub struct Dir(pub std::path::PathBuf);
+    impl Dir {
+        pub fn new() -> Dir {
+            static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let d = std::env::temp_dir().join(format!("kvwire-shm-test-{}-{n}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            std::fs::create_dir(&d).unwrap();
+            Dir(d)
+        }
+    }
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn version_mismatch_is_refused_by_name_at_the_initiator() {
+    let src = endpoint("src");
+    let (addr, fake, _dir) = fake_destination(hello_json(2, "shm", "future-peer"), None, |s| drop(closed_by_peer(s)));
+    let e = src.connect(&addr).err().expect("connect must fail");
+    assert_eq!(e, TransportError::Hello(HelloError::Version { node: "future-peer".into(), theirs: 2, ours: 1 }));
+    let text = e.to_string();
+    assert!(text.contains("version 2") && text.contains("speaks 1"), "{text}");
+    fake.join().unwrap();
+
+    let (addr, fake, _dir) = fake_destination(hello_json(1, "tcp", "tcp-peer"), None, |s| drop(closed_by_peer(s)));
+    let e = src.connect(&addr).err().expect("connect must fail");
+    assert!(matches!(e, TransportError::Hello(HelloError::Transport { .. })), "{e}");
+    assert!(e.to_string().contains("`tcp`") && e.to_string().contains("`shm`"), "{e}");
+    fake.join().unwrap();
+
+    // A destination that accepts our hello's format but refuses it anyway.
+    let why = b"no room for another peer";
+    let nack = hdr(Kind::Nack, 0, 0, 0, why.len() as u64);
+    let (addr, fake, _dir) = fake_destination(hello_json(1, "shm", "full"), Some(nack), move |mut s| {
+        s.write_all(why).unwrap();
+        drop(closed_by_peer(s));
+    });
+    let e = src.connect(&addr).err().expect("connect must fail");
+    assert!(e.to_string().contains("no room for another peer"), "{e}");
+    fake.join().unwrap();
+}
+
+#[test]
+fn peer_closing_mid_batch_fails_outstanding_batches() {
+    let src = endpoint("src");
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    // Reads the first write request (and its fd), then vanishes on cue.
+    let (addr, fake, _dir) = fake_destination(hello_json(1, "shm", "fake"), Some(hdr(Kind::Ack, 0, 0, 0, 0)), move |mut s| {
+        let mut first = vec![0u8; HEADER_LEN + TRAILER_LEN as usize];
+        s.read_exact(&mut first).unwrap();
+        wait.recv_timeout(WAIT).unwrap();
+    });
+    let mut conn = src.connect(&addr).unwrap();
+    assert_eq!(conn.remote().node, "fake");
+    let (region, _) = source(&*src, 1 << 16, 1);
+    for layer in 0..3 {
+        let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 << 16 };
+        conn.post(Batch { tag: Tag { slot: 1, layer }, writes: vec![write] }).unwrap();
+    }
+    assert_eq!(conn.pending(), 3);
+    go.send(()).unwrap();
+    fake.join().unwrap();
+    let c = complete(&mut *conn, 3);
+    for c in &c {
+        assert_eq!(c.result, Err(TransportError::PeerClosed { pending: 3 }));
+    }
+    assert_eq!(conn.pending(), 0);
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 16 };
+    assert!(conn.post(Batch { tag: Tag { slot: 1, layer: 4 }, writes: vec![write] }).is_err(), "a closed connection takes no more batches");
+}
+
+#[test]
+fn initiator_vanishing_mid_layer_publishes_no_flag() {
+    let dst_ep = endpoint("dst");
+    let src_ep = endpoint("src");
+    let dst = Window::new(&*dst_ep, 8192);
+    let (src, data) = source(&*src_ep, 8192, 12);
+    let pl = dst_ep.placement().clone();
+    pl.expect(tag(4, 0), 8192).unwrap();
+    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    conn.post(Batch { tag: tag(4, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
+    drop(conn);
+    // A raw client that shares nothing and dies mid-request adds nothing.
+    let mut raw = raw_client(&dst_ep.local_addr());
+    raw.write_all(&write_request(tag(4, 0), dst.region.key, 0, 4096, 1, 0, 4096)[..HEADER_LEN + 20]).unwrap();
+    drop(raw);
+    assert_eq!(pl.placed_bytes(tag(4, 0)), 4096);
+    assert!(pl.flags().ready(tag(4, 0)).is_none(), "half a layer is not a layer");
+    // A new connection finishes the layer.
+    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    conn.post(Batch { tag: tag(4, 0), writes: vec![w(&src, 4096, &dst.region, 4096, 4096)] }).unwrap();
+    assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
+    pl.wait(tag(4, 0), WAIT).unwrap();
+    assert_eq!(dst.bytes(), data);
+    dst.assert_guards();
+}
+
+#[test]
+fn too_many_shared_sources_close_the_connection() {
+    let src_ep = endpoint("src");
+    let limits = ShmLimits { max_sources: 2, ..ShmLimits::default() };
+    let dst_ep = endpoint_with("dst", 64, limits);
+    let dst = Window::new(&*dst_ep, 3 * 64);
+    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    let sources: Vec<_> = (0..3).map(|i| source(&*src_ep, 64, i)).collect();
+    let writes = sources.iter().enumerate().map(|(i, (r, _))| w(r, 0, &dst.region, i as u64 * 64, 64)).collect();
+    conn.post(Batch { tag: tag(5, 0), writes }).unwrap();
+    let c = complete(&mut *conn, 1);
+    assert_eq!(c[0].result, Err(TransportError::PeerClosed { pending: 1 }));
+    dst.assert_guards();
+    // Other connections are unaffected.
+    conformance::one_segment(&mut pair_to(&dst_ep));
+}
+
+#[test]
+fn dropping_the_destination_fails_the_initiators_batches() {
+    let src_ep = endpoint("src");
+    let dst_ep = endpoint("dst");
+    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    drop(dst_ep);
+    let (src, _) = source(&*src_ep, 64, 1);
+    let op = WriteOp { src_key: src.key, src_offset: 0, dst_key: 1, dst_offset: 0, len: 64 };
+    match conn.post(Batch { tag: tag(1, 0), writes: vec![op] }) {
+        Ok(_) => {
+            let c = complete(&mut *conn, 1);
+            assert!(matches!(c[0].result, Err(TransportError::PeerClosed { .. })), "{:?}", c[0].result);
+        }
+        Err(e) => assert!(matches!(e, TransportError::PeerClosed { .. } | TransportError::Io { .. }), "{e}"),
+    }
+}

@@ -1,0 +1,37 @@
+//! Host memory: sealing, bounds.
+
+use kvwire_transport::mem::{HostMem, MemError};
+use nix::sys::memfd::{memfd_create, MFdFlags};
+use std::fs::File;
+
+#[test]
+fn own_memfds_cannot_shrink_under_a_mapping() {
+    let m = HostMem::new("t", 4096).unwrap();
+    let f = File::from(m.fd().try_clone_to_owned().unwrap());
+    assert!(f.set_len(10).is_err(), "sealed memfd shrank");
+    assert!(HostMem::from_file(f).is_ok());
+}
+
+#[test]
+fn foreign_memfds_get_sealed_or_refused() {
+    // Sealable but unsealed: the receiver adds the shrink seal itself.
+    let f = File::from(memfd_create(c"t", MFdFlags::MFD_ALLOW_SEALING).unwrap());
+    f.set_len(4096).unwrap();
+    let m = HostMem::from_file(f.try_clone().unwrap()).unwrap();
+    assert!(f.set_len(1).is_err());
+    assert_eq!(m.len(), 4096);
+    // Not sealable: refused by name, nothing mapped.
+    let f = File::from(memfd_create(c"t", MFdFlags::empty()).unwrap());
+    f.set_len(4096).unwrap();
+    let e = HostMem::from_file(f).unwrap_err();
+    assert!(matches!(e, MemError::Unsealed { .. }), "{e}");
+    assert!(e.to_string().contains("MFD_ALLOW_SEALING"), "{e}");
+}
+
+#[test]
+fn access_is_bounds_checked() {
+    let m = HostMem::new("t", 100).unwrap();
+    assert!(matches!(m.write(90, &[0; 11]), Err(MemError::OutOfBounds { offset: 90, len: 11, size: 100 })));
+    assert!(matches!(m.read(u64::MAX, &mut [0; 2]), Err(MemError::OutOfBounds { .. })));
+    assert_eq!(HostMem::new("t", 0).unwrap_err(), MemError::Empty);
+}
