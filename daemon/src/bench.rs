@@ -5,6 +5,7 @@
 //! on a noisy host.
 
 use anyhow::{bail, Context};
+use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hops, Placement, Registry, Tag, WriteOp};
 use serde::Serialize;
@@ -41,9 +42,16 @@ fn best(mut samples: Vec<Duration>) -> Duration {
     samples[0]
 }
 
+fn placement() -> anyhow::Result<Arc<Placement>> {
+    Ok(Arc::new(Placement::new(FlagTable::new(1024, 1)?, Arc::new(Hops::default()))))
+}
+
 fn endpoint(node: &str) -> anyhow::Result<Arc<TcpEndpoint>> {
-    let placement = Arc::new(Placement::new(FlagTable::new(1024, 1)?, Arc::new(Hops::default())));
-    Ok(TcpEndpoint::bind(node, "127.0.0.1:0".parse()?, Arc::new(Registry::new(16)), placement, TcpLimits::default())?)
+    Ok(TcpEndpoint::bind(node, "127.0.0.1:0".parse()?, Arc::new(Registry::new(16)), placement()?, TcpLimits::default())?)
+}
+
+fn shm_endpoint(node: &str) -> anyhow::Result<Arc<ShmEndpoint>> {
+    Ok(ShmEndpoint::new(node, None, Arc::new(Registry::new(16)), placement()?, ShmLimits::default())?)
 }
 
 /// Times `iters` transfers of `size` bytes through `conn` into `dst`, each
@@ -137,7 +145,13 @@ pub fn transport(transport: &str, size: u64, iters: u32) -> anyhow::Result<Bench
             let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("tcp transfers")?;
             (s, "tcp socket pair (loopback)", tcp_baseline(size, iters)?)
         }
-        other => bail!("--transport {other}: this build measures tcp (shm and verbs come with their backends)"),
+        "shm" => {
+            let (src, dst) = (shm_endpoint("bench-src")?, shm_endpoint("bench-dst")?);
+            let mut conn = src.connect(&dst.local_addr())?;
+            let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("shm transfers")?;
+            (s, "single-thread memcpy", memcpy_baseline(size, iters)?)
+        }
+        other => bail!("--transport {other}: expected tcp or shm (verbs: scripts/bench-verbs, inside the soft-RoCE VM)"),
     };
     let (t, b) = (best(samples), best(base));
     let (g, bg) = (gbps(size, t), gbps(size, b));
