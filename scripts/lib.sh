@@ -26,6 +26,8 @@ need_apt() {
 
 need_rust() {
     command -v cargo >/dev/null 2>&1 || die "cargo not found — install Rust (https://rustup.rs) and re-run"
-    # Crates that build C (and the linker itself) need a C toolchain.
-    command -v cc >/dev/null 2>&1 || need_apt gcc libc6-dev
+    # The linker needs a C toolchain; the verbs crate (sideway) builds a
+    # small C stub with cmake and generates bindings with libclang. None of
+    # it links libibverbs: RDMA is loaded at run time.
+    need_apt gcc libc6-dev cmake libclang-dev
 }

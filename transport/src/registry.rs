@@ -39,6 +39,9 @@ pub enum RegistryError {
     /// Too many regions.
     #[error("region limit of {0} reached")]
     Limit(usize),
+    /// The key chosen for a region is already registered.
+    #[error("key {0:#010x} is already registered")]
+    KeyInUse(u32),
 }
 
 /// The regions of one endpoint.
@@ -73,6 +76,25 @@ impl Registry {
         let mut next = self.next.lock().expect("key counter lock");
         let key = self.salt ^ (*next & 0x000F_FFFF) ^ ((*next >> 20) << 20);
         *next = next.wrapping_add(1);
+        let region = Arc::new(Region { key, mem, offset, len });
+        regions.insert(key, region.clone());
+        Ok(region)
+    }
+
+    /// Registers a window under a key chosen by the caller (a NIC's rkey,
+    /// so local and remote names agree). Refuses a key already in use.
+    pub fn register_with_key(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: u32) -> Result<Arc<Region>, RegistryError> {
+        mem.check(offset, len)?;
+        if len == 0 {
+            return Err(RegistryError::Window(MemError::Empty));
+        }
+        let mut regions = self.regions.lock().expect("registry lock");
+        if regions.len() >= self.limit {
+            return Err(RegistryError::Limit(self.limit));
+        }
+        if regions.contains_key(&key) {
+            return Err(RegistryError::KeyInUse(key));
+        }
         let region = Arc::new(Region { key, mem, offset, len });
         regions.insert(key, region.clone());
         Ok(region)

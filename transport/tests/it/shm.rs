@@ -26,7 +26,7 @@ pub fn pair() -> Pair {
     let src = endpoint("src");
     let dst = endpoint("dst");
     let conn = src.connect(&dst.local_addr()).unwrap();
-    Pair { src, dst, conn }
+    Pair { src, dst, conn: Some(conn) }
 }
 
 mod contract {
@@ -113,10 +113,10 @@ fn interleaved_layers_count_bytes_not_order() {
     let mut ids = Vec::new();
     for b in 0..3 {
         for l in [2, 0, 3, 1] {
-            ids.push(p.conn.post(batch(l, b)).unwrap());
+            ids.push(p.conn().post(batch(l, b)).unwrap());
         }
     }
-    let done = complete(&mut *p.conn, ids.len());
+    let done = complete(p.conn(), ids.len());
     let mut got: Vec<_> = done.iter().map(|c| c.batch).collect();
     got.sort();
     assert_eq!(got, ids, "one completion per batch");
@@ -131,9 +131,9 @@ fn interleaved_layers_count_bytes_not_order() {
     pl.expect(tag(9, 2), LAYER).unwrap();
     assert!(pl.flags().ready(tag(9, 2)).is_none());
     for l in [3, 1, 2, 0] {
-        p.conn.post(batch(l, 3)).unwrap();
+        p.conn().post(batch(l, 3)).unwrap();
     }
-    assert!(complete(&mut *p.conn, 4).iter().all(|c| c.result.is_ok()));
+    assert!(complete(p.conn(), 4).iter().all(|c| c.result.is_ok()));
     for l in 0..3 {
         pl.wait(tag(9, l), WAIT).unwrap();
     }
@@ -188,13 +188,13 @@ fn revoke_after_use_refuses_later_writes_exactly() {
     let dst = Window::new(&*p.dst, 4096);
     let (src, data) = source(&*p.src, 8192, 4);
     p.dst.placement().expect(tag(2, 0), 4096).unwrap();
-    p.conn.post(Batch { tag: tag(2, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
-    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    p.conn().post(Batch { tag: tag(2, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     assert_eq!(dst.bytes(), &data[..4096]);
     assert!(p.dst.revoke(dst.region.key));
     // The same source (already shared) into the revoked region: refused.
-    p.conn.post(Batch { tag: tag(2, 1), writes: vec![w(&src, 4096, &dst.region, 0, 4096)] }).unwrap();
-    let c = complete(&mut *p.conn, 1);
+    p.conn().post(Batch { tag: tag(2, 1), writes: vec![w(&src, 4096, &dst.region, 0, 4096)] }).unwrap();
+    let c = complete(p.conn(), 1);
     match &c[0].result {
         Err(TransportError::Refused(why)) => assert!(why.contains("revoked"), "{why}"),
         other => panic!("expected a refusal, got {other:?}"),
@@ -206,13 +206,13 @@ fn revoke_after_use_refuses_later_writes_exactly() {
     // both were answered; the connection keeps serving.
     let other = Window::new(&*p.dst, 4096);
     let mixed = vec![w(&src, 0, &other.region, 0, 1024), w(&src, 0, &dst.region, 0, 16)];
-    p.conn.post(Batch { tag: tag(2, 2), writes: mixed }).unwrap();
-    let c = complete(&mut *p.conn, 1);
+    p.conn().post(Batch { tag: tag(2, 2), writes: mixed }).unwrap();
+    let c = complete(p.conn(), 1);
     assert!(matches!(c[0].result, Err(TransportError::Refused(_))), "{:?}", c[0].result);
-    assert_eq!(p.conn.pending(), 0);
+    assert_eq!(p.conn().pending(), 0);
     p.dst.placement().expect(tag(2, 3), 3072).unwrap();
-    p.conn.post(Batch { tag: tag(2, 3), writes: vec![w(&src, 1024, &other.region, 1024, 3072)] }).unwrap();
-    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    p.conn().post(Batch { tag: tag(2, 3), writes: vec![w(&src, 1024, &other.region, 1024, 3072)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     p.dst.placement().wait(tag(2, 3), WAIT).unwrap();
     assert_eq!(other.bytes(), &data[..4096]);
     other.assert_guards();
@@ -224,8 +224,8 @@ fn unknown_slot_is_refused_before_any_byte_lands() {
     let dst = Window::new(&*p.dst, 256);
     let (src, _) = source(&*p.src, 256, 8);
     let before = dst.bytes();
-    p.conn.post(Batch { tag: tag(999, 0), writes: vec![w(&src, 0, &dst.region, 0, 256)] }).unwrap();
-    let c = complete(&mut *p.conn, 1);
+    p.conn().post(Batch { tag: tag(999, 0), writes: vec![w(&src, 0, &dst.region, 0, 256)] }).unwrap();
+    let c = complete(p.conn(), 1);
     match &c[0].result {
         Err(TransportError::Refused(why)) => assert!(why.contains("flag table"), "{why}"),
         other => panic!("expected a refusal, got {other:?}"),
@@ -290,11 +290,11 @@ fn hostile_raw_clients_close_only_their_connection() {
     dst.assert_guards();
     // The endpoint still serves a proper peer, on a new and the old connection.
     let (src, data) = source(&*p.src, 4096, 6);
-    p.conn.post(Batch { tag: tag(3, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
-    assert_eq!(complete(&mut *p.conn, 1)[0].result, Ok(()));
+    p.conn().post(Batch { tag: tag(3, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     pl.wait(tag(3, 0), WAIT).unwrap();
     assert_eq!(dst.bytes(), data);
-    conformance::one_segment(&mut Pair { conn: p.src.connect(&addr).unwrap(), src: p.src.clone(), dst: p.dst.clone() });
+    conformance::one_segment(&mut Pair { conn: Some(p.src.connect(&addr).unwrap()), src: p.src.clone(), dst: p.dst.clone() });
 }
 
 #[test]
@@ -319,7 +319,7 @@ fn version_mismatch_is_refused_by_name_at_the_destination() {
 fn pair_to(dst: &Arc<ShmEndpoint>) -> Pair {
     let src = endpoint("src");
     let conn = src.connect(&dst.local_addr()).unwrap();
-    Pair { src, dst: dst.clone(), conn }
+    Pair { src, dst: dst.clone(), conn: Some(conn) }
 }
 
 /// A fake destination on a fresh socket: sends `hello`, reads the
