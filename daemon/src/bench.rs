@@ -7,6 +7,7 @@
 use anyhow::{bail, Context};
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hops, Placement, Registry, Tag, WriteOp};
 use serde::Serialize;
 use std::io::{Read, Write};
@@ -85,6 +86,85 @@ fn time_writes(src: &dyn Endpoint, dst: &dyn Endpoint, conn: &mut dyn Connection
     Ok(samples)
 }
 
+fn time_verbs(src: &VerbsEndpoint, dst: &VerbsEndpoint, size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+    // `time_writes` registers first, then the connection is made here,
+    // after, through a small adapter: connect lazily on first post.
+    struct Lazy<'a> {
+        src: &'a VerbsEndpoint,
+        peer: String,
+        conn: Option<Box<dyn Connection>>,
+    }
+    impl Lazy<'_> {
+        fn get(&mut self) -> Result<&mut Box<dyn Connection>, kvwire_transport::TransportError> {
+            if self.conn.is_none() {
+                self.conn = Some(self.src.connect(&self.peer)?);
+            }
+            Ok(self.conn.as_mut().expect("connected"))
+        }
+    }
+    impl Connection for Lazy<'_> {
+        fn remote(&self) -> &kvwire_transport::Hello {
+            self.conn.as_ref().expect("connected before use").remote()
+        }
+        fn post(&mut self, batch: Batch) -> Result<kvwire_transport::BatchId, kvwire_transport::TransportError> {
+            self.get()?.post(batch)
+        }
+        fn poll(&mut self, timeout: Duration) -> Result<Vec<kvwire_transport::Completion>, kvwire_transport::TransportError> {
+            self.get()?.poll(timeout)
+        }
+        fn pending(&self) -> usize {
+            self.conn.as_ref().map_or(0, |c| c.pending())
+        }
+    }
+    let mut lazy = Lazy { src, peer: dst.local_addr(), conn: None };
+    time_writes(src, dst, &mut lazy, size, iters)
+}
+
+/// `ib_write_bw` loopback on `device`: server and client on the same
+/// device, `size` bytes × `iters`; returns per-transfer times derived from
+/// its average bandwidth (reported in Gb/s, 1e9 bits).
+fn ib_write_bw(device: &str, gid_index: u32, size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+    use std::process::{Command, Stdio};
+    let port = 18515 + (std::process::id() % 1000) as u16;
+    let args = |c: &mut Command| {
+        c.args(["-d", device, "-i", "1", "-x", &gid_index.to_string(), "-s", &size.to_string()])
+            .args(["-n", &iters.max(5).to_string(), "-p", &port.to_string(), "-F", "--report_gbits"]);
+    };
+    let mut server = Command::new("ib_write_bw");
+    args(&mut server);
+    let mut server = server.stdout(Stdio::null()).stderr(Stdio::null()).spawn().context("run ib_write_bw (install perftest)")?;
+    let mut out = None;
+    // perftest clients do not retry: try until the server listens.
+    for _ in 0..100 {
+        let mut client = Command::new("ib_write_bw");
+        args(&mut client);
+        let o = client.arg("127.0.0.1").output().context("run ib_write_bw client")?;
+        if o.status.success() {
+            out = Some(o);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = server.wait();
+    let out = out.ok_or_else(|| anyhow::anyhow!("ib_write_bw client never connected to its server"))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    // The row after the `#bytes` header: bytes, iterations, peak, average, msg rate.
+    let row = text
+        .lines()
+        .skip_while(|l| !l.trim_start().starts_with("#bytes"))
+        .nth(1)
+        .ok_or_else(|| anyhow::anyhow!("ib_write_bw printed no bandwidth row:\n{text}"))?;
+    let avg_gbits: f64 = row
+        .split_whitespace()
+        .nth(3)
+        .and_then(|v| v.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("cannot read the average from ib_write_bw row `{row}`"))?;
+    if avg_gbits <= 0.0 {
+        bail!("ib_write_bw reported zero bandwidth: {row}");
+    }
+    Ok(vec![Duration::from_secs_f64(size as f64 * 8.0 / (avg_gbits * 1e9))])
+}
+
 /// Plain TCP socket pair on loopback streaming `size` bytes, receiver
 /// reading into a buffer, timed until the receiver holds every byte.
 fn tcp_baseline(size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
@@ -151,7 +231,20 @@ pub fn transport(transport: &str, size: u64, iters: u32) -> anyhow::Result<Bench
             let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("shm transfers")?;
             (s, "single-thread memcpy", memcpy_baseline(size, iters)?)
         }
-        other => bail!("--transport {other}: expected tcp or shm (verbs: scripts/bench-verbs, inside the soft-RoCE VM)"),
+        "verbs" => {
+            let dev = std::env::var("KVWIRE_RDMA_DEVICE").ok();
+            let ep = |node: &str| {
+                let limits = VerbsLimits { node: node.into(), slots: 1024, layers: 1, ..VerbsLimits::default() };
+                VerbsEndpoint::new(dev.as_deref(), 1, None, limits)
+            };
+            let (src, dst) = (ep("bench-src")?, ep("bench-dst")?);
+            let device = src.info().device.clone();
+            let gid_index = src.info().gid_index;
+            // Register before connecting: a verbs peer learns regions from the hello.
+            let s = time_verbs(&src, &dst, size, iters).context("verbs transfers")?;
+            (s, "ib_write_bw (same device, same run)", ib_write_bw(&device, gid_index, size, iters)?)
+        }
+        other => bail!("--transport {other}: expected tcp, shm or verbs"),
     };
     let (t, b) = (best(samples), best(base));
     let (g, bg) = (gbps(size, t), gbps(size, b));
