@@ -28,16 +28,30 @@ pub struct FlagTable {
     layers: u16,
 }
 
-/// A flag wait that ran out of time.
+/// The word value of a flag whose transfer failed: waiters stop waiting.
+pub const FAILED: u64 = u64::MAX;
+
+/// A flag wait that ended without the flag.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
-#[error("layer {layer} of transfer slot {slot} not ready after {waited:?}")]
-pub struct WaitTimeout {
-    /// Slot.
-    pub slot: u16,
-    /// Layer.
-    pub layer: u16,
-    /// How long it waited.
-    pub waited: Duration,
+pub enum WaitError {
+    /// Not published in time.
+    #[error("layer {layer} of transfer slot {slot} not ready after {waited:?}")]
+    Timeout {
+        /// Slot.
+        slot: u16,
+        /// Layer (column).
+        layer: u16,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// The transfer failed; the flag will never be published.
+    #[error("transfer slot {slot} failed (layer {layer} will never be ready)")]
+    Failed {
+        /// Slot.
+        slot: u16,
+        /// Layer (column).
+        layer: u16,
+    },
 }
 
 impl FlagTable {
@@ -50,6 +64,12 @@ impl FlagTable {
     /// The memory holding the words (to share with a client).
     pub fn mem(&self) -> &Arc<HostMem> {
         &self.mem
+    }
+
+    /// Maps a flag page received from a daemon (read-only use by clients).
+    pub fn from_mem(mem: Arc<HostMem>, slots: u16, layers: u16) -> Result<FlagTable, MemError> {
+        mem.check(0, u64::from(slots) * u64::from(layers) * 8)?;
+        Ok(FlagTable { mem, slots, layers })
     }
 
     /// Whether `tag` has a word in this table.
@@ -80,22 +100,37 @@ impl FlagTable {
         }
     }
 
+    /// Marks `tag` failed, unless it was already published.
+    pub fn fail(&self, tag: Tag) {
+        if let Some(w) = self.word(tag) {
+            let _ = w.compare_exchange(0, FAILED, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
     /// The publish time of `tag`'s flag, or `None` while not ready (acquire).
     pub fn ready(&self, tag: Tag) -> Option<u64> {
-        self.word(tag).map(|w| w.load(Ordering::Acquire)).filter(|&v| v != 0)
+        self.word(tag).map(|w| w.load(Ordering::Acquire)).filter(|&v| v != 0 && v != FAILED)
+    }
+
+    /// Whether `tag` was marked failed.
+    pub fn failed(&self, tag: Tag) -> bool {
+        self.word(tag).is_some_and(|w| w.load(Ordering::Acquire) == FAILED)
     }
 
     /// Waits until `tag` is ready; returns the `notify` hop (publish → seen).
-    pub fn wait(&self, tag: Tag, timeout: Duration) -> Result<Duration, WaitTimeout> {
+    pub fn wait(&self, tag: Tag, timeout: Duration) -> Result<Duration, WaitError> {
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
             if let Some(at) = self.ready(tag) {
                 return Ok(Duration::from_nanos(monotonic_ns().saturating_sub(at)));
             }
+            if self.failed(tag) {
+                return Err(WaitError::Failed { slot: tag.slot, layer: tag.layer });
+            }
             let waited = start.elapsed();
             if waited >= timeout {
-                return Err(WaitTimeout { slot: tag.slot, layer: tag.layer, waited });
+                return Err(WaitError::Timeout { slot: tag.slot, layer: tag.layer, waited });
             }
             // Spin briefly for latency, then back off so a long wait costs no core.
             spins += 1;

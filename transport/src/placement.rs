@@ -122,7 +122,7 @@ impl Placement {
             Some(expected) if c.placed > expected => {
                 Err(PlacementError::Overrun { slot: tag.slot, layer: tag.layer, placed: c.placed, expected })
             }
-            Some(expected) if c.placed == expected && !c.published => {
+            Some(expected) if c.placed == expected && !c.published && !self.flags.failed(tag) => {
                 if !self.flags.publish(tag) {
                     return Err(PlacementError::NoFlag { slot: tag.slot, layer: tag.layer });
                 }
@@ -139,10 +139,18 @@ impl Placement {
     }
 
     /// Waits for `tag`'s flag and records the `notify` hop.
-    pub fn wait(&self, tag: Tag, timeout: Duration) -> Result<Duration, crate::flags::WaitTimeout> {
+    pub fn wait(&self, tag: Tag, timeout: Duration) -> Result<Duration, crate::flags::WaitError> {
         let d = self.flags.wait(tag, timeout)?;
         self.hops.record(Hop::Notify, d, 0);
         Ok(d)
+    }
+
+    /// Marks every layer of `slot` below `columns` failed: no flag of it
+    /// will be published, and waiters return at once.
+    pub fn fail_slot(&self, slot: u16, columns: u16) {
+        for layer in 0..columns {
+            self.flags.fail(Tag { slot, layer });
+        }
     }
 
     /// Forgets every count of `slot` and clears its flags, so the slot can
