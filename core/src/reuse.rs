@@ -5,10 +5,11 @@
 //! positions with the same rotary parameters. Byte counts alone cannot tell
 //! a wrong revision or RoPE offset apart, so every field is compared.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What a cached prefix was computed with.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CacheIdentity {
     /// Digest of the model weights/revision.
     pub model_digest: String,

@@ -374,7 +374,7 @@ fn explicit_map(model: &ModelSpec, entries: &[ExplicitEntry]) -> Result<ShardMap
 }
 
 /// Which region of a rank a byte lives in: one region per stored tensor per layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub struct RegionId {
     /// Layer index.
     pub layer: u32,

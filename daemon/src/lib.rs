@@ -4,3 +4,10 @@
 
 pub mod bench;
 pub mod cli;
+pub mod client;
+pub mod config;
+pub mod control;
+pub mod metrics;
+pub mod peer;
+pub mod server;
+pub mod wire;

@@ -96,6 +96,12 @@ impl Hops {
         d.bytes = d.bytes.saturating_add(bytes);
     }
 
+    /// Cumulative sample counts at or below each bound (ns), for histogram exposition.
+    pub fn buckets(&self, hop: Hop, bounds_ns: &[u64]) -> Vec<u64> {
+        let d = self.hops[hop as usize].lock().expect("hop histogram lock");
+        bounds_ns.iter().map(|&b| d.hist.iter_recorded().filter(|v| v.value_iterated_to() <= b).map(|v| v.count_at_value()).sum()).collect()
+    }
+
     /// The summary of `hop`.
     pub fn summary(&self, hop: Hop) -> HopSummary {
         let d = self.hops[hop as usize].lock().expect("hop histogram lock");

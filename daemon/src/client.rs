@@ -1,0 +1,135 @@
+//! A client of the local kvwired: what an engine worker links (directly, or
+//! through the C ABI). Waiting for flags reads the mapped flag page — no
+//! round trip.
+
+use crate::control::*;
+use crate::wire::{self, WireError};
+use kvwire_transport::flags::WaitError;
+use kvwire_transport::{FlagTable, HostMem, Tag};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The socket failed or the daemon went away.
+    #[error("daemon connection: {0}")]
+    Wire(#[from] WireError),
+    /// The daemon answered with an error.
+    #[error("daemon error {code}: {message}")]
+    Daemon {
+        /// Numbered code ([`Code`]).
+        code: u32,
+        /// Message.
+        message: String,
+    },
+    /// The daemon answered something unexpected.
+    #[error("unexpected reply: {0}")]
+    Unexpected(String),
+    /// A flag wait ended without the flag.
+    #[error(transparent)]
+    Wait(#[from] WaitError),
+    /// The flag page could not be mapped.
+    #[error("flag page: {0}")]
+    FlagPage(String),
+}
+
+/// A connection to the local daemon.
+#[derive(Debug)]
+pub struct Client {
+    sock: UnixStream,
+    /// The daemon's node name.
+    pub node: String,
+    flags: FlagTable,
+}
+
+impl Client {
+    /// Connects and maps the daemon's flag page.
+    pub fn connect(path: &Path, name: &str) -> Result<Client, ClientError> {
+        let sock = UnixStream::connect(path).map_err(|e| WireError::Io { op: "connect", source: e })?;
+        wire::send_unix(&sock, &Request::Hello { client: name.into() }, &[])?;
+        let (body, mut fds) = wire::recv_unix(&sock)?;
+        let (node, slots, columns) = match wire::parse::<Reply>(&body)? {
+            Reply::Hello { node, slots, columns, .. } => (node, slots, columns),
+            Reply::Error { code, message } => return Err(ClientError::Daemon { code, message }),
+            other => return Err(ClientError::Unexpected(format!("{other:?}"))),
+        };
+        let fd = fds.pop().ok_or_else(|| ClientError::FlagPage("hello reply carried no flag page".into()))?;
+        let mem = HostMem::from_file(std::fs::File::from(fd)).map_err(|e| ClientError::FlagPage(e.to_string()))?;
+        let flags = FlagTable::from_mem(Arc::new(mem), slots, columns).map_err(|e| ClientError::FlagPage(e.to_string()))?;
+        Ok(Client { sock, node, flags })
+    }
+
+    /// One request, one reply.
+    pub fn call(&self, req: &Request, fds: &[std::os::fd::RawFd]) -> Result<Reply, ClientError> {
+        wire::send_unix(&self.sock, req, fds)?;
+        let (body, _) = wire::recv_unix(&self.sock)?;
+        match wire::parse::<Reply>(&body)? {
+            Reply::Error { code, message } => Err(ClientError::Daemon { code, message }),
+            r => Ok(r),
+        }
+    }
+
+    /// Registers one rank's cache held in `mem` (regions back to back, in layout order).
+    pub fn register(&self, r: RegisterCache, mem: &HostMem) -> Result<(u32, u64, bool), ClientError> {
+        match self.call(&Request::RegisterCache(r), &[mem.fd().as_raw_fd()])? {
+            Reply::Registered { regions, bytes, complete } => Ok((regions, bytes, complete)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Prepares to receive; returns the slot whose flags to wait on.
+    pub fn prepare(&self, p: PrepareReceive) -> Result<u16, ClientError> {
+        match self.call(&Request::PrepareReceive(p), &[])? {
+            Reply::Prepared { slot } => Ok(slot),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Submits a transfer; returns (local slot, peer slot, bytes, segments).
+    pub fn submit(&self, s: Submit) -> Result<(u16, u16, u64, u64), ClientError> {
+        match self.call(&Request::Submit(s), &[])? {
+            Reply::Submitted { slot, peer_slot, bytes, segments } => Ok((slot, peer_slot, bytes, segments)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Waits on the mapped flag page; returns the notify hop.
+    pub fn wait(&self, slot: u16, flag: FlagName, timeout: Duration) -> Result<Duration, ClientError> {
+        Ok(self.flags.wait(Tag { slot, layer: flag.column() }, timeout)?)
+    }
+
+    /// The flag, read from the page without waiting.
+    pub fn ready(&self, slot: u16, flag: FlagName) -> bool {
+        self.flags.ready(Tag { slot, layer: flag.column() }).is_some()
+    }
+
+    /// A transfer's state.
+    pub fn status(&self, slot: u16) -> Result<TransferStatus, ClientError> {
+        match self.call(&Request::Status { slot }, &[])? {
+            Reply::Status(s) => Ok(s),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
+    /// Cancels a transfer.
+    pub fn cancel(&self, slot: u16) -> Result<(), ClientError> {
+        self.call(&Request::Cancel { slot }, &[]).map(|_| ())
+    }
+
+    /// Releases a rank's cache.
+    pub fn release(&self, group: &str, rank: u32) -> Result<(), ClientError> {
+        self.call(&Request::ReleaseCache { group: group.into(), rank }, &[]).map(|_| ())
+    }
+
+    /// The daemon's Prometheus text.
+    pub fn stats(&self) -> Result<String, ClientError> {
+        match self.call(&Request::Stats, &[])? {
+            Reply::Stats { text } => Ok(text),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! kvwired settings: TOML file, then `KVWIRED_*` environment variables, then
+//! command-line flags — the later wins. Every key, its default and its
+//! meaning is documented in `config/kvwired.example.toml`. A bad setting
+//! fails at start with the key and the reason.
+
+use serde::Deserialize;
+use std::path::PathBuf;
+
+/// Transports a daemon can drive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransportKind {
+    /// TCP emulation of one-sided writes.
+    Tcp,
+    /// Same-host shared memory.
+    Shm,
+    /// RDMA verbs (real NIC or soft-RoCE).
+    Verbs,
+}
+
+/// A statically configured peer daemon.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerConfig {
+    /// The peer's node name (what clients name as a transfer's destination).
+    pub name: String,
+    /// Its peer-control address, `host:port`.
+    pub address: String,
+}
+
+/// Data-plane settings.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TransportConfig {
+    /// Which transport to offer.
+    pub kind: TransportKind,
+    /// Data listener for `tcp` (port 0 picks one; peers learn it in the handshake).
+    pub tcp_listen: String,
+    /// Directory for `shm` sockets (default: a private temp dir).
+    pub shm_dir: Option<PathBuf>,
+    /// RDMA device for `verbs` (default: the first).
+    pub verbs_device: Option<String>,
+    /// RDMA port.
+    pub verbs_port: u8,
+    /// GID index (default: the IPv4-mapped RoCE v2 GID).
+    pub verbs_gid_index: Option<u32>,
+    /// Handshake listener for `verbs`.
+    pub verbs_listen: String,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            kind: TransportKind::Tcp,
+            tcp_listen: "127.0.0.1:0".into(),
+            shm_dir: None,
+            verbs_device: None,
+            verbs_port: 1,
+            verbs_gid_index: None,
+            verbs_listen: "127.0.0.1:0".into(),
+        }
+    }
+}
+
+/// Resource limits.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Most registered regions (one per layer tensor per registered rank).
+    pub max_regions: usize,
+    /// Most transfers in flight, both directions.
+    pub max_inflight_transfers: usize,
+    /// Most bytes of client memory registered at once.
+    pub max_memory_bytes: u64,
+    /// Most concurrent control clients.
+    pub max_clients: usize,
+    /// Seconds a transfer may take before it fails.
+    pub transfer_timeout_secs: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_regions: 4096,
+            max_inflight_transfers: 64,
+            max_memory_bytes: 64 << 30,
+            max_clients: 256,
+            transfer_timeout_secs: 120,
+        }
+    }
+}
+
+/// Everything kvwired needs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This daemon's node name.
+    pub node: String,
+    /// Control socket path (mode 0600).
+    pub control_socket: PathBuf,
+    /// Peer-control listener, `host:port`.
+    pub peer_listen: String,
+    /// Prometheus metrics listener, `host:port`; empty = off.
+    pub metrics_listen: String,
+    /// File holding the shared secret peers authenticate with.
+    pub secret_file: Option<PathBuf>,
+    /// Data plane.
+    pub transport: TransportConfig,
+    /// Static peers.
+    pub peers: Vec<PeerConfig>,
+    /// Limits.
+    pub limits: Limits,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            node: "kvwired".into(),
+            control_socket: PathBuf::from("/run/kvwire/kvwired.sock"),
+            peer_listen: "127.0.0.1:7400".into(),
+            metrics_listen: String::new(),
+            secret_file: None,
+            transport: TransportConfig::default(),
+            peers: Vec::new(),
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// Why the settings were refused; always names the key.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("config file {path}: {reason}")]
+    Read {
+        /// Path.
+        path: String,
+        /// OS error.
+        reason: String,
+    },
+    /// The TOML is malformed or has an unknown key / wrong type.
+    #[error("config file {path}: {reason}")]
+    Parse {
+        /// Path.
+        path: String,
+        /// Parser message (names the key).
+        reason: String,
+    },
+    /// A value is impossible.
+    #[error("config key `{key}`: {reason}")]
+    Invalid {
+        /// Dotted key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid { key: key.into(), reason: reason.into() }
+}
+
+impl Config {
+    /// Parses TOML text (`path` only names it in errors).
+    pub fn from_toml(path: &str, text: &str) -> Result<Config, ConfigError> {
+        toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.into(), reason: one_line(&e.to_string()) })
+    }
+
+    /// Reads and parses a file.
+    pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
+        let p = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read { path: p.clone(), reason: e.to_string() })?;
+        Config::from_toml(&p, &text)
+    }
+
+    /// Applies `KVWIRED_*` variables from `vars` (e.g. `std::env::vars()`):
+    /// `KVWIRED_NODE`, `KVWIRED_CONTROL_SOCKET`, `KVWIRED_PEER_LISTEN`,
+    /// `KVWIRED_METRICS_LISTEN`, `KVWIRED_SECRET_FILE`, `KVWIRED_TRANSPORT`.
+    pub fn apply_env(&mut self, vars: impl IntoIterator<Item = (String, String)>) -> Result<(), ConfigError> {
+        for (k, v) in vars {
+            match k.as_str() {
+                "KVWIRED_NODE" => self.node = v,
+                "KVWIRED_CONTROL_SOCKET" => self.control_socket = v.into(),
+                "KVWIRED_PEER_LISTEN" => self.peer_listen = v,
+                "KVWIRED_METRICS_LISTEN" => self.metrics_listen = v,
+                "KVWIRED_SECRET_FILE" => self.secret_file = Some(v.into()),
+                "KVWIRED_TRANSPORT" => {
+                    self.transport.kind = match v.as_str() {
+                        "tcp" => TransportKind::Tcp,
+                        "shm" => TransportKind::Shm,
+                        "verbs" => TransportKind::Verbs,
+                        _ => return Err(invalid("KVWIRED_TRANSPORT", format!("expected tcp, shm or verbs, got `{v}`"))),
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks values that parse but cannot work.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.node.is_empty() || self.node.len() > 64 || !self.node.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(invalid("node", "1-64 characters of [A-Za-z0-9-_.]"));
+        }
+        let addr = |key: &str, v: &str| -> Result<(), ConfigError> {
+            v.parse::<std::net::SocketAddr>().map(|_| ()).map_err(|e| invalid(key, format!("`{v}` is not host:port ({e})")))
+        };
+        addr("peer_listen", &self.peer_listen)?;
+        if !self.metrics_listen.is_empty() {
+            addr("metrics_listen", &self.metrics_listen)?;
+        }
+        addr("transport.tcp_listen", &self.transport.tcp_listen)?;
+        addr("transport.verbs_listen", &self.transport.verbs_listen)?;
+        if self.control_socket.as_os_str().len() > 100 {
+            return Err(invalid("control_socket", "path longer than a Unix socket allows (100 bytes)"));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, p) in self.peers.iter().enumerate() {
+            addr(&format!("peers[{i}].address"), &p.address)?;
+            if !names.insert(&p.name) {
+                return Err(invalid(&format!("peers[{i}].name"), format!("peer `{}` listed twice", p.name)));
+            }
+        }
+        let l = &self.limits;
+        for (key, v) in [
+            ("limits.max_regions", l.max_regions as u64),
+            ("limits.max_inflight_transfers", l.max_inflight_transfers as u64),
+            ("limits.max_memory_bytes", l.max_memory_bytes),
+            ("limits.max_clients", l.max_clients as u64),
+            ("limits.transfer_timeout_secs", l.transfer_timeout_secs),
+        ] {
+            if v == 0 {
+                return Err(invalid(key, "must be > 0"));
+            }
+        }
+        if l.max_inflight_transfers > 200 {
+            return Err(invalid("limits.max_inflight_transfers", "at most 200 (flag-page slots)"));
+        }
+        Ok(())
+    }
+
+    /// The shared secret, read from `secret_file` (trailing newline ignored).
+    pub fn secret(&self) -> Result<Vec<u8>, ConfigError> {
+        let Some(path) = &self.secret_file else {
+            return Err(invalid("secret_file", "required: peers authenticate with a shared secret"));
+        };
+        let mut s = std::fs::read(path).map_err(|e| invalid("secret_file", format!("{}: {e}", path.display())))?;
+        while s.last().is_some_and(|b| b.is_ascii_whitespace()) {
+            s.pop();
+        }
+        if s.len() < 16 {
+            return Err(invalid("secret_file", format!("{}: secret shorter than 16 bytes", path.display())));
+        }
+        Ok(s)
+    }
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}

@@ -1,0 +1,319 @@
+//! The control protocol between an inference engine (client) and its
+//! host's kvwired, over a Unix socket (see [`crate::wire`] for framing).
+//!
+//! A client says `hello` and receives the flag page (a memfd) with the
+//! reply; it registers each TP/PP rank's cache by passing a memfd holding
+//! that rank's regions back to back, in [`kvwire_core::plan::Side::regions`]
+//! order (per held layer: K then V, or the MLA latent, then any state); a
+//! decode side prepares to receive a request; a prefill side submits a
+//! transfer naming the destination peer and request. Waiting needs no round
+//! trip: flag words for (slot, column) live in the mapped page —
+//! `layer_ready(L)` at column `L`, `decoder_usable` at
+//! [`DECODER_USABLE`], `source_released` at [`SOURCE_RELEASED`].
+
+use kvwire_core::reuse::CacheIdentity;
+use serde::{Deserialize, Serialize};
+
+/// Transfer slots in a daemon's flag page.
+pub const FLAG_SLOTS: u16 = 256;
+/// Most layers a transfer may have.
+pub const MAX_TRANSFER_LAYERS: u16 = 256;
+/// Flag column: all layers ready and the request's metadata committed.
+pub const DECODER_USABLE: u16 = MAX_TRANSFER_LAYERS;
+/// Flag column: every local completion of the source's writes polled.
+pub const SOURCE_RELEASED: u16 = MAX_TRANSFER_LAYERS + 1;
+/// Columns per slot.
+pub const FLAG_COLUMNS: u16 = MAX_TRANSFER_LAYERS + 2;
+
+/// Where a model's cache description comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum ModelSource {
+    /// A built-in model by name.
+    Builtin(String),
+    /// The text of a Hugging Face `config.json`.
+    HfConfig(String),
+    /// The text of a TOML model spec.
+    Toml(String),
+}
+
+/// Registers one rank's cache (a memfd travels with the message).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterCache {
+    /// Cache group: every rank of one engine instance's cache, one layout.
+    pub group: String,
+    /// The model.
+    pub model: ModelSource,
+    /// Cache format id, e.g. `bf16` or `fp8_e4m3_pth/v1`.
+    pub format: String,
+    /// Parallel layout, e.g. `tp=4,block=16,layout=nhd`.
+    pub layout: String,
+    /// This rank's number in the layout.
+    pub rank: u32,
+    /// Blocks per region (the engine's cache capacity).
+    pub num_blocks: u32,
+    /// What the cache holds: model/adapter digests, format, tenant, RoPE.
+    pub identity: CacheIdentity,
+}
+
+/// Prepares a destination group to receive a request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PrepareReceive {
+    /// Destination cache group (registered on this daemon).
+    pub group: String,
+    /// Destination request id (what the source names).
+    pub request: String,
+    /// Block ids, in position order, shared by every rank of the group.
+    pub block_table: Vec<u32>,
+    /// Tokens the request will hold.
+    pub tokens: u64,
+    /// Leading positions this side already holds (checked against identity).
+    pub prefix_tokens: u64,
+}
+
+/// Submits a transfer from a local group to a peer's prepared request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Submit {
+    /// Source request id (for logs and metrics).
+    pub request: String,
+    /// Source cache group.
+    pub group: String,
+    /// Source block table.
+    pub block_table: Vec<u32>,
+    /// Tokens in the request.
+    pub tokens: u64,
+    /// Destination daemon's node name.
+    pub peer: String,
+    /// Destination group.
+    pub dst_group: String,
+    /// Destination request id.
+    pub dst_request: String,
+}
+
+/// Flag names for round-trip waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FlagName {
+    /// `layer_ready(L)`.
+    LayerReady(u16),
+    /// `decoder_usable`.
+    DecoderUsable,
+    /// `source_released`.
+    SourceReleased,
+}
+
+impl FlagName {
+    /// The flag page column.
+    pub fn column(self) -> u16 {
+        match self {
+            FlagName::LayerReady(l) => l,
+            FlagName::DecoderUsable => DECODER_USABLE,
+            FlagName::SourceReleased => SOURCE_RELEASED,
+        }
+    }
+}
+
+/// Client → daemon.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Request {
+    /// First message; the reply carries the flag page fd.
+    Hello {
+        /// Client name, for logs.
+        client: String,
+    },
+    /// Register one rank's cache (memfd attached).
+    RegisterCache(RegisterCache),
+    /// Unregister a rank's cache: its regions are revoked.
+    ReleaseCache {
+        /// Group.
+        group: String,
+        /// Rank.
+        rank: u32,
+    },
+    /// Prepare to receive.
+    PrepareReceive(PrepareReceive),
+    /// Start a transfer.
+    Submit(Submit),
+    /// Wait for a flag with a round trip (clients that map the page need not).
+    Wait {
+        /// Slot.
+        slot: u16,
+        /// Which flag.
+        flag: FlagName,
+        /// Give up after this long.
+        timeout_ms: u64,
+    },
+    /// A transfer's state.
+    Status {
+        /// Slot.
+        slot: u16,
+    },
+    /// Cancel a transfer (either side); its flags fail.
+    Cancel {
+        /// Slot.
+        slot: u16,
+    },
+    /// Counters and hop histograms.
+    Stats,
+}
+
+/// The state of a transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransferState {
+    /// Prepared, waiting for the source.
+    Prepared,
+    /// Bytes moving.
+    Running,
+    /// Finished: every flag published.
+    Done,
+    /// Failed; see `error`.
+    Failed,
+    /// Cancelled by a client.
+    Cancelled,
+}
+
+/// What [`Request::Status`] reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TransferStatus {
+    /// Slot.
+    pub slot: u16,
+    /// Request id on this side.
+    pub request: String,
+    /// `source` or `destination`.
+    pub role: String,
+    /// State.
+    pub state: TransferState,
+    /// Why it failed.
+    pub error: Option<String>,
+    /// Layers in the transfer.
+    pub layers: u16,
+    /// Bytes the plan moves (counted at this side: sent or to receive).
+    pub bytes: u64,
+    /// Segments of the plan (source side).
+    pub segments: u64,
+    /// Destination bytes skipped by prefix reuse.
+    pub reused_bytes: u64,
+    /// Nanoseconds from submit (or prepare) to done, when done.
+    pub elapsed_ns: Option<u64>,
+}
+
+/// Daemon → client. Errors carry a numbered [`Code`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "reply", rename_all = "snake_case")]
+pub enum Reply {
+    /// Hello answered; the flag page fd is attached.
+    Hello {
+        /// Daemon node name.
+        node: String,
+        /// Protocol version.
+        version: u32,
+        /// Slots in the flag page.
+        slots: u16,
+        /// Columns per slot.
+        columns: u16,
+    },
+    /// Rank registered.
+    Registered {
+        /// Regions registered.
+        regions: u32,
+        /// Bytes of the rank's regions.
+        bytes: u64,
+        /// Every rank of the group is now registered.
+        complete: bool,
+    },
+    /// Rank released.
+    Released,
+    /// Receive prepared in `slot`.
+    Prepared {
+        /// Slot.
+        slot: u16,
+    },
+    /// Transfer started in `slot`.
+    Submitted {
+        /// Slot (this daemon's, for `source_released`).
+        slot: u16,
+        /// The destination daemon's slot (its `layer_ready` flags).
+        peer_slot: u16,
+        /// Bytes the plan moves.
+        bytes: u64,
+        /// Segments of the plan.
+        segments: u64,
+    },
+    /// Wait finished; nanoseconds from publish to seen.
+    Waited {
+        /// Notify hop.
+        notify_ns: u64,
+    },
+    /// Transfer state.
+    Status(TransferStatus),
+    /// Cancelled.
+    Cancelled,
+    /// Prometheus text of the counters.
+    Stats {
+        /// Exposition text.
+        text: String,
+    },
+    /// The request failed.
+    Error {
+        /// Numbered code.
+        code: u32,
+        /// Message naming what was wrong.
+        message: String,
+    },
+}
+
+/// Result codes, numbered by family; a retired number is never reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Code {
+    /// Malformed message.
+    Malformed = 100,
+    /// Bad model description.
+    BadModel = 101,
+    /// Bad layout or format.
+    BadLayout = 102,
+    /// Memory passed does not fit the layout.
+    BadRegion = 103,
+    /// Unknown group or rank.
+    UnknownGroup = 104,
+    /// Unknown slot.
+    UnknownSlot = 105,
+    /// Not every rank of a group is registered.
+    IncompleteGroup = 106,
+    /// Two registrations of one group disagree.
+    Mismatch = 107,
+    /// A limit was reached.
+    Limit = 108,
+    /// No prepared receive matches.
+    NotPrepared = 109,
+    /// Bad block table or token counts.
+    BadRequest = 110,
+    /// The peer is not configured.
+    UnknownPeer = 200,
+    /// The peer cannot be reached.
+    PeerUnreachable = 201,
+    /// Peer authentication failed.
+    AuthFailed = 202,
+    /// The peer refused the transfer.
+    PeerRefused = 203,
+    /// The transfer failed.
+    TransferFailed = 300,
+    /// A wait timed out.
+    Timeout = 301,
+    /// The transfer was cancelled.
+    Cancelled = 302,
+    /// The client may not do this.
+    PermissionDenied = 400,
+}
+
+impl Reply {
+    /// An error reply.
+    pub fn error(code: Code, message: impl Into<String>) -> Reply {
+        Reply::Error { code: code as u32, message: message.into() }
+    }
+}

@@ -1,0 +1,92 @@
+//! Daemon counters (DESIGN.md §1 vocabulary) and their Prometheus text.
+
+use kvwire_transport::metrics::{Hop, Hops};
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Counters since start.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    /// Payload bytes sent by plans executed from here (after prefix reuse).
+    pub payload_bytes: AtomicU64,
+    /// Bytes that crossed the link: payload + framing and acks (tcp), control messages.
+    pub wire_bytes: AtomicU64,
+    /// Destination bytes skipped by prefix reuse.
+    pub reused_bytes: AtomicU64,
+    /// Bytes sent again (none yet: failed transfers are not retried).
+    pub retransmitted_bytes: AtomicU64,
+    /// Bytes expected by transfers received here.
+    pub received_bytes: AtomicU64,
+    /// Transfers finished, by outcome and role.
+    pub source_done: AtomicU64,
+    /// Source transfers failed.
+    pub source_failed: AtomicU64,
+    /// Destination transfers finished.
+    pub destination_done: AtomicU64,
+    /// Destination transfers failed.
+    pub destination_failed: AtomicU64,
+    /// Transfers cancelled by clients.
+    pub cancelled: AtomicU64,
+    /// Peer handshakes refused (wrong secret or protocol).
+    pub peers_refused: AtomicU64,
+    /// Control clients refused (uid).
+    pub clients_refused: AtomicU64,
+}
+
+impl Metrics {
+    /// Adds `n` to a counter.
+    pub fn add(c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Prometheus text exposition of the counters and `hops`.
+    pub fn render(&self, node: &str, hops: &Hops) -> String {
+        let mut out = String::new();
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let counters: [(&str, &str, &[(&str, u64)]); 7] = [
+            ("kvwire_payload_bytes_total", "Payload bytes sent by plans from this daemon (after prefix reuse).", &[("", g(&self.payload_bytes))]),
+            ("kvwire_wire_bytes_total", "Bytes that crossed the link: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
+            ("kvwire_reused_bytes_total", "Destination bytes skipped by validated prefix reuse.", &[("", g(&self.reused_bytes))]),
+            ("kvwire_retransmitted_bytes_total", "Bytes sent again.", &[("", g(&self.retransmitted_bytes))]),
+            ("kvwire_received_bytes_total", "Bytes expected by transfers received here.", &[("", g(&self.received_bytes))]),
+            (
+                "kvwire_transfers_total",
+                "Transfers by role and outcome.",
+                &[
+                    ("role=\"source\",outcome=\"done\"", g(&self.source_done)),
+                    ("role=\"source\",outcome=\"failed\"", g(&self.source_failed)),
+                    ("role=\"destination\",outcome=\"done\"", g(&self.destination_done)),
+                    ("role=\"destination\",outcome=\"failed\"", g(&self.destination_failed)),
+                    ("role=\"any\",outcome=\"cancelled\"", g(&self.cancelled)),
+                ],
+            ),
+            (
+                "kvwire_refused_total",
+                "Peers and clients refused.",
+                &[("who=\"peer\"", g(&self.peers_refused)), ("who=\"client\"", g(&self.clients_refused))],
+            ),
+        ];
+        for (name, help, series) in counters {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
+            for (labels, v) in series {
+                let l = if labels.is_empty() { format!("node=\"{node}\"") } else { format!("node=\"{node}\",{labels}") };
+                let _ = writeln!(out, "{name}{{{l}}} {v}");
+            }
+        }
+        let _ = writeln!(out, "# HELP kvwire_hop_seconds Time spent in each hop of the path.\n# TYPE kvwire_hop_seconds histogram");
+        const BOUNDS_NS: [u64; 12] =
+            [1_000, 10_000, 50_000, 100_000, 500_000, 1_000_000, 5_000_000, 10_000_000, 50_000_000, 100_000_000, 1_000_000_000, 10_000_000_000];
+        for hop in Hop::ALL {
+            let b = hops.buckets(hop, &BOUNDS_NS);
+            let s = hops.summary(hop);
+            for (bound, count) in BOUNDS_NS.iter().zip(&b) {
+                let _ = writeln!(out, "kvwire_hop_seconds_bucket{{node=\"{node}\",hop=\"{}\",le=\"{}\"}} {count}", hop.name(), *bound as f64 / 1e9);
+            }
+            let _ = writeln!(out, "kvwire_hop_seconds_bucket{{node=\"{node}\",hop=\"{}\",le=\"+Inf\"}} {}", hop.name(), s.count);
+            let _ = writeln!(out, "kvwire_hop_seconds_sum{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.sum_ns as f64 / 1e9);
+            let _ = writeln!(out, "kvwire_hop_seconds_count{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.count);
+            let _ = writeln!(out, "kvwire_hop_bytes_total{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.bytes);
+        }
+        out
+    }
+}

@@ -1,0 +1,906 @@
+//! The daemon: cache groups registered by local clients, transfer slots,
+//! the control socket, the peer listener, and the threads that move bytes.
+
+use crate::config::{Config, TransportKind};
+use crate::control::*;
+use crate::metrics::Metrics;
+use crate::peer::{self, Accept, Offer, PeerMsg, PeerRegion};
+use crate::wire::{self, read_msg, write_msg, WireError};
+use kvwire_core::layout::{self, ModelSpec};
+use kvwire_core::plan::{self, CostModel, PlanInput, Side};
+use kvwire_core::reuse::{check_prefix, CacheIdentity};
+use kvwire_core::shard::{LayoutSpec, RegionId, ShardMap};
+use kvwire_core::CacheFormat;
+use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
+use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
+use kvwire_transport::{Batch, Endpoint, FlagTable, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+struct RankCache {
+    // Field order: regions (revoked on release) before the memory.
+    regions: BTreeMap<RegionId, Arc<Region>>,
+    mem: Arc<HostMem>,
+    client: u64,
+}
+
+struct Group {
+    model: ModelSpec,
+    format: CacheFormat,
+    layout: LayoutSpec,
+    layout_text: String,
+    num_blocks: u32,
+    identity: CacheIdentity,
+    shard: ShardMap,
+    ranks: BTreeMap<u32, RankCache>,
+}
+
+impl Group {
+    fn complete(&self) -> bool {
+        self.ranks.len() == self.shard.ranks.len()
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Source,
+    Destination,
+}
+
+struct Slot {
+    role: Role,
+    request: String,
+    state: TransferState,
+    error: Option<String>,
+    layers: u16,
+    bytes: u64,
+    segments: u64,
+    reused: u64,
+    started: Instant,
+    elapsed: Option<Duration>,
+    recv: Option<PrepareReceive>,
+    stop: Arc<AtomicBool>,
+}
+
+#[derive(Default)]
+struct State {
+    groups: HashMap<String, Group>,
+    slots: HashMap<u16, Slot>,
+    next_slot: u16,
+    memory: u64,
+    regions: usize,
+}
+
+/// A running daemon.
+pub struct Daemon {
+    cfg: Config,
+    secret: Vec<u8>,
+    ep: Arc<dyn Endpoint>,
+    state: Mutex<State>,
+    /// Counters.
+    pub metrics: Metrics,
+    stop: AtomicBool,
+    next_client: AtomicU64,
+    peer_addr: String,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon").field("node", &self.cfg.node).finish()
+    }
+}
+
+fn err(code: Code, m: impl std::fmt::Display) -> Reply {
+    Reply::error(code, m.to_string())
+}
+
+fn flags_placement() -> anyhow::Result<Arc<Placement>> {
+    Ok(Arc::new(Placement::new(FlagTable::new(FLAG_SLOTS, FLAG_COLUMNS)?, Arc::new(Hops::default()))))
+}
+
+impl Daemon {
+    /// Starts the data plane and binds every listener; threads serve until [`Daemon::shutdown`].
+    pub fn start(cfg: Config) -> anyhow::Result<Arc<Daemon>> {
+        cfg.validate()?;
+        let secret = cfg.secret()?;
+        let t = &cfg.transport;
+        let ep: Arc<dyn Endpoint> = match t.kind {
+            TransportKind::Tcp => {
+                let reg = Arc::new(Registry::new(cfg.limits.max_regions));
+                TcpEndpoint::bind(&cfg.node, t.tcp_listen.parse()?, reg, flags_placement()?, TcpLimits::default())?
+            }
+            TransportKind::Shm => {
+                let reg = Arc::new(Registry::new(cfg.limits.max_regions));
+                ShmEndpoint::new(&cfg.node, t.shm_dir.as_deref(), reg, flags_placement()?, ShmLimits::default())?
+            }
+            TransportKind::Verbs => {
+                let limits = VerbsLimits {
+                    listen: t.verbs_listen.clone(),
+                    node: cfg.node.clone(),
+                    max_regions: cfg.limits.max_regions,
+                    slots: FLAG_SLOTS,
+                    layers: FLAG_COLUMNS,
+                    ..VerbsLimits::default()
+                };
+                Arc::new(VerbsEndpoint::new(t.verbs_device.as_deref(), t.verbs_port, t.verbs_gid_index, limits)?)
+            }
+        };
+        let peer_listener = TcpListener::bind(&cfg.peer_listen).map_err(|e| anyhow::anyhow!("peer_listen {}: {e}", cfg.peer_listen))?;
+        let peer_addr = peer_listener.local_addr()?.to_string();
+        let _ = std::fs::remove_file(&cfg.control_socket);
+        if let Some(dir) = cfg.control_socket.parent() {
+            std::fs::create_dir_all(dir).ok();
+        }
+        let control = UnixListener::bind(&cfg.control_socket)
+            .map_err(|e| anyhow::anyhow!("control_socket {}: {e}", cfg.control_socket.display()))?;
+        std::fs::set_permissions(&cfg.control_socket, std::fs::Permissions::from_mode(0o600))?;
+        let metrics_listener = if cfg.metrics_listen.is_empty() {
+            None
+        } else {
+            Some(TcpListener::bind(&cfg.metrics_listen).map_err(|e| anyhow::anyhow!("metrics_listen {}: {e}", cfg.metrics_listen))?)
+        };
+        let d = Arc::new(Daemon {
+            cfg,
+            secret,
+            ep,
+            state: Mutex::new(State::default()),
+            metrics: Metrics::default(),
+            stop: AtomicBool::new(false),
+            next_client: AtomicU64::new(1),
+            peer_addr,
+        });
+        let dd = d.clone();
+        std::thread::Builder::new().name("kvwired-control".into()).spawn(move || dd.control_loop(control))?;
+        let dd = d.clone();
+        std::thread::Builder::new().name("kvwired-peers".into()).spawn(move || dd.peer_loop(peer_listener))?;
+        if let Some(l) = metrics_listener {
+            let dd = d.clone();
+            std::thread::Builder::new().name("kvwired-metrics".into()).spawn(move || dd.metrics_loop(l))?;
+        }
+        tracing::info!(node = d.cfg.node, transport = d.ep.transport(), data = d.ep.local_addr(), peer = d.peer_addr, "kvwired started");
+        Ok(d)
+    }
+
+    /// The peer listener's bound address.
+    pub fn peer_addr(&self) -> &str {
+        &self.peer_addr
+    }
+
+    /// The data plane's address.
+    pub fn data_addr(&self) -> String {
+        self.ep.local_addr()
+    }
+
+    /// Stops accepting; in-flight transfers fail their flags.
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = UnixStream::connect(&self.cfg.control_socket);
+        let _ = TcpStream::connect(&self.peer_addr);
+        let _ = std::fs::remove_file(&self.cfg.control_socket);
+    }
+
+    fn hops(&self) -> &Arc<Hops> {
+        self.ep.placement().hops()
+    }
+
+    /// Prometheus text of every counter and hop histogram.
+    pub fn metrics_text(&self) -> String {
+        self.metrics.render(&self.cfg.node, self.hops())
+    }
+
+    // ------------------------------------------------------------ control
+
+    fn control_loop(self: Arc<Self>, l: UnixListener) {
+        let live = Arc::new(AtomicU64::new(0));
+        for s in l.incoming() {
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(s) = s else { continue };
+            if live.load(Ordering::Acquire) >= self.cfg.limits.max_clients as u64 {
+                let _ = wire::send_unix(&s, &err(Code::Limit, format!("at most {} clients", self.cfg.limits.max_clients)), &[]);
+                continue;
+            }
+            let d = self.clone();
+            let live = live.clone();
+            live.fetch_add(1, Ordering::AcqRel);
+            let spawned = std::thread::Builder::new().name("kvwired-client".into()).spawn(move || {
+                d.serve_client(s);
+                live.fetch_sub(1, Ordering::AcqRel);
+            });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "cannot spawn a client thread");
+            }
+        }
+    }
+
+    fn serve_client(self: &Arc<Self>, s: UnixStream) {
+        let creds = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials);
+        let me = nix::unistd::geteuid().as_raw();
+        match creds {
+            Ok(c) if c.uid() == me => {}
+            Ok(c) => {
+                Metrics::add(&self.metrics.clients_refused, 1);
+                tracing::warn!(uid = c.uid(), pid = c.pid(), "control client of another uid refused");
+                let _ = wire::send_unix(&s, &err(Code::PermissionDenied, format!("uid {} may not use this daemon (runs as uid {me})", c.uid())), &[]);
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "SO_PEERCRED failed; client refused");
+                return;
+            }
+        }
+        let client = self.next_client.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let (body, fds) = match wire::recv_unix(&s) {
+                Ok(m) => m,
+                Err(WireError::Closed) => break,
+                Err(e @ (WireError::TooLong(_) | WireError::Fds(_))) => {
+                    let _ = wire::send_unix(&s, &err(Code::Malformed, &e), &[]);
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(client, error = %e, "control connection ended");
+                    break;
+                }
+            };
+            let req: Request = match wire::parse(&body) {
+                Ok(r) => r,
+                Err(e) => {
+                    if wire::send_unix(&s, &err(Code::Malformed, &e), &[]).is_err() {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let span = tracing::debug_span!("control", client);
+            let _g = span.enter();
+            let (reply, send_flag_page) = self.handle(client, req, fds);
+            let page = self.ep.placement().flags().mem().clone();
+            let fds = if send_flag_page { vec![page.fd().as_raw_fd()] } else { vec![] };
+            if wire::send_unix(&s, &reply, &fds).is_err() {
+                break;
+            }
+        }
+        self.release_client(client);
+    }
+
+    /// A client went away: revoke everything it registered.
+    fn release_client(&self, client: u64) {
+        let mut st = self.state.lock().expect("state lock");
+        let st = &mut *st;
+        for g in st.groups.values_mut() {
+            let gone: Vec<u32> = g.ranks.iter().filter(|(_, r)| r.client == client).map(|(k, _)| *k).collect();
+            for rank in gone {
+                if let Some(rc) = g.ranks.remove(&rank) {
+                    for r in rc.regions.values() {
+                        self.ep.revoke(r.key);
+                    }
+                    st.memory -= rc.mem.len();
+                    st.regions -= rc.regions.len();
+                    tracing::info!(client, rank, "client gone: its regions are revoked");
+                }
+            }
+        }
+        st.groups.retain(|_, g| !g.ranks.is_empty());
+    }
+
+    fn handle(self: &Arc<Self>, client: u64, req: Request, fds: Vec<std::os::fd::OwnedFd>) -> (Reply, bool) {
+        if !matches!(req, Request::RegisterCache(_)) && !fds.is_empty() {
+            return (err(Code::Malformed, "this request carries no file descriptors"), false);
+        }
+        match req {
+            Request::Hello { client: name } => {
+                tracing::debug!(name, "client hello");
+                let r = Reply::Hello { node: self.cfg.node.clone(), version: peer::PEER_VERSION, slots: FLAG_SLOTS, columns: FLAG_COLUMNS };
+                (r, true)
+            }
+            Request::RegisterCache(r) => (self.register(client, r, fds), false),
+            Request::ReleaseCache { group, rank } => (self.release(client, &group, rank), false),
+            Request::PrepareReceive(p) => (self.prepare(p), false),
+            Request::Submit(s) => (self.submit(s), false),
+            Request::Wait { slot, flag, timeout_ms } => {
+                let tag = Tag { slot, layer: flag.column() };
+                match self.ep.placement().flags().wait(tag, Duration::from_millis(timeout_ms)) {
+                    Ok(d) => (Reply::Waited { notify_ns: d.as_nanos() as u64 }, false),
+                    Err(e @ kvwire_transport::flags::WaitError::Failed { .. }) => {
+                        let why = self.state.lock().expect("state lock").slots.get(&slot).and_then(|s| s.error.clone());
+                        (err(Code::TransferFailed, format!("{e}: {}", why.unwrap_or_default())), false)
+                    }
+                    Err(e) => (err(Code::Timeout, e), false),
+                }
+            }
+            Request::Status { slot } => {
+                let st = self.state.lock().expect("state lock");
+                match st.slots.get(&slot) {
+                    Some(s) => (
+                        Reply::Status(TransferStatus {
+                            slot,
+                            request: s.request.clone(),
+                            role: if s.role == Role::Source { "source" } else { "destination" }.into(),
+                            state: s.state,
+                            error: s.error.clone(),
+                            layers: s.layers,
+                            bytes: s.bytes,
+                            segments: s.segments,
+                            reused_bytes: s.reused,
+                            elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
+                        }),
+                        false,
+                    ),
+                    None => (err(Code::UnknownSlot, format!("no transfer in slot {slot}")), false),
+                }
+            }
+            Request::Cancel { slot } => {
+                let mut st = self.state.lock().expect("state lock");
+                match st.slots.get_mut(&slot) {
+                    Some(s) if matches!(s.state, TransferState::Prepared | TransferState::Running) => {
+                        s.state = TransferState::Cancelled;
+                        s.error = Some("cancelled by client".into());
+                        s.stop.store(true, Ordering::Release);
+                        self.ep.placement().fail_slot(slot, FLAG_COLUMNS);
+                        Metrics::add(&self.metrics.cancelled, 1);
+                        (Reply::Cancelled, false)
+                    }
+                    Some(_) => (err(Code::BadRequest, format!("slot {slot} already finished")), false),
+                    None => (err(Code::UnknownSlot, format!("no transfer in slot {slot}")), false),
+                }
+            }
+            Request::Stats => (Reply::Stats { text: self.metrics_text() }, false),
+        }
+    }
+
+    fn register(&self, client: u64, r: RegisterCache, mut fds: Vec<std::os::fd::OwnedFd>) -> Reply {
+        if fds.len() != 1 {
+            return err(Code::Malformed, format!("register_cache needs exactly one memfd, got {}", fds.len()));
+        }
+        let model = match &r.model {
+            ModelSource::Builtin(n) => layout::builtin(n),
+            ModelSource::HfConfig(t) => layout::from_hf_config(&r.group, t),
+            ModelSource::Toml(t) => layout::from_toml_spec(&r.group, t),
+        };
+        let model = match model {
+            Ok(m) => m,
+            Err(e) => return err(Code::BadModel, format!("model: {e}")),
+        };
+        if model.layers.len() > usize::from(MAX_TRANSFER_LAYERS) {
+            return err(Code::BadModel, format!("model has {} layers; at most {MAX_TRANSFER_LAYERS}", model.layers.len()));
+        }
+        let format = match CacheFormat::parse(&r.format) {
+            Ok(f) => f,
+            Err(e) => return err(Code::BadLayout, format!("format: {e}")),
+        };
+        let layout = match LayoutSpec::parse(&r.layout) {
+            Ok(l) => l,
+            Err(e) => return err(Code::BadLayout, format!("layout: {e}")),
+        };
+        if r.num_blocks == 0 {
+            return err(Code::BadLayout, "num_blocks must be > 0");
+        }
+        let side = match Side::with_table(&model, &layout, format, 1, vec![0], r.num_blocks) {
+            Ok(s) => s,
+            Err(e) => return err(Code::BadLayout, format!("layout: {e}")),
+        };
+        if r.rank as usize >= side.shard.ranks.len() {
+            return err(Code::BadLayout, format!("rank {} but layout `{}` has {} ranks", r.rank, r.layout, side.shard.ranks.len()));
+        }
+        let regions = side.regions(&model, r.rank);
+        let total: u64 = regions.iter().map(|(_, l)| l).sum();
+        let mem = match HostMem::from_file(File::from(fds.remove(0))) {
+            Ok(m) => Arc::new(m),
+            Err(e) => return err(Code::BadRegion, format!("memfd: {e}")),
+        };
+        if mem.len() < total {
+            return err(
+                Code::BadRegion,
+                format!("memfd holds {} bytes but rank {}'s {} regions need {total}", mem.len(), r.rank, regions.len()),
+            );
+        }
+        let mut st = self.state.lock().expect("state lock");
+        if st.memory + mem.len() > self.cfg.limits.max_memory_bytes {
+            return err(Code::Limit, format!("limits.max_memory_bytes {} would be exceeded", self.cfg.limits.max_memory_bytes));
+        }
+        if st.regions + regions.len() > self.cfg.limits.max_regions {
+            return err(Code::Limit, format!("limits.max_regions {} would be exceeded", self.cfg.limits.max_regions));
+        }
+        if let Some(g) = st.groups.get(&r.group) {
+            let mismatch = if g.model != model {
+                Some("model")
+            } else if g.format != format {
+                Some("format")
+            } else if g.layout_text != r.layout {
+                Some("layout")
+            } else if g.num_blocks != r.num_blocks {
+                Some("num_blocks")
+            } else if g.identity != r.identity {
+                Some("identity")
+            } else if g.ranks.contains_key(&r.rank) {
+                Some("rank (already registered)")
+            } else {
+                None
+            };
+            if let Some(field) = mismatch {
+                return err(Code::Mismatch, format!("group `{}`: {field} differs from its earlier registration", r.group));
+            }
+        }
+        let mut windows = BTreeMap::new();
+        let mut offset = 0;
+        for (id, len) in &regions {
+            match self.ep.register(mem.clone(), offset, *len) {
+                Ok(region) => {
+                    windows.insert(*id, region);
+                }
+                Err(e) => {
+                    for w in windows.values() {
+                        self.ep.revoke(w.key);
+                    }
+                    return err(Code::BadRegion, format!("register {id:?}: {e}"));
+                }
+            }
+            offset += len;
+        }
+        let n = windows.len();
+        st.memory += mem.len();
+        st.regions += n;
+        let g = st.groups.entry(r.group.clone()).or_insert_with(|| Group {
+            model,
+            format,
+            layout,
+            layout_text: r.layout.clone(),
+            num_blocks: r.num_blocks,
+            identity: r.identity.clone(),
+            shard: side.shard.clone(),
+            ranks: BTreeMap::new(),
+        });
+        g.ranks.insert(r.rank, RankCache { regions: windows, mem, client });
+        tracing::info!(group = r.group, rank = r.rank, regions = n, bytes = total, "rank registered");
+        Reply::Registered { regions: n as u32, bytes: total, complete: g.complete() }
+    }
+
+    fn release(&self, client: u64, group: &str, rank: u32) -> Reply {
+        let mut st = self.state.lock().expect("state lock");
+        let st = &mut *st;
+        let Some(g) = st.groups.get_mut(group) else { return err(Code::UnknownGroup, format!("no group `{group}`")) };
+        match g.ranks.get(&rank) {
+            Some(rc) if rc.client != client => return err(Code::PermissionDenied, format!("rank {rank} of `{group}` was registered by another client")),
+            None => return err(Code::UnknownGroup, format!("group `{group}` has no rank {rank}")),
+            Some(_) => {}
+        }
+        let rc = g.ranks.remove(&rank).expect("checked");
+        for r in rc.regions.values() {
+            self.ep.revoke(r.key);
+        }
+        st.memory -= rc.mem.len();
+        st.regions -= rc.regions.len();
+        if g.ranks.is_empty() {
+            st.groups.remove(group);
+        }
+        Reply::Released
+    }
+
+    /// Takes a free slot: the oldest finished one, so a late write for an
+    /// old transfer is least likely to meet a reused slot.
+    fn alloc_slot(&self, st: &mut State, role: Role, request: &str, recv: Option<PrepareReceive>) -> Result<(u16, Arc<AtomicBool>), Reply> {
+        let live = st.slots.values().filter(|s| matches!(s.state, TransferState::Prepared | TransferState::Running)).count();
+        if live >= self.cfg.limits.max_inflight_transfers {
+            return Err(err(Code::Limit, format!("limits.max_inflight_transfers {} reached", self.cfg.limits.max_inflight_transfers)));
+        }
+        for i in 0..FLAG_SLOTS {
+            let slot = (st.next_slot + i) % FLAG_SLOTS;
+            let free = st.slots.get(&slot).is_none_or(|s| !matches!(s.state, TransferState::Prepared | TransferState::Running));
+            if free {
+                st.next_slot = (slot + 1) % FLAG_SLOTS;
+                self.ep.placement().reset_slot(slot);
+                let stop = Arc::new(AtomicBool::new(false));
+                st.slots.insert(
+                    slot,
+                    Slot {
+                        role,
+                        request: request.to_string(),
+                        state: if role == Role::Source { TransferState::Running } else { TransferState::Prepared },
+                        error: None,
+                        layers: 0,
+                        bytes: 0,
+                        segments: 0,
+                        reused: 0,
+                        started: Instant::now(),
+                        elapsed: None,
+                        recv,
+                        stop: stop.clone(),
+                    },
+                );
+                return Ok((slot, stop));
+            }
+        }
+        Err(err(Code::Limit, "no free flag slot"))
+    }
+
+    fn finish(&self, slot: u16, state: TransferState, error: Option<String>) {
+        let mut st = self.state.lock().expect("state lock");
+        if let Some(s) = st.slots.get_mut(&slot) {
+            if matches!(s.state, TransferState::Prepared | TransferState::Running) {
+                s.state = state;
+                s.error = error;
+                s.elapsed = Some(s.started.elapsed());
+                let c = match (s.role, state) {
+                    (Role::Source, TransferState::Done) => &self.metrics.source_done,
+                    (Role::Source, _) => &self.metrics.source_failed,
+                    (Role::Destination, TransferState::Done) => &self.metrics.destination_done,
+                    (Role::Destination, _) => &self.metrics.destination_failed,
+                };
+                Metrics::add(c, 1);
+            }
+        }
+        if state != TransferState::Done {
+            self.ep.placement().fail_slot(slot, FLAG_COLUMNS);
+        }
+    }
+
+    fn prepare(&self, p: PrepareReceive) -> Reply {
+        let mut st = self.state.lock().expect("state lock");
+        let Some(g) = st.groups.get(&p.group) else { return err(Code::UnknownGroup, format!("no group `{}`", p.group)) };
+        if !g.complete() {
+            return err(Code::IncompleteGroup, format!("group `{}` has {} of {} ranks registered", p.group, g.ranks.len(), g.shard.ranks.len()));
+        }
+        if p.prefix_tokens > p.tokens {
+            return err(Code::BadRequest, format!("prefix_tokens {} exceeds tokens {}", p.prefix_tokens, p.tokens));
+        }
+        if let Err(e) = Side::with_table(&g.model, &g.layout, g.format, p.tokens, p.block_table.clone(), g.num_blocks) {
+            return err(Code::BadRequest, e);
+        }
+        let dup = st.slots.values().any(|s| {
+            matches!(s.state, TransferState::Prepared | TransferState::Running)
+                && s.recv.as_ref().is_some_and(|r| r.group == p.group && r.request == p.request)
+        });
+        if dup {
+            return err(Code::BadRequest, format!("request `{}` of group `{}` is already prepared", p.request, p.group));
+        }
+        let request = p.request.clone();
+        match self.alloc_slot(&mut st, Role::Destination, &request, Some(p)) {
+            Ok((slot, _)) => Reply::Prepared { slot },
+            Err(r) => r,
+        }
+    }
+
+    // ------------------------------------------------------------ source side
+
+    fn submit(self: &Arc<Self>, s: Submit) -> Reply {
+        let Some(peer) = self.cfg.peers.iter().find(|p| p.name == s.peer).cloned() else {
+            return err(Code::UnknownPeer, format!("peer `{}` is not configured", s.peer));
+        };
+        // Snapshot what planning needs; the regions stay registered (Arc) while we use them.
+        let (model, format, layout, identity, num_blocks, src_keys) = {
+            let st = self.state.lock().expect("state lock");
+            let Some(g) = st.groups.get(&s.group) else { return err(Code::UnknownGroup, format!("no group `{}`", s.group)) };
+            if !g.complete() {
+                return err(Code::IncompleteGroup, format!("group `{}` has {} of {} ranks registered", s.group, g.ranks.len(), g.shard.ranks.len()));
+            }
+            let keys: HashMap<(u32, RegionId), Arc<Region>> =
+                g.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect();
+            (g.model.clone(), g.format, g.layout.clone(), g.identity.clone(), g.num_blocks, keys)
+        };
+        let src = match Side::with_table(&model, &layout, format, s.tokens, s.block_table.clone(), num_blocks) {
+            Ok(x) => x,
+            Err(e) => return err(Code::BadRequest, e),
+        };
+        let (slot, stop) = {
+            let mut st = self.state.lock().expect("state lock");
+            match self.alloc_slot(&mut st, Role::Source, &s.request, None) {
+                Ok(x) => x,
+                Err(r) => return r,
+            }
+        };
+        let fail = |code: Code, m: String| {
+            self.finish(slot, TransferState::Failed, Some(m.clone()));
+            err(code, m)
+        };
+        // Offer → accept.
+        let mut pc = match TcpStream::connect(&peer.address) {
+            Ok(c) => c,
+            Err(e) => return fail(Code::PeerUnreachable, format!("peer `{}` at {}: {e}", peer.name, peer.address)),
+        };
+        let _ = pc.set_read_timeout(Some(Duration::from_secs(30)));
+        match peer::connect_auth(&mut pc, &self.secret, &self.cfg.node) {
+            Ok(name) if name == peer.name => {}
+            Ok(name) => return fail(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name)),
+            Err(e) => return fail(Code::AuthFailed, e.to_string()),
+        }
+        let offer = Offer { dst_group: s.dst_group.clone(), dst_request: s.dst_request.clone(), src_request: s.request.clone(), identity, tokens: s.tokens };
+        let accept = match write_msg(&mut pc, &PeerMsg::Offer(offer)).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
+            Ok(PeerMsg::Accept(a)) => a,
+            Ok(PeerMsg::Refused { reason }) => return fail(Code::PeerRefused, format!("peer `{}` refused: {reason}", peer.name)),
+            Ok(other) => return fail(Code::PeerRefused, format!("unexpected peer reply {other:?}")),
+            Err(e) => return fail(Code::PeerUnreachable, format!("peer `{}`: {e}", peer.name)),
+        };
+        if accept.transport != self.ep.transport() {
+            return fail(Code::PeerRefused, format!("peer speaks `{}`, this daemon `{}`", accept.transport, self.ep.transport()));
+        }
+        // Plan against the destination's layout.
+        let planned = (|| -> anyhow::Result<_> {
+            let dst_format = CacheFormat::parse(&accept.format)?;
+            let dst_layout = LayoutSpec::parse(&accept.layout)?;
+            let dst = Side::with_table(&model, &dst_layout, dst_format, s.tokens, accept.block_table.clone(), accept.num_blocks)?;
+            let plan = plan::build(&PlanInput {
+                model: &model,
+                tokens: s.tokens,
+                prefix_tokens: accept.prefix_tokens,
+                src: &src,
+                dst: &dst,
+                cost: CostModel::default(),
+            })?;
+            Ok(plan)
+        })();
+        let plan = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: format!("planning failed: {e:#}") });
+                return fail(Code::BadRequest, format!("planning failed: {e:#}"));
+            }
+        };
+        let n_layers = model.layers.len();
+        let mut per_layer = vec![0u64; n_layers];
+        for seg in &plan.segments {
+            per_layer[seg.dst_region.layer as usize] += seg.bytes();
+        }
+        let dst_keys: HashMap<(u32, RegionId), (u32, u64)> = accept.regions.iter().map(|r| ((r.rank, r.region), (r.key, r.len))).collect();
+        // Writes per layer, checked against what both sides registered.
+        let mut batches: Vec<Batch> = (0..n_layers).map(|l| Batch { tag: Tag { slot: accept.slot, layer: l as u16 }, writes: vec![] }).collect();
+        for seg in &plan.segments {
+            let (Some(sr), Some(&(dk, _))) = (src_keys.get(&(seg.src_rank, seg.src_region)), dst_keys.get(&(seg.dst_rank, seg.dst_region))) else {
+                let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: "region missing".into() });
+                return fail(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", seg.src_rank, seg.dst_rank, seg.dst_region));
+            };
+            let b = &mut batches[seg.dst_region.layer as usize];
+            for (so, dof) in seg.runs() {
+                b.writes.push(WriteOp { src_key: sr.key, src_offset: so, dst_key: dk, dst_offset: dof, len: seg.len });
+            }
+        }
+        match write_msg(&mut pc, &PeerMsg::Expect { slot: accept.slot, layers: per_layer.clone() }).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
+            Ok(PeerMsg::Ok) => {}
+            Ok(PeerMsg::Refused { reason }) => return fail(Code::PeerRefused, format!("peer `{}` refused the plan: {reason}", peer.name)),
+            Ok(other) => return fail(Code::PeerRefused, format!("unexpected peer reply {other:?}")),
+            Err(e) => return fail(Code::PeerUnreachable, format!("peer `{}`: {e}", peer.name)),
+        }
+        let c = &plan.counters;
+        {
+            let mut st = self.state.lock().expect("state lock");
+            if let Some(sl) = st.slots.get_mut(&slot) {
+                sl.layers = n_layers as u16;
+                sl.bytes = c.total_bytes_moved;
+                sl.segments = c.segments;
+                sl.reused = c.reused_bytes;
+            }
+        }
+        Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
+        let reply = Reply::Submitted { slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
+        let d = self.clone();
+        let data_addr = accept.data_addr.clone();
+        let peer_slot = accept.slot;
+        let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{slot}")).spawn(move || {
+            let span = tracing::info_span!("transfer", slot, request = s.request, peer = peer.name);
+            let _g = span.enter();
+            let result = d.move_bytes(&data_addr, batches, &stop);
+            match result {
+                Ok((bytes, writes)) => {
+                    Metrics::add(&d.metrics.payload_bytes, bytes);
+                    let framing = if d.ep.transport() == "verbs" { 0 } else { writes * 2 * kvwire_core::protocol::HEADER_LEN as u64 };
+                    Metrics::add(&d.metrics.wire_bytes, bytes + framing);
+                    d.ep.placement().flags().publish(Tag { slot, layer: SOURCE_RELEASED });
+                    d.finish(slot, TransferState::Done, None);
+                    tracing::info!(bytes, writes, "source released");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "transfer failed");
+                    let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: peer_slot, reason: e.to_string() });
+                    d.finish(slot, TransferState::Failed, Some(e.to_string()));
+                }
+            }
+        });
+        if let Err(e) = spawned {
+            return fail(Code::TransferFailed, format!("cannot start the transfer thread: {e}"));
+        }
+        reply
+    }
+
+    /// Posts every batch and polls until all completed locally.
+    fn move_bytes(&self, data_addr: &str, batches: Vec<Batch>, stop: &AtomicBool) -> Result<(u64, u64), TransportError> {
+        let mut conn = self.ep.connect(data_addr)?;
+        let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+        let mut posted = 0;
+        let (mut bytes, mut writes) = (0, 0);
+        for b in batches {
+            if stop.load(Ordering::Acquire) {
+                return Err(TransportError::Unsupported("cancelled".into()));
+            }
+            writes += b.writes.len() as u64;
+            bytes += b.bytes();
+            // An empty layer (all reused, or held by no destination rank) still
+            // gets its flag from the destination's zero expectation.
+            if !b.writes.is_empty() {
+                conn.post(b)?;
+                posted += 1;
+            }
+        }
+        let mut done = 0;
+        while done < posted {
+            if stop.load(Ordering::Acquire) {
+                return Err(TransportError::Unsupported("cancelled".into()));
+            }
+            if Instant::now() > deadline {
+                return Err(TransportError::Unsupported(format!("timed out after {}s", self.cfg.limits.transfer_timeout_secs)));
+            }
+            for c in conn.poll(Duration::from_millis(100))? {
+                c.result?;
+                done += 1;
+            }
+        }
+        Ok((bytes, writes))
+    }
+
+    // ------------------------------------------------------------ destination side
+
+    fn peer_loop(self: Arc<Self>, l: TcpListener) {
+        for s in l.incoming() {
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(s) = s else { continue };
+            let d = self.clone();
+            let _ = std::thread::Builder::new().name("kvwired-peer".into()).spawn(move || d.serve_peer(s));
+        }
+    }
+
+    fn serve_peer(self: &Arc<Self>, mut s: TcpStream) {
+        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+        let peer = match peer::accept_auth(&mut s, &self.secret, &self.cfg.node) {
+            Ok(p) => p,
+            Err(e) => {
+                Metrics::add(&self.metrics.peers_refused, 1);
+                tracing::warn!(from, error = %e, "peer refused");
+                let _ = write_msg(&mut s, &PeerMsg::Refused { reason: "authentication failed: wrong shared secret or protocol".into() });
+                return;
+            }
+        };
+        let _ = s.set_read_timeout(Some(Duration::from_secs(self.cfg.limits.transfer_timeout_secs)));
+        loop {
+            let msg = match read_msg::<PeerMsg>(&mut s) {
+                Ok(m) => m,
+                Err(WireError::Closed) => return,
+                Err(e) => {
+                    tracing::debug!(peer, error = %e, "peer connection ended");
+                    return;
+                }
+            };
+            let reply = match msg {
+                PeerMsg::Offer(o) => self.offer(&peer, o),
+                PeerMsg::Expect { slot, layers } => self.expect(slot, layers),
+                PeerMsg::Abort { slot, reason } => {
+                    tracing::warn!(peer, slot, reason, "source aborted");
+                    self.finish(slot, TransferState::Failed, Some(format!("source aborted: {reason}")));
+                    PeerMsg::Ok
+                }
+                other => PeerMsg::Refused { reason: format!("unexpected {other:?}") },
+            };
+            if write_msg(&mut s, &reply).is_err() {
+                return;
+            }
+        }
+    }
+
+    fn offer(&self, peer: &str, o: Offer) -> PeerMsg {
+        let mut st = self.state.lock().expect("state lock");
+        let refused = |reason: String| PeerMsg::Refused { reason };
+        let Some(g) = st.groups.get(&o.dst_group) else { return refused(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
+        let found = st.slots.iter().find(|(_, s)| {
+            s.state == TransferState::Prepared && s.recv.as_ref().is_some_and(|r| r.group == o.dst_group && r.request == o.dst_request)
+        });
+        let Some((&slot, sl)) = found else {
+            return refused(format!("request `{}` of group `{}` is not prepared on {}", o.dst_request, o.dst_group, self.cfg.node));
+        };
+        let recv = sl.recv.clone().expect("prepared slots hold their receive");
+        if o.tokens != recv.tokens {
+            return refused(format!("offer has {} tokens, the prepared request {}", o.tokens, recv.tokens));
+        }
+        // The source must hold the cache this side was registered for; the
+        // reuse check names the first field that differs.
+        if let Err(e) = check_prefix(&g.identity, &o.identity, recv.prefix_tokens, recv.tokens) {
+            return refused(e.to_string());
+        }
+        let mut regions = Vec::new();
+        for (rank, rc) in &g.ranks {
+            for (id, r) in &rc.regions {
+                regions.push(PeerRegion { rank: *rank, region: *id, key: r.key, len: r.len });
+            }
+        }
+        let accept = Accept {
+            slot,
+            layout: g.layout_text.clone(),
+            format: g.format.id(),
+            num_blocks: g.num_blocks,
+            block_table: recv.block_table.clone(),
+            prefix_tokens: recv.prefix_tokens,
+            data_addr: self.ep.local_addr(),
+            transport: self.ep.transport().into(),
+            regions,
+        };
+        if let Some(sl) = st.slots.get_mut(&slot) {
+            sl.state = TransferState::Running;
+            sl.started = Instant::now();
+        }
+        tracing::info!(peer, slot, request = o.dst_request, src_request = o.src_request, "transfer accepted");
+        PeerMsg::Accept(accept)
+    }
+
+    fn expect(self: &Arc<Self>, slot: u16, layers: Vec<u64>) -> PeerMsg {
+        {
+            let mut st = self.state.lock().expect("state lock");
+            let Some(sl) = st.slots.get_mut(&slot).filter(|s| s.role == Role::Destination && s.state == TransferState::Running) else {
+                return PeerMsg::Refused { reason: format!("slot {slot} is not receiving") };
+            };
+            if layers.len() > usize::from(MAX_TRANSFER_LAYERS) {
+                return PeerMsg::Refused { reason: format!("{} layers, at most {MAX_TRANSFER_LAYERS}", layers.len()) };
+            }
+            sl.layers = layers.len() as u16;
+            sl.bytes = layers.iter().sum();
+        }
+        Metrics::add(&self.metrics.received_bytes, layers.iter().sum());
+        for (l, &bytes) in layers.iter().enumerate() {
+            if let Err(e) = self.ep.placement().expect(Tag { slot, layer: l as u16 }, bytes) {
+                self.finish(slot, TransferState::Failed, Some(e.to_string()));
+                return PeerMsg::Refused { reason: e.to_string() };
+            }
+        }
+        // decoder_usable once every layer is ready.
+        let d = self.clone();
+        let n = layers.len() as u16;
+        let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+        let _ = std::thread::Builder::new().name(format!("kvwired-recv-{slot}")).spawn(move || {
+            let flags = d.ep.placement().flags().clone();
+            let start = Instant::now();
+            for layer in 0..n {
+                let left = timeout.saturating_sub(start.elapsed());
+                if let Err(e) = d.ep.placement().wait(Tag { slot, layer }, left) {
+                    d.finish(slot, TransferState::Failed, Some(e.to_string()));
+                    return;
+                }
+            }
+            flags.publish(Tag { slot, layer: DECODER_USABLE });
+            d.finish(slot, TransferState::Done, None);
+        });
+        PeerMsg::Ok
+    }
+
+    // ------------------------------------------------------------ metrics
+
+    fn metrics_loop(self: Arc<Self>, l: TcpListener) {
+        for s in l.incoming() {
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(mut s) = s else { continue };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut buf = [0u8; 1024];
+            let n = std::io::Read::read(&mut s, &mut buf).unwrap_or(0);
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics") {
+                ("200 OK", self.metrics_text())
+            } else {
+                ("404 Not Found", "try GET /metrics\n".to_string())
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = std::io::Write::write_all(&mut s, resp.as_bytes());
+        }
+    }
+}

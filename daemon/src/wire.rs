@@ -1,0 +1,140 @@
+//! Message framing for the control socket and the peer connection:
+//! a little-endian u32 length, then that many bytes of JSON. On the Unix
+//! control socket a message may carry file descriptors (SCM_RIGHTS), sent
+//! with its first byte.
+
+use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
+use std::io::{IoSlice, IoSliceMut, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+
+/// Largest message accepted (block tables of a million blocks fit).
+pub const MAX_MESSAGE: usize = 16 << 20;
+/// Most descriptors one message may carry.
+pub const MAX_FDS: usize = 4;
+
+/// Why a message could not be read or written.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    /// The peer closed the connection between messages.
+    #[error("connection closed")]
+    Closed,
+    /// A socket error.
+    #[error("{op}: {source}")]
+    Io {
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Length beyond [`MAX_MESSAGE`].
+    #[error("message of {0} bytes exceeds the {MAX_MESSAGE}-byte limit")]
+    TooLong(usize),
+    /// More descriptors than [`MAX_FDS`], or descriptors where none belong.
+    #[error("{0}")]
+    Fds(String),
+    /// Not the JSON expected.
+    #[error("malformed message: {0}")]
+    Json(String),
+}
+
+fn io(op: &'static str) -> impl Fn(std::io::Error) -> WireError {
+    move |source| WireError::Io { op, source }
+}
+
+/// Encodes `msg` as one frame.
+pub fn frame<T: serde::Serialize>(msg: &T) -> Vec<u8> {
+    let body = serde_json::to_vec(msg).expect("messages serialize");
+    let mut out = Vec::with_capacity(body.len() + 4);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Parses a frame body.
+pub fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
+    serde_json::from_slice(body).map_err(|e| WireError::Json(e.to_string()))
+}
+
+/// Writes one frame to a byte stream (peer connections).
+pub fn write_msg<T: serde::Serialize>(w: &mut impl Write, msg: &T) -> Result<(), WireError> {
+    w.write_all(&frame(msg)).map_err(io("send"))?;
+    w.flush().map_err(io("send"))
+}
+
+/// Reads one frame from a byte stream.
+pub fn read_msg<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T, WireError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
+        Err(e) => return Err(io("receive")(e)),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE {
+        return Err(WireError::TooLong(len));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).map_err(io("receive"))?;
+    parse(&body)
+}
+
+/// Sends one frame on a Unix socket, with `fds` attached.
+pub fn send_unix<T: serde::Serialize>(s: &UnixStream, msg: &T, fds: &[RawFd]) -> Result<(), WireError> {
+    let bytes = frame(msg);
+    let mut sent = 0;
+    while sent < bytes.len() {
+        let iov = [IoSlice::new(&bytes[sent..])];
+        let cmsg = [ControlMessage::ScmRights(fds)];
+        let cmsgs: &[ControlMessage<'_>] = if sent == 0 && !fds.is_empty() { &cmsg } else { &[] };
+        let n = sendmsg::<()>(s.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)
+            .map_err(|e| WireError::Io { op: "sendmsg", source: e.into() })?;
+        sent += n;
+    }
+    Ok(())
+}
+
+/// Reads exactly `buf.len()` bytes, collecting any descriptors that arrive.
+fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: bool) -> Result<(), WireError> {
+    let mut got = 0;
+    while got < buf.len() {
+        let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
+        let mut iov = [IoSliceMut::new(&mut buf[got..])];
+        let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+            .map_err(|e| WireError::Io { op: "recvmsg", source: e.into() })?;
+        if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
+            return Err(WireError::Fds(format!("more than {MAX_FDS} descriptors in one message")));
+        }
+        for c in msg.cmsgs().map_err(|e| WireError::Io { op: "recvmsg", source: e.into() })? {
+            if let ControlMessageOwned::ScmRights(raw) = c {
+                for fd in raw {
+                    // SAFETY: the kernel just installed `fd` in this process
+                    // for this message; nothing else owns it.
+                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+                }
+            }
+        }
+        if msg.bytes == 0 {
+            return Err(if first && got == 0 { WireError::Closed } else { WireError::Io { op: "recvmsg", source: std::io::ErrorKind::UnexpectedEof.into() } });
+        }
+        got += msg.bytes;
+    }
+    Ok(())
+}
+
+/// Receives one frame from a Unix socket, with the descriptors it carried.
+pub fn recv_unix(s: &UnixStream) -> Result<(Vec<u8>, Vec<OwnedFd>), WireError> {
+    let mut fds = Vec::new();
+    let mut len = [0u8; 4];
+    recv_exact(s, &mut len, &mut fds, true)?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE {
+        return Err(WireError::TooLong(len));
+    }
+    let mut body = vec![0u8; len];
+    recv_exact(s, &mut body, &mut fds, false)?;
+    if fds.len() > MAX_FDS {
+        return Err(WireError::Fds(format!("{} descriptors, at most {MAX_FDS}", fds.len())));
+    }
+    Ok((body, fds))
+}

@@ -1,0 +1,292 @@
+//! Two real kvwired processes on loopback: registration over the control
+//! socket with memfds, an authenticated peer handshake, a remapped transfer
+//! checked byte for byte, and the failure paths.
+
+use kvwire_core::layout::{from_toml_spec, ModelSpec};
+use kvwire_core::plan::{Buffers, Side};
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::shard::LayoutSpec;
+use kvwire_core::{verify, CacheFormat};
+use kvwire_transport::HostMem;
+use kvwired::client::{Client, ClientError};
+use kvwired::control::*;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const MODEL: &str = "name = \"toy\"\ndtype = \"bf16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 16\n";
+const WAIT: Duration = Duration::from_secs(20);
+
+struct Daemon {
+    child: Child,
+    sock: PathBuf,
+    peer: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tmpdir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvwired-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn start(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)]) -> Daemon {
+    let secret_file = dir.join(format!("{node}.secret"));
+    std::fs::write(&secret_file, secret).unwrap();
+    let sock = dir.join(format!("{node}.sock"));
+    let mut cfg = format!(
+        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"127.0.0.1:0\"\nsecret_file = \"{}\"\n",
+        sock.display(),
+        secret_file.display()
+    );
+    for (name, addr) in peers {
+        cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
+    }
+    let path = dir.join(format!("{node}.toml"));
+    std::fs::write(&path, cfg).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvwired"))
+        .arg("--config")
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("kvwired ready"), "daemon {node} did not start: {line:?}");
+    let peer = line.split_whitespace().find_map(|w| w.strip_prefix("peer=")).unwrap().to_string();
+    Daemon { child, sock, peer }
+}
+
+fn identity() -> CacheIdentity {
+    CacheIdentity {
+        model_digest: "toy-digest".into(),
+        adapter_digest: String::new(),
+        format: "bf16/v1".into(),
+        tenant: "t1".into(),
+        rope: "theta=10000".into(),
+        position_offset: 0,
+    }
+}
+
+/// One side of a test transfer: its layout resolved, and one memfd per rank.
+struct Side_ {
+    side: Side,
+    mems: Vec<HostMem>,
+}
+
+fn model() -> ModelSpec {
+    from_toml_spec("toy", MODEL).unwrap()
+}
+
+fn side(layout: &str, tokens: u64) -> Side {
+    Side::new(&model(), &LayoutSpec::parse(layout).unwrap(), CacheFormat::parse("bf16").unwrap(), tokens).unwrap()
+}
+
+/// Registers every rank of `layout` as group `group`, filled from `bufs` (or zero).
+fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Option<&Buffers>, id: CacheIdentity) -> Side_ {
+    let m = model();
+    let mut mems = Vec::new();
+    for rank in 0..s.shard.ranks.len() as u32 {
+        let regions = s.regions(&m, rank);
+        let total: u64 = regions.iter().map(|(_, l)| l).sum();
+        let mem = HostMem::new("test-rank", total).unwrap();
+        let mut off = 0;
+        for (id, len) in &regions {
+            if let Some(b) = bufs {
+                mem.write(off, &b.ranks[rank as usize][id]).unwrap();
+            }
+            off += len;
+        }
+        let r = RegisterCache {
+            group: group.into(),
+            model: ModelSource::Toml(MODEL.into()),
+            format: "bf16".into(),
+            layout: layout.into(),
+            rank,
+            num_blocks: s.num_blocks,
+            identity: id.clone(),
+        };
+        let (n, bytes, complete) = c.register(r, &mem).unwrap();
+        assert_eq!((n as usize, bytes), (regions.len(), total));
+        assert_eq!(complete, rank as usize == s.shard.ranks.len() - 1);
+        mems.push(mem);
+    }
+    Side_ { side: s.clone(), mems }
+}
+
+/// What the destination's memfds hold, as Buffers.
+fn read_back(s: &Side_) -> Buffers {
+    let m = model();
+    let mut out = Buffers::alloc(&m, &s.side, 0);
+    for (rank, mem) in s.mems.iter().enumerate() {
+        let mut off = 0;
+        for (id, len) in s.side.regions(&m, rank as u32) {
+            let buf = out.ranks[rank].get_mut(&id).unwrap();
+            mem.read(off, buf).unwrap();
+            off += len;
+        }
+    }
+    out
+}
+
+const SRC: &str = "tp=4,block=16,layout=nhd,table=shuffle:5";
+const DST: &str = "tp=2,block=32,layout=hnd,table=shuffle:9";
+
+#[test]
+fn remapped_transfer_between_two_daemons_is_exact() {
+    let dir = tmpdir("remap");
+    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let ca = Client::connect(&a.sock, "prefill").unwrap();
+    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let tokens = 100; // partial final block on both sides
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let src_bytes = verify::fill_source(&model(), &ss, tokens);
+    let src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
+    let dst = register(&cb, "decode", DST, &ds, None, identity());
+    // Canary everywhere at the destination first.
+    for m in &dst.mems {
+        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
+    }
+    let slot = cb
+        .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .unwrap();
+    let (sslot, peer_slot, bytes, _) = ca
+        .submit(Submit {
+            request: "p1".into(),
+            group: "prefill".into(),
+            block_table: ss.block_table.clone(),
+            tokens,
+            peer: "b".into(),
+            dst_group: "decode".into(),
+            dst_request: "r1".into(),
+        })
+        .unwrap();
+    assert_eq!(peer_slot, slot);
+    assert_eq!(bytes, 4 /*layers*/ * 4 /*kv heads*/ * 16 * 2 /*K,V*/ * 2 /*bf16*/ * tokens);
+    for layer in 0..4 {
+        cb.wait(slot, FlagName::LayerReady(layer), WAIT).unwrap();
+    }
+    cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+    ca.wait(sslot, FlagName::SourceReleased, WAIT).unwrap();
+    let want = verify::expected_destination(&model(), &ds, tokens, 0);
+    assert!(read_back(&dst) == want, "destination bytes differ from the independent expectation");
+    assert_eq!(cb.status(slot).unwrap().state, TransferState::Done);
+    assert_eq!(ca.status(sslot).unwrap().state, TransferState::Done);
+    let stats = ca.stats().unwrap();
+    assert!(stats.contains(&format!("kvwire_payload_bytes_total{{node=\"a\"}} {bytes}")), "{stats}");
+    drop(src);
+}
+
+#[test]
+fn wrong_secret_is_refused_and_the_daemon_keeps_serving() {
+    let dir = tmpdir("secret");
+    let b = start(&dir, "b", "the-real-shared-secret", &[]);
+    let a = start(&dir, "a", "a-different-secret-value", &[("b", &b.peer)]);
+    let ca = Client::connect(&a.sock, "prefill").unwrap();
+    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let tokens = 20;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let _src = register(&ca, "prefill", SRC, &ss, None, identity());
+    let _dst = register(&cb, "decode", DST, &ds, None, identity());
+    cb.prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .unwrap();
+    let e = ca
+        .submit(Submit {
+            request: "p".into(),
+            group: "prefill".into(),
+            block_table: ss.block_table.clone(),
+            tokens,
+            peer: "b".into(),
+            dst_group: "decode".into(),
+            dst_request: "r".into(),
+        })
+        .unwrap_err();
+    assert!(matches!(&e, ClientError::Daemon { code: 202, .. }), "{e}");
+    assert!(e.to_string().contains("secret"), "{e}");
+    assert!(cb.stats().unwrap().contains("kvwire_refused_total{node=\"b\",who=\"peer\"} 1"));
+}
+
+#[test]
+fn identity_mismatch_is_refused_by_field() {
+    let dir = tmpdir("ident");
+    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let ca = Client::connect(&a.sock, "prefill").unwrap();
+    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let tokens = 20;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let other = CacheIdentity { adapter_digest: "lora-7".into(), ..identity() };
+    let _src = register(&ca, "prefill", SRC, &ss, None, other);
+    let _dst = register(&cb, "decode", DST, &ds, None, identity());
+    let slot = cb
+        .prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .unwrap();
+    let e = ca
+        .submit(Submit {
+            request: "p".into(),
+            group: "prefill".into(),
+            block_table: ss.block_table.clone(),
+            tokens,
+            peer: "b".into(),
+            dst_group: "decode".into(),
+            dst_request: "r".into(),
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("adapter digest mismatch"), "{e}");
+    assert!(!cb.ready(slot, FlagName::DecoderUsable));
+}
+
+#[test]
+fn malformed_control_messages_get_errors_and_the_daemon_keeps_serving() {
+    use std::io::{Read, Write};
+    let dir = tmpdir("malformed");
+    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+    let mut raw = std::os::unix::net::UnixStream::connect(&b.sock).unwrap();
+    let body = b"{\"op\":\"no_such_op\"}";
+    raw.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+    raw.write_all(body).unwrap();
+    let mut len = [0u8; 4];
+    raw.read_exact(&mut len).unwrap();
+    let mut reply = vec![0u8; u32::from_le_bytes(len) as usize];
+    raw.read_exact(&mut reply).unwrap();
+    let reply = String::from_utf8(reply).unwrap();
+    assert!(reply.contains("\"code\":100"), "{reply}");
+    // Same connection still answers a good request.
+    let body = b"{\"op\":\"status\",\"slot\":3}";
+    raw.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+    raw.write_all(body).unwrap();
+    raw.read_exact(&mut len).unwrap();
+    let mut reply = vec![0u8; u32::from_le_bytes(len) as usize];
+    raw.read_exact(&mut reply).unwrap();
+    assert!(String::from_utf8(reply).unwrap().contains("\"code\":105"));
+    // A huge length closes that connection only.
+    raw.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    // Bad registrations are answered by name.
+    let c = Client::connect(&b.sock, "x").unwrap();
+    let mem = HostMem::new("small", 64).unwrap();
+    let r = RegisterCache {
+        group: "g".into(),
+        model: ModelSource::Toml(MODEL.into()),
+        format: "bf16".into(),
+        layout: "tp=2".into(),
+        rank: 0,
+        num_blocks: 4,
+        identity: identity(),
+    };
+    let e = c.register(r.clone(), &mem).unwrap_err();
+    assert!(matches!(&e, ClientError::Daemon { code: 103, .. }) && e.to_string().contains("need"), "{e}");
+    let e = c.register(RegisterCache { layout: "tp=3".into(), ..r.clone() }, &mem).unwrap_err();
+    assert!(e.to_string().contains("tp=3"), "{e}");
+    let e = c.register(RegisterCache { model: ModelSource::Builtin("nope".into()), ..r }, &mem).unwrap_err();
+    assert!(matches!(&e, ClientError::Daemon { code: 101, .. }), "{e}");
+    assert!(Client::connect(&b.sock, "y").is_ok());
+}
