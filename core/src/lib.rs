@@ -9,6 +9,7 @@
 
 pub mod format;
 pub mod layout;
+pub mod manifest;
 pub mod plan;
 pub mod protocol;
 pub mod reuse;

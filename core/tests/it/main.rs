@@ -1,5 +1,6 @@
 //! kvwire-core integration tests: one module per area.
 
 mod inventory;
+mod manifest;
 mod plan;
 mod protocol;

@@ -1,0 +1,572 @@
+//! Integrity manifests: identity checks, checksums at both ends, JSON.
+//!
+//! Every transfer here is a real plan executed on coded buffers
+//! (`verify::fill_source`); checksums computed from the source must agree
+//! with checksums recomputed from the destination after placement, and one
+//! flipped byte must be caught and located. Expected figures (entry counts,
+//! byte counts, offsets of the flipped byte) are derived by hand from the
+//! model's published numbers and the layout's definition.
+
+use kvwire_core::format::{CacheFormat, FORMATS};
+use kvwire_core::layout::{builtin, from_toml_spec, ModelSpec, Tensor};
+use kvwire_core::manifest::{
+    checksums_at_destination, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
+    MapSummary, RankSummary, RopeParams, MAX_MANIFEST_JSON,
+};
+use kvwire_core::plan::{build, execute, Buffers, CostModel, Plan, PlanInput, Side};
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::verify::{fill_source, CANARY};
+use proptest::prelude::*;
+use proptest::sample::Index;
+use std::sync::OnceLock;
+use xxhash_rust::xxh3::xxh3_64;
+
+const SRC: &str = "tp=4";
+const DST: &str = "tp=2,layout=hnd,block=32";
+const TOKENS: u64 = 100;
+const TRANSFER: &str = "req-7f3a";
+
+// llama-3.1-8b: 32 layers, 8 KV heads, head_dim 4096 / 32 = 128; fp32 rows are 512 bytes.
+const LAYERS: u64 = 32;
+const ROW: u64 = 128 * 4;
+// Destination tp=2: 4 heads per rank; HND block of 32 tokens = 32 × 4 rows.
+const DST_HEADS: u64 = 4;
+const DST_BLOCK_BYTES: u64 = 32 * DST_HEADS * ROW;
+
+fn fp32() -> CacheFormat {
+    CacheFormat::parse("fp32").unwrap()
+}
+
+fn identity() -> CacheIdentity {
+    CacheIdentity {
+        model_digest: "sha256:llama-3.1-8b@0e9e39f".into(),
+        adapter_digest: "lora:support-v2".into(),
+        format: "fp32/v1".into(),
+        tenant: "acme".into(),
+        rope: "theta=500000;scaling=llama3(factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192)"
+            .into(),
+        position_offset: 0,
+    }
+}
+
+fn side(model: &ModelSpec, layout: &str, format: CacheFormat, tokens: u64) -> Side {
+    Side::new(model, &LayoutSpec::parse(layout).unwrap(), format, tokens).unwrap()
+}
+
+/// A transfer that ran: sides, plan, source bytes and placed destination bytes.
+struct Run {
+    model: ModelSpec,
+    src: Side,
+    dst: Side,
+    plan: Plan,
+    src_bufs: Buffers,
+    dst_bufs: Buffers,
+}
+
+fn run(model: ModelSpec, src: &str, dst: &str, format: CacheFormat, tokens: u64, prefix_tokens: u64) -> Run {
+    let s = side(&model, src, format, tokens);
+    let d = side(&model, dst, format, tokens);
+    let plan = build(&PlanInput { model: &model, tokens, prefix_tokens, src: &s, dst: &d, cost: CostModel::default() }).unwrap();
+    let src_bufs = fill_source(&model, &s, tokens);
+    let mut dst_bufs = Buffers::alloc(&model, &d, CANARY);
+    execute(&plan, &src_bufs, &mut dst_bufs).unwrap();
+    Run { model, src: s, dst: d, plan, src_bufs, dst_bufs }
+}
+
+impl Run {
+    fn manifest(&self, id: &CacheIdentity) -> Manifest {
+        Manifest::for_plan(id, &self.model, &self.src, &self.dst, &self.plan, TRANSFER, read_buffers(&self.src_bufs)).unwrap()
+    }
+
+    fn expected(&self, id: &CacheIdentity) -> Expected {
+        Expected::new(id, &self.model, &self.dst, TRANSFER, self.plan.tokens, self.plan.prefix_tokens).unwrap()
+    }
+
+    fn at_destination(&self, bufs: &Buffers) -> Vec<LayerChecksum> {
+        checksums_at_destination(&self.plan, read_buffers(bufs), |_| true).unwrap()
+    }
+}
+
+/// TP4 NHD block 16 → TP2 HND block 32, 100 tokens of llama-3.1-8b in fp32 (built once).
+fn llama() -> &'static Run {
+    static RUN: OnceLock<Run> = OnceLock::new();
+    RUN.get_or_init(|| run(builtin("llama-3.1-8b").unwrap(), SRC, DST, fp32(), TOKENS, 0))
+}
+
+fn llama_manifest() -> &'static Manifest {
+    static M: OnceLock<Manifest> = OnceLock::new();
+    M.get_or_init(|| llama().manifest(&identity()))
+}
+
+// ------------------------------------------------------------ checksums
+
+#[test]
+fn checksums_from_source_agree_with_destination_after_tp4_to_tp2_hnd_block32() {
+    let r = llama();
+    let m = llama_manifest();
+    m.check(&r.expected(&identity())).unwrap();
+
+    // One entry per (dst rank, layer, tensor): 2 ranks × 32 layers × (K, V),
+    // in (rank, layer, tensor) order; each covers 100 tokens × 4 heads × 512 bytes.
+    assert_eq!(m.checksums.len() as u64, 2 * LAYERS * 2);
+    let mut i = 0;
+    for rank in 0..2 {
+        for layer in 0..LAYERS as u32 {
+            for tensor in [Tensor::K, Tensor::V] {
+                let c = &m.checksums[i];
+                assert_eq!((c.dst_rank, c.layer, c.tensor, c.bytes), (rank, layer, tensor, TOKENS * DST_HEADS * ROW));
+                i += 1;
+            }
+        }
+    }
+
+    let recomputed = r.at_destination(&r.dst_bufs);
+    assert_eq!(recomputed, m.checksums);
+    m.verify_checksums(&recomputed).unwrap();
+}
+
+#[test]
+fn checksum_is_xxh3_of_the_moved_bytes_for_a_contiguous_copy() {
+    // Same layout both sides, one rank: every region's moved bytes are its
+    // first tokens × heads rows (NHD, contiguous table), one run.
+    let model = from_toml_spec("c", "[[layers]]\nrepeat = 2\nattention = \"dense\"\nkv_heads = 2\nhead_dim = 8\nv_head_dim = 4\n").unwrap();
+    let r = run(model, "tp=1,block=16", "tp=1,block=16", fp32(), 37, 0);
+    let m = r.manifest(&identity());
+    assert_eq!(m.checksums.len(), 4);
+    for c in &m.checksums {
+        let dim = if c.tensor == Tensor::K { 8 } else { 4 };
+        let len = 37 * 2 * dim * 4;
+        let region = &r.src_bufs.ranks[0][&RegionId { layer: c.layer, tensor: c.tensor }];
+        assert_eq!(c.bytes, len);
+        assert_eq!(c.xxh3, xxh3_64(&region[..len as usize]), "{c:?}");
+    }
+}
+
+#[test]
+fn prefix_hit_checksums_cover_only_the_moved_positions() {
+    let r = run(builtin("llama-3.1-8b").unwrap(), SRC, DST, fp32(), TOKENS, 64);
+    let id = CacheIdentity { position_offset: 1000, ..identity() };
+    let m = r.manifest(&id);
+    assert_eq!(m.positions.first_position, 1064);
+    assert_eq!(m.prefix_tokens, 64);
+    assert!(m.checksums.iter().all(|c| c.bytes == (TOKENS - 64) * DST_HEADS * ROW));
+    m.check(&r.expected(&id)).unwrap();
+    m.verify_checksums(&r.at_destination(&r.dst_bufs)).unwrap();
+}
+
+#[test]
+fn one_flipped_destination_byte_fails_naming_dst_rank_layer_tensor() {
+    let r = llama();
+    let m = llama_manifest();
+    // HND, contiguous table: token 0 of local head 0 is byte 0 of block 0.
+    let mut bufs = r.dst_bufs.clone();
+    bufs.ranks[1].get_mut(&RegionId { layer: 3, tensor: Tensor::V }).unwrap()[0] ^= 0x01;
+    let err = m.verify_checksums(&r.at_destination(&bufs)).unwrap_err();
+    let want = m.checksums.iter().find(|c| (c.dst_rank, c.layer, c.tensor) == (1, 3, Tensor::V)).unwrap().xxh3;
+    match &err {
+        ManifestError::Checksum { dst_rank: 1, layer: 3, tensor: Tensor::V, expected, got } => {
+            assert_eq!(*expected, want);
+            assert_ne!(*got, want);
+        }
+        other => panic!("wrong error: {other:?}"),
+    }
+    assert!(err.to_string().starts_with(&format!("checksum mismatch: dst rank 1 layer 3 tensor v: expected {want:#018x}, got 0x")), "{err}");
+}
+
+#[test]
+fn a_byte_the_plan_does_not_move_is_not_covered() {
+    let r = llama();
+    // Token 100 is slot 4 of block 3: past the request, never written.
+    let mut bufs = r.dst_bufs.clone();
+    let off = 3 * DST_BLOCK_BYTES + 4 * ROW;
+    let region = bufs.ranks[0].get_mut(&RegionId { layer: 0, tensor: Tensor::K }).unwrap();
+    assert_eq!(region[off as usize], CANARY);
+    region[off as usize] ^= 0xFF;
+    llama_manifest().verify_checksums(&r.at_destination(&bufs)).unwrap();
+}
+
+#[test]
+fn a_receiver_holding_one_rank_verifies_only_that_rank() {
+    let r = llama();
+    let m = llama_manifest();
+    let mine = checksums_at_destination(&r.plan, read_buffers(&r.dst_bufs), |rank| rank == 1).unwrap();
+    assert_eq!(mine.len() as u64, LAYERS * 2);
+    assert!(mine.iter().all(|c| c.dst_rank == 1));
+    m.verify_checksums_where(&mine, |rank| rank == 1).unwrap();
+    assert_eq!(
+        m.verify_checksums(&mine),
+        Err(ManifestError::ChecksumNotRecomputed { dst_rank: 0, layer: 0, tensor: Tensor::K })
+    );
+}
+
+#[test]
+fn recomputed_lists_that_disagree_in_shape_are_refused() {
+    let m = llama_manifest();
+    let mut extra = m.checksums.clone();
+    extra.push(LayerChecksum { dst_rank: 2, layer: 0, tensor: Tensor::K, bytes: 1, xxh3: 0 });
+    assert_eq!(
+        m.verify_checksums(&extra),
+        Err(ManifestError::ChecksumNotInManifest { dst_rank: 2, layer: 0, tensor: Tensor::K })
+    );
+    let mut short = m.checksums.clone();
+    short[5].bytes -= 1;
+    let err = m.verify_checksums(&short).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!("checksum byte count mismatch: dst rank 0 layer 2 tensor v: expected {0} bytes, got {1}", TOKENS * DST_HEADS * ROW, TOKENS * DST_HEADS * ROW - 1)
+    );
+}
+
+#[test]
+fn an_unreadable_source_run_is_an_error_naming_it() {
+    let r = llama();
+    let mut src = r.src_bufs.clone();
+    src.ranks[2].remove(&RegionId { layer: 5, tensor: Tensor::K });
+    let err = Manifest::for_plan(&identity(), &r.model, &r.src, &r.dst, &r.plan, TRANSFER, read_buffers(&src)).unwrap_err();
+    assert!(
+        matches!(err, ManifestError::Unreadable { side: "source", rank: 2, layer: 5, tensor: Tensor::K, .. }),
+        "{err:?}"
+    );
+    // A reader that hands back owned bytes works too, and a short read is refused.
+    let owned = |rank: u32, region, off, len| read_buffers(&r.src_bufs)(rank, region, off, len).map(<[u8]>::to_vec);
+    let m = Manifest::for_plan(&identity(), &r.model, &r.src, &r.dst, &r.plan, TRANSFER, owned).unwrap();
+    assert_eq!(&m, llama_manifest());
+    let short = |_, _, _, len: u64| Some(vec![0u8; len as usize - 1]);
+    assert!(matches!(
+        Manifest::for_plan(&identity(), &r.model, &r.src, &r.dst, &r.plan, TRANSFER, short),
+        Err(ManifestError::Unreadable { .. })
+    ));
+}
+
+// ------------------------------------------------------------ identity checks
+
+#[test]
+fn each_identity_field_mismatch_is_refused_naming_the_field() {
+    let r = llama();
+    let expected = r.expected(&identity());
+    type Edit = fn(&mut CacheIdentity);
+    let cases: &[(Edit, &str)] = &[
+        (|i| i.model_digest = "sha256:llama-3.1-8b@ffffff0".into(), "model digest mismatch: expected sha256:llama-3.1-8b@0e9e39f, got sha256:llama-3.1-8b@ffffff0"),
+        (|i| i.adapter_digest = "lora:support-v3".into(), "adapter digest mismatch: expected lora:support-v2, got lora:support-v3"),
+        (|i| i.adapter_digest = String::new(), "adapter digest mismatch: expected lora:support-v2, got "),
+        (|i| i.tenant = "globex".into(), "tenant mismatch: expected acme, got globex"),
+        (|i| i.rope = "theta=10000".into(), "rope theta mismatch: expected 500000, got 10000"),
+        (|i| i.rope = "theta=500000".into(), "rope scaling mismatch: expected llama3(factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192), got none"),
+        (|i| i.position_offset = 1, "rope position offset mismatch: expected 0, got 1"),
+    ];
+    for (edit, msg) in cases {
+        let mut id = identity();
+        edit(&mut id);
+        let err = r.manifest(&id).check(&expected).unwrap_err();
+        assert_eq!(err.to_string(), *msg);
+    }
+    let mut id = identity();
+    id.position_offset = 1;
+    assert_eq!(r.manifest(&id).check(&expected), Err(ManifestError::RopePositionOffset { expected: 0, got: 1 }));
+}
+
+#[test]
+fn each_manifest_field_mismatch_is_refused_naming_the_field() {
+    let r = llama();
+    let expected = r.expected(&identity());
+    type Edit = fn(&mut Manifest);
+    let cases: &[(Edit, &str)] = &[
+        (|m| m.version = 2, "unsupported manifest version 2 (this side speaks 1)"),
+        (|m| m.checksum_algo = "crc32c".into(), "unsupported checksum algorithm: expected xxh3-64, got crc32c"),
+        (|m| m.transfer = "req-0001".into(), "transfer id mismatch: expected req-7f3a, got req-0001"),
+        (|m| m.format = "bf16/v1".into(), "cache format mismatch: expected fp32/v1, got bf16/v1"),
+        (|m| m.tokens = 101, "tokens mismatch: expected 100, got 101"),
+        (|m| m.prefix_tokens = 16, "prefix tokens mismatch: expected 0, got 16"),
+        (|m| m.positions.first_position = 1, "first position mismatch: expected 0, got 1"),
+        (|m| m.layers[3].tensors[1].heads = 4, "layer shape mismatch: layer 3: expected full k 8x128 v 8x128 retained [0, 100), got full k 8x128 v 4x128 retained [0, 100)"),
+        (|m| { m.layers.pop(); }, "layer shape mismatch: expected 32 layers, got 31"),
+        (|m| m.dst_map.ranks[1].held[0].heads = [0, 4], "shard map mismatch: destination rank 1: expected rank 1 holds layers [0, 32) heads [4, 8), got rank 1 holds layers [0, 32) heads [0, 4)"),
+        (|m| m.checksums.swap(0, 1), "checksum list: dst rank 0 layer 0 tensor k is out of order or repeated"),
+        (|m| m.checksums[0].layer = 40, "checksum list: dst rank 0 does not hold layer 40 tensor k"),
+        (|m| m.checksums[2].layer = 0, "checksum list: dst rank 0 layer 0 tensor k is out of order or repeated"),
+        (|m| m.checksums.last_mut().unwrap().dst_rank = 2, "checksum list: dst rank 2 does not hold layer 31 tensor v"),
+        (|m| m.checksums.last_mut().unwrap().tensor = Tensor::State, "checksum list: dst rank 1 does not hold layer 31 tensor state"),
+    ];
+    for (edit, msg) in cases {
+        let mut m = llama_manifest().clone();
+        edit(&mut m);
+        assert_eq!(m.check(&expected).unwrap_err().to_string(), *msg);
+    }
+}
+
+#[test]
+fn a_destination_with_another_shard_map_refuses_the_manifest() {
+    let r = llama();
+    let model = &r.model;
+    for (dst, msg) in [
+        ("tp=4,layout=hnd,block=32", "shard map mismatch: destination tp: expected 4, got 2"),
+        ("tp=2,pp=2,layout=hnd,block=32", "shard map mismatch: destination pp_layers: expected [16, 16], got [32]"),
+    ] {
+        let other = side(model, dst, fp32(), TOKENS);
+        let expected = Expected::new(&identity(), model, &other, TRANSFER, TOKENS, 0).unwrap();
+        assert_eq!(llama_manifest().check(&expected).unwrap_err().to_string(), msg);
+    }
+}
+
+#[test]
+fn a_destination_with_another_model_refuses_the_manifest() {
+    // Same digest (a misconfigured registry), different shapes: caught by the layers.
+    let other = builtin("mistral-7b-v0.1").unwrap();
+    let d = side(&other, DST, fp32(), TOKENS);
+    let expected = Expected::new(&identity(), &other, &d, TRANSFER, TOKENS, 0).unwrap();
+    let err = llama_manifest().check(&expected).unwrap_err();
+    assert!(matches!(err, ManifestError::LayerShape { .. }), "{err}");
+}
+
+#[test]
+fn an_identity_in_another_format_than_the_plan_is_refused() {
+    let r = llama();
+    let id = CacheIdentity { format: "bf16".into(), ..identity() };
+    let err = Manifest::for_plan(&id, &r.model, &r.src, &r.dst, &r.plan, TRANSFER, read_buffers(&r.src_bufs)).unwrap_err();
+    assert_eq!(err.to_string(), "cache format mismatch: expected fp32/v1, got bf16");
+    assert_eq!(Expected::new(&id, &r.model, &r.dst, TRANSFER, TOKENS, 0).unwrap_err(), err);
+    // Aliases of the same format are fine.
+    let id = CacheIdentity { format: "float32".into(), ..identity() };
+    assert_eq!(r.expected(&id), r.expected(&identity()));
+}
+
+#[test]
+fn rope_text_is_parsed_to_canonical_form() {
+    let p = RopeParams::parse("theta=500000.0", 7).unwrap();
+    assert_eq!(p, RopeParams { theta: "500000".into(), scaling: "none".into(), position_offset: 7 });
+    assert_eq!(p.canonical(), "theta=500000");
+    let p = RopeParams::parse("theta=1e4;scaling=linear(factor=2)", 0).unwrap();
+    assert_eq!((p.theta.as_str(), p.scaling.as_str()), ("10000", "linear(factor=2)"));
+    assert_eq!(RopeParams::parse(&p.canonical(), 0).unwrap(), p);
+    for bad in ["", "10000", "theta=", "theta=abc", "theta=-1", "theta=inf", "theta=1;factor=2"] {
+        assert!(matches!(RopeParams::parse(bad, 0), Err(ManifestError::RopeText { .. })), "{bad}");
+    }
+    let r = llama();
+    let id = CacheIdentity { rope: "rope_theta: 500000".into(), ..identity() };
+    let err = Manifest::for_plan(&id, &r.model, &r.src, &r.dst, &r.plan, TRANSFER, read_buffers(&r.src_bufs)).unwrap_err();
+    assert_eq!(err.to_string(), "rope parameters `rope_theta: 500000`: expected `theta=<number>[;scaling=<text>]`");
+}
+
+#[test]
+fn shard_map_summary_merges_layers_with_the_same_heads() {
+    let map = LayoutSpec::parse("tp=2,pp=2,pp_layers=20,12").unwrap().shard_map(&builtin("llama-3.1-8b").unwrap()).unwrap();
+    let s = MapSummary::of(&map);
+    let held = |layers, heads| vec![HeldRun { layers, heads }];
+    assert_eq!(s.tp, 2);
+    assert_eq!(s.pp_layers, vec![20, 12]);
+    assert_eq!(
+        s.ranks,
+        vec![
+            RankSummary { rank: 0, held: held([0, 20], [0, 4]) },
+            RankSummary { rank: 1, held: held([0, 20], [4, 8]) },
+            RankSummary { rank: 2, held: held([20, 32], [0, 4]) },
+            RankSummary { rank: 3, held: held([20, 32], [4, 8]) },
+        ]
+    );
+}
+
+#[test]
+fn layer_shapes_describe_sliding_mla_and_state_layers() {
+    let model = from_toml_spec(
+        "h",
+        "[[layers]]\nattention = \"dense\"\nkv_heads = 2\nhead_dim = 4\nwindow = 8\nsinks = 2\n\
+         [[layers]]\nattention = \"mla\"\nkv_lora_rank = 16\nqk_rope_head_dim = 4\n\
+         [[layers]]\nattention = \"shared\"\nshares_with = 0\n\
+         [[layers]]\nattention = \"none\"\nstate_bytes = 64\n",
+    )
+    .unwrap();
+    let shown: Vec<String> = layer_shapes(&model, 20).iter().map(ToString::to_string).collect();
+    assert_eq!(shown, ["sliding k 2x4 v 2x4 retained [0, 2) [12, 20)", "mla latent 1x20 retained [0, 20)", "shared retained", "state retained state 64 bytes"]);
+}
+
+// ------------------------------------------------------------ JSON
+
+#[test]
+fn json_round_trip_keeps_every_field() {
+    let m = llama_manifest();
+    let text = m.to_json();
+    assert!(text.contains(r#""checksum_algo":"xxh3-64""#));
+    assert!(text.contains(r#""tensor":"v""#));
+    assert!(text.contains(r#""rope":{"theta":"500000","scaling":"llama3("#));
+    let back = Manifest::from_json(text.as_bytes()).unwrap();
+    assert_eq!(&back, m);
+    let r = llama();
+    back.check(&r.expected(&identity())).unwrap();
+    back.verify_checksums(&r.at_destination(&r.dst_bufs)).unwrap();
+}
+
+#[test]
+fn json_of_exactly_the_limit_is_accepted_and_one_more_byte_is_not() {
+    let mut text = llama_manifest().to_json().into_bytes();
+    text.resize(MAX_MANIFEST_JSON, b' ');
+    assert_eq!(&Manifest::from_json(&text).unwrap(), llama_manifest());
+    text.push(b' ');
+    assert_eq!(Manifest::from_json(&text), Err(ManifestError::TooLarge { len: MAX_MANIFEST_JSON + 1, limit: MAX_MANIFEST_JSON }));
+}
+
+#[test]
+fn hostile_json_is_refused_cleanly() {
+    let good = llama_manifest().to_json();
+    let json_err = |text: &[u8]| match Manifest::from_json(text) {
+        Err(ManifestError::Json { reason }) => reason,
+        other => panic!("expected a JSON error, got {other:?}"),
+    };
+
+    // Truncated anywhere.
+    for cut in [0, 1, good.len() / 3, good.len() / 2, good.len() - 1] {
+        json_err(&good.as_bytes()[..cut]);
+    }
+    // Unknown fields, at the top and nested.
+    assert!(json_err(good.replacen('{', r#"{"extra":1,"#, 1).as_bytes()).contains("unknown field `extra`"));
+    let nested = good.replacen(r#""xxh3":"#, r#""crc":1,"xxh3":"#, 1);
+    assert!(json_err(nested.as_bytes()).contains("unknown field `crc`"));
+    // Wrong types, unknown tensors, out-of-range numbers, missing fields.
+    assert!(json_err(good.replacen(r#""tensor":"k""#, r#""tensor":"q""#, 1).as_bytes()).contains("unknown variant `q`"));
+    json_err(good.replacen(r#""tokens":100"#, r#""tokens":-1"#, 1).as_bytes());
+    json_err(good.replacen(r#""tokens":100"#, r#""tokens":18446744073709551616"#, 1).as_bytes());
+    json_err(good.replacen(r#""tokens":100,"#, "", 1).as_bytes());
+    json_err(br#"{"version":1}"#);
+    json_err(b"[]");
+    json_err(b"\xff\xfe{}");
+    json_err(&[b'['; 100_000]);
+    json_err(b"{\"version\":1,\"transfer\":\"\xc3\"}");
+    // 20 MiB: refused before parsing.
+    let big = vec![b' '; 20 << 20];
+    assert_eq!(
+        Manifest::from_json(&big).unwrap_err().to_string(),
+        format!("manifest JSON of {} bytes exceeds the limit of {}", 20 << 20, 16 << 20)
+    );
+}
+
+#[test]
+fn another_version_is_refused_before_its_fields_are_read() {
+    // A v2 manifest may add fields; the answer is still "unsupported version".
+    let v2 = llama_manifest().to_json().replacen(r#""version":1,"#, r#""version":2,"hmac":"x","#, 1);
+    assert_eq!(Manifest::from_json(v2.as_bytes()), Err(ManifestError::Version { got: 2 }));
+    assert_eq!(ManifestError::Version { got: 2 }.to_string(), "unsupported manifest version 2 (this side speaks 1)");
+}
+
+// ------------------------------------------------------------ properties
+
+/// A small random model: dense layers of one head count (so TP formulas
+/// apply), optionally sliding, plus MLA, shared and state layers.
+#[derive(Debug, Clone)]
+struct Toy {
+    kv_heads: u32,
+    layers: Vec<ToyLayer>,
+}
+
+/// (kind: 0 dense, 1 dense with a wider V, 2 MLA, 3 shared, 4 state; dim; (window, sinks)).
+type ToyLayer = (u8, u32, Option<(u64, u64)>);
+
+impl Toy {
+    fn toml(&self) -> String {
+        let mut t = String::new();
+        for (i, (kind, dim, window)) in self.layers.iter().enumerate() {
+            t += "[[layers]]\n";
+            match kind {
+                0 | 1 => t += &format!("attention = \"dense\"\nkv_heads = {}\nhead_dim = {dim}\nv_head_dim = {}\n", self.kv_heads, dim + u32::from(*kind)),
+                2 => t += &format!("attention = \"mla\"\nkv_lora_rank = {dim}\nqk_rope_head_dim = 2\n"),
+                3 if i > 0 && self.layers[0].0 < 3 => t += "attention = \"shared\"\nshares_with = 0\n",
+                _ => t += &format!("attention = \"none\"\nstate_bytes = {}\n", dim * 3),
+            }
+            if let (Some((w, s)), 0..=2) = (window, kind) {
+                t += &format!("window = {w}\nsinks = {s}\n");
+            }
+        }
+        t
+    }
+}
+
+fn toy() -> impl Strategy<Value = Toy> {
+    let layer = (0u8..5, 1u32..9, prop::option::weighted(0.3, (1u64..20, 0u64..4)));
+    (prop::sample::select(vec![1u32, 2, 4]), prop::collection::vec(layer, 1..4)).prop_map(|(kv_heads, layers)| Toy { kv_heads, layers })
+}
+
+fn layout() -> impl Strategy<Value = String> {
+    (
+        prop::sample::select(vec![1u32, 2, 4, 8]),
+        1u32..3,
+        prop::sample::select(vec![1u32, 3, 16]),
+        any::<bool>(),
+        prop::sample::select(vec![1u32, 8]),
+        prop::option::of(0u64..5),
+    )
+        .prop_map(|(tp, pp, block, hnd, row_align, shuffle)| {
+            let mut s = format!("tp={tp},pp={pp},block={block},layout={},row_align={row_align}", if hnd { "hnd" } else { "nhd" });
+            if let Some(seed) = shuffle {
+                s += &format!(",table=shuffle:{seed}");
+            }
+            s
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 128, max_global_rejects: 4096, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn checksums_agree_for_any_small_layout_and_a_flipped_byte_is_located(
+        toy in toy(),
+        src_layout in layout(),
+        dst_layout in layout(),
+        format in prop::sample::select(FORMATS.to_vec()),
+        tokens in 1u64..80,
+        prefix in any::<Index>(),
+        flip in (any::<Index>(), any::<Index>(), any::<Index>(), 1u8..=255),
+    ) {
+        let model = from_toml_spec("toy", &toy.toml()).map_err(|e| TestCaseError::fail(format!("{e}\n{}", toy.toml())))?;
+        let resolve = |l: &str| Side::new(&model, &LayoutSpec::parse(l).unwrap(), format, tokens);
+        let (Ok(src), Ok(dst)) = (resolve(&src_layout), resolve(&dst_layout)) else {
+            return Err(TestCaseError::reject("layout does not fit the model"));
+        };
+        let prefix_tokens = prefix.index(tokens as usize + 1) as u64;
+        let plan = build(&PlanInput { model: &model, tokens, prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() })
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let src_bufs = fill_source(&model, &src, tokens);
+        let mut dst_bufs = Buffers::alloc(&model, &dst, CANARY);
+        execute(&plan, &src_bufs, &mut dst_bufs).map_err(|e| TestCaseError::fail(e.to_string()))?;
+
+        let id = CacheIdentity { format: format.id(), ..identity() };
+        let m = Manifest::for_plan(&id, &model, &src, &dst, &plan, "t", read_buffers(&src_bufs))
+            .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert_eq!(m.check(&Expected::new(&id, &model, &dst, "t", tokens, prefix_tokens).unwrap()), Ok(()));
+        prop_assert_eq!(Manifest::from_json(m.to_json().as_bytes()), Ok(m.clone()));
+        let recomputed = checksums_at_destination(&plan, read_buffers(&dst_bufs), |_| true).unwrap();
+        prop_assert_eq!(&recomputed, &m.checksums);
+        // Every moved byte is covered, once.
+        prop_assert_eq!(m.checksums.iter().map(|c| c.bytes).sum::<u64>(), plan.counters.total_bytes_moved);
+
+        if !plan.segments.is_empty() {
+            let (seg, run, byte, mask) = flip;
+            let s = &plan.segments[seg.index(plan.segments.len())];
+            let (_, d) = s.runs().nth(run.index(s.count as usize)).unwrap();
+            let at = (d + byte.index(s.len as usize) as u64) as usize;
+            dst_bufs.ranks[s.dst_rank as usize].get_mut(&s.dst_region).unwrap()[at] ^= mask;
+            let err = m.verify_checksums(&checksums_at_destination(&plan, read_buffers(&dst_bufs), |_| true).unwrap());
+            let located = matches!(err, Err(ManifestError::Checksum { dst_rank, layer, tensor, .. })
+                if (dst_rank, layer, tensor) == (s.dst_rank, s.dst_region.layer, s.dst_region.tensor));
+            prop_assert!(located, "{:?}", err);
+        }
+    }
+
+    #[test]
+    fn mangled_manifest_json_never_panics(
+        edits in prop::collection::vec((any::<Index>(), any::<u8>()), 1..8),
+        cut in any::<Index>(),
+    ) {
+        let mut text = small_manifest_json().into_bytes();
+        for (at, b) in edits {
+            let i = at.index(text.len());
+            text[i] = b;
+        }
+        text.truncate(cut.index(text.len() + 1).max(text.len() / 2));
+        let _ = Manifest::from_json(&text);
+    }
+}
+
+fn small_manifest_json() -> String {
+    let model = from_toml_spec("s", "[[layers]]\nrepeat = 2\nattention = \"dense\"\nkv_heads = 2\nhead_dim = 4\n").unwrap();
+    let r = run(model, "tp=2", "tp=1,layout=hnd", fp32(), 5, 1);
+    r.manifest(&identity()).to_json()
+}
