@@ -809,10 +809,17 @@ impl Manifest {
     /// `dst_ranks` accepts (a receiver holding only some ranks); pass the
     /// same filter as to [`checksums_at_destination`].
     pub fn verify_checksums_where(&self, recomputed: &[LayerChecksum], dst_ranks: impl Fn(u32) -> bool) -> Result<(), ManifestError> {
+        self.verify_checksums_of(recomputed, |rank, _| dst_ranks(rank))
+    }
+
+    /// [`Manifest::verify_checksums`] limited to the (destination rank,
+    /// layer) pairs `keep` accepts: a receiver verifying layer by layer,
+    /// before publishing each layer's flag.
+    pub fn verify_checksums_of(&self, recomputed: &[LayerChecksum], keep: impl Fn(u32, u32) -> bool) -> Result<(), ManifestError> {
         let key = |c: &LayerChecksum| (c.dst_rank, c.layer, c.tensor);
         let mut sent: BTreeMap<_, &LayerChecksum> =
-            self.checksums.iter().filter(|c| dst_ranks(c.dst_rank)).map(|c| (key(c), c)).collect();
-        for got in recomputed.iter().filter(|c| dst_ranks(c.dst_rank)) {
+            self.checksums.iter().filter(|c| keep(c.dst_rank, c.layer)).map(|c| (key(c), c)).collect();
+        for got in recomputed.iter().filter(|c| keep(c.dst_rank, c.layer)) {
             let (dst_rank, layer, tensor) = key(got);
             let want = sent.remove(&key(got)).ok_or(ManifestError::ChecksumNotInManifest { dst_rank, layer, tensor })?;
             if want.bytes != got.bytes {

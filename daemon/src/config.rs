@@ -104,6 +104,9 @@ pub struct Config {
     pub metrics_listen: String,
     /// File holding the shared secret peers authenticate with.
     pub secret_file: Option<PathBuf>,
+    /// Checksum every transfer: the source sends xxh3 of what it wrote, the
+    /// destination recomputes each layer before publishing its flag.
+    pub verify_checksums: bool,
     /// Data plane.
     pub transport: TransportConfig,
     /// Static peers.
@@ -120,6 +123,7 @@ impl Default for Config {
             peer_listen: "127.0.0.1:7400".into(),
             metrics_listen: String::new(),
             secret_file: None,
+            verify_checksums: true,
             transport: TransportConfig::default(),
             peers: Vec::new(),
             limits: Limits::default(),

@@ -59,13 +59,10 @@ pub enum PeerMsg {
     Offer(Offer),
     /// The destination accepts and describes where bytes go.
     Accept(Accept),
-    /// Bytes the plan sends per layer (index = layer), and the plan's totals.
-    Expect {
-        /// Destination slot.
-        slot: u16,
-        /// Bytes per layer.
-        layers: Vec<u64>,
-    },
+    /// The source's side of the plan and the integrity manifest; the
+    /// destination recomputes the plan, checks the manifest, and only then
+    /// expects bytes.
+    Expect(Expect),
     /// Generic success.
     Ok,
     /// The source gave up on a transfer.
@@ -91,6 +88,22 @@ pub struct Offer {
     pub identity: CacheIdentity,
     /// Tokens in the request.
     pub tokens: u64,
+}
+
+/// What the destination needs to recompute the plan and check it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// Destination slot.
+    pub slot: u16,
+    /// Source layout string.
+    pub src_layout: String,
+    /// Source blocks per region.
+    pub src_num_blocks: u32,
+    /// Source block table.
+    pub src_block_table: Vec<u32>,
+    /// The integrity manifest (JSON), checksums included unless the source turned them off.
+    pub manifest: String,
 }
 
 /// One destination region a source may write.

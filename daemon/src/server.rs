@@ -4,17 +4,18 @@
 use crate::config::{Config, TransportKind};
 use crate::control::*;
 use crate::metrics::Metrics;
-use crate::peer::{self, Accept, Offer, PeerMsg, PeerRegion};
+use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion};
 use crate::wire::{self, read_msg, write_msg, WireError};
 use kvwire_core::layout::{self, ModelSpec};
-use kvwire_core::plan::{self, CostModel, PlanInput, Side};
+use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
+use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
 use kvwire_core::reuse::{check_prefix, CacheIdentity};
 use kvwire_core::shard::{LayoutSpec, RegionId, ShardMap};
 use kvwire_core::CacheFormat;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
-use kvwire_transport::{Batch, Endpoint, FlagTable, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
+use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
@@ -84,6 +85,10 @@ pub struct Daemon {
     cfg: Config,
     secret: Vec<u8>,
     ep: Arc<dyn Endpoint>,
+    // The page clients map. The data plane's placement publishes into its
+    // own table (bytes counted); a layer reaches this page only after it
+    // was also verified.
+    page: FlagTable,
     state: Mutex<State>,
     /// Counters.
     pub metrics: Metrics,
@@ -103,7 +108,7 @@ fn err(code: Code, m: impl std::fmt::Display) -> Reply {
 }
 
 fn flags_placement() -> anyhow::Result<Arc<Placement>> {
-    Ok(Arc::new(Placement::new(FlagTable::new(FLAG_SLOTS, FLAG_COLUMNS)?, Arc::new(Hops::default()))))
+    Ok(Arc::new(Placement::new(FlagTable::new(FLAG_SLOTS, MAX_TRANSFER_LAYERS)?, Arc::new(Hops::default()))))
 }
 
 impl Daemon {
@@ -127,7 +132,7 @@ impl Daemon {
                     node: cfg.node.clone(),
                     max_regions: cfg.limits.max_regions,
                     slots: FLAG_SLOTS,
-                    layers: FLAG_COLUMNS,
+                    layers: MAX_TRANSFER_LAYERS,
                     ..VerbsLimits::default()
                 };
                 Arc::new(VerbsEndpoint::new(t.verbs_device.as_deref(), t.verbs_port, t.verbs_gid_index, limits)?)
@@ -151,6 +156,7 @@ impl Daemon {
             cfg,
             secret,
             ep,
+            page: FlagTable::new(FLAG_SLOTS, FLAG_COLUMNS)?,
             state: Mutex::new(State::default()),
             metrics: Metrics::default(),
             stop: AtomicBool::new(false),
@@ -264,7 +270,7 @@ impl Daemon {
             let span = tracing::debug_span!("control", client);
             let _g = span.enter();
             let (reply, send_flag_page) = self.handle(client, req, fds);
-            let page = self.ep.placement().flags().mem().clone();
+            let page = self.page.mem().clone();
             let fds = if send_flag_page { vec![page.fd().as_raw_fd()] } else { vec![] };
             if wire::send_unix(&s, &reply, &fds).is_err() {
                 break;
@@ -309,7 +315,7 @@ impl Daemon {
             Request::Submit(s) => (self.submit(s), false),
             Request::Wait { slot, flag, timeout_ms } => {
                 let tag = Tag { slot, layer: flag.column() };
-                match self.ep.placement().flags().wait(tag, Duration::from_millis(timeout_ms)) {
+                match self.page.wait(tag, Duration::from_millis(timeout_ms)) {
                     Ok(d) => (Reply::Waited { notify_ns: d.as_nanos() as u64 }, false),
                     Err(e @ kvwire_transport::flags::WaitError::Failed { .. }) => {
                         let why = self.state.lock().expect("state lock").slots.get(&slot).and_then(|s| s.error.clone());
@@ -346,7 +352,7 @@ impl Daemon {
                         s.state = TransferState::Cancelled;
                         s.error = Some("cancelled by client".into());
                         s.stop.store(true, Ordering::Release);
-                        self.ep.placement().fail_slot(slot, FLAG_COLUMNS);
+                        self.fail_flags(slot);
                         Metrics::add(&self.metrics.cancelled, 1);
                         (Reply::Cancelled, false)
                     }
@@ -499,6 +505,7 @@ impl Daemon {
             if free {
                 st.next_slot = (slot + 1) % FLAG_SLOTS;
                 self.ep.placement().reset_slot(slot);
+                self.page.clear_slot(slot);
                 let stop = Arc::new(AtomicBool::new(false));
                 st.slots.insert(
                     slot,
@@ -540,7 +547,15 @@ impl Daemon {
             }
         }
         if state != TransferState::Done {
-            self.ep.placement().fail_slot(slot, FLAG_COLUMNS);
+            self.fail_flags(slot);
+        }
+    }
+
+    /// Fails every flag of `slot`, internal and client-visible: waiters stop at once.
+    fn fail_flags(&self, slot: u16) {
+        self.ep.placement().fail_slot(slot, MAX_TRANSFER_LAYERS);
+        for layer in 0..FLAG_COLUMNS {
+            self.page.fail(Tag { slot, layer });
         }
     }
 
@@ -577,7 +592,7 @@ impl Daemon {
             return err(Code::UnknownPeer, format!("peer `{}` is not configured", s.peer));
         };
         // Snapshot what planning needs; the regions stay registered (Arc) while we use them.
-        let (model, format, layout, identity, num_blocks, src_keys) = {
+        let (model, format, layout, layout_text, identity, num_blocks, src_keys) = {
             let st = self.state.lock().expect("state lock");
             let Some(g) = st.groups.get(&s.group) else { return err(Code::UnknownGroup, format!("no group `{}`", s.group)) };
             if !g.complete() {
@@ -585,7 +600,7 @@ impl Daemon {
             }
             let keys: HashMap<(u32, RegionId), Arc<Region>> =
                 g.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect();
-            (g.model.clone(), g.format, g.layout.clone(), g.identity.clone(), g.num_blocks, keys)
+            (g.model.clone(), g.format, g.layout.clone(), g.layout_text.clone(), g.identity.clone(), g.num_blocks, keys)
         };
         let src = match Side::with_table(&model, &layout, format, s.tokens, s.block_table.clone(), num_blocks) {
             Ok(x) => x,
@@ -613,6 +628,7 @@ impl Daemon {
             Ok(name) => return fail(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name)),
             Err(e) => return fail(Code::AuthFailed, e.to_string()),
         }
+        let identity_src = identity.clone();
         let offer = Offer { dst_group: s.dst_group.clone(), dst_request: s.dst_request.clone(), src_request: s.request.clone(), identity, tokens: s.tokens };
         let accept = match write_msg(&mut pc, &PeerMsg::Offer(offer)).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
             Ok(PeerMsg::Accept(a)) => a,
@@ -646,10 +662,6 @@ impl Daemon {
             }
         };
         let n_layers = model.layers.len();
-        let mut per_layer = vec![0u64; n_layers];
-        for seg in &plan.segments {
-            per_layer[seg.dst_region.layer as usize] += seg.bytes();
-        }
         let dst_keys: HashMap<(u32, RegionId), (u32, u64)> = accept.regions.iter().map(|r| ((r.rank, r.region), (r.key, r.len))).collect();
         // Writes per layer, checked against what both sides registered.
         let mut batches: Vec<Batch> = (0..n_layers).map(|l| Batch { tag: Tag { slot: accept.slot, layer: l as u16 }, writes: vec![] }).collect();
@@ -663,9 +675,51 @@ impl Daemon {
                 b.writes.push(WriteOp { src_key: sr.key, src_offset: so, dst_key: dk, dst_offset: dof, len: seg.len });
             }
         }
-        match write_msg(&mut pc, &PeerMsg::Expect { slot: accept.slot, layers: per_layer.clone() }).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
+        // The manifest: identity, shapes, maps, positions, and checksums of
+        // the source bytes (read from the registered memory).
+        let manifest = {
+            let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<Vec<u8>> {
+                let r = src_keys.get(&(rank, region))?;
+                let mut buf = vec![0u8; len as usize];
+                r.mem.read(r.offset + offset, &mut buf).ok()?;
+                Some(buf)
+            };
+            let dst_side = Side::with_table(
+                &model,
+                &LayoutSpec::parse(&accept.layout).expect("parsed above"),
+                CacheFormat::parse(&accept.format).expect("parsed above"),
+                s.tokens,
+                accept.block_table.clone(),
+                accept.num_blocks,
+            )
+            .expect("built above");
+            let started = Instant::now();
+            // With checksums off, the manifest still carries every identity
+            // claim; hashing no segments leaves its checksum list empty.
+            let hashed = if self.cfg.verify_checksums { plan.clone() } else { Plan { segments: vec![], ..plan.clone() } };
+            let m = Manifest::for_plan(&identity_src, &model, &src, &dst_side, &hashed, &s.dst_request, read);
+            match m {
+                Ok(m) => {
+                    self.hops().record(Hop::Verify, started.elapsed(), plan.counters.total_bytes_moved);
+                    m
+                }
+                Err(e) => {
+                    let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: format!("manifest: {e}") });
+                    return fail(Code::BadRequest, format!("manifest: {e}"));
+                }
+            }
+        };
+        let expect = Expect {
+            slot: accept.slot,
+            src_layout: layout_text.clone(),
+            src_num_blocks: num_blocks,
+            src_block_table: s.block_table.clone(),
+            manifest: manifest.to_json(),
+        };
+        Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
+        match write_msg(&mut pc, &PeerMsg::Expect(expect)).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
             Ok(PeerMsg::Ok) => {}
-            Ok(PeerMsg::Refused { reason }) => return fail(Code::PeerRefused, format!("peer `{}` refused the plan: {reason}", peer.name)),
+            Ok(PeerMsg::Refused { reason }) => return fail(Code::PeerRefused, format!("peer `{}` refused the transfer: {reason}", peer.name)),
             Ok(other) => return fail(Code::PeerRefused, format!("unexpected peer reply {other:?}")),
             Err(e) => return fail(Code::PeerUnreachable, format!("peer `{}`: {e}", peer.name)),
         }
@@ -693,7 +747,7 @@ impl Daemon {
                     Metrics::add(&d.metrics.payload_bytes, bytes);
                     let framing = if d.ep.transport() == "verbs" { 0 } else { writes * 2 * kvwire_core::protocol::HEADER_LEN as u64 };
                     Metrics::add(&d.metrics.wire_bytes, bytes + framing);
-                    d.ep.placement().flags().publish(Tag { slot, layer: SOURCE_RELEASED });
+                    d.page.publish(Tag { slot, layer: SOURCE_RELEASED });
                     d.finish(slot, TransferState::Done, None);
                     tracing::info!(bytes, writes, "source released");
                 }
@@ -782,7 +836,7 @@ impl Daemon {
             };
             let reply = match msg {
                 PeerMsg::Offer(o) => self.offer(&peer, o),
-                PeerMsg::Expect { slot, layers } => self.expect(slot, layers),
+                PeerMsg::Expect(e) => self.expect(e),
                 PeerMsg::Abort { slot, reason } => {
                     tracing::warn!(peer, slot, reason, "source aborted");
                     self.finish(slot, TransferState::Failed, Some(format!("source aborted: {reason}")));
@@ -840,42 +894,114 @@ impl Daemon {
         PeerMsg::Accept(accept)
     }
 
-    fn expect(self: &Arc<Self>, slot: u16, layers: Vec<u64>) -> PeerMsg {
-        {
-            let mut st = self.state.lock().expect("state lock");
-            let Some(sl) = st.slots.get_mut(&slot).filter(|s| s.role == Role::Destination && s.state == TransferState::Running) else {
+    /// Recomputes the plan from the source's side and this side's
+    /// registration, checks the manifest field by field, and only then
+    /// expects bytes; a watcher verifies each layer and publishes it.
+    fn expect(self: &Arc<Self>, e: Expect) -> PeerMsg {
+        let slot = e.slot;
+        let refuse = |d: &Daemon, reason: String| {
+            d.finish(slot, TransferState::Failed, Some(reason.clone()));
+            PeerMsg::Refused { reason }
+        };
+        let prepared = {
+            let st = self.state.lock().expect("state lock");
+            let Some(sl) = st.slots.get(&slot).filter(|s| s.role == Role::Destination && s.state == TransferState::Running) else {
                 return PeerMsg::Refused { reason: format!("slot {slot} is not receiving") };
             };
-            if layers.len() > usize::from(MAX_TRANSFER_LAYERS) {
-                return PeerMsg::Refused { reason: format!("{} layers, at most {MAX_TRANSFER_LAYERS}", layers.len()) };
-            }
-            sl.layers = layers.len() as u16;
-            sl.bytes = layers.iter().sum();
+            let recv = sl.recv.clone().expect("destination slots hold their receive");
+            let Some(g) = st.groups.get(&recv.group) else { return PeerMsg::Refused { reason: format!("group `{}` is gone", recv.group) } };
+            let regions: HashMap<(u32, RegionId), Arc<Region>> =
+                g.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect();
+            (recv, g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), regions)
+        };
+        let (recv, model, format, layout, num_blocks, identity, regions) = prepared;
+        let manifest = match Manifest::from_json(e.manifest.as_bytes()) {
+            Ok(m) => m,
+            Err(err) => return refuse(self, format!("manifest: {err}")),
+        };
+        let planned = (|| -> anyhow::Result<_> {
+            let dst = Side::with_table(&model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks)?;
+            let src_layout = LayoutSpec::parse(&e.src_layout)?;
+            let src = Side::with_table(&model, &src_layout, format, recv.tokens, e.src_block_table.clone(), e.src_num_blocks)?;
+            let plan = plan::build(&PlanInput { model: &model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() })?;
+            Ok((dst, plan))
+        })();
+        let (dst, plan) = match planned {
+            Ok(x) => x,
+            Err(err) => return refuse(self, format!("source plan: {err:#}")),
+        };
+        // Identity, shapes, maps and positions, before any flag can be published.
+        let expected = match Expected::new(&identity, &model, &dst, &recv.request, recv.tokens, recv.prefix_tokens) {
+            Ok(x) => x,
+            Err(err) => return refuse(self, format!("registration: {err}")),
+        };
+        if let Err(err) = manifest.check(&expected) {
+            return refuse(self, err.to_string());
         }
-        Metrics::add(&self.metrics.received_bytes, layers.iter().sum());
-        for (l, &bytes) in layers.iter().enumerate() {
-            if let Err(e) = self.ep.placement().expect(Tag { slot, layer: l as u16 }, bytes) {
-                self.finish(slot, TransferState::Failed, Some(e.to_string()));
-                return PeerMsg::Refused { reason: e.to_string() };
+        let verify = self.cfg.verify_checksums;
+        if verify && manifest.checksums.is_empty() && plan.counters.total_bytes_moved > 0 {
+            return refuse(self, "this daemon verifies checksums and the manifest carries none".into());
+        }
+        let n = model.layers.len();
+        let mut per_layer = vec![0u64; n];
+        for seg in &plan.segments {
+            per_layer[seg.dst_region.layer as usize] += seg.bytes();
+        }
+        {
+            let mut st = self.state.lock().expect("state lock");
+            if let Some(sl) = st.slots.get_mut(&slot) {
+                sl.layers = n as u16;
+                sl.bytes = plan.counters.total_bytes_moved;
+                sl.segments = plan.counters.segments;
+                sl.reused = plan.counters.reused_bytes;
             }
         }
-        // decoder_usable once every layer is ready.
+        Metrics::add(&self.metrics.received_bytes, plan.counters.total_bytes_moved);
+        for (l, &bytes) in per_layer.iter().enumerate() {
+            if let Err(err) = self.ep.placement().expect(Tag { slot, layer: l as u16 }, bytes) {
+                return refuse(self, err.to_string());
+            }
+        }
         let d = self.clone();
-        let n = layers.len() as u16;
         let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
-        let _ = std::thread::Builder::new().name(format!("kvwired-recv-{slot}")).spawn(move || {
-            let flags = d.ep.placement().flags().clone();
+        let spawned = std::thread::Builder::new().name(format!("kvwired-recv-{slot}")).spawn(move || {
+            let span = tracing::info_span!("receive", slot, request = recv.request);
+            let _g = span.enter();
             let start = Instant::now();
             for layer in 0..n {
+                let tag = Tag { slot, layer: layer as u16 };
                 let left = timeout.saturating_sub(start.elapsed());
-                if let Err(e) = d.ep.placement().wait(Tag { slot, layer }, left) {
-                    d.finish(slot, TransferState::Failed, Some(e.to_string()));
+                if let Err(err) = d.ep.placement().wait(tag, left) {
+                    d.finish(slot, TransferState::Failed, Some(err.to_string()));
                     return;
                 }
+                if verify && per_layer[layer] > 0 {
+                    let t = Instant::now();
+                    let sub = Plan { segments: plan.segments.iter().filter(|s| s.dst_region.layer as usize == layer).copied().collect(), ..plan.clone() };
+                    let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<Vec<u8>> {
+                        let r = regions.get(&(rank, region))?;
+                        let mut buf = vec![0u8; len as usize];
+                        r.mem.read(r.offset + offset, &mut buf).ok()?;
+                        Some(buf)
+                    };
+                    let checked = checksums_at_destination(&sub, read, |_| true)
+                        .and_then(|rec| manifest.verify_checksums_of(&rec, |_, l| l as usize == layer));
+                    d.hops().record(Hop::Verify, t.elapsed(), per_layer[layer]);
+                    if let Err(err) = checked {
+                        tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
+                        d.finish(slot, TransferState::Failed, Some(err.to_string()));
+                        return;
+                    }
+                }
+                d.page.publish(tag);
             }
-            flags.publish(Tag { slot, layer: DECODER_USABLE });
+            d.page.publish(Tag { slot, layer: DECODER_USABLE });
             d.finish(slot, TransferState::Done, None);
+            tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "decoder usable");
         });
+        if let Err(err) = spawned {
+            return refuse(self, format!("cannot start the receive thread: {err}"));
+        }
         PeerMsg::Ok
     }
 
