@@ -36,6 +36,9 @@ pub struct TransportConfig {
     pub kind: TransportKind,
     /// Data listener for `tcp` (port 0 picks one; peers learn it in the handshake).
     pub tcp_listen: String,
+    /// Data address told to peers for `tcp`, when they must reach this host
+    /// through another address (NAT, a proxy); default: the bound address.
+    pub tcp_advertise: Option<String>,
     /// Directory for `shm` sockets (default: a private temp dir).
     pub shm_dir: Option<PathBuf>,
     /// RDMA device for `verbs` (default: the first).
@@ -53,6 +56,7 @@ impl Default for TransportConfig {
         TransportConfig {
             kind: TransportKind::Tcp,
             tcp_listen: "127.0.0.1:0".into(),
+            tcp_advertise: None,
             shm_dir: None,
             verbs_device: None,
             verbs_port: 1,
@@ -215,6 +219,9 @@ impl Config {
             addr("metrics_listen", &self.metrics_listen)?;
         }
         addr("transport.tcp_listen", &self.transport.tcp_listen)?;
+        if let Some(a) = &self.transport.tcp_advertise {
+            addr("transport.tcp_advertise", a)?;
+        }
         addr("transport.verbs_listen", &self.transport.verbs_listen)?;
         if self.control_socket.as_os_str().len() > 100 {
             return Err(invalid("control_socket", "path longer than a Unix socket allows (100 bytes)"));

@@ -882,7 +882,10 @@ impl Daemon {
             num_blocks: g.num_blocks,
             block_table: recv.block_table.clone(),
             prefix_tokens: recv.prefix_tokens,
-            data_addr: self.ep.local_addr(),
+            data_addr: match (&self.cfg.transport.tcp_advertise, self.cfg.transport.kind) {
+                (Some(a), TransportKind::Tcp) => a.clone(),
+                _ => self.ep.local_addr(),
+            },
             transport: self.ep.transport().into(),
             regions,
         };

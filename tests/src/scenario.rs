@@ -1,0 +1,344 @@
+//! One end-to-end transfer through real daemons: a prefill client computes
+//! tinylm's KV cache, scatters each TP rank's shard into its paged layout and
+//! registers it with daemon A; a decode client registers its own layout with
+//! daemon B, prepares the request, and after the transfer gathers the cache,
+//! runs one decode step and compares the logits with a local computation.
+
+use crate::tinylm::{self, Adapter, KvCache, Weights};
+use kvwire_core::layout::{inventory, Inventory};
+use kvwire_core::plan::Side;
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::{CacheFormat, Geometry, ModelSpec};
+use kvwire_transport::HostMem;
+use kvwired::client::{Client, ClientError};
+use kvwired::control::*;
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct Scenario {
+    /// Prompt length.
+    pub tokens: u64,
+    /// Positions the decode side already holds (computed locally, validated).
+    pub prefix: u64,
+    /// Source layout (`tp=4,block=16,layout=nhd,table=shuffle:1`).
+    pub src_layout: String,
+    /// Destination layout.
+    pub dst_layout: String,
+    /// Use a LoRA adapter on both sides.
+    pub adapter: bool,
+    /// Changes the source's identity claims (negative cases).
+    pub src_identity: fn(&mut CacheIdentity),
+    /// Changes the destination's identity (negative cases).
+    pub dst_identity: fn(&mut CacheIdentity),
+    /// Group names must be unique per daemon.
+    pub name: String,
+}
+
+impl Scenario {
+    /// A lossless TP4 NHD/16 → TP2 HND/32 transfer of 100 tokens (partial final block).
+    pub fn new(name: &str) -> Scenario {
+        Scenario {
+            tokens: 100,
+            prefix: 0,
+            src_layout: "tp=4,block=16,layout=nhd,table=shuffle:1".into(),
+            dst_layout: "tp=2,block=32,layout=hnd,table=shuffle:2".into(),
+            adapter: true,
+            src_identity: |_| {},
+            dst_identity: |_| {},
+            name: name.into(),
+        }
+    }
+}
+
+/// What came out.
+#[derive(Debug)]
+pub struct Outcome {
+    /// Inventory of the transferred cache.
+    pub inventory: Inventory,
+    /// Local logits.
+    pub local: Vec<f32>,
+    /// Logits decoded from the transferred cache.
+    pub remote: Vec<f32>,
+    /// Source-side status (bytes, segments).
+    pub source: TransferStatus,
+    /// Destination-side status.
+    pub destination: TransferStatus,
+    /// Per layer: time from submit until `layer_ready(L)` was seen.
+    pub layer_ready: Vec<Duration>,
+    /// Submit → `decoder_usable` seen.
+    pub end_to_end: Duration,
+}
+
+impl Outcome {
+    /// Bitwise equality of the logits.
+    pub fn bitwise(&self) -> bool {
+        self.local.len() == self.remote.len() && self.local.iter().zip(&self.remote).all(|(a, b)| a.to_bits() == b.to_bits())
+    }
+
+    /// Largest absolute logit difference.
+    pub fn max_abs_diff(&self) -> f32 {
+        self.local.iter().zip(&self.remote).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
+    }
+}
+
+/// Why a scenario stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ScenarioError {
+    /// A daemon refused or failed.
+    #[error("{step}: {source}")]
+    Daemon {
+        /// What was being done.
+        step: &'static str,
+        /// The error.
+        source: ClientError,
+    },
+    /// Local set-up failed.
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn step(step: &'static str) -> impl Fn(ClientError) -> ScenarioError {
+    move |source| ScenarioError::Daemon { step, source }
+}
+
+/// The tinylm config the scenarios use.
+pub fn config() -> tinylm::Config {
+    tinylm::Config::default()
+}
+
+/// tinylm's cache description as the TOML spec both daemons parse.
+pub fn model_toml(cfg: &tinylm::Config) -> String {
+    format!(
+        "name = \"tinylm\"\ndtype = \"fp32\"\n[[layers]]\nrepeat = {}\nattention = \"dense\"\nkv_heads = {}\nhead_dim = {}\n",
+        cfg.layers, cfg.kv_heads, cfg.head_dim
+    )
+}
+
+fn prompt(n: u64, vocab: usize) -> Vec<u32> {
+    let mut s = 0x2545_F491_4F6C_DD1Du64;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % vocab as u64) as u32
+        })
+        .collect()
+}
+
+fn identity(w: &Weights, a: Option<&Adapter>, cfg: &tinylm::Config) -> CacheIdentity {
+    CacheIdentity {
+        model_digest: tinylm::digest(w),
+        adapter_digest: a.map(tinylm::adapter_digest).unwrap_or_default(),
+        format: "fp32/v1".into(),
+        tenant: "demo".into(),
+        rope: format!("theta={}", cfg.rope_theta),
+        position_offset: cfg.rope_position_offset,
+    }
+}
+
+fn side(model: &ModelSpec, layout: &str, tokens: u64) -> Result<Side, ScenarioError> {
+    let l = LayoutSpec::parse(layout).map_err(|e| ScenarioError::Setup(format!("layout `{layout}`: {e}")))?;
+    Side::new(model, &l, CacheFormat::parse("fp32").expect("fp32"), tokens).map_err(|e| ScenarioError::Setup(e.to_string()))
+}
+
+/// One memfd per rank holding `regions` back to back, in layout order.
+fn rank_mem(model: &ModelSpec, side: &Side, rank: u32, regions: Option<&BTreeMap<RegionId, Vec<u8>>>) -> HostMem {
+    let list = side.regions(model, rank);
+    let total: u64 = list.iter().map(|(_, l)| l).sum();
+    let mem = HostMem::new("kvwire-e2e-rank", total).expect("memfd");
+    if let Some(r) = regions {
+        let mut off = 0;
+        for (id, len) in &list {
+            mem.write(off, &r[id]).expect("fill rank memory");
+            off += len;
+        }
+    }
+    mem
+}
+
+fn read_rank(model: &ModelSpec, side: &Side, rank: u32, mem: &HostMem) -> BTreeMap<RegionId, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    let mut off = 0;
+    for (id, len) in side.regions(model, rank) {
+        let mut buf = vec![0u8; len as usize];
+        mem.read(off, &mut buf).expect("read rank memory");
+        out.insert(id, buf);
+        off += len;
+    }
+    out
+}
+
+fn register_group(c: &Client, group: &str, model_toml: &str, layout: &str, side: &Side, mems: &[HostMem], id: &CacheIdentity) -> Result<(), ScenarioError> {
+    for (rank, mem) in mems.iter().enumerate() {
+        let r = RegisterCache {
+            group: group.into(),
+            model: ModelSource::Toml(model_toml.into()),
+            format: "fp32".into(),
+            layout: layout.into(),
+            rank: rank as u32,
+            num_blocks: side.num_blocks,
+            identity: id.clone(),
+        };
+        c.register(r, mem).map_err(step("register"))?;
+    }
+    Ok(())
+}
+
+/// Runs `sc`: `a` is the prefill side's daemon, `b` the decode side's, known to `a` as `peer`.
+pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome, ScenarioError> {
+    let cfg = config();
+    let w = Weights::seeded(&cfg, 7);
+    let adapter = sc.adapter.then(|| Adapter::seeded(&cfg, 4, 11));
+    let model = tinylm::model_spec(&cfg);
+    let toml = model_toml(&cfg);
+    let tokens = prompt(sc.tokens + 1, cfg.vocab);
+    let (cache, _) = tinylm::prefill(&w, adapter.as_ref(), &tokens[..sc.tokens as usize]);
+    let next = tokens[sc.tokens as usize];
+    let local = tinylm::decode_step(&w, adapter.as_ref(), &cache, next, sc.tokens);
+    let geo = Geometry::new(CacheFormat::parse("fp32").expect("fp32"), 16).expect("geometry");
+    let inv = inventory(&model, &geo, sc.tokens).map_err(|e| ScenarioError::Setup(e.to_string()))?;
+
+    // Prefill side: scatter each rank's shard, register.
+    let src = side(&model, &sc.src_layout, sc.tokens)?;
+    let src_mems: Vec<HostMem> =
+        (0..src.shard.ranks.len() as u32).map(|r| rank_mem(&model, &src, r, Some(&tinylm::scatter(&cache, &model, &src, r)))).collect();
+    let mut sid = identity(&w, adapter.as_ref(), &cfg);
+    (sc.src_identity)(&mut sid);
+    let src_group = format!("{}-prefill", sc.name);
+    register_group(a, &src_group, &toml, &sc.src_layout, &src, &src_mems, &sid)?;
+
+    // Decode side: its own layout; a prefix it computed itself, if any.
+    let dst = side(&model, &sc.dst_layout, sc.tokens)?;
+    let held: Option<KvCache> = (sc.prefix > 0).then(|| tinylm::prefill(&w, adapter.as_ref(), &tokens[..sc.prefix as usize]).0);
+    let dst_mems: Vec<HostMem> = (0..dst.shard.ranks.len() as u32)
+        .map(|r| {
+            let regions = held.as_ref().map(|h| {
+                let short = side(&model, &sc.dst_layout, sc.prefix).expect("prefix side");
+                // Same table prefix: place the held positions where the request's blocks are.
+                let short = Side { block_table: dst.block_table.clone(), num_blocks: dst.num_blocks, ..short };
+                tinylm::scatter(h, &model, &short, r)
+            });
+            rank_mem(&model, &dst, r, regions.as_ref())
+        })
+        .collect();
+    let mut did = identity(&w, adapter.as_ref(), &cfg);
+    (sc.dst_identity)(&mut did);
+    let dst_group = format!("{}-decode", sc.name);
+    register_group(b, &dst_group, &toml, &sc.dst_layout, &dst, &dst_mems, &did)?;
+
+    let request = format!("{}-req", sc.name);
+    let slot = b
+        .prepare(PrepareReceive {
+            group: dst_group.clone(),
+            request: request.clone(),
+            block_table: dst.block_table.clone(),
+            tokens: sc.tokens,
+            prefix_tokens: sc.prefix,
+        })
+        .map_err(step("prepare"))?;
+    let started = Instant::now();
+    let submitted = a.submit(Submit {
+        request: format!("{}-prefill", sc.name),
+        group: src_group,
+        block_table: src.block_table.clone(),
+        tokens: sc.tokens,
+        peer: peer.into(),
+        dst_group,
+        dst_request: request,
+    });
+    let (sslot, peer_slot, _, _) = match submitted {
+        Ok(x) => x,
+        Err(e) => {
+            // A refused transfer must leave no flag behind.
+            if b.ready(slot, FlagName::DecoderUsable) || (0..cfg.layers as u16).any(|l| b.ready(slot, FlagName::LayerReady(l))) {
+                return Err(ScenarioError::Setup(format!("flags published for a refused transfer ({e})")));
+            }
+            return Err(ScenarioError::Daemon { step: "submit", source: e });
+        }
+    };
+    debug_assert_eq!(peer_slot, slot);
+    let wait = Duration::from_secs(60);
+    let mut layer_ready = Vec::new();
+    for l in 0..cfg.layers as u16 {
+        b.wait(slot, FlagName::LayerReady(l), wait).map_err(step("wait layer_ready"))?;
+        layer_ready.push(started.elapsed());
+    }
+    b.wait(slot, FlagName::DecoderUsable, wait).map_err(step("wait decoder_usable"))?;
+    let end_to_end = started.elapsed();
+    a.wait(sslot, FlagName::SourceReleased, wait).map_err(step("wait source_released"))?;
+
+    let ranks: Vec<BTreeMap<RegionId, Vec<u8>>> =
+        dst_mems.iter().enumerate().map(|(r, m)| read_rank(&model, &dst, r as u32, m)).collect();
+    let got = tinylm::gather(&ranks, &model, &dst, sc.tokens);
+    let remote = tinylm::decode_step(&w, adapter.as_ref(), &got, next, sc.tokens);
+    Ok(Outcome {
+        inventory: inv,
+        local,
+        remote,
+        source: a.status(sslot).map_err(step("status"))?,
+        destination: b.status(slot).map_err(step("status"))?,
+        layer_ready,
+        end_to_end,
+    })
+}
+
+/// A kvwired process started for a test or the demo; killed on drop.
+#[derive(Debug)]
+pub struct DaemonProc {
+    child: Child,
+    /// Control socket.
+    pub socket: PathBuf,
+    /// Peer-control address.
+    pub peer: String,
+    /// Data-plane address.
+    pub data: String,
+}
+
+impl Drop for DaemonProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The `kvwired` binary next to the running executable (target/<profile>/).
+pub fn kvwired_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join("kvwired");
+    assert!(bin.exists(), "{} not found: build it first (cargo build -p kvwired)", bin.display());
+    bin
+}
+
+/// Starts `kvwired` with a config written into `dir`; `extra` is appended to it.
+pub fn start_daemon(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], extra: &str) -> DaemonProc {
+    let secret_file = dir.join(format!("{node}.secret"));
+    std::fs::write(&secret_file, secret).expect("write secret");
+    let socket = dir.join(format!("{node}.sock"));
+    let mut cfg = format!(
+        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"127.0.0.1:0\"\nsecret_file = \"{}\"\n{extra}\n",
+        socket.display(),
+        secret_file.display()
+    );
+    for (name, addr) in peers {
+        cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
+    }
+    let path = dir.join(format!("{node}.toml"));
+    std::fs::write(&path, cfg).expect("write config");
+    let mut child = Command::new(kvwired_bin()).arg("--config").arg(&path).stdout(Stdio::piped()).spawn().expect("spawn kvwired");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read ready line");
+    assert!(line.starts_with("kvwired ready"), "kvwired {node} did not start: {line:?}");
+    let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
+    DaemonProc { peer: field("peer="), data: field("data="), child, socket }
+}

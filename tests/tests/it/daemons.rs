@@ -1,0 +1,190 @@
+//! The proof, through real daemons: a prefill client's tinylm cache is moved
+//! by two kvwired processes into another layout, and the decode logits match
+//! a local computation bitwise; every identity mismatch and a corrupted byte
+//! are refused before any flag.
+
+use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
+use kvwire_e2e::scenario::{self, start_daemon, DaemonProc, Scenario, ScenarioError};
+use kvwire_e2e::tinylm;
+use kvwired::client::Client;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+
+const SECRET: &str = "e2e-shared-secret-0123456789";
+
+struct Pair {
+    _b: DaemonProc,
+    _a: DaemonProc,
+    ca: Client,
+    cb: Client,
+}
+
+fn dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvwire-e2e-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn pair(tag: &str, b_extra: &str) -> Pair {
+    let d = dir(tag);
+    let b = start_daemon(&d, "decode-host", SECRET, &[], b_extra);
+    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    Pair { _b: b, _a: a, ca, cb }
+}
+
+fn run(p: &Pair, sc: &Scenario) -> Result<scenario::Outcome, ScenarioError> {
+    scenario::run(&p.ca, &p.cb, "decode-host", sc)
+}
+
+fn assert_bitwise(o: &scenario::Outcome) {
+    assert!(o.bitwise(), "logits differ from the local computation: max abs diff {}", o.max_abs_diff());
+}
+
+#[test]
+fn lossless_remapped_transfers_decode_bitwise_identical() {
+    let p = pair("lossless", "");
+    // TP4 NHD/16 -> TP2 HND/32, 100 tokens: a partial final block on both sides.
+    let o = run(&p, &Scenario::new("tp4-tp2")).unwrap();
+    assert_bitwise(&o);
+    let per_token = 4 /*layers*/ * 4 /*kv heads*/ * 32 /*head_dim*/ * 2 /*K,V*/ * 4 /*fp32*/;
+    assert_eq!(o.source.bytes, per_token * 100);
+    assert_eq!(o.destination.bytes, per_token * 100);
+    // TP2 -> TP8 over 4 KV heads: every head replicated twice at the destination.
+    let mut sc = Scenario::new("tp2-tp8");
+    sc.src_layout = "tp=2,block=16".into();
+    sc.dst_layout = "tp=8,block=16,layout=hnd,table=shuffle:4".into();
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    assert_eq!(o.source.bytes, 2 * per_token * 100);
+    // An unequal PP split on the source side.
+    let mut sc = Scenario::new("pp");
+    sc.src_layout = "tp=2,pp=2,pp_layers=3,1,block=16".into();
+    sc.dst_layout = "tp=1,block=32,table=shuffle:6".into();
+    sc.tokens = 77;
+    assert_bitwise(&run(&p, &sc).unwrap());
+}
+
+#[test]
+fn prefix_hit_moves_only_the_rest_and_decodes_bitwise() {
+    let p = pair("prefix", "");
+    let mut sc = Scenario::new("prefix");
+    sc.prefix = 40; // not block-aligned on either side
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    let per_token = 4 * 4 * 32 * 2 * 4;
+    assert_eq!(o.source.bytes, per_token * (100 - 40));
+    assert_eq!(o.destination.reused_bytes, per_token * 40);
+}
+
+fn refused(p: &Pair, sc: &Scenario, needle: &str) {
+    match run(p, sc) {
+        Err(ScenarioError::Daemon { step: "submit", source }) => {
+            assert!(source.to_string().contains(needle), "expected `{needle}` in: {source}");
+        }
+        Err(e) => panic!("expected a refused submit naming `{needle}`, got: {e}"),
+        Ok(_) => panic!("transfer with `{needle}` was accepted"),
+    }
+}
+
+#[test]
+fn identity_mismatches_are_refused_before_any_flag() {
+    let p = pair("identity", "");
+    let mut sc = Scenario::new("model");
+    sc.src_identity = |i| i.model_digest = "0123456789abcdef".into();
+    refused(&p, &sc, "model digest mismatch");
+    let mut sc = Scenario::new("adapter");
+    sc.src_identity = |i| i.adapter_digest = "another-adapter".into();
+    refused(&p, &sc, "adapter digest mismatch");
+    let mut sc = Scenario::new("shifted");
+    sc.src_identity = |i| i.position_offset = 1;
+    refused(&p, &sc, "position offset mismatch");
+    let mut sc = Scenario::new("tenant");
+    sc.prefix = 32;
+    sc.dst_identity = |i| i.tenant = "other-tenant".into();
+    refused(&p, &sc, "tenant mismatch");
+}
+
+#[test]
+fn forcing_a_shifted_cache_would_change_the_logits() {
+    // What the position check prevents: a cache computed one position off,
+    // decoded as if it were right.
+    let cfg = scenario::config();
+    let w = tinylm::Weights::seeded(&cfg, 7);
+    let mut ws = w.clone();
+    ws.cfg.rope_position_offset = 1;
+    let tokens: Vec<u32> = (0..33).map(|i| (i * 37 % cfg.vocab) as u32).collect();
+    let (good, _) = tinylm::prefill(&w, None, &tokens[..32]);
+    let (bad, _) = tinylm::prefill(&ws, None, &tokens[..32]);
+    let a = tinylm::decode_step(&w, None, &good, tokens[32], 32);
+    let b = tinylm::decode_step(&w, None, &bad, tokens[32], 32);
+    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+    assert!(diff > 1e-3, "a shifted cache changed nothing (max diff {diff})");
+}
+
+/// Forwards one TCP connection, flipping the first payload byte of the
+/// third write frame from the source.
+fn corrupting_proxy(listen: TcpListener, upstream: String) {
+    std::thread::spawn(move || {
+        for c in listen.incoming() {
+            let Ok(mut down) = c else { return };
+            let Ok(mut up) = TcpStream::connect(&upstream) else { return };
+            let (mut up_r, mut down_w) = (up.try_clone().unwrap(), down.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut up_r, &mut down_w);
+            });
+            std::thread::spawn(move || {
+                let mut writes = 0;
+                loop {
+                    let mut h = [0u8; HEADER_LEN];
+                    if down.read_exact(&mut h).is_err() {
+                        return;
+                    }
+                    let Ok(header) = Header::decode(&h, u64::MAX) else { return };
+                    let mut payload = vec![0u8; header.len as usize];
+                    if down.read_exact(&mut payload).is_err() {
+                        return;
+                    }
+                    if header.kind == Kind::Write {
+                        writes += 1;
+                        if writes == 3 {
+                            payload[0] ^= 0x40;
+                        }
+                    }
+                    if up.write_all(&h).and_then(|()| up.write_all(&payload)).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
+    // The decode daemon's data plane is reached through a proxy that flips one byte.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_addr = proxy.local_addr().unwrap().to_string();
+    let p = pair(
+        "corrupt",
+        &format!("[transport]\ntcp_listen = \"127.0.0.1:{port}\"\ntcp_advertise = \"{proxy_addr}\"\n"),
+    );
+    corrupting_proxy(proxy, format!("127.0.0.1:{port}"));
+    match run(&p, &Scenario::new("corrupt")) {
+        Err(ScenarioError::Daemon { step, source }) => {
+            assert!(step.starts_with("wait"), "{step}: {source}");
+            let text = source.to_string();
+            assert!(text.contains("failed"), "{text}");
+        }
+        Err(e) => panic!("unexpected: {e}"),
+        Ok(o) => panic!("a corrupted transfer completed (logits bitwise: {})", o.bitwise()),
+    }
+    // The destination names the checksum and the place.
+    let st = p.cb.status(0).or_else(|_| p.cb.status(1)).unwrap();
+    let err = st.error.unwrap_or_default();
+    assert!(err.contains("checksum mismatch: dst rank"), "{err}");
+}

@@ -1,0 +1,4 @@
+//! kvwire-e2e integration tests: one module per area.
+
+mod daemons;
+mod tinylm;
