@@ -1,5 +1,6 @@
 //! The `kvwire` command line: raw arguments (clap) → validated settings → run → render.
 
+use crate::promtext;
 use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
 use kvwire_core::layout::{self, Inventory};
@@ -7,8 +8,9 @@ use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
 use kvwire_core::shard::LayoutSpec;
 use kvwire_core::{verify, CacheFormat, Geometry, ModelSpec};
 use std::fmt::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
 
 /// kvwire: move KV caches between inference servers, and account for every byte.
 #[derive(Debug, Parser)]
@@ -31,6 +33,23 @@ enum Command {
     /// Benchmarks that print a ratio against a baseline measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// A running kvwired's counters and per-hop table, from its metrics
+    /// endpoint (`--metrics`) or its control socket (`--socket`).
+    Stats(StatsArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("daemon").required(true).args(["metrics", "socket"])))]
+struct StatsArgs {
+    /// The daemon's `metrics_listen` address: GET http://HOST:PORT/metrics.
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics: Option<String>,
+    /// The daemon's `control_socket`: ask over the control API.
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -211,6 +230,7 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Stats(a) => stats(a, out),
         Command::Formats => {
             for f in kvwire_core::format::FORMATS {
                 let _ = writeln!(out, "{:<18} {}", f.id(), f.summary);
@@ -373,4 +393,204 @@ fn plan_cmd(a: PlanArgs, out: &mut String) -> Result<(), Failure> {
         );
     }
     Ok(())
+}
+
+// ------------------------------------------------------------ stats
+
+/// How long `kvwire stats` waits to connect, and then for the whole answer.
+const STATS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn stats(a: StatsArgs, out: &mut String) -> Result<(), Failure> {
+    let (source, text) = match (&a.metrics, &a.socket) {
+        (Some(addr), _) => (format!("http://{addr}/metrics"), fetch_metrics(addr)?),
+        (None, Some(path)) => {
+            let c = crate::client::Client::connect(path, "kvwire-stats")
+                .with_context(|| format!("cannot connect to kvwired's control socket {}", path.display()))
+                .map_err(Failure::Failed)?;
+            let text = c.stats().with_context(|| format!("stats from control socket {}", path.display())).map_err(Failure::Failed)?;
+            (format!("unix:{}", path.display()), text)
+        }
+        (None, None) => return Err(bad(anyhow!("give --metrics HOST:PORT or --socket PATH"))),
+    };
+    let st = promtext::Stats::from_text(&text).with_context(|| format!("metrics from {source}")).map_err(Failure::Failed)?;
+    if a.json {
+        let mut v = serde_json::to_value(&st).expect("stats serialize");
+        v.as_object_mut().expect("stats is an object").insert("source".into(), source.into());
+        out.push_str(&serde_json::to_string_pretty(&v).expect("stats serialize"));
+        out.push('\n');
+    } else {
+        render_stats(&source, &st, out);
+    }
+    Ok(())
+}
+
+/// GET /metrics from `addr` over plain HTTP/1.1; the body as text.
+fn fetch_metrics(addr: &str) -> Result<String, Failure> {
+    use std::io::{Read as _, Write as _};
+    use std::net::{TcpStream, ToSocketAddrs as _};
+    let port_ok = addr.rsplit_once(':').is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+    if !port_ok {
+        return Err(bad(anyhow!("--metrics `{addr}` is not HOST:PORT")));
+    }
+    let addrs: Vec<_> = addr
+        .to_socket_addrs()
+        .with_context(|| format!("cannot resolve metrics address {addr}"))
+        .map_err(Failure::Failed)?
+        .collect();
+    let mut last = None;
+    let mut stream = None;
+    for sa in &addrs {
+        match TcpStream::connect_timeout(sa, STATS_TIMEOUT) {
+            Ok(s) => {
+                stream = Some(s);
+                break;
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    let mut s = match (stream, last) {
+        (Some(s), _) => s,
+        (None, Some(e)) => return Err(Failure::Failed(anyhow!(e).context(format!("cannot connect to metrics endpoint {addr}")))),
+        (None, None) => return Err(Failure::Failed(anyhow!("metrics address {addr} resolves to nothing"))),
+    };
+    let io = |e: std::io::Error| Failure::Failed(anyhow!(e).context(format!("metrics endpoint {addr}")));
+    s.set_read_timeout(Some(STATS_TIMEOUT)).map_err(io)?;
+    s.set_write_timeout(Some(STATS_TIMEOUT)).map_err(io)?;
+    let req = format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nAccept: text/plain\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).map_err(io)?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).map_err(io)?;
+    http_body(&raw).with_context(|| format!("metrics endpoint {addr}")).map_err(Failure::Failed)
+}
+
+/// The body of a complete HTTP/1.x response, which must be `200`; honours
+/// `Content-Length` and `Transfer-Encoding: chunked`.
+pub fn http_body(raw: &[u8]) -> anyhow::Result<String> {
+    let split = raw.windows(4).position(|w| w == b"\r\n\r\n").ok_or_else(|| {
+        if raw.is_empty() {
+            anyhow!("closed the connection without an answer")
+        } else {
+            anyhow!("answer is not HTTP (no end of headers)")
+        }
+    })?;
+    let head = std::str::from_utf8(&raw[..split]).context("HTTP headers are not UTF-8")?;
+    let mut body = &raw[split + 4..];
+    let mut lines = head.split("\r\n");
+    let status = lines.next().unwrap_or_default();
+    let mut parts = status.splitn(3, ' ');
+    let (proto, code) = (parts.next().unwrap_or_default(), parts.next().unwrap_or_default());
+    if !proto.starts_with("HTTP/1.") {
+        return Err(anyhow!("answer is not HTTP/1.x: `{status}`"));
+    }
+    if code != "200" {
+        return Err(anyhow!("answered `{status}`, not 200"));
+    }
+    let mut chunked = false;
+    for h in lines {
+        let Some((k, v)) = h.split_once(':') else { continue };
+        let v = v.trim();
+        if k.eq_ignore_ascii_case("content-length") {
+            let n: usize = v.parse().with_context(|| format!("bad Content-Length `{v}`"))?;
+            if body.len() < n {
+                return Err(anyhow!("body cut short: {} of {n} bytes", body.len()));
+            }
+            body = &body[..n];
+        } else if k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked") {
+            chunked = true;
+        }
+    }
+    let body = if chunked { dechunk(body)? } else { body.to_vec() };
+    String::from_utf8(body).context("metrics body is not UTF-8")
+}
+
+fn dechunk(mut b: &[u8]) -> anyhow::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b.windows(2).position(|w| w == b"\r\n").ok_or_else(|| anyhow!("chunked body cut short"))?;
+        let size_text = std::str::from_utf8(&b[..eol]).unwrap_or("?");
+        let size_hex = size_text.split(';').next().unwrap_or_default().trim();
+        let n = usize::from_str_radix(size_hex, 16).map_err(|_| anyhow!("bad chunk size `{size_text}`"))?;
+        b = &b[eol + 2..];
+        if n == 0 {
+            return Ok(out);
+        }
+        if b.len() < n + 2 {
+            return Err(anyhow!("chunked body cut short"));
+        }
+        out.extend_from_slice(&b[..n]);
+        b = &b[n + 2..];
+    }
+}
+
+/// `0.000012` s → `12.0 µs`.
+fn seconds(s: f64) -> String {
+    if s < 1e-3 {
+        format!("{:.1} µs", s * 1e6)
+    } else if s < 1.0 {
+        format!("{:.2} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+/// Bytes per second, decimal units (as link speeds are quoted).
+fn rate(bps: f64) -> String {
+    const UNITS: [&str; 5] = ["B/s", "kB/s", "MB/s", "GB/s", "TB/s"];
+    let (mut v, mut u) = (bps, 0);
+    while v >= 1000.0 && u < UNITS.len() - 1 {
+        v /= 1000.0;
+        u += 1;
+    }
+    format!("{v:.2} {}", UNITS[u])
+}
+
+fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
+    let _ = writeln!(out, "node {}  from {source}", st.node.as_deref().unwrap_or("-"));
+    let c = &st.counters;
+    let _ = writeln!(out, "{:<44} {:>26}", "counter", "value");
+    for (name, v) in [
+        ("payload_bytes", c.payload_bytes),
+        ("wire_bytes", c.wire_bytes),
+        ("reused_bytes", c.reused_bytes),
+        ("retransmitted_bytes", c.retransmitted_bytes),
+        ("received_bytes", c.received_bytes),
+    ] {
+        let _ = writeln!(out, "{name:<44} {:>26}", bytes(v));
+    }
+    for t in &st.transfers {
+        let _ = writeln!(out, "{:<44} {:>26}", format!("transfers role={} outcome={}", t.role, t.outcome), t.count);
+    }
+    for r in &st.refused {
+        let _ = writeln!(out, "{:<44} {:>26}", format!("refused {}", r.who), r.count);
+    }
+    let _ = writeln!(out);
+    let _ = writeln!(
+        out,
+        "{:<8} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
+        "hop", "count", "p50", "p99", "mean", "from", "bytes", "bandwidth"
+    );
+    let opt = |v: Option<f64>| v.map(seconds).unwrap_or_else(|| "-".into());
+    for h in &st.hops {
+        let from = match h.latency_from {
+            promtext::LatencyFrom::Buckets => "buckets",
+            promtext::LatencyFrom::Mean => "mean",
+        };
+        let _ = writeln!(
+            out,
+            "{:<8} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
+            h.hop,
+            h.count,
+            opt(h.p50_seconds),
+            opt(h.p99_seconds),
+            opt(h.mean_seconds),
+            from,
+            bytes(h.bytes),
+            h.bandwidth_bytes_per_second.map(rate).unwrap_or_else(|| "-".into())
+        );
+    }
+    let _ = writeln!(
+        out,
+        "p50/p99: estimated from histogram buckets (linear interpolation) where `from` is buckets; otherwise only mean = sum/count.\n\
+         bandwidth: effective, bytes / total seconds spent in the hop."
+    );
 }

@@ -9,5 +9,6 @@ pub mod config;
 pub mod control;
 pub mod metrics;
 pub mod peer;
+pub mod promtext;
 pub mod server;
 pub mod wire;

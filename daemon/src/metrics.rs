@@ -43,7 +43,9 @@ impl Metrics {
     pub fn render(&self, node: &str, hops: &Hops) -> String {
         let mut out = String::new();
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        let counters: [(&str, &str, &[(&str, u64)]); 7] = [
+        // (metric, help, [(labels, value)])
+        type Series<'a> = (&'a str, &'a str, &'a [(&'a str, u64)]);
+        let counters: [Series<'_>; 7] = [
             ("kvwire_payload_bytes_total", "Payload bytes sent by plans from this daemon (after prefix reuse).", &[("", g(&self.payload_bytes))]),
             ("kvwire_wire_bytes_total", "Bytes that crossed the link: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
             ("kvwire_reused_bytes_total", "Destination bytes skipped by validated prefix reuse.", &[("", g(&self.reused_bytes))]),

@@ -971,14 +971,14 @@ impl Daemon {
             let span = tracing::info_span!("receive", slot, request = recv.request);
             let _g = span.enter();
             let start = Instant::now();
-            for layer in 0..n {
+            for (layer, &layer_bytes) in per_layer.iter().enumerate() {
                 let tag = Tag { slot, layer: layer as u16 };
                 let left = timeout.saturating_sub(start.elapsed());
                 if let Err(err) = d.ep.placement().wait(tag, left) {
                     d.finish(slot, TransferState::Failed, Some(err.to_string()));
                     return;
                 }
-                if verify && per_layer[layer] > 0 {
+                if verify && layer_bytes > 0 {
                     let t = Instant::now();
                     let sub = Plan { segments: plan.segments.iter().filter(|s| s.dst_region.layer as usize == layer).copied().collect(), ..plan.clone() };
                     let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<Vec<u8>> {
@@ -989,7 +989,7 @@ impl Daemon {
                     };
                     let checked = checksums_at_destination(&sub, read, |_| true)
                         .and_then(|rec| manifest.verify_checksums_of(&rec, |_, l| l as usize == layer));
-                    d.hops().record(Hop::Verify, t.elapsed(), per_layer[layer]);
+                    d.hops().record(Hop::Verify, t.elapsed(), layer_bytes);
                     if let Err(err) = checked {
                         tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
                         d.finish(slot, TransferState::Failed, Some(err.to_string()));

@@ -8,5 +8,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod netns;
 pub mod scenario;
 pub mod tinylm;

@@ -322,20 +322,47 @@ pub fn kvwired_bin() -> PathBuf {
 
 /// Starts `kvwired` with a config written into `dir`; `extra` is appended to it.
 pub fn start_daemon(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], extra: &str) -> DaemonProc {
+    start_daemon_in(None, "127.0.0.1", dir, node, secret, peers, extra)
+}
+
+/// [`start_daemon`] inside network namespace `netns` (via `ip netns exec`),
+/// listening on `ip` for peers and data.
+pub fn start_daemon_in(
+    netns: Option<&str>,
+    ip: &str,
+    dir: &Path,
+    node: &str,
+    secret: &str,
+    peers: &[(&str, &str)],
+    extra: &str,
+) -> DaemonProc {
     let secret_file = dir.join(format!("{node}.secret"));
     std::fs::write(&secret_file, secret).expect("write secret");
     let socket = dir.join(format!("{node}.sock"));
     let mut cfg = format!(
-        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"127.0.0.1:0\"\nsecret_file = \"{}\"\n{extra}\n",
+        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"{ip}:0\"\nsecret_file = \"{}\"\n",
         socket.display(),
         secret_file.display()
     );
     for (name, addr) in peers {
         cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
     }
+    // Tables last: `extra` may open [transport].
+    if extra.is_empty() && ip != "127.0.0.1" {
+        cfg.push_str(&format!("[transport]\ntcp_listen = \"{ip}:0\"\n"));
+    }
+    cfg.push_str(extra);
     let path = dir.join(format!("{node}.toml"));
     std::fs::write(&path, cfg).expect("write config");
-    let mut child = Command::new(kvwired_bin()).arg("--config").arg(&path).stdout(Stdio::piped()).spawn().expect("spawn kvwired");
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(kvwired_bin());
+            c
+        }
+        None => Command::new(kvwired_bin()),
+    };
+    let mut child = cmd.arg("--config").arg(&path).stdout(Stdio::piped()).spawn().expect("spawn kvwired");
     let mut line = String::new();
     BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read ready line");
     assert!(line.starts_with("kvwired ready"), "kvwired {node} did not start: {line:?}");

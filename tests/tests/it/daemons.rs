@@ -188,3 +188,148 @@ fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
     let err = st.error.unwrap_or_default();
     assert!(err.contains("checksum mismatch: dst rank"), "{err}");
 }
+
+#[test]
+fn daemons_on_two_hosts_in_network_namespaces() {
+    use kvwire_e2e::netns;
+    if !netns::available() {
+        eprintln!("SKIPPED daemons_on_two_hosts_in_network_namespaces: needs root and iproute2");
+        return;
+    }
+    let link = netns::Link::new("dmn").expect("namespaces");
+    let d = dir("netns");
+    let b = scenario::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
+    assert!(b.peer.starts_with(&link.a.ip), "{}", b.peer);
+    let a = scenario::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a };
+    assert_bitwise(&run(&p, &Scenario::new("netns")).unwrap());
+}
+
+#[test]
+fn concurrent_transfers_from_several_clients_are_all_exact() {
+    let d = dir("concurrent");
+    let b = start_daemon(&d, "decode-host", SECRET, &[], "");
+    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let outcomes: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|i| {
+                let (a, b) = (&a, &b);
+                s.spawn(move || {
+                    let ca = Client::connect(&a.socket, "prefill").unwrap();
+                    let cb = Client::connect(&b.socket, "decode").unwrap();
+                    let mut sc = Scenario::new(&format!("c{i}"));
+                    sc.tokens = 60 + 17 * i as u64;
+                    scenario::run(&ca, &cb, "decode-host", &sc)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for o in outcomes {
+        assert_bitwise(&o.unwrap());
+    }
+}
+
+#[test]
+fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected() {
+    use kvwire_core::reuse::CacheIdentity;
+    use kvwire_transport::HostMem;
+    use kvwired::control::*;
+    let d = dir("dying");
+    let b = start_daemon(&d, "decode-host", SECRET, &[], "");
+    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    // A decode client registers, prepares, and dies before the bytes arrive.
+    let spec = "name = \"big\"\ndtype = \"fp32\"\n[[layers]]\nrepeat = 8\nattention = \"dense\"\nkv_heads = 8\nhead_dim = 128\n";
+    let id = CacheIdentity {
+        model_digest: "big".into(),
+        adapter_digest: String::new(),
+        format: "fp32/v1".into(),
+        tenant: "t".into(),
+        rope: "theta=10000".into(),
+        position_offset: 0,
+    };
+    let tokens = 4096u64;
+    let reg = |c: &Client, group: &str, mem: &HostMem| {
+        c.register(
+            RegisterCache {
+                group: group.into(),
+                model: ModelSource::Toml(spec.into()),
+                format: "fp32".into(),
+                layout: "tp=1,block=16".into(),
+                rank: 0,
+                num_blocks: 256,
+                identity: id.clone(),
+            },
+            mem,
+        )
+        .unwrap();
+    };
+    let bytes = 8 /*layers*/ * 2 * 256 /*blocks*/ * 16 * 8 * 128 * 4;
+    let src_mem = HostMem::new("src", bytes).unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    reg(&ca, "src", &src_mem);
+    let dying = Client::connect(&b.socket, "dying").unwrap();
+    let dst_mem = HostMem::new("dst", bytes).unwrap();
+    reg(&dying, "dst", &dst_mem);
+    let table: Vec<u32> = (0..256).collect();
+    let slot = dying
+        .prepare(PrepareReceive { group: "dst".into(), request: "r".into(), block_table: table.clone(), tokens, prefix_tokens: 0 })
+        .unwrap();
+    drop(dying);
+    // Its group is gone: the source is refused or fails cleanly, never "done".
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let submit = ca.submit(Submit {
+        request: "p".into(),
+        group: "src".into(),
+        block_table: table.clone(),
+        tokens,
+        peer: "decode-host".into(),
+        dst_group: "dst".into(),
+        dst_request: "r".into(),
+    });
+    if let Ok((s, _, _, _)) = submit {
+        assert!(ca.wait(s, FlagName::SourceReleased, std::time::Duration::from_secs(20)).is_err(), "a transfer into released regions completed");
+    }
+    // The daemon keeps serving: the same group registers again, and a full scenario is exact.
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    reg(&cb, "dst", &dst_mem);
+    let _ = slot;
+    let p = Pair { ca, cb, _b: b, _a: a };
+    assert_bitwise(&run(&p, &Scenario::new("after")).unwrap());
+}
+
+#[test]
+fn a_client_of_another_uid_is_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIPPED a_client_of_another_uid_is_refused: needs root to run a client as another uid");
+        return;
+    }
+    let d = dir("uid");
+    let b = start_daemon(&d, "decode-host", SECRET, &[], "");
+    // The socket is 0600: another uid cannot even connect. Open it up to
+    // prove the daemon's own SO_PEERCRED check refuses it too.
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(&b.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let sock = b.socket.clone();
+    let pid = unsafe { nix::unistd::fork() }.unwrap();
+    match pid {
+        nix::unistd::ForkResult::Child => {
+            let code = (|| {
+                nix::unistd::setgid(nix::unistd::Gid::from_raw(65534)).ok()?;
+                nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)).ok()?;
+                match Client::connect(&sock, "intruder") {
+                    Err(e) if e.to_string().contains("400") && e.to_string().contains("uid 65534") => Some(0),
+                    _ => Some(1),
+                }
+            })()
+            .unwrap_or(2);
+            std::process::exit(code);
+        }
+        nix::unistd::ForkResult::Parent { child } => {
+            let status = nix::sys::wait::waitpid(child, None).unwrap();
+            assert_eq!(status, nix::sys::wait::WaitStatus::Exited(child, 0), "the other uid was not refused by name");
+        }
+    }
+    assert!(Client::connect(&b.socket, "owner").is_ok());
+}

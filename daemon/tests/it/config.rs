@@ -1,0 +1,315 @@
+//! kvwired's settings: the example config documents every key with its real
+//! default, bad settings fail naming the key, the environment layers over the
+//! file and flags over both, and the real binary's `--check` reports it.
+
+use kvwired::config::{Config, ConfigError, TransportKind};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+const EXAMPLE: &str = include_str!("../../../config/kvwired.example.toml");
+const SECRET: &str = "a-secret-of-at-least-16-bytes\n";
+
+/// A fresh directory under the temp dir, removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(tag: &str) -> TempDir {
+        static N: AtomicU32 = AtomicU32::new(0);
+        let d = std::env::temp_dir().join(format!("kvwired-config-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        TempDir(d)
+    }
+
+    fn write(&self, name: &str, text: &str) -> PathBuf {
+        let p = self.0.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The example with `secret_file` pointed at `secret`.
+fn example_with_secret(secret: &Path) -> String {
+    let line = EXAMPLE.lines().find(|l| l.starts_with("secret_file =")).expect("example sets secret_file");
+    EXAMPLE.replacen(line, &format!("secret_file = {:?}", secret.display().to_string()), 1)
+}
+
+/// A valid config as TOML text: `top` at top level, then `tables`.
+fn minimal(dir: &TempDir, top: &str, tables: &str) -> String {
+    let secret = dir.write("secret", SECRET);
+    format!("node = \"n1\"\nsecret_file = {:?}\n{top}\n{tables}", secret.display().to_string())
+}
+
+/// Parse, then validate, then read the secret: the order kvwired uses.
+fn load(text: &str) -> Result<Config, ConfigError> {
+    let c = Config::from_toml("test.toml", text)?;
+    c.validate()?;
+    c.secret()?;
+    Ok(c)
+}
+
+fn assert_refused(text: &str, needles: &[&str]) {
+    let e = load(text).expect_err(text).to_string();
+    for n in needles {
+        assert!(e.contains(n), "error for\n{text}\nlacks `{n}`: {e}");
+    }
+    assert!(!e.contains('\n'), "error is not one line: {e}");
+}
+
+/// Dotted keys of every field of `Config`, read from its `{:#?}` — an
+/// enumeration independent of the example file. Vec fields are given one
+/// element so their element's fields appear (`peers.name`).
+fn config_keys() -> BTreeSet<String> {
+    let mut c = Config::default();
+    c.peers.push(kvwired::config::PeerConfig { name: "p".into(), address: "127.0.0.1:1".into() });
+    let dbg = format!("{c:#?}");
+    let mut keys = BTreeSet::new();
+    let mut stack: Vec<(usize, String)> = Vec::new();
+    for line in dbg.lines().skip(1) {
+        let indent = line.len() - line.trim_start().len();
+        let t = line.trim_start();
+        let Some((key, rest)) = t.split_once(": ") else { continue };
+        if !key.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_') {
+            continue;
+        }
+        while stack.last().is_some_and(|(i, _)| *i >= indent) {
+            stack.pop();
+        }
+        let full = stack.iter().map(|(_, k)| k.as_str()).chain([key]).collect::<Vec<_>>().join(".");
+        // A struct or list value opens a nested level; record only leaves.
+        if rest.ends_with('{') || rest.ends_with('[') {
+            stack.push((indent, key.to_string()));
+        } else {
+            keys.insert(full);
+        }
+    }
+    keys
+}
+
+/// Dotted keys the example documents: set ones and commented-out ones
+/// (`# key = value`), under their `[table]` / `[[table]]` headers, also
+/// commented or not.
+fn documented_keys() -> BTreeSet<String> {
+    let mut keys = BTreeSet::new();
+    let mut table = String::new();
+    for line in EXAMPLE.lines() {
+        let l = line.trim().trim_start_matches('#').trim();
+        if let Some(h) = l.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+            table = h.trim_matches(['[', ']']).to_string();
+        } else if let Some((k, _)) = l.split_once(" = ") {
+            if k.chars().all(|c| c.is_ascii_lowercase() || c == '_') && !k.is_empty() {
+                keys.insert(if table.is_empty() { k.to_string() } else { format!("{table}.{k}") });
+            }
+        }
+    }
+    keys
+}
+
+/// The example with every commented-out setting and table header enabled.
+fn example_uncommented() -> String {
+    EXAMPLE
+        .lines()
+        .map(|line| {
+            let l = line.trim_start_matches('#').trim();
+            let header = l.starts_with('[') && l.ends_with(']');
+            let setting = l.split_once(" = ").is_some_and(|(k, _)| !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_'));
+            if header || setting {
+                l.to_string()
+            } else {
+                line.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[test]
+fn example_parses_validates_and_sets_only_defaults() {
+    let dir = TempDir::new("example");
+    let secret = dir.write("secret", SECRET);
+    let text = example_with_secret(&secret);
+    let c = load(&text).unwrap_or_else(|e| panic!("example config refused: {e}"));
+    assert_eq!(c.secret_file.as_deref(), Some(secret.as_path()));
+    // Every value the example sets is the documented default.
+    let as_is = Config::from_toml("example", EXAMPLE).unwrap();
+    assert_eq!(as_is.secret_file, Some(PathBuf::from("/etc/kvwire/secret")));
+    assert_eq!(Config { secret_file: None, ..as_is }, Config::default());
+}
+
+#[test]
+fn example_documents_every_key_of_config_and_nothing_else() {
+    let want = config_keys();
+    let have = documented_keys();
+    // Sanity of the independent enumeration: keys named in issue 5 / config.rs.
+    for k in ["node", "transport.kind", "transport.verbs_gid_index", "limits.max_inflight_transfers", "peers.address"] {
+        assert!(want.contains(k), "Config's Debug lacks {k}: {want:?}");
+    }
+    let missing: Vec<_> = want.difference(&have).collect();
+    assert!(missing.is_empty(), "keys of Config not documented in config/kvwired.example.toml: {missing:?}");
+    let extra: Vec<_> = have.difference(&want).collect();
+    assert!(extra.is_empty(), "keys documented in the example that Config lacks: {extra:?}");
+    // Each key states its default (or that it has none).
+    for k in &want {
+        let leaf = k.rsplit('.').next().unwrap();
+        let pos = EXAMPLE.lines().position(|l| l.trim_start_matches('#').trim().starts_with(&format!("{leaf} = "))).unwrap();
+        let before: Vec<&str> = EXAMPLE.lines().take(pos).collect();
+        let doc = before.iter().rev().take_while(|l| l.starts_with('#') && !l.trim_start_matches('#').trim().contains(" = ")).collect::<Vec<_>>();
+        let doc_text = doc.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(" ");
+        let peers_section = k.starts_with("peers.");
+        assert!(
+            peers_section || doc_text.contains("Default") || doc_text.contains("no default"),
+            "`{k}` in the example does not state its default: {doc_text:?}"
+        );
+        assert!(peers_section || !doc.is_empty(), "`{k}` has no comment in the example");
+    }
+    // And the parser knows every documented key, commented-out ones included
+    // (Config refuses unknown keys).
+    let dir = TempDir::new("uncommented");
+    let secret = dir.write("secret", SECRET);
+    let all = example_uncommented().replacen("secret_file = \"/etc/kvwire/secret\"", &format!("secret_file = {:?}", secret.display().to_string()), 1);
+    let c = load(&all).unwrap_or_else(|e| panic!("example with every setting enabled refused: {e}\n{all}"));
+    assert_eq!(c.transport.verbs_device.as_deref(), Some("mlx5_0"));
+    assert_eq!(c.peers.len(), 1);
+}
+
+#[test]
+fn unknown_keys_are_refused_naming_them() {
+    let dir = TempDir::new("unknown");
+    assert_refused(&minimal(&dir, "bogus_key = 1", ""), &["bogus_key"]);
+    assert_refused(&minimal(&dir, "", "[transport]\nkind = \"tcp\"\nverbs_gid = 3\n"), &["verbs_gid"]);
+    assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight = 3\n"), &["max_inflight"]);
+    assert_refused(&minimal(&dir, "", "[[peers]]\nname = \"b\"\naddress = \"127.0.0.1:1\"\nsecret = \"x\"\n"), &["secret"]);
+    // The example plus one unknown key.
+    let secret = dir.write("secret", SECRET);
+    let text = format!("not_a_setting = true\n{}", example_with_secret(&secret));
+    assert_refused(&text, &["not_a_setting"]);
+}
+
+#[test]
+fn wrong_types_are_refused_naming_the_key() {
+    let dir = TempDir::new("types");
+    assert_refused(&minimal(&dir, "", "[limits]\nmax_regions = \"many\"\n"), &["max_regions"]);
+    assert_refused(&minimal(&dir, "verify_checksums = \"yes\"", ""), &["verify_checksums"]);
+    assert_refused(&minimal(&dir, "", "[transport]\nkind = \"udp\"\n"), &["kind", "udp"]);
+    assert_refused(&minimal(&dir, "", "[transport]\nverbs_port = 300\n"), &["verbs_port"]);
+    assert_refused(&minimal(&dir, "peers = 3", ""), &["peers"]);
+}
+
+#[test]
+fn bad_values_are_refused_naming_the_key() {
+    let dir = TempDir::new("values");
+    assert_refused(&minimal(&dir, "peer_listen = \"localhost\"", ""), &["peer_listen", "localhost"]);
+    assert_refused(&minimal(&dir, "metrics_listen = \"1.2.3.4:99999\"", ""), &["metrics_listen"]);
+    assert_refused(&minimal(&dir, "", "[transport]\ntcp_listen = \"nowhere\"\n"), &["transport.tcp_listen"]);
+    assert_refused(&minimal(&dir, "", "[[peers]]\nname = \"b\"\naddress = \"b.example:port\"\n"), &["peers[0].address"]);
+    assert_refused(
+        &minimal(&dir, "", "[[peers]]\nname = \"b\"\naddress = \"127.0.0.1:1\"\n[[peers]]\nname = \"b\"\naddress = \"127.0.0.1:2\"\n"),
+        &["peers[1].name", "`b`", "twice"],
+    );
+    assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight_transfers = 0\n"), &["limits.max_inflight_transfers", "> 0"]);
+    assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight_transfers = 201\n"), &["limits.max_inflight_transfers", "200"]);
+    assert_refused(&minimal(&dir, "", "[limits]\ntransfer_timeout_secs = 0\n"), &["limits.transfer_timeout_secs"]);
+    // A node name outside [A-Za-z0-9-_.].
+    assert_refused(&format!("node = \"bad name!\"\nsecret_file = {:?}\n", dir.write("s", SECRET).display().to_string()), &["node"]);
+}
+
+#[test]
+fn secret_file_missing_absent_or_short_is_refused() {
+    let dir = TempDir::new("secret");
+    // Not set at all.
+    assert_refused("node = \"n1\"\n", &["secret_file", "required"]);
+    // Set, but no such file.
+    let gone = dir.0.join("no-such-secret");
+    assert_refused(&format!("secret_file = {:?}\n", gone.display().to_string()), &["secret_file", "no-such-secret"]);
+    // Shorter than 16 bytes once the trailing newline is dropped (15 + "\n").
+    let short = dir.write("short", "fifteen-bytes!!\n");
+    assert_refused(&format!("secret_file = {:?}\n", short.display().to_string()), &["secret_file", "shorter than 16"]);
+    // Exactly 16 is enough.
+    let ok = dir.write("ok", "sixteen-bytes!!!\n");
+    assert_eq!(load(&format!("secret_file = {:?}\n", ok.display().to_string())).unwrap().secret().unwrap(), b"sixteen-bytes!!!");
+}
+
+fn vars(kv: &[(&str, &str)]) -> Vec<(String, String)> {
+    kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+#[test]
+fn environment_layers_over_the_file() {
+    let dir = TempDir::new("env");
+    let text = minimal(&dir, "peer_listen = \"127.0.0.1:7500\"", "[transport]\nkind = \"shm\"\n");
+    let mut c = Config::from_toml("f.toml", &text).unwrap();
+    assert_eq!((c.node.as_str(), c.transport.kind), ("n1", TransportKind::Shm));
+    c.apply_env(vars(&[
+        ("KVWIRED_NODE", "from-env"),
+        ("KVWIRED_TRANSPORT", "verbs"),
+        ("KVWIRED_METRICS_LISTEN", "127.0.0.1:9400"),
+        ("UNRELATED", "x"),
+    ]))
+    .unwrap();
+    assert_eq!(c.node, "from-env");
+    assert_eq!(c.transport.kind, TransportKind::Verbs);
+    assert_eq!(c.metrics_listen, "127.0.0.1:9400");
+    assert_eq!(c.peer_listen, "127.0.0.1:7500", "a file setting the environment does not name stays");
+    c.validate().unwrap();
+    let e = c.apply_env(vars(&[("KVWIRED_TRANSPORT", "bogus")])).unwrap_err();
+    assert_eq!(e, ConfigError::Invalid { key: "KVWIRED_TRANSPORT".into(), reason: "expected tcp, shm or verbs, got `bogus`".into() });
+    assert!(e.to_string().contains("KVWIRED_TRANSPORT") && e.to_string().contains("bogus"), "{e}");
+}
+
+/// Runs `kvwired ARGS` with `env` added (and no inherited KVWIRED_*).
+fn kvwired(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvwired"));
+    cmd.args(args);
+    for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("KVWIRED_")) {
+        cmd.env_remove(k);
+    }
+    cmd.envs(env.iter().copied());
+    cmd.output().expect("run kvwired")
+}
+
+fn assert_check_fails(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
+    let out = kvwired(args, env);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{args:?} {env:?}: status {:?}, stderr: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: not one line: {stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "{args:?} {env:?}: stderr lacks `{n}`: {stderr}");
+    }
+}
+
+#[test]
+fn kvwired_check_accepts_the_example_and_refuses_bad_settings() {
+    let dir = TempDir::new("bin");
+    let secret = dir.write("secret", SECRET);
+    let good = dir.write("good.toml", &example_with_secret(&secret));
+    let good = good.to_str().unwrap();
+    let out = kvwired(&["--config", good, "--check"], &[]);
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("settings ok"));
+
+    let bad = dir.write("bad.toml", &minimal(&dir, "", "[limits]\nmax_inflight_transfers = 0\n"));
+    assert_check_fails(&["--config", bad.to_str().unwrap(), "--check"], &[], &["limits.max_inflight_transfers"]);
+    let unknown = dir.write("unknown.toml", &minimal(&dir, "colour = \"blue\"", ""));
+    assert_check_fails(&["--config", unknown.to_str().unwrap(), "--check"], &[], &["colour", "unknown.toml"]);
+    let typo = dir.write("type.toml", &minimal(&dir, "", "[transport]\nverbs_port = \"one\"\n"));
+    assert_check_fails(&["--config", typo.to_str().unwrap(), "--check"], &[], &["verbs_port"]);
+    assert_check_fails(&["--config", dir.0.join("absent.toml").to_str().unwrap(), "--check"], &[], &["absent.toml"]);
+
+    // Layering in the binary: env over file, flags over env.
+    assert_check_fails(&["--config", good, "--check"], &[("KVWIRED_TRANSPORT", "bogus")], &["KVWIRED_TRANSPORT", "bogus"]);
+    assert_check_fails(&["--config", good, "--check"], &[("KVWIRED_NODE", "has space")], &["node"]);
+    let out = kvwired(&["--config", good, "--check", "--node", "flag-wins"], &[("KVWIRED_NODE", "has space")]);
+    assert_eq!(out.status.code(), Some(0), "a flag must override the environment: {}", String::from_utf8_lossy(&out.stderr));
+    assert_check_fails(&["--config", good, "--check", "--peer-listen", "nope"], &[("KVWIRED_PEER_LISTEN", "127.0.0.1:1")], &["peer_listen", "nope"]);
+    let short = dir.write("short", "short\n");
+    assert_check_fails(&["--config", good, "--check"], &[("KVWIRED_SECRET_FILE", short.to_str().unwrap())], &["secret_file", "shorter than 16"]);
+}

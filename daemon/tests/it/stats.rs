@@ -1,0 +1,316 @@
+//! `kvwire stats` against one real kvwired, over its metrics endpoint and its
+//! control socket; its failures; and the Prometheus text parser on a
+//! hand-written sample whose figures are derived by hand.
+
+use kvwired::promtext::{self, LatencyFrom, ParseError, Stats};
+use serde_json::Value;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const HOPS: [&str; 8] = ["pack", "stage", "post", "wire", "place", "unpack", "verify", "notify"];
+
+struct Daemon {
+    child: Child,
+    dir: PathBuf,
+    sock: PathBuf,
+    peer: String,
+    metrics: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port() -> String {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+fn start(tag: &str) -> Daemon {
+    let dir = std::env::temp_dir().join(format!("kvwired-stats-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "a-secret-of-at-least-16-bytes").unwrap();
+    let sock = dir.join("s.sock");
+    let metrics = free_port();
+    let cfg = format!(
+        "node = \"stats-{tag}\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nmetrics_listen = \"{metrics}\"\nsecret_file = {:?}\n",
+        sock.display().to_string(),
+        secret.display().to_string()
+    );
+    let path = dir.join("kvwired.toml");
+    std::fs::write(&path, cfg).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvwired")).arg("--config").arg(&path).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert!(line.starts_with("kvwired ready"), "daemon did not start: {line:?}");
+    let peer = line.split_whitespace().find_map(|w| w.strip_prefix("peer=")).unwrap().to_string();
+    Daemon { child, dir, sock, peer, metrics }
+}
+
+fn kvwire(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvwire")).args(args).output().expect("run kvwire")
+}
+
+fn stats_json(args: &[&str]) -> Value {
+    let out = kvwire(args);
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+/// Exit `code`, one stderr line containing every needle.
+fn assert_fails(args: &[&str], code: i32, needles: &[&str]) {
+    let out = kvwire(args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{args:?}: status {:?}, stderr: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: not one line: {stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "{args:?}: stderr lacks `{n}`: {stderr}");
+    }
+}
+
+fn refused_peers(v: &Value) -> u64 {
+    v["refused"].as_array().unwrap().iter().find(|r| r["who"] == "peer").unwrap()["count"].as_u64().unwrap()
+}
+
+/// The checks both sources must pass on a fresh daemon with one refused peer.
+fn check_fresh(v: &Value, node: &str, source: &str) {
+    assert_eq!(v["node"], node, "{v:#}");
+    assert_eq!(v["source"], source, "{v:#}");
+    for k in ["payload_bytes", "wire_bytes", "reused_bytes", "retransmitted_bytes", "received_bytes"] {
+        assert_eq!(v["counters"][k], 0, "{k}: {v:#}");
+    }
+    let transfers: Vec<(String, String, u64)> = v["transfers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| (t["role"].as_str().unwrap().into(), t["outcome"].as_str().unwrap().into(), t["count"].as_u64().unwrap()))
+        .collect();
+    let want: Vec<(String, String, u64)> = [("source", "done"), ("source", "failed"), ("destination", "done"), ("destination", "failed"), ("any", "cancelled")]
+        .iter()
+        .map(|(r, o)| (r.to_string(), o.to_string(), 0))
+        .collect();
+    assert_eq!(transfers, want);
+    assert_eq!(refused_peers(v), 1, "{v:#}");
+    assert_eq!(v["refused"].as_array().unwrap().iter().find(|r| r["who"] == "client").unwrap()["count"], 0);
+    let hops: Vec<&str> = v["hops"].as_array().unwrap().iter().map(|h| h["hop"].as_str().unwrap()).collect();
+    assert_eq!(hops, HOPS);
+    for h in v["hops"].as_array().unwrap() {
+        assert_eq!(h["count"], 0, "{h}");
+        assert_eq!(h["bytes"], 0, "{h}");
+        assert_eq!(h["sum_seconds"], 0.0, "{h}");
+        assert_eq!(h["latency_from"], "buckets", "{h}");
+        for k in ["p50_seconds", "p99_seconds", "mean_seconds", "bandwidth_bytes_per_second"] {
+            assert!(h[k].is_null(), "{k} without samples: {h}");
+        }
+    }
+}
+
+#[test]
+fn stats_over_metrics_endpoint_and_control_socket_agree() {
+    let d = start("live");
+    // One refused peer: connect to the peer port and hang up mid-handshake.
+    drop(std::net::TcpStream::connect(&d.peer).unwrap());
+    let url = format!("http://{}/metrics", d.metrics);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let via_http = loop {
+        let v = stats_json(&["stats", "--metrics", &d.metrics, "--json"]);
+        if refused_peers(&v) == 1 || Instant::now() > deadline {
+            break v;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    check_fresh(&via_http, "stats-live", &url);
+    let sock = d.sock.to_str().unwrap();
+    let via_socket = stats_json(&["stats", "--socket", sock, "--json"]);
+    check_fresh(&via_socket, "stats-live", &format!("unix:{sock}"));
+
+    // The table: counters, then one row per hop.
+    let out = kvwire(&["stats", "--metrics", &d.metrics]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.starts_with(&format!("node stats-live  from {url}")), "{table}");
+    for row in ["payload_bytes", "retransmitted_bytes", "transfers role=source outcome=done", "refused peer"] {
+        assert!(table.contains(row), "table lacks {row}:\n{table}");
+    }
+    let refused = table.lines().find(|l| l.starts_with("refused peer")).unwrap();
+    assert_eq!(refused.split_whitespace().last(), Some("1"), "{refused}");
+    for hop in HOPS {
+        assert!(table.lines().any(|l| l.split_whitespace().next() == Some(hop)), "table lacks hop {hop}:\n{table}");
+    }
+    assert!(table.contains("p50/p99: estimated from histogram buckets"), "{table}");
+}
+
+#[test]
+fn stats_refuses_unreachable_daemons_and_bad_arguments() {
+    // Nothing listens on a port just freed.
+    let addr = free_port();
+    assert_fails(&["stats", "--metrics", &addr], 1, &["cannot connect", &addr]);
+    let missing = std::env::temp_dir().join(format!("kvwire-stats-no-such-{}.sock", std::process::id()));
+    assert_fails(&["stats", "--socket", missing.to_str().unwrap(), "--json"], 1, &["control socket", missing.to_str().unwrap()]);
+    assert_fails(&["stats", "--metrics", "no-port-here"], 2, &["HOST:PORT"]);
+    let out = kvwire(&["stats"]);
+    assert_eq!(out.status.code(), Some(2), "neither --metrics nor --socket");
+    let out = kvwire(&["stats", "--metrics", &addr, "--socket", "/x"]);
+    assert_eq!(out.status.code(), Some(2), "both --metrics and --socket");
+}
+
+/// A one-shot HTTP server answering `response` to the first request.
+fn serve_once(response: &'static str) -> (String, std::thread::JoinHandle<()>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = l.accept().unwrap();
+        let mut buf = [0u8; 1024];
+        let _ = s.read(&mut buf);
+        let _ = s.write_all(response.as_bytes());
+    });
+    (addr, h)
+}
+
+#[test]
+fn stats_refuses_bad_metrics_text_and_non_200_answers() {
+    let (addr, h) = serve_once("HTTP/1.1 200 OK\r\nContent-Length: 28\r\nConnection: close\r\n\r\nkvwire_payload_bytes_total{\n");
+    assert_fails(&["stats", "--metrics", &addr], 1, &["line 1", &addr]);
+    h.join().unwrap();
+    let (addr, h) = serve_once("HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nsome_other_metric 1\n");
+    assert_fails(&["stats", "--metrics", &addr, "--json"], 1, &["kvwire_payload_bytes_total", &addr]);
+    h.join().unwrap();
+    let (addr, h) = serve_once("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n");
+    assert_fails(&["stats", "--metrics", &addr], 1, &["404", &addr]);
+    h.join().unwrap();
+}
+
+#[test]
+fn stats_reads_a_chunked_answer() {
+    let body = SAMPLE;
+    let chunked: String = body.as_bytes().chunks(100).map(|c| format!("{:x}\r\n{}\r\n", c.len(), std::str::from_utf8(c).unwrap())).collect();
+    let resp: &'static str = Box::leak(format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n{chunked}0\r\n\r\n").into_boxed_str());
+    let (addr, h) = serve_once(resp);
+    let v = stats_json(&["stats", "--metrics", &addr, "--json"]);
+    h.join().unwrap();
+    assert_eq!(v["node"], "a");
+    assert_eq!(v["counters"]["payload_bytes"], 4096);
+}
+
+// ------------------------------------------------------------ promtext
+
+/// The shape kvwired renders, with hand-picked figures.
+const SAMPLE: &str = r#"# HELP kvwire_payload_bytes_total Payload bytes.
+# TYPE kvwire_payload_bytes_total counter
+kvwire_payload_bytes_total{node="a"} 4096
+kvwire_wire_bytes_total{node="a"} 4200
+kvwire_reused_bytes_total{node="a"} 1024
+kvwire_retransmitted_bytes_total{node="a"} 0
+kvwire_received_bytes_total{node="a"} 7
+# TYPE kvwire_transfers_total counter
+kvwire_transfers_total{node="a",role="source",outcome="done"} 3
+kvwire_transfers_total{node="a",role="source",outcome="failed"} 1
+kvwire_transfers_total{node="a",role="any",outcome="cancelled"} 2
+kvwire_refused_total{node="a",who="peer"} 5
+kvwire_refused_total{node="a",who="client"} 0
+# TYPE kvwire_hop_seconds histogram
+kvwire_hop_seconds_bucket{node="a",hop="wire",le="0.001"} 2
+kvwire_hop_seconds_bucket{node="a",hop="wire",le="0.01"} 6
+kvwire_hop_seconds_bucket{node="a",hop="wire",le="0.1"} 10
+kvwire_hop_seconds_bucket{node="a",hop="wire",le="+Inf"} 10
+kvwire_hop_seconds_sum{node="a",hop="wire"} 0.25
+kvwire_hop_seconds_count{node="a",hop="wire"} 10
+kvwire_hop_bytes_total{node="a",hop="wire"} 1000000
+kvwire_hop_seconds_bucket{node="a",hop="pack",le="+Inf"} 4
+kvwire_hop_seconds_sum{node="a",hop="pack"} 0.002
+kvwire_hop_seconds_count{node="a",hop="pack"} 4
+kvwire_hop_bytes_total{node="a",hop="pack"} 0
+"#;
+
+fn close(a: Option<f64>, b: f64) -> bool {
+    a.is_some_and(|a| (a - b).abs() < 1e-12)
+}
+
+#[test]
+fn promtext_reads_counters_and_hops_from_a_sample() {
+    let s = Stats::from_text(SAMPLE).unwrap();
+    assert_eq!(s.node.as_deref(), Some("a"));
+    assert_eq!(
+        (s.counters.payload_bytes, s.counters.wire_bytes, s.counters.reused_bytes, s.counters.retransmitted_bytes, s.counters.received_bytes),
+        (4096, 4200, 1024, 0, 7)
+    );
+    let t: Vec<_> = s.transfers.iter().map(|t| (t.role.as_str(), t.outcome.as_str(), t.count)).collect();
+    assert_eq!(t, [("source", "done", 3), ("source", "failed", 1), ("any", "cancelled", 2)]);
+    let r: Vec<_> = s.refused.iter().map(|r| (r.who.as_str(), r.count)).collect();
+    assert_eq!(r, [("peer", 5), ("client", 0)]);
+    assert_eq!(s.hops.len(), 2);
+
+    let w = &s.hops[0];
+    assert_eq!((w.hop.as_str(), w.count, w.bytes, w.latency_from), ("wire", 10, 1_000_000, LatencyFrom::Buckets));
+    // Median: rank 5 of 10 lies in (0.001, 0.01], which holds ranks 3..=6:
+    // 0.001 + 0.009 * (5 - 2) / 4 = 0.00775.
+    assert!(close(w.p50_seconds, 0.00775), "{:?}", w.p50_seconds);
+    // p99: rank 9.9 lies in (0.01, 0.1], holding ranks 7..=10: 0.01 + 0.09 * 3.9 / 4 = 0.09775.
+    assert!(close(w.p99_seconds, 0.09775), "{:?}", w.p99_seconds);
+    assert!(close(w.mean_seconds, 0.025));
+    // 1e6 bytes over 0.25 s.
+    assert!(close(w.bandwidth_bytes_per_second, 4e6));
+
+    let p = &s.hops[1];
+    assert_eq!((p.hop.as_str(), p.count, p.latency_from), ("pack", 4, LatencyFrom::Mean));
+    assert_eq!((p.p50_seconds, p.p99_seconds), (None, None), "no finite buckets: no quantiles");
+    assert!(close(p.mean_seconds, 0.0005));
+    assert!(close(p.bandwidth_bytes_per_second, 0.0), "0 bytes over 2 ms");
+}
+
+#[test]
+fn promtext_errors_name_the_line_or_the_metric() {
+    let bad_line = SAMPLE.replace("kvwire_wire_bytes_total{node=\"a\"} 4200", "kvwire_wire_bytes_total{node=\"a\" 4200");
+    match Stats::from_text(&bad_line).unwrap_err() {
+        ParseError::Syntax { line, .. } => assert_eq!(line, 4),
+        e => panic!("{e}"),
+    }
+    let e = Stats::from_text(&SAMPLE.replace("kvwire_received_bytes_total", "other_total")).unwrap_err();
+    assert_eq!(e, ParseError::Missing { metric: "kvwire_received_bytes_total".into() });
+    let e = Stats::from_text(&SAMPLE.replace("{node=\"a\"} 4096", "{node=\"a\"} 4096.5")).unwrap_err();
+    assert!(matches!(&e, ParseError::Value { line: 3, metric, .. } if metric == "kvwire_payload_bytes_total"), "{e}");
+    // Buckets that are not cumulative.
+    let e = Stats::from_text(&SAMPLE.replace("le=\"0.01\"} 6", "le=\"0.01\"} 1")).unwrap_err();
+    assert!(e.to_string().contains("not cumulative"), "{e}");
+    // +Inf must equal _count.
+    let e = Stats::from_text(&SAMPLE.replace("le=\"+Inf\"} 10", "le=\"+Inf\"} 9")).unwrap_err();
+    assert!(e.to_string().contains("+Inf"), "{e}");
+    assert!(promtext::parse("").unwrap().is_empty());
+}
+
+#[test]
+fn promtext_reads_what_kvwired_renders() {
+    // The daemon's own renderer, fresh: parses, and every hop is present.
+    let text = kvwired::metrics::Metrics::default().render("n", &kvwire_transport::metrics::Hops::default());
+    let s = Stats::from_text(&text).unwrap();
+    assert_eq!(s.node.as_deref(), Some("n"));
+    assert_eq!(s.hops.iter().map(|h| h.hop.as_str()).collect::<Vec<_>>(), HOPS);
+    assert!(s.hops.iter().all(|h| h.count == 0 && h.buckets.len() == 12));
+
+    // With samples: wire took 2 µs, 20 µs and 200 µs, moving 1000 bytes each.
+    use kvwire_transport::metrics::{Hop, Hops};
+    let hops = Hops::default();
+    for us in [2, 20, 200] {
+        hops.record(Hop::Wire, Duration::from_micros(us), 1000);
+    }
+    let s = Stats::from_text(&kvwired::metrics::Metrics::default().render("n", &hops)).unwrap();
+    let w = s.hops.iter().find(|h| h.hop == "wire").unwrap();
+    assert_eq!((w.count, w.bytes, w.latency_from), (3, 3000, LatencyFrom::Buckets));
+    let rel = |a: Option<f64>, b: f64| a.is_some_and(|a| ((a - b) / b).abs() < 1e-9);
+    assert!(rel(Some(w.sum_seconds), 222e-6), "{}", w.sum_seconds);
+    // Bounds 10 µs (1 sample) and 50 µs (2): rank 1.5 → 10 + 40 * 0.5/1 = 30 µs.
+    assert!(rel(w.p50_seconds, 30e-6), "{:?}", w.p50_seconds);
+    // Bounds 100 µs (2) and 500 µs (3): rank 2.97 → 100 + 400 * 0.97 = 488 µs.
+    assert!(rel(w.p99_seconds, 488e-6), "{:?}", w.p99_seconds);
+    assert!(rel(w.bandwidth_bytes_per_second, 3000.0 / 222e-6));
+}

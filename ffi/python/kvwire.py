@@ -1,0 +1,361 @@
+"""kvwire's Python client: ctypes over the C ABI (libkvwire_ffi.so).
+
+No third-party packages. The library is found, in order, at
+``$KVWIRE_FFI_LIB``, in the workspace's ``target/debug`` or
+``target/release`` (relative to this file), or by the system loader.
+
+Ownership follows the C API (ffi/include/kvwire.h): a :class:`Client` or
+:class:`Mem` owns its handle and frees it on :meth:`close` (or at the end of
+a ``with`` block); keep a :class:`Mem` alive until its cache is released.
+Every failure raises :class:`KvwireError`, carrying the numbered code and,
+for daemon errors, the daemon's message.
+"""
+
+import ctypes
+import ctypes.util
+import json
+import os
+
+__all__ = [
+    "KvwireError",
+    "Client",
+    "Mem",
+    "cache_size",
+    "strerror",
+    "RESULTS",
+    "LAYER_READY",
+    "DECODER_USABLE",
+    "SOURCE_RELEASED",
+    "STATES",
+]
+
+# kvw_result: numbered by family, the daemon's codes where they exist.
+RESULTS = {
+    0: "KVW_OK",
+    1: "KVW_PANIC",
+    2: "KVW_NULL_ARGUMENT",
+    3: "KVW_INVALID_UTF8",
+    4: "KVW_IO",
+    5: "KVW_BUFFER_TOO_SMALL",
+    6: "KVW_INVALID_JSON",
+    7: "KVW_INVALID_ARGUMENT",
+    8: "KVW_UNEXPECTED_REPLY",
+    9: "KVW_UNKNOWN_DAEMON_ERROR",
+    100: "KVW_MALFORMED",
+    101: "KVW_BAD_MODEL",
+    102: "KVW_BAD_LAYOUT",
+    103: "KVW_BAD_REGION",
+    104: "KVW_UNKNOWN_GROUP",
+    105: "KVW_UNKNOWN_SLOT",
+    106: "KVW_INCOMPLETE_GROUP",
+    107: "KVW_MISMATCH",
+    108: "KVW_LIMIT",
+    109: "KVW_NOT_PREPARED",
+    110: "KVW_BAD_REQUEST",
+    200: "KVW_UNKNOWN_PEER",
+    201: "KVW_PEER_UNREACHABLE",
+    202: "KVW_AUTH_FAILED",
+    203: "KVW_PEER_REFUSED",
+    300: "KVW_TRANSFER_FAILED",
+    301: "KVW_TIMEOUT",
+    302: "KVW_CANCELLED",
+    400: "KVW_PERMISSION_DENIED",
+}
+globals().update({name: code for code, name in RESULTS.items()})
+
+# kvw_flag
+LAYER_READY = 0
+DECODER_USABLE = 1
+SOURCE_RELEASED = 2
+
+# kvw_state
+STATES = {0: "prepared", 1: "running", 2: "done", 3: "failed", 4: "cancelled"}
+
+MESSAGE_MAX = 1024  # KVW_MESSAGE_MAX
+
+
+def _find_library():
+    env = os.environ.get("KVWIRE_FFI_LIB")
+    if env:
+        return env
+    here = os.path.dirname(os.path.abspath(__file__))
+    for profile in ("debug", "release"):
+        p = os.path.join(here, "..", "..", "target", profile, "libkvwire_ffi.so")
+        if os.path.exists(p):
+            return os.path.normpath(p)
+    found = ctypes.util.find_library("kvwire_ffi")
+    if found:
+        return found
+    raise OSError("libkvwire_ffi.so not found: build it (cargo build -p kvwire-ffi) or set KVWIRE_FFI_LIB")
+
+
+_lib = ctypes.CDLL(_find_library())
+
+_c = ctypes.c_char_p
+_u16, _u32, _u64, _sz = ctypes.c_uint16, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_size_t
+_vp = ctypes.c_void_p
+_P = ctypes.POINTER
+
+
+def _sig(name, res, *args):
+    f = getattr(_lib, name)
+    f.restype = res
+    f.argtypes = list(args)
+    return f
+
+
+_strerror = _sig("kvw_strerror", _u32, _u32, ctypes.c_char_p, _sz, _P(_sz))
+_last_error = _sig("kvw_last_error", _u32, ctypes.c_char_p, _sz, _P(_sz))
+_client_last_error = _sig("kvw_client_last_error", _u32, _vp, ctypes.c_char_p, _sz, _P(_sz))
+_mem_new = _sig("kvw_mem_new", _u32, _sz, _P(_vp))
+_mem_ptr = _sig("kvw_mem_ptr", _vp, _vp)
+_mem_len = _sig("kvw_mem_len", _sz, _vp)
+_mem_free = _sig("kvw_mem_free", None, _vp)
+_cache_size = _sig("kvw_cache_size", _u32, _c, _c, _c, _u32, _u32, _P(_u32), _P(_u64))
+_connect = _sig("kvw_client_connect", _u32, _c, _c, _P(_vp))
+_client_free = _sig("kvw_client_free", None, _vp)
+_client_node = _sig("kvw_client_node", _u32, _vp, ctypes.c_char_p, _sz, _P(_sz))
+_register = _sig(
+    "kvw_register_cache", _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _vp, _P(_u32), _P(_u64), _P(ctypes.c_bool)
+)
+_prepare = _sig("kvw_prepare_receive", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _u64, _P(_u16))
+_submit = _sig("kvw_submit", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
+_wait = _sig("kvw_wait", _u32, _vp, _u16, _u32, _u32, _u64, _P(_u64))
+_is_ready = _sig("kvw_is_ready", _u32, _vp, _u16, _u32, _u32, _P(ctypes.c_bool))
+_status = _sig("kvw_status", _u32, _vp, _u16, _P(_u32))
+_cancel = _sig("kvw_cancel", _u32, _vp, _u16)
+_release = _sig("kvw_release_cache", _u32, _vp, _c, _u32)
+
+
+def _text(fn, *args):
+    buf = ctypes.create_string_buffer(MESSAGE_MAX)
+    n = _sz(0)
+    rc = fn(*args, buf, MESSAGE_MAX, ctypes.byref(n))
+    if rc != 0:
+        return ""
+    return buf.raw[: n.value].decode("utf-8", "replace")
+
+
+def strerror(code):
+    """The text naming result ``code``."""
+    return _text(_strerror, code)
+
+
+class KvwireError(Exception):
+    """A kvwire call failed: ``code`` (int), ``name`` (``KVW_…``) and
+    ``message`` (the daemon's or the library's own)."""
+
+    def __init__(self, code, message):
+        self.code = code
+        self.name = RESULTS.get(code, "KVW_%d" % code)
+        self.message = message
+        super().__init__("%s (%d): %s%s" % (self.name, code, strerror(code), ": " + message if message else ""))
+
+
+def _b(s):
+    if isinstance(s, bytes):
+        return s
+    return s.encode("utf-8")
+
+
+def _json(v):
+    return _b(v if isinstance(v, (str, bytes)) else json.dumps(v))
+
+
+def _table(ids):
+    arr = (_u32 * len(ids))(*ids)
+    return arr, len(ids)
+
+
+def _check(rc, client=None):
+    if rc != 0:
+        msg = _text(_client_last_error, client) if client else _text(_last_error)
+        raise KvwireError(rc, msg)
+
+
+def cache_size(model, fmt, layout, rank, num_blocks):
+    """(regions, bytes) rank ``rank`` of ``layout`` holds: the size of the
+    :class:`Mem` to register for it. ``model`` is a dict such as
+    ``{"builtin": "llama-3.1-8b"}`` or ``{"toml": TEXT}``, or its JSON."""
+    regions, nbytes = _u32(0), _u64(0)
+    _check(_cache_size(_json(model), _b(fmt), _b(layout), rank, num_blocks, ctypes.byref(regions), ctypes.byref(nbytes)))
+    return regions.value, nbytes.value
+
+
+class Mem:
+    """A memfd-backed, shared host buffer holding one rank's cache."""
+
+    def __init__(self, length):
+        h = _vp()
+        _check(_mem_new(length, ctypes.byref(h)))
+        self._h = h.value
+
+    @property
+    def handle(self):
+        if self._h is None:
+            raise ValueError("Mem is closed")
+        return self._h
+
+    @property
+    def ptr(self):
+        """Address of the first byte (valid until close)."""
+        return _mem_ptr(self.handle)
+
+    def __len__(self):
+        return _mem_len(self.handle)
+
+    def write(self, offset, data):
+        if offset < 0 or offset + len(data) > len(self):
+            raise IndexError("write of %d bytes at %d past %d" % (len(data), offset, len(self)))
+        ctypes.memmove(self.ptr + offset, data, len(data))
+
+    def read(self, offset=0, length=None):
+        length = len(self) - offset if length is None else length
+        if offset < 0 or offset + length > len(self):
+            raise IndexError("read of %d bytes at %d past %d" % (length, offset, len(self)))
+        return ctypes.string_at(self.ptr + offset, length)
+
+    def fill(self, byte):
+        ctypes.memset(self.ptr, byte, len(self))
+
+    def close(self):
+        if self._h is not None:
+            _mem_free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Client:
+    """A connection to the local kvwired (its flag page mapped)."""
+
+    def __init__(self, socket_path, name="python"):
+        h = _vp()
+        _check(_connect(_b(socket_path), _b(name), ctypes.byref(h)))
+        self._h = h.value
+
+    @property
+    def handle(self):
+        if self._h is None:
+            raise ValueError("Client is closed")
+        return self._h
+
+    def _call(self, fn, *args):
+        _check(fn(self.handle, *args), self.handle)
+
+    @property
+    def node(self):
+        """The daemon's node name (what a source names as ``peer``)."""
+        buf = ctypes.create_string_buffer(MESSAGE_MAX)
+        n = _sz(0)
+        self._call(_client_node, buf, MESSAGE_MAX, ctypes.byref(n))
+        return buf.raw[: n.value].decode()
+
+    def last_error(self):
+        return _text(_client_last_error, self.handle)
+
+    def register_cache(self, group, model, fmt, layout, rank, num_blocks, identity, mem):
+        """Registers one rank's cache held in ``mem``; returns
+        ``(regions, bytes, complete)``."""
+        regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
+        self._call(
+            _register,
+            _b(group),
+            _json(model),
+            _b(fmt),
+            _b(layout),
+            rank,
+            num_blocks,
+            _json(identity),
+            mem.handle,
+            ctypes.byref(regions),
+            ctypes.byref(nbytes),
+            ctypes.byref(complete),
+        )
+        return regions.value, nbytes.value, complete.value
+
+    def prepare_receive(self, group, request, block_table, tokens, prefix_tokens=0):
+        """Prepares to receive ``request``; returns the slot to wait on."""
+        arr, n = _table(block_table)
+        slot = _u16(0)
+        self._call(_prepare, _b(group), _b(request), arr, n, tokens, prefix_tokens, ctypes.byref(slot))
+        return slot.value
+
+    def submit(self, request, group, block_table, tokens, peer, dst_group, dst_request):
+        """Starts a transfer; returns ``(slot, peer_slot)``."""
+        arr, n = _table(block_table)
+        slot, peer_slot = _u16(0), _u16(0)
+        self._call(
+            _submit,
+            _b(request),
+            _b(group),
+            arr,
+            n,
+            tokens,
+            _b(peer),
+            _b(dst_group),
+            _b(dst_request),
+            ctypes.byref(slot),
+            ctypes.byref(peer_slot),
+        )
+        return slot.value, peer_slot.value
+
+    def wait(self, slot, flag, layer=0, timeout_ms=30000):
+        """Blocks until the flag is published (reading the mapped page; the
+        GIL is released meanwhile); returns the notify hop in ns."""
+        ns = _u64(0)
+        self._call(_wait, slot, flag, layer, timeout_ms, ctypes.byref(ns))
+        return ns.value
+
+    def layer_ready(self, slot, layer, timeout_ms=30000):
+        return self.wait(slot, LAYER_READY, layer, timeout_ms)
+
+    def decoder_usable(self, slot, timeout_ms=30000):
+        return self.wait(slot, DECODER_USABLE, 0, timeout_ms)
+
+    def source_released(self, slot, timeout_ms=30000):
+        return self.wait(slot, SOURCE_RELEASED, 0, timeout_ms)
+
+    def is_ready(self, slot, flag, layer=0):
+        r = ctypes.c_bool(False)
+        self._call(_is_ready, slot, flag, layer, ctypes.byref(r))
+        return r.value
+
+    def status(self, slot):
+        """The transfer's state: ``prepared``, ``running``, ``done``, ``failed`` or ``cancelled``."""
+        s = _u32(0)
+        self._call(_status, slot, ctypes.byref(s))
+        return STATES.get(s.value, str(s.value))
+
+    def cancel(self, slot):
+        self._call(_cancel, slot)
+
+    def release_cache(self, group, rank):
+        self._call(_release, _b(group), rank)
+
+    def close(self):
+        if self._h is not None:
+            _client_free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

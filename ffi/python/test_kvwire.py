@@ -1,0 +1,322 @@
+"""Tests of the Python client over two real kvwired daemons.
+
+Run: python3 test_kvwire.py — exits non-zero on failure and prints
+"N passed, M failed". With KVWIRE_TEST_SOCK_A / KVWIRE_TEST_SOCK_B /
+KVWIRE_TEST_PEER_B set (scripts/ffi-check sets them) it uses those daemons;
+otherwise it starts two itself from target/debug/kvwired (B first, then A
+with peer b), on loopback with the tcp transport, and stops them at the end.
+
+The transfer: source tp=2, block 16, nhd; destination tp=4, block 8, hnd;
+shuffled block tables and a partial final block. Every destination byte is
+checked against offsets computed from the layout definition.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kvwire  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
+
+TOML = (
+    'name = "toy"\ndtype = "bf16"\n[[layers]]\nrepeat = 4\nattention = "dense"\n'
+    "kv_heads = 4\nhead_dim = 16\n"
+)
+MODEL = {"toml": TOML}
+IDENTITY = {
+    "model_digest": "toy-digest",
+    "adapter_digest": "",
+    "format": "bf16/v1",
+    "tenant": "t1",
+    "rope": "theta=10000",
+    "position_offset": 0,
+}
+LAYERS, HEADS, ROW, TENSORS = 4, 4, 32, 2
+TOKENS = 100
+CANARY = 0xA5
+M64 = (1 << 64) - 1
+
+SRC = dict(layout="tp=2,block=16,layout=nhd", tp=2, block=16, blocks=10, table=[3, 7, 0, 9, 5, 1, 8], nhd=True)
+DST = dict(
+    layout="tp=4,block=8,layout=hnd",
+    tp=4,
+    block=8,
+    blocks=16,
+    table=[12, 3, 15, 0, 7, 9, 1, 14, 4, 10, 2, 6, 11],
+    nhd=False,
+)
+
+
+def code(layer, tensor, head, pos, byte):
+    z = (layer << 48) ^ (tensor << 44) ^ (head << 32) ^ (pos << 16) ^ byte
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    c = (z ^ (z >> 31)) & 0xFF
+    return (~CANARY & 0xFF) if c == CANARY else c
+
+
+def row_code(layer, tensor, head, pos):
+    return bytes(code(layer, tensor, head, pos, b) for b in range(ROW))
+
+
+def offset(side, rank, layer, tensor, head, pos):
+    """(rank, byte offset in that rank's memory) of a row."""
+    lh = HEADS // side["tp"]
+    local = head - rank * lh
+    block_bytes = side["block"] * lh * ROW
+    region = (layer * TENSORS + tensor) * side["blocks"] * block_bytes
+    slot = pos % side["block"]
+    row = slot * lh + local if side["nhd"] else local * side["block"] + slot
+    return region + side["table"][pos // side["block"]] * block_bytes + row * ROW
+
+
+def rows():
+    for layer in range(LAYERS):
+        for t in range(TENSORS):
+            for h in range(HEADS):
+                for pos in range(TOKENS):
+                    yield layer, t, h, pos
+
+
+# --------------------------------------------------------------------------
+# Daemons
+
+
+class Daemons:
+    def __init__(self):
+        self.procs = []
+        self.dir = None
+        env = os.environ
+        if env.get("KVWIRE_TEST_SOCK_A") and env.get("KVWIRE_TEST_SOCK_B"):
+            self.sock_a, self.sock_b = env["KVWIRE_TEST_SOCK_A"], env["KVWIRE_TEST_SOCK_B"]
+            self.peer_b = env.get("KVWIRE_TEST_PEER_B", "b")
+            return
+        exe = os.environ.get("KVWIRED", os.path.join(ROOT, "target", "debug", "kvwired"))
+        if not os.access(exe, os.X_OK):
+            raise RuntimeError("%s not found: cargo build -p kvwired (or set KVWIRED)" % exe)
+        self.dir = tempfile.mkdtemp(prefix="kvwire-py.")
+        try:
+            self.sock_b, addr_b = self._start(exe, "b", None)
+            self.sock_a, _ = self._start(exe, "a", ("b", addr_b))
+        except BaseException:
+            self.stop()
+            raise
+        self.peer_b = "b"
+
+    def _start(self, exe, node, peer):
+        secret = os.path.join(self.dir, node + ".secret")
+        with open(secret, "w") as f:
+            f.write("kvwire-python-test-shared-secret\n")
+        os.chmod(secret, 0o600)
+        sock = os.path.join(self.dir, node + ".sock")
+        cfg = (
+            'node = "%s"\ncontrol_socket = "%s"\npeer_listen = "127.0.0.1:0"\nsecret_file = "%s"\n'
+            '[transport]\nkind = "tcp"\ntcp_listen = "127.0.0.1:0"\n' % (node, sock, secret)
+        )
+        if peer:
+            cfg += '[[peers]]\nname = "%s"\naddress = "%s"\n' % peer
+        path = os.path.join(self.dir, node + ".toml")
+        with open(path, "w") as f:
+            f.write(cfg)
+        err = open(os.path.join(self.dir, node + ".err"), "w")
+        p = subprocess.Popen([exe, "--config", path], stdout=subprocess.PIPE, stderr=err, text=True)
+        self.procs.append(p)
+        line = p.stdout.readline()
+        if not line.startswith("kvwired ready"):
+            raise RuntimeError("daemon %s did not start: %r" % (node, line))
+        addr = next(w[len("peer="):] for w in line.split() if w.startswith("peer="))
+        return sock, addr
+
+    def stop(self):
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------
+# Tests
+
+
+def expect_error(code, fn, *args):
+    try:
+        fn(*args)
+    except kvwire.KvwireError as e:
+        assert e.code == code, "expected %s, got %s" % (kvwire.RESULTS[code], e)
+        return e
+    raise AssertionError("expected %s, the call succeeded" % kvwire.RESULTS[code])
+
+
+def test_result_codes_match_the_header(d):
+    with open(os.path.join(HERE, "..", "include", "kvwire.h")) as f:
+        header = f.read()
+    enum = re.search(r"enum kvw_result[^{]*\{(.*?)\};", header, re.S).group(1)
+    codes = {int(v): k for k, v in re.findall(r"^\s*(KVW_\w+) = (\d+),", enum, re.M)}
+    assert codes == kvwire.RESULTS, "kvwire.py's RESULTS differ from kvwire.h"
+    assert kvwire.strerror(102) == "bad layout or cache format", kvwire.strerror(102)
+    assert kvwire.strerror(424242) == "unknown kvwire result code"
+    for name, value in (("LAYER_READY", 0), ("DECODER_USABLE", 1), ("SOURCE_RELEASED", 2)):
+        assert re.search(r"#define KVW_FLAG_%s %d\b" % (name, value), header), name
+
+
+def test_connect_errors(d):
+    e = expect_error(kvwire.KVW_IO, kvwire.Client, "/nonexistent/kvwired.sock")
+    assert "connect" in e.message, e.message
+    expect_error(kvwire.KVW_INVALID_UTF8, kvwire.Client, b"\xff\xfe", "x")
+
+
+def test_mem_and_cache_size(d):
+    expect_error(kvwire.KVW_INVALID_ARGUMENT, kvwire.Mem, 0)
+    with kvwire.Mem(4096) as m:
+        assert len(m) == 4096 and m.read(0, 16) == bytes(16)
+        m.write(4090, b"abcdef")
+        assert m.read(4090) == b"abcdef"
+    regions, nbytes = kvwire.cache_size(MODEL, "bf16", SRC["layout"], 1, SRC["blocks"])
+    assert (regions, nbytes) == (8, 8 * SRC["blocks"] * 16 * 2 * ROW), (regions, nbytes)
+    e = expect_error(kvwire.KVW_BAD_LAYOUT, kvwire.cache_size, MODEL, "bf16", "tp=3", 0, 4)
+    assert "tp=3" in e.message or "3" in e.message, e.message
+    expect_error(kvwire.KVW_INVALID_JSON, kvwire.cache_size, '{"toml": 1}', "bf16", "tp=1", 0, 4)
+
+
+def register_side(client, group, side, fill):
+    mems = []
+    for rank in range(side["tp"]):
+        regions, nbytes = kvwire.cache_size(MODEL, "bf16", side["layout"], rank, side["blocks"])
+        m = kvwire.Mem(nbytes)
+        if fill is not None:
+            m.fill(fill)
+        r, b, complete = client.register_cache(
+            group, MODEL, "bf16", side["layout"], rank, side["blocks"], IDENTITY, m
+        )
+        assert (r, b) == (regions, nbytes), (r, b, regions, nbytes)
+        assert complete == (rank == side["tp"] - 1), (rank, complete)
+        mems.append(m)
+    return mems
+
+
+def test_bad_layout_is_102_with_the_daemons_message(d):
+    with kvwire.Client(d.sock_a, "py-bad") as c, kvwire.Mem(1 << 16) as m:
+        e = expect_error(
+            kvwire.KVW_BAD_LAYOUT, c.register_cache, "py-bad", MODEL, "bf16", "tp=1,layout=diagonal", 0, 4, IDENTITY, m
+        )
+        assert e.code == 102 and "diagonal" in e.message, e
+        assert c.last_error() == e.message
+        e = expect_error(kvwire.KVW_BAD_REGION, c.register_cache, "py-bad", MODEL, "bf16", "tp=1", 0, 1000, IDENTITY, m)
+        assert "need" in e.message, e.message
+        expect_error(kvwire.KVW_INVALID_JSON, c.register_cache, "py-bad", MODEL, "bf16", "tp=1", 0, 4, {"tenant": "x"}, m)
+
+
+def test_transfer_every_layer_and_every_byte(d):
+    a = kvwire.Client(d.sock_a, "py-prefill")
+    b = kvwire.Client(d.sock_b, "py-decode")
+    try:
+        assert b.node == d.peer_b, b.node
+        src = register_side(a, "py-prefill", SRC, None)
+        dst = register_side(b, "py-decode", DST, CANARY)
+        want = [bytearray(m.read()) for m in dst]
+        for layer, t, h, pos in rows():
+            row = row_code(layer, t, h, pos)
+            sr = h // (HEADS // SRC["tp"])
+            src[sr].write(offset(SRC, sr, layer, t, h, pos), row)
+            dr = h // (HEADS // DST["tp"])
+            o = offset(DST, dr, layer, t, h, pos)
+            want[dr][o : o + ROW] = row
+
+        slot = b.prepare_receive("py-decode", "r1", DST["table"], TOKENS)
+        sslot, peer_slot = a.submit("p1", "py-prefill", SRC["table"], TOKENS, d.peer_b, "py-decode", "r1")
+        assert peer_slot == slot, (peer_slot, slot)
+        # Decode side: wait_for_layer_load(L) is layer_ready(L), layer by layer.
+        for layer in range(LAYERS):
+            b.layer_ready(slot, layer, timeout_ms=20000)
+        b.decoder_usable(slot, timeout_ms=20000)
+        # Prefill side: the source blocks are the engine's again.
+        a.source_released(sslot, timeout_ms=20000)
+        assert b.is_ready(slot, kvwire.DECODER_USABLE)
+        assert b.status(slot) == "done" and a.status(sslot) == "done", (b.status(slot), a.status(sslot))
+        for rank, m in enumerate(dst):
+            got = m.read()
+            if got != bytes(want[rank]):
+                bad = [i for i in range(len(got)) if got[i] != want[rank][i]]
+                raise AssertionError("rank %d: %d bytes differ, first at %d" % (rank, len(bad), bad[0]))
+
+        for rank in range(SRC["tp"]):
+            a.release_cache("py-prefill", rank)
+        for rank in range(DST["tp"]):
+            b.release_cache("py-decode", rank)
+        expect_error(kvwire.KVW_UNKNOWN_GROUP, b.release_cache, "py-decode", 0)
+        for m in src + dst:
+            m.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_timeout_cancel_and_bad_arguments(d):
+    with kvwire.Client(d.sock_b, "py-cancel") as b:
+        mems = register_side(b, "py-cancel", DST, None)
+        slot = b.prepare_receive("py-cancel", "r2", DST["table"], TOKENS)
+        e = expect_error(kvwire.KVW_TIMEOUT, b.layer_ready, slot, 0, 20)
+        assert "not ready" in e.message, e.message
+        assert not b.is_ready(slot, kvwire.DECODER_USABLE)
+        assert b.status(slot) == "prepared"
+        expect_error(kvwire.KVW_INVALID_ARGUMENT, b.wait, slot, 42, 0, 10)
+        expect_error(kvwire.KVW_INVALID_ARGUMENT, b.wait, slot, kvwire.LAYER_READY, 1 << 20, 10)
+        expect_error(kvwire.KVW_BAD_REQUEST, b.prepare_receive, "py-cancel", "r2", DST["table"], TOKENS)
+        b.cancel(slot)
+        e = expect_error(kvwire.KVW_CANCELLED, b.decoder_usable, slot, 20000)
+        assert "cancel" in e.message, e.message
+        assert b.status(slot) == "cancelled"
+        expect_error(kvwire.KVW_BAD_REQUEST, b.cancel, slot)
+        expect_error(kvwire.KVW_UNKNOWN_SLOT, b.status, 251)
+        for rank in range(DST["tp"]):
+            b.release_cache("py-cancel", rank)
+        for m in mems:
+            m.close()
+
+
+TESTS = [
+    test_result_codes_match_the_header,
+    test_connect_errors,
+    test_mem_and_cache_size,
+    test_bad_layout_is_102_with_the_daemons_message,
+    test_transfer_every_layer_and_every_byte,
+    test_timeout_cancel_and_bad_arguments,
+]
+
+
+def main():
+    passed = failed = 0
+    d = Daemons()
+    try:
+        for t in TESTS:
+            try:
+                t(d)
+            except Exception:
+                failed += 1
+                print("FAIL %s" % t.__name__)
+                traceback.print_exc()
+            else:
+                passed += 1
+                print("ok   %s" % t.__name__)
+    finally:
+        d.stop()
+    print("%d passed, %d failed" % (passed, failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+//! Test hosts: two network namespaces joined by a veth pair, removed on drop.
+
+use std::process::Command;
+
+/// A namespace and its address on the veth link.
+#[derive(Debug)]
+pub struct Host {
+    /// Namespace name (for `ip netns exec`).
+    pub name: String,
+    /// Its IPv4 address.
+    pub ip: String,
+}
+
+/// Two hosts on one link.
+#[derive(Debug)]
+pub struct Link {
+    /// First host (`.1`).
+    pub a: Host,
+    /// Second host (`.2`).
+    pub b: Host,
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip").args(args).output().map_err(|e| format!("ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Whether namespaces can be made here (root and iproute2).
+pub fn available() -> bool {
+    nix::unistd::geteuid().is_root() && Command::new("ip").arg("-V").output().is_ok()
+}
+
+impl Link {
+    /// Namespaces `kvwe-<tag>-<pid>-{a,b}` on 10.198.<n>.0/24.
+    pub fn new(tag: &str) -> Result<Link, String> {
+        let id = std::process::id() % 200;
+        let (na, nb) = (format!("kvwe-{tag}-{id}-a"), format!("kvwe-{tag}-{id}-b"));
+        let (va, vb) = (format!("ke{id}{}a", &tag[..1]), format!("ke{id}{}b", &tag[..1]));
+        for n in [&na, &nb] {
+            let _ = ip(&["netns", "del", n]);
+            ip(&["netns", "add", n])?;
+        }
+        let link = Link { a: Host { name: na.clone(), ip: format!("10.198.{id}.1") }, b: Host { name: nb.clone(), ip: format!("10.198.{id}.2") } };
+        ip(&["link", "add", &va, "netns", &na, "type", "veth", "peer", "name", &vb, "netns", &nb])?;
+        for (n, v, addr) in [(&na, &va, &link.a.ip), (&nb, &vb, &link.b.ip)] {
+            ip(&["-n", n, "addr", "add", &format!("{addr}/24"), "dev", v])?;
+            ip(&["-n", n, "link", "set", v, "up"])?;
+            ip(&["-n", n, "link", "set", "lo", "up"])?;
+        }
+        Ok(link)
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        for h in [&self.a, &self.b] {
+            let _ = ip(&["netns", "del", &h.name]);
+        }
+    }
+}
