@@ -91,6 +91,9 @@ pub struct Submit {
     pub dst_group: String,
     /// Destination request id.
     pub dst_request: String,
+    /// Transfer codec (`fp8_e4m3_row`), or none for a lossless copy.
+    #[serde(default)]
+    pub codec: Option<String>,
 }
 
 /// Flag names for round-trip waits.
@@ -198,6 +201,8 @@ pub struct TransferStatus {
     pub segments: u64,
     /// Destination bytes skipped by prefix reuse.
     pub reused_bytes: u64,
+    /// Bytes written on the data plane (after packing and any codec).
+    pub wire_bytes: u64,
     /// Nanoseconds from submit (or prepare) to done, when done.
     pub elapsed_ns: Option<u64>,
 }

@@ -11,4 +11,5 @@ pub mod metrics;
 pub mod peer;
 pub mod promtext;
 pub mod server;
+pub mod staging;
 pub mod wire;

@@ -13,6 +13,8 @@ pub struct Metrics {
     pub wire_bytes: AtomicU64,
     /// Destination bytes skipped by prefix reuse.
     pub reused_bytes: AtomicU64,
+    /// Wire payload after a converting codec, for transfers that used one.
+    pub compressed_bytes: AtomicU64,
     /// Bytes sent again (none yet: failed transfers are not retried).
     pub retransmitted_bytes: AtomicU64,
     /// Bytes expected by transfers received here.
@@ -45,10 +47,11 @@ impl Metrics {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         // (metric, help, [(labels, value)])
         type Series<'a> = (&'a str, &'a str, &'a [(&'a str, u64)]);
-        let counters: [Series<'_>; 7] = [
+        let counters: [Series<'_>; 8] = [
             ("kvwire_payload_bytes_total", "Payload bytes sent by plans from this daemon (after prefix reuse).", &[("", g(&self.payload_bytes))]),
             ("kvwire_wire_bytes_total", "Bytes that crossed the link: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
             ("kvwire_reused_bytes_total", "Destination bytes skipped by validated prefix reuse.", &[("", g(&self.reused_bytes))]),
+            ("kvwire_compressed_bytes_total", "Wire payload after a converting codec (transfers that used one).", &[("", g(&self.compressed_bytes))]),
             ("kvwire_retransmitted_bytes_total", "Bytes sent again.", &[("", g(&self.retransmitted_bytes))]),
             ("kvwire_received_bytes_total", "Bytes expected by transfers received here.", &[("", g(&self.received_bytes))]),
             (

@@ -65,6 +65,13 @@ pub enum PeerMsg {
     Expect(Expect),
     /// Generic success.
     Ok,
+    /// The destination's staging buffer for packed or converted segments.
+    Staging {
+        /// Data-plane key (0 when nothing is staged).
+        key: u32,
+        /// Length.
+        len: u64,
+    },
     /// The source gave up on a transfer.
     Abort {
         /// Destination slot.
@@ -88,6 +95,9 @@ pub struct Offer {
     pub identity: CacheIdentity,
     /// Tokens in the request.
     pub tokens: u64,
+    /// Transfer codec, if any.
+    #[serde(default)]
+    pub codec: Option<String>,
 }
 
 /// What the destination needs to recompute the plan and check it.
@@ -104,6 +114,9 @@ pub struct Expect {
     pub src_block_table: Vec<u32>,
     /// The integrity manifest (JSON), checksums included unless the source turned them off.
     pub manifest: String,
+    /// Transfer codec, if any (as offered).
+    #[serde(default)]
+    pub codec: Option<String>,
 }
 
 /// One destination region a source may write.

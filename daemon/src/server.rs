@@ -7,6 +7,8 @@ use crate::metrics::Metrics;
 use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion};
 use crate::wire::{self, read_msg, write_msg, WireError};
 use kvwire_core::layout::{self, ModelSpec};
+use crate::staging;
+use kvwire_core::codec::Codec;
 use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
 use kvwire_core::reuse::{check_prefix, CacheIdentity};
@@ -65,6 +67,7 @@ struct Slot {
     bytes: u64,
     segments: u64,
     reused: u64,
+    wire: u64,
     started: Instant,
     elapsed: Option<Duration>,
     recv: Option<PrepareReceive>,
@@ -338,6 +341,7 @@ impl Daemon {
                             bytes: s.bytes,
                             segments: s.segments,
                             reused_bytes: s.reused,
+                            wire_bytes: s.wire,
                             elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
                         }),
                         false,
@@ -518,6 +522,7 @@ impl Daemon {
                         bytes: 0,
                         segments: 0,
                         reused: 0,
+                        wire: 0,
                         started: Instant::now(),
                         elapsed: None,
                         recv,
@@ -588,6 +593,10 @@ impl Daemon {
     // ------------------------------------------------------------ source side
 
     fn submit(self: &Arc<Self>, s: Submit) -> Reply {
+        let codec = match s.codec.as_deref().map(Codec::parse).transpose() {
+            Ok(c) => c,
+            Err(e) => return err(Code::BadRequest, e),
+        };
         let Some(peer) = self.cfg.peers.iter().find(|p| p.name == s.peer).cloned() else {
             return err(Code::UnknownPeer, format!("peer `{}` is not configured", s.peer));
         };
@@ -629,7 +638,14 @@ impl Daemon {
             Err(e) => return fail(Code::AuthFailed, e.to_string()),
         }
         let identity_src = identity.clone();
-        let offer = Offer { dst_group: s.dst_group.clone(), dst_request: s.dst_request.clone(), src_request: s.request.clone(), identity, tokens: s.tokens };
+        let offer = Offer {
+            dst_group: s.dst_group.clone(),
+            dst_request: s.dst_request.clone(),
+            src_request: s.request.clone(),
+            identity,
+            tokens: s.tokens,
+            codec: s.codec.clone(),
+        };
         let accept = match write_msg(&mut pc, &PeerMsg::Offer(offer)).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
             Ok(PeerMsg::Accept(a)) => a,
             Ok(PeerMsg::Refused { reason }) => return fail(Code::PeerRefused, format!("peer `{}` refused: {reason}", peer.name)),
@@ -662,27 +678,31 @@ impl Daemon {
             }
         };
         let n_layers = model.layers.len();
-        let dst_keys: HashMap<(u32, RegionId), (u32, u64)> = accept.regions.iter().map(|r| ((r.rank, r.region), (r.key, r.len))).collect();
-        // Writes per layer, checked against what both sides registered.
-        let mut batches: Vec<Batch> = (0..n_layers).map(|l| Batch { tag: Tag { slot: accept.slot, layer: l as u16 }, writes: vec![] }).collect();
-        for seg in &plan.segments {
-            let (Some(sr), Some(&(dk, _))) = (src_keys.get(&(seg.src_rank, seg.src_region)), dst_keys.get(&(seg.dst_rank, seg.dst_region))) else {
-                let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: "region missing".into() });
-                return fail(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", seg.src_rank, seg.dst_rank, seg.dst_region));
-            };
-            let b = &mut batches[seg.dst_region.layer as usize];
-            for (so, dof) in seg.runs() {
-                b.writes.push(WriteOp { src_key: sr.key, src_offset: so, dst_key: dk, dst_offset: dof, len: seg.len });
+        let staged = match staging::layout(&model, &format, &plan, codec) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: e.clone() });
+                return fail(Code::BadRequest, e);
             }
-        }
+        };
+        let dim_of = |region: RegionId| {
+            model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
+        };
         // The manifest: identity, shapes, maps, positions, and checksums of
-        // the source bytes (read from the registered memory).
+        // what the destination must hold — the source bytes, or with a codec
+        // the source bytes as the destination will decode them.
         let manifest = {
+            let elem = codec.and_then(|c| c.element_bytes(&format).ok()).unwrap_or(0);
             let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<Vec<u8>> {
                 let r = src_keys.get(&(rank, region))?;
-                let mut buf = vec![0u8; len as usize];
-                r.mem.read(r.offset + offset, &mut buf).ok()?;
-                Some(buf)
+                let raw = staging::read(&r.mem, r.offset + offset, len)?;
+                Some(match codec {
+                    Some(_) => {
+                        let dim = dim_of(region);
+                        kvwire_core::codec::decode_rows(&kvwire_core::codec::encode_rows(&raw, elem, dim), elem, dim)
+                    }
+                    None => raw,
+                })
             };
             let dst_side = Side::with_table(
                 &model,
@@ -715,14 +735,63 @@ impl Daemon {
             src_num_blocks: num_blocks,
             src_block_table: s.block_table.clone(),
             manifest: manifest.to_json(),
+            codec: s.codec.clone(),
         };
         Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
-        match write_msg(&mut pc, &PeerMsg::Expect(expect)).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
-            Ok(PeerMsg::Ok) => {}
+        let (dst_stage_key, dst_stage_len) = match write_msg(&mut pc, &PeerMsg::Expect(expect)).and_then(|()| read_msg::<PeerMsg>(&mut pc)) {
+            Ok(PeerMsg::Staging { key, len }) => (key, len),
             Ok(PeerMsg::Refused { reason }) => return fail(Code::PeerRefused, format!("peer `{}` refused the transfer: {reason}", peer.name)),
             Ok(other) => return fail(Code::PeerRefused, format!("unexpected peer reply {other:?}")),
             Err(e) => return fail(Code::PeerUnreachable, format!("peer `{}`: {e}", peer.name)),
+        };
+        let stage_total = staging::total(&staged);
+        if dst_stage_len != stage_total {
+            let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: "staging size differs".into() });
+            return fail(Code::PeerRefused, format!("peer staged {dst_stage_len} bytes, the plan needs {stage_total}"));
         }
+        // Pack (and encode) the staged segments into one registered buffer.
+        let started = Instant::now();
+        let src_stage = if stage_total > 0 {
+            let packed = (|| -> Result<Arc<Region>, String> {
+                let mem = Arc::new(HostMem::new("kvwire-stage", stage_total).map_err(|e| e.to_string())?);
+                for st in &staged {
+                    let seg = &plan.segments[st.seg];
+                    let r = src_keys.get(&(seg.src_rank, seg.src_region)).ok_or("source region missing")?;
+                    let bytes = staging::pack(seg, st, &format, codec, |o, l| staging::read(&r.mem, r.offset + o, l)).ok_or("cannot read a packed source run")?;
+                    mem.write(st.offset, &bytes).map_err(|e| e.to_string())?;
+                }
+                self.ep.register(mem, 0, stage_total).map_err(|e| e.to_string())
+            })();
+            match packed {
+                Ok(r) => Some(r),
+                Err(e) => {
+                    let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: format!("pack: {e}") });
+                    return fail(Code::TransferFailed, format!("pack: {e}"));
+                }
+            }
+        } else {
+            None
+        };
+        self.hops().record(Hop::Pack, started.elapsed(), stage_total);
+        let dst_keys: HashMap<(u32, RegionId), (u32, u64)> = accept.regions.iter().map(|r| ((r.rank, r.region), (r.key, r.len))).collect();
+        let staged_at: HashMap<usize, &staging::Staged> = staged.iter().map(|st| (st.seg, st)).collect();
+        // Writes per layer, checked against what both sides registered.
+        let mut batches: Vec<Batch> = (0..n_layers).map(|l| Batch { tag: Tag { slot: accept.slot, layer: l as u16 }, writes: vec![] }).collect();
+        for (i, seg) in plan.segments.iter().enumerate() {
+            let b = &mut batches[seg.dst_region.layer as usize];
+            if let (Some(st), Some(stage)) = (staged_at.get(&i), &src_stage) {
+                b.writes.push(WriteOp { src_key: stage.key, src_offset: st.offset, dst_key: dst_stage_key, dst_offset: st.offset, len: st.size });
+                continue;
+            }
+            let (Some(sr), Some(&(dk, _))) = (src_keys.get(&(seg.src_rank, seg.src_region)), dst_keys.get(&(seg.dst_rank, seg.dst_region))) else {
+                let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: "region missing".into() });
+                return fail(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", seg.src_rank, seg.dst_rank, seg.dst_region));
+            };
+            for (so, dof) in seg.runs() {
+                b.writes.push(WriteOp { src_key: sr.key, src_offset: so, dst_key: dk, dst_offset: dof, len: seg.len });
+            }
+        }
+        let wire: u64 = batches.iter().map(Batch::bytes).sum();
         let c = &plan.counters;
         {
             let mut st = self.state.lock().expect("state lock");
@@ -731,9 +800,11 @@ impl Daemon {
                 sl.bytes = c.total_bytes_moved;
                 sl.segments = c.segments;
                 sl.reused = c.reused_bytes;
+                sl.wire = wire;
             }
         }
         Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
+        let payload = c.total_bytes_moved;
         let reply = Reply::Submitted { slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
         let d = self.clone();
         let data_addr = accept.data_addr.clone();
@@ -742,9 +813,15 @@ impl Daemon {
             let span = tracing::info_span!("transfer", slot, request = s.request, peer = peer.name);
             let _g = span.enter();
             let result = d.move_bytes(&data_addr, batches, &stop);
+            if let Some(stage) = &src_stage {
+                d.ep.revoke(stage.key);
+            }
             match result {
                 Ok((bytes, writes)) => {
-                    Metrics::add(&d.metrics.payload_bytes, bytes);
+                    Metrics::add(&d.metrics.payload_bytes, payload);
+                    if codec.is_some() {
+                        Metrics::add(&d.metrics.compressed_bytes, stage_total);
+                    }
                     let framing = if d.ep.transport() == "verbs" { 0 } else { writes * 2 * kvwire_core::protocol::HEADER_LEN as u64 };
                     Metrics::add(&d.metrics.wire_bytes, bytes + framing);
                     d.page.publish(Tag { slot, layer: SOURCE_RELEASED });
@@ -945,10 +1022,46 @@ impl Daemon {
         if verify && manifest.checksums.is_empty() && plan.counters.total_bytes_moved > 0 {
             return refuse(self, "this daemon verifies checksums and the manifest carries none".into());
         }
+        let codec = match e.codec.as_deref().map(Codec::parse).transpose() {
+            Ok(c) => c,
+            Err(err) => return refuse(self, err.to_string()),
+        };
+        let staged = match staging::layout(&model, &format, &plan, codec) {
+            Ok(x) => x,
+            Err(err) => return refuse(self, err),
+        };
+        let stage_total = staging::total(&staged);
+        // Staged segments land in one buffer and are unpacked per layer.
+        let stage = if stage_total > 0 {
+            let made = HostMem::new("kvwire-stage", stage_total)
+                .map_err(|e| e.to_string())
+                .and_then(|m| self.ep.register(Arc::new(m), 0, stage_total).map_err(|e| e.to_string()));
+            match made {
+                Ok(r) => Some(r),
+                Err(err) => return refuse(self, format!("staging: {err}")),
+            }
+        } else {
+            None
+        };
         let n = model.layers.len();
         let mut per_layer = vec![0u64; n];
-        for seg in &plan.segments {
-            per_layer[seg.dst_region.layer as usize] += seg.bytes();
+        let mut staged_layer: Vec<Vec<staging::Staged>> = vec![Vec::new(); n];
+        let mut wire = 0;
+        for st in &staged {
+            let layer = plan.segments[st.seg].dst_region.layer as usize;
+            staged_layer[layer].push(*st);
+        }
+        let staged_segs: std::collections::HashSet<usize> = staged.iter().map(|st| st.seg).collect();
+        for (i, seg) in plan.segments.iter().enumerate() {
+            if !staged_segs.contains(&i) {
+                per_layer[seg.dst_region.layer as usize] += seg.bytes();
+                wire += seg.bytes();
+            }
+        }
+        for (layer, sts) in staged_layer.iter().enumerate() {
+            let b: u64 = sts.iter().map(|st| st.size).sum();
+            per_layer[layer] += b;
+            wire += b;
         }
         {
             let mut st = self.state.lock().expect("state lock");
@@ -957,6 +1070,7 @@ impl Daemon {
                 sl.bytes = plan.counters.total_bytes_moved;
                 sl.segments = plan.counters.segments;
                 sl.reused = plan.counters.reused_bytes;
+                sl.wire = wire;
             }
         }
         Metrics::add(&self.metrics.received_bytes, plan.counters.total_bytes_moved);
@@ -965,6 +1079,7 @@ impl Daemon {
                 return refuse(self, err.to_string());
             }
         }
+        let reply = PeerMsg::Staging { key: stage.as_ref().map_or(0, |r| r.key), len: stage_total };
         let d = self.clone();
         let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
         let spawned = std::thread::Builder::new().name(format!("kvwired-recv-{slot}")).spawn(move || {
@@ -976,7 +1091,32 @@ impl Daemon {
                 let left = timeout.saturating_sub(start.elapsed());
                 if let Err(err) = d.ep.placement().wait(tag, left) {
                     d.finish(slot, TransferState::Failed, Some(err.to_string()));
+                    d.drop_stage(&stage);
                     return;
+                }
+                // Unpack (and decode) this layer's staged segments into place.
+                let t = Instant::now();
+                for st in &staged_layer[layer] {
+                    let seg = &plan.segments[st.seg];
+                    let placed = (|| -> Option<()> {
+                        let stage = stage.as_ref()?;
+                        let bytes = staging::read(&stage.mem, st.offset, st.size)?;
+                        let data = staging::unpack(&bytes, st, &format, codec)?;
+                        let r = regions.get(&(seg.dst_rank, seg.dst_region))?;
+                        for (k, (_, dof)) in seg.runs().enumerate() {
+                            let run = data.get(k * seg.len as usize..(k + 1) * seg.len as usize)?;
+                            r.mem.write(r.offset + dof, run).ok()?;
+                        }
+                        Some(())
+                    })();
+                    if placed.is_none() {
+                        d.finish(slot, TransferState::Failed, Some(format!("unpack of layer {layer} failed")));
+                        d.drop_stage(&stage);
+                        return;
+                    }
+                }
+                if !staged_layer[layer].is_empty() {
+                    d.hops().record(Hop::Unpack, t.elapsed(), staged_layer[layer].iter().map(|st| plan.segments[st.seg].bytes()).sum());
                 }
                 if verify && layer_bytes > 0 {
                     let t = Instant::now();
@@ -993,11 +1133,13 @@ impl Daemon {
                     if let Err(err) = checked {
                         tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
                         d.finish(slot, TransferState::Failed, Some(err.to_string()));
+                        d.drop_stage(&stage);
                         return;
                     }
                 }
                 d.page.publish(tag);
             }
+            d.drop_stage(&stage);
             d.page.publish(Tag { slot, layer: DECODER_USABLE });
             d.finish(slot, TransferState::Done, None);
             tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "decoder usable");
@@ -1005,7 +1147,14 @@ impl Daemon {
         if let Err(err) = spawned {
             return refuse(self, format!("cannot start the receive thread: {err}"));
         }
-        PeerMsg::Ok
+        reply
+    }
+
+    /// Revokes a transfer's staging buffer: late writes to it fail.
+    fn drop_stage(&self, stage: &Option<Arc<Region>>) {
+        if let Some(r) = stage {
+            self.ep.revoke(r.key);
+        }
     }
 
     // ------------------------------------------------------------ metrics

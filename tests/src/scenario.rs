@@ -38,6 +38,10 @@ pub struct Scenario {
     pub dst_identity: fn(&mut CacheIdentity),
     /// Group names must be unique per daemon.
     pub name: String,
+    /// Transfer codec (`fp8_e4m3_row`), or none for a lossless copy.
+    pub codec: Option<String>,
+    /// Prompt seed: different prompts for quality sweeps.
+    pub seed: u64,
 }
 
 impl Scenario {
@@ -52,6 +56,8 @@ impl Scenario {
             src_identity: |_| {},
             dst_identity: |_| {},
             name: name.into(),
+            codec: None,
+            seed: 0x2545_F491_4F6C_DD1D,
         }
     }
 }
@@ -120,8 +126,9 @@ pub fn model_toml(cfg: &tinylm::Config) -> String {
     )
 }
 
-fn prompt(n: u64, vocab: usize) -> Vec<u32> {
-    let mut s = 0x2545_F491_4F6C_DD1Du64;
+/// A deterministic prompt of `n` tokens from `seed`.
+pub fn prompt(n: u64, vocab: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed | 1;
     (0..n)
         .map(|_| {
             s ^= s << 13;
@@ -198,7 +205,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     let adapter = sc.adapter.then(|| Adapter::seeded(&cfg, 4, 11));
     let model = tinylm::model_spec(&cfg);
     let toml = model_toml(&cfg);
-    let tokens = prompt(sc.tokens + 1, cfg.vocab);
+    let tokens = prompt(sc.tokens + 1, cfg.vocab, sc.seed);
     let (cache, _) = tinylm::prefill(&w, adapter.as_ref(), &tokens[..sc.tokens as usize]);
     let next = tokens[sc.tokens as usize];
     let local = tinylm::decode_step(&w, adapter.as_ref(), &cache, next, sc.tokens);
@@ -252,6 +259,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         peer: peer.into(),
         dst_group,
         dst_request: request,
+        codec: sc.codec.clone(),
     });
     let (sslot, peer_slot, _, _) = match submitted {
         Ok(x) => x,

@@ -1,5 +1,6 @@
 //! kvwire-core integration tests: one module per area.
 
+mod codec;
 mod inventory;
 mod manifest;
 mod plan;

@@ -168,6 +168,7 @@ fn remapped_transfer_between_two_daemons_is_exact() {
             peer: "b".into(),
             dst_group: "decode".into(),
             dst_request: "r1".into(),
+            codec: None,
         })
         .unwrap();
     assert_eq!(peer_slot, slot);
@@ -208,6 +209,7 @@ fn wrong_secret_is_refused_and_the_daemon_keeps_serving() {
             peer: "b".into(),
             dst_group: "decode".into(),
             dst_request: "r".into(),
+            codec: None,
         })
         .unwrap_err();
     assert!(matches!(&e, ClientError::Daemon { code: 202, .. }), "{e}");
@@ -239,6 +241,7 @@ fn identity_mismatch_is_refused_by_field() {
             peer: "b".into(),
             dst_group: "decode".into(),
             dst_request: "r".into(),
+            codec: None,
         })
         .unwrap_err();
     assert!(e.to_string().contains("adapter digest mismatch"), "{e}");

@@ -286,6 +286,7 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
         peer: "decode-host".into(),
         dst_group: "dst".into(),
         dst_request: "r".into(),
+        codec: None,
     });
     if let Ok((s, _, _, _)) = submit {
         assert!(ca.wait(s, FlagName::SourceReleased, std::time::Duration::from_secs(20)).is_err(), "a transfer into released regions completed");
@@ -332,4 +333,81 @@ fn a_client_of_another_uid_is_refused() {
         }
     }
     assert!(Client::connect(&b.socket, "owner").is_ok());
+}
+
+#[test]
+fn packed_segments_travel_through_staging_and_decode_bitwise() {
+    // TP4 NHD -> TP1 NHD: each source head's 128-byte rows interleave at the
+    // destination, so the plan packs them: gathered at the source, one
+    // write, scattered at the destination.
+    let p = pair("packed", "");
+    let mut sc = Scenario::new("packed");
+    sc.src_layout = "tp=4,block=16,layout=nhd".into();
+    sc.dst_layout = "tp=1,block=16,layout=nhd,table=shuffle:3".into();
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    assert_eq!(o.destination.wire_bytes, o.destination.bytes, "packing moves the same bytes");
+    assert!(o.source.segments < 4 * 2 * 4 * 100, "rows were coalesced into strided segments");
+    let stats = p.cb.stats().unwrap();
+    let unpacks = stats.lines().find(|l| l.starts_with("kvwire_hop_seconds_count{node=\"decode-host\",hop=\"unpack\"}")).unwrap();
+    assert!(!unpacks.ends_with(" 0"), "no unpack recorded: {unpacks}");
+}
+
+/// Top-1 agreement and max abs logit error of `codec` over `prompts` prompts.
+fn codec_quality(prompts: u64) -> (f64, f32) {
+    use kvwire_core::codec::{decode_rows, encode_rows};
+    let cfg = scenario::config();
+    let w = tinylm::Weights::seeded(&cfg, 7);
+    let (mut agree, mut worst) = (0u64, 0f32);
+    for i in 0..prompts {
+        let toks = scenario::prompt(65, cfg.vocab, 1000 + i);
+        let (cache, _) = tinylm::prefill(&w, None, &toks[..64]);
+        let mut lossy = cache.clone();
+        for layer in lossy.k.iter_mut().chain(lossy.v.iter_mut()) {
+            let bytes: Vec<u8> = layer.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let back = decode_rows(&encode_rows(&bytes, 4, cfg.head_dim), 4, cfg.head_dim);
+            *layer = back.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        }
+        let a = tinylm::decode_step(&w, None, &cache, toks[64], 64);
+        let b = tinylm::decode_step(&w, None, &lossy, toks[64], 64);
+        let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |m, (j, x)| if *x > v[m] { j } else { m });
+        agree += u64::from(argmax(&a) == argmax(&b));
+        worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(worst, f32::max);
+    }
+    (agree as f64 / prompts as f64, worst)
+}
+
+/// Stated tolerance of the fp8 codec on tinylm: at least 95% top-1
+/// agreement over 64 prompts, and no logit off by more than 0.25.
+const FP8_TOP1: f64 = 0.95;
+const FP8_MAX_ABS: f32 = 0.25;
+
+#[test]
+fn fp8_codec_quality_over_many_prompts_is_within_the_stated_tolerance() {
+    let (top1, worst) = codec_quality(64);
+    eprintln!("fp8_e4m3_row codec over 64 prompts: top-1 agreement {:.1}%, max abs logit error {worst:.4}", top1 * 100.0);
+    assert!(top1 >= FP8_TOP1, "top-1 agreement {top1}");
+    assert!(worst <= FP8_MAX_ABS, "max abs logit error {worst}");
+}
+
+#[test]
+fn fp8_codec_through_daemons_reports_compressed_bytes_and_stays_in_tolerance() {
+    let p = pair("codec", "");
+    let mut sc = Scenario::new("fp8");
+    sc.codec = Some("fp8_e4m3_row".into());
+    let o = run(&p, &sc).unwrap();
+    // Lossy: judged by the logits, not the bytes.
+    assert!(o.max_abs_diff() <= FP8_MAX_ABS, "max abs diff {}", o.max_abs_diff());
+    let rows = 4 /*layers*/ * 2 /*K,V*/ * 4 /*heads*/ * 100 /*tokens*/;
+    assert_eq!(o.destination.bytes, rows * 32 * 4, "payload: fp32 rows");
+    assert_eq!(o.destination.wire_bytes, rows * (32 + 4), "wire: one fp8 byte per element + an f32 scale per row");
+    let stats = p.ca.stats().unwrap();
+    assert!(stats.contains(&format!("kvwire_compressed_bytes_total{{node=\"prefill-host\"}} {}", rows * 36)), "{stats}");
+    // A codec the destination's format cannot take is refused by name.
+    let mut sc = Scenario::new("badcodec");
+    sc.codec = Some("zstd".into());
+    match run(&p, &sc) {
+        Err(ScenarioError::Daemon { source, .. }) => assert!(source.to_string().contains("unknown codec"), "{source}"),
+        other => panic!("unexpected: {other:?}"),
+    }
 }
