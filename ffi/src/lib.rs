@@ -423,6 +423,13 @@ fn check_slot(slot: u16) -> Result<(), Fail> {
     Ok(())
 }
 
+/// A control request built through serde, so that fields the protocol
+/// adds with defaults (options this ABI does not expose yet) need no change
+/// here.
+fn request<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> Result<T, Fail> {
+    serde_json::from_value(v).map_err(|e| Fail::new(KVW_MALFORMED, format!("building the control request: {e}")))
+}
+
 fn model_source(json: &str) -> Result<ModelSource, Fail> {
     serde_json::from_str(json).map_err(|e| {
         Fail::new(
@@ -773,15 +780,15 @@ pub unsafe extern "C" fn kvw_register_cache(
                 format!("identity_json: {e} (fields: model_digest, adapter_digest, format, tenant, rope, position_offset)"),
             )
         })?;
-        let r = RegisterCache {
-            group: group.into(),
-            model,
-            format: format.into(),
-            layout: layout.into(),
-            rank,
-            num_blocks,
-            identity,
-        };
+        let r: RegisterCache = request(serde_json::json!({
+            "group": group,
+            "model": model,
+            "format": format,
+            "layout": layout,
+            "rank": rank,
+            "num_blocks": num_blocks,
+            "identity": identity,
+        }))?;
         let (regions, bytes, complete) = {
             let _call = lock(&c.call);
             c.client.register(r, &mem.mem)?
@@ -826,7 +833,13 @@ pub unsafe extern "C" fn kvw_prepare_receive(
         let (group, request, block_table) =
             unsafe { (text(group, "group")?, text(request, "request")?, table(block_table, n)?) };
         let out_slot = out(out_slot, "out_slot")?;
-        let p = PrepareReceive { group: group.into(), request: request.into(), block_table, tokens, prefix_tokens };
+        let p: PrepareReceive = self::request(serde_json::json!({
+            "group": group,
+            "request": request,
+            "block_table": block_table,
+            "tokens": tokens,
+            "prefix_tokens": prefix_tokens,
+        }))?;
         let slot = {
             let _call = lock(&c.call);
             c.client.prepare(p)?
@@ -879,15 +892,15 @@ pub unsafe extern "C" fn kvw_submit(
         };
         let out_slot = out(out_slot, "out_slot")?;
         let out_peer_slot = out(out_peer_slot, "out_peer_slot")?;
-        let s = Submit {
-            request: request.into(),
-            group: group.into(),
-            block_table,
-            tokens,
-            peer: peer.into(),
-            dst_group: dst_group.into(),
-            dst_request: dst_request.into(),
-        };
+        let s: Submit = self::request(serde_json::json!({
+            "request": request,
+            "group": group,
+            "block_table": block_table,
+            "tokens": tokens,
+            "peer": peer,
+            "dst_group": dst_group,
+            "dst_request": dst_request,
+        }))?;
         let (slot, peer_slot, _, _) = {
             let _call = lock(&c.call);
             c.client.submit(s)?

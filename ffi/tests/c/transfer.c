@@ -64,11 +64,12 @@ static int passes = 0;
     }                                                                       \
   } while (0)
 
-/* Stops the test: later steps depend on this one. */
+/* Stops the test: later steps depend on this one. Evaluates `cond` once. */
 #define REQUIRE(cond, ...)                                                  \
   do {                                                                      \
+    int required_ = failures;                                               \
     CHECK(cond, __VA_ARGS__);                                               \
-    if (!(cond)) {                                                          \
+    if (failures != required_) {                                            \
       fprintf(stderr, "%d passed, %d failed\n", passes, failures);          \
       exit(1);                                                              \
     }                                                                       \
