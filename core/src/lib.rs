@@ -15,6 +15,7 @@ pub mod plan;
 pub mod protocol;
 pub mod reuse;
 pub mod shard;
+pub mod timing;
 pub mod verify;
 
 pub use format::{CacheFormat, FormatError};

@@ -203,8 +203,34 @@ pub struct TransferStatus {
     pub reused_bytes: u64,
     /// Bytes written on the data plane (after packing and any codec).
     pub wire_bytes: u64,
-    /// Nanoseconds from submit (or prepare) to done, when done.
+    /// Nanoseconds from submit (or the accepted offer) to done, when done.
     pub elapsed_ns: Option<u64>,
+    /// This side's busy time per hop for this transfer (one clock: this daemon's).
+    #[serde(default)]
+    pub hops: Vec<HopTotal>,
+    /// Lifetime boundaries reached, in ns since this side started the transfer.
+    #[serde(default)]
+    pub marks: Vec<Mark>,
+}
+
+/// One hop's busy time within one transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HopTotal {
+    /// Hop name.
+    pub hop: String,
+    /// Busy nanoseconds.
+    pub ns: u64,
+    /// Bytes handled.
+    pub bytes: u64,
+}
+
+/// A lifetime boundary, timed on this daemon's clock.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mark {
+    /// `enqueued`, `source_released`, `layer_ready(L)`, `decoder_usable`.
+    pub name: String,
+    /// Nanoseconds since this side started the transfer.
+    pub at_ns: u64,
 }
 
 /// Daemon → client. Errors carry a numbered [`Code`].

@@ -68,6 +68,8 @@ struct Slot {
     segments: u64,
     reused: u64,
     wire: u64,
+    hops: BTreeMap<&'static str, (u64, u64)>,
+    marks: Vec<Mark>,
     started: Instant,
     elapsed: Option<Duration>,
     recv: Option<PrepareReceive>,
@@ -342,6 +344,8 @@ impl Daemon {
                             segments: s.segments,
                             reused_bytes: s.reused,
                             wire_bytes: s.wire,
+                            hops: s.hops.iter().map(|(h, (ns, bytes))| HopTotal { hop: (*h).into(), ns: *ns, bytes: *bytes }).collect(),
+                            marks: s.marks.clone(),
                             elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
                         }),
                         false,
@@ -523,6 +527,8 @@ impl Daemon {
                         segments: 0,
                         reused: 0,
                         wire: 0,
+                        hops: BTreeMap::new(),
+                        marks: vec![Mark { name: "enqueued".into(), at_ns: 0 }],
                         started: Instant::now(),
                         elapsed: None,
                         recv,
@@ -553,6 +559,26 @@ impl Daemon {
         }
         if state != TransferState::Done {
             self.fail_flags(slot);
+        }
+    }
+
+    /// Adds `took` to the slot's `hop` total, and to the daemon's histogram.
+    fn slot_hop(&self, slot: u16, hop: Hop, took: Duration, bytes: u64) {
+        self.hops().record(hop, took, bytes);
+        let mut st = self.state.lock().expect("state lock");
+        if let Some(s) = st.slots.get_mut(&slot) {
+            let e = s.hops.entry(hop.name()).or_default();
+            e.0 += took.as_nanos() as u64;
+            e.1 += bytes;
+        }
+    }
+
+    /// Records that `slot` reached boundary `name` now.
+    fn slot_mark(&self, slot: u16, name: String) {
+        let mut st = self.state.lock().expect("state lock");
+        if let Some(s) = st.slots.get_mut(&slot) {
+            let at_ns = s.started.elapsed().as_nanos() as u64;
+            s.marks.push(Mark { name, at_ns });
         }
     }
 
@@ -720,7 +746,9 @@ impl Daemon {
             let m = Manifest::for_plan(&identity_src, &model, &src, &dst_side, &hashed, &s.dst_request, read);
             match m {
                 Ok(m) => {
-                    self.hops().record(Hop::Verify, started.elapsed(), plan.counters.total_bytes_moved);
+                    if self.cfg.verify_checksums {
+                        self.slot_hop(slot, Hop::Verify, started.elapsed(), plan.counters.total_bytes_moved);
+                    }
                     m
                 }
                 Err(e) => {
@@ -772,7 +800,9 @@ impl Daemon {
         } else {
             None
         };
-        self.hops().record(Hop::Pack, started.elapsed(), stage_total);
+        if stage_total > 0 {
+            self.slot_hop(slot, Hop::Pack, started.elapsed(), stage_total);
+        }
         let dst_keys: HashMap<(u32, RegionId), (u32, u64)> = accept.regions.iter().map(|r| ((r.rank, r.region), (r.key, r.len))).collect();
         let staged_at: HashMap<usize, &staging::Staged> = staged.iter().map(|st| (st.seg, st)).collect();
         // Writes per layer, checked against what both sides registered.
@@ -812,7 +842,7 @@ impl Daemon {
         let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{slot}")).spawn(move || {
             let span = tracing::info_span!("transfer", slot, request = s.request, peer = peer.name);
             let _g = span.enter();
-            let result = d.move_bytes(&data_addr, batches, &stop);
+            let result = d.move_bytes(slot, &data_addr, batches, &stop);
             if let Some(stage) = &src_stage {
                 d.ep.revoke(stage.key);
             }
@@ -825,6 +855,7 @@ impl Daemon {
                     let framing = if d.ep.transport() == "verbs" { 0 } else { writes * 2 * kvwire_core::protocol::HEADER_LEN as u64 };
                     Metrics::add(&d.metrics.wire_bytes, bytes + framing);
                     d.page.publish(Tag { slot, layer: SOURCE_RELEASED });
+                    d.slot_mark(slot, "source_released".into());
                     d.finish(slot, TransferState::Done, None);
                     tracing::info!(bytes, writes, "source released");
                 }
@@ -842,8 +873,11 @@ impl Daemon {
     }
 
     /// Posts every batch and polls until all completed locally.
-    fn move_bytes(&self, data_addr: &str, batches: Vec<Batch>, stop: &AtomicBool) -> Result<(u64, u64), TransportError> {
+    fn move_bytes(&self, slot: u16, data_addr: &str, batches: Vec<Batch>, stop: &AtomicBool) -> Result<(u64, u64), TransportError> {
         let mut conn = self.ep.connect(data_addr)?;
+        self.slot_mark(slot, "posting".into());
+        let first_post = Instant::now();
+        let mut post_time = Duration::ZERO;
         let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
         let mut posted = 0;
         let (mut bytes, mut writes) = (0, 0);
@@ -856,7 +890,9 @@ impl Daemon {
             // An empty layer (all reused, or held by no destination rank) still
             // gets its flag from the destination's zero expectation.
             if !b.writes.is_empty() {
+                let t = Instant::now();
                 conn.post(b)?;
+                post_time += t.elapsed();
                 posted += 1;
             }
         }
@@ -873,6 +909,10 @@ impl Daemon {
                 done += 1;
             }
         }
+        // `wire` per transfer: the link's busy span, first post to last local
+        // completion (batches overlap, so per-batch times would double count).
+        self.slot_hop(slot, Hop::Post, post_time, bytes);
+        self.slot_hop(slot, Hop::Wire, first_post.elapsed(), bytes);
         Ok((bytes, writes))
     }
 
@@ -969,6 +1009,7 @@ impl Daemon {
         if let Some(sl) = st.slots.get_mut(&slot) {
             sl.state = TransferState::Running;
             sl.started = Instant::now();
+            sl.marks = vec![Mark { name: "enqueued".into(), at_ns: 0 }];
         }
         tracing::info!(peer, slot, request = o.dst_request, src_request = o.src_request, "transfer accepted");
         PeerMsg::Accept(accept)
@@ -1116,7 +1157,7 @@ impl Daemon {
                     }
                 }
                 if !staged_layer[layer].is_empty() {
-                    d.hops().record(Hop::Unpack, t.elapsed(), staged_layer[layer].iter().map(|st| plan.segments[st.seg].bytes()).sum());
+                    d.slot_hop(slot, Hop::Unpack, t.elapsed(), staged_layer[layer].iter().map(|st| plan.segments[st.seg].bytes()).sum());
                 }
                 if verify && layer_bytes > 0 {
                     let t = Instant::now();
@@ -1129,7 +1170,7 @@ impl Daemon {
                     };
                     let checked = checksums_at_destination(&sub, read, |_| true)
                         .and_then(|rec| manifest.verify_checksums_of(&rec, |_, l| l as usize == layer));
-                    d.hops().record(Hop::Verify, t.elapsed(), layer_bytes);
+                    d.slot_hop(slot, Hop::Verify, t.elapsed(), layer_bytes);
                     if let Err(err) = checked {
                         tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
                         d.finish(slot, TransferState::Failed, Some(err.to_string()));
@@ -1138,9 +1179,11 @@ impl Daemon {
                     }
                 }
                 d.page.publish(tag);
+                d.slot_mark(slot, format!("layer_ready({layer})"));
             }
             d.drop_stage(&stage);
             d.page.publish(Tag { slot, layer: DECODER_USABLE });
+            d.slot_mark(slot, "decoder_usable".into());
             d.finish(slot, TransferState::Done, None);
             tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "decoder usable");
         });

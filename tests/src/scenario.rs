@@ -9,6 +9,7 @@ use kvwire_core::layout::{inventory, Inventory};
 use kvwire_core::plan::Side;
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::timing::{predict, Prediction, Stage};
 use kvwire_core::{CacheFormat, Geometry, ModelSpec};
 use kvwire_transport::HostMem;
 use kvwired::client::{Client, ClientError};
@@ -91,6 +92,26 @@ impl Outcome {
     pub fn max_abs_diff(&self) -> f32 {
         self.local.iter().zip(&self.remote).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max)
     }
+}
+
+/// A transfer's stages from both daemons' statuses, and the timing model.
+///
+/// Each stage's busy time is measured on its own daemon's clock; chunks are
+/// layers; setup is what the source spent before posting that is not a
+/// stage (handshake, planning); end to end is the client's clock, submit to
+/// `decoder_usable` seen.
+pub fn timing(o: &Outcome, layers: u64) -> (Vec<(&'static str, Stage)>, Prediction) {
+    let mut stages = Vec::new();
+    for (side, st) in [("source", &o.source), ("destination", &o.destination)] {
+        for h in &st.hops {
+            stages.push((side, Stage { hop: h.hop.clone(), total_ns: h.ns, bytes: h.bytes }));
+        }
+    }
+    let posting = o.source.marks.iter().find(|m| m.name == "posting").map_or(0, |m| m.at_ns);
+    let before: u64 = o.source.hops.iter().filter(|h| h.hop == "pack" || h.hop == "verify").map(|h| h.ns).sum();
+    let plain: Vec<Stage> = stages.iter().map(|(side, s)| Stage { hop: format!("{} ({side})", s.hop), ..s.clone() }).collect();
+    let p = predict(&plain, layers, posting.saturating_sub(before)).measured(o.end_to_end.as_nanos() as u64);
+    (stages, p)
 }
 
 /// Why a scenario stopped.

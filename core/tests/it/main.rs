@@ -5,3 +5,4 @@ mod inventory;
 mod manifest;
 mod plan;
 mod protocol;
+mod timing;

@@ -12,30 +12,6 @@ fn arg(args: &[String], key: &str) -> Option<String> {
     args.iter().position(|a| a == key).and_then(|i| args.get(i + 1)).cloned()
 }
 
-fn hop_table(text: &str) -> Vec<(String, u64, f64, u64)> {
-    // (hop, count, seconds, bytes) from the Prometheus text.
-    let mut rows: Vec<(String, u64, f64, u64)> = Vec::new();
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some((name, value)) = line.rsplit_once(' ') else { continue };
-        let Some(hop) = name.split("hop=\"").nth(1).and_then(|r| r.split('"').next()) else { continue };
-        let row = match rows.iter_mut().position(|r| r.0 == hop) {
-            Some(i) => &mut rows[i],
-            None => {
-                rows.push((hop.to_string(), 0, 0.0, 0));
-                rows.last_mut().expect("just pushed")
-            }
-        };
-        if name.starts_with("kvwire_hop_seconds_count") {
-            row.1 = value.parse().unwrap_or(0);
-        } else if name.starts_with("kvwire_hop_seconds_sum") {
-            row.2 = value.parse().unwrap_or(0.0);
-        } else if name.starts_with("kvwire_hop_bytes_total") {
-            row.3 = value.parse().unwrap_or(0);
-        }
-    }
-    rows
-}
-
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let (Some(a), Some(b)) = (arg(&args, "--a"), arg(&args, "--b")) else {
@@ -87,24 +63,20 @@ fn main() -> ExitCode {
     }
     println!("  decoder_usable seen at {:>9.3} ms after submit", out.end_to_end.as_secs_f64() * 1e3);
     println!();
-    println!("{:<8} {:<8} {:>7} {:>12} {:>12} {:>10}", "daemon", "hop", "count", "total ms", "bytes", "GB/s");
-    let mut bound: Option<(String, f64)> = None;
-    for (who, c) in [("prefill", &ca), ("decode", &cb)] {
-        let Ok(text) = c.stats() else { continue };
-        for (hop, count, secs, bytes) in hop_table(&text) {
-            if count == 0 {
-                continue;
-            }
-            let gbps = if secs > 0.0 && bytes > 0 { bytes as f64 / secs / 1e9 } else { 0.0 };
-            println!("{who:<8} {hop:<8} {count:>7} {:>12.3} {bytes:>12} {gbps:>10.3}", secs * 1e3);
-            // `notify` runs after the flag; it waits, it does not bound.
-            if hop != "notify" && bound.as_ref().is_none_or(|b| secs > b.1) {
-                bound = Some((format!("{hop} ({who})"), secs));
-            }
-        }
+    let (stages, p) = scenario::timing(&out, 4);
+    println!("per-hop busy time of this transfer (each side on its own daemon's clock):");
+    println!("  {:<12} {:<8} {:>10} {:>12} {:>10}", "side", "hop", "busy ms", "bytes", "GB/s");
+    for (side, st) in &stages {
+        println!("  {side:<12} {:<8} {:>10.3} {:>12} {:>10.3}", st.hop, st.total_ns as f64 / 1e6, st.bytes, st.gbps());
     }
-    if let Some((hop, secs)) = bound {
-        println!("bounding hop: {hop}, {:.3} ms of {:.3} ms end to end", secs * 1e3, out.end_to_end.as_secs_f64() * 1e3);
+    let ms = |ns: u64| ns as f64 / 1e6;
+    println!("timing model over {} layer chunks, setup {:.3} ms:", p.chunks, ms(p.setup_ns));
+    println!("  sequential prediction  {:>9.3} ms", ms(p.sequential_ns));
+    println!("  pipelined lower bound  {:>9.3} ms", ms(p.pipelined_ns));
+    let overlap = p.overlap.map_or("n/a".to_string(), |o| format!("{:.0}% of the possible overlap", o * 100.0));
+    println!("  measured end to end    {:>9.3} ms  (client clock, submit -> decoder_usable seen; {overlap})", ms(p.measured_ns.unwrap_or(0)));
+    if let Some(b) = &p.bounding {
+        println!("  bounding hop: {b}");
     }
     println!();
     if out.bitwise() {
