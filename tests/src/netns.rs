@@ -9,6 +9,24 @@ pub struct Host {
     pub name: String,
     /// Its IPv4 address.
     pub ip: String,
+    /// Its end of the veth pair.
+    pub dev: String,
+}
+
+impl Host {
+    /// Shapes this host's egress with a token bucket of `rate` (tc syntax, e.g. `40mbit`).
+    pub fn shape(&self, rate: &str) -> Result<(), String> {
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.name, "tc", "qdisc", "replace", "dev", &self.dev, "root", "tbf"])
+            .args(["rate", rate, "burst", "32kbit", "latency", "400ms"])
+            .output()
+            .map_err(|e| format!("tc: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!("tc on {}: {}", self.dev, String::from_utf8_lossy(&out.stderr).trim()))
+        }
+    }
 }
 
 /// Two hosts on one link.
@@ -44,7 +62,10 @@ impl Link {
             let _ = ip(&["netns", "del", n]);
             ip(&["netns", "add", n])?;
         }
-        let link = Link { a: Host { name: na.clone(), ip: format!("10.198.{id}.1") }, b: Host { name: nb.clone(), ip: format!("10.198.{id}.2") } };
+        let link = Link {
+            a: Host { name: na.clone(), ip: format!("10.198.{id}.1"), dev: va.clone() },
+            b: Host { name: nb.clone(), ip: format!("10.198.{id}.2"), dev: vb.clone() },
+        };
         ip(&["link", "add", &va, "netns", &na, "type", "veth", "peer", "name", &vb, "netns", &nb])?;
         for (n, v, addr) in [(&na, &va, &link.a.ip), (&nb, &vb, &link.b.ip)] {
             ip(&["-n", n, "addr", "add", &format!("{addr}/24"), "dev", v])?;

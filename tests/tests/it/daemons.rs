@@ -411,3 +411,47 @@ fn fp8_codec_through_daemons_reports_compressed_bytes_and_stays_in_tolerance() {
         other => panic!("unexpected: {other:?}"),
     }
 }
+
+/// Daemons on two namespace hosts; `shape` limits the source host's egress.
+fn netns_pair(tag: &str, shape: Option<&str>) -> Option<(kvwire_e2e::netns::Link, Pair)> {
+    use kvwire_e2e::netns;
+    if !netns::available() {
+        eprintln!("SKIPPED {tag}: needs root and iproute2");
+        return None;
+    }
+    let link = netns::Link::new(tag).expect("namespaces");
+    if let Some(rate) = shape {
+        link.b.shape(rate).expect("tc shaping");
+    }
+    let d = dir(tag);
+    let b = scenario::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
+    let a = scenario::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a };
+    Some((link, p))
+}
+
+#[test]
+fn a_shaped_link_is_named_the_bottleneck() {
+    let Some((_link, p)) = netns_pair("shaped", Some("40mbit")) else { return };
+    let o = run(&p, &Scenario::new("shaped")).unwrap();
+    assert_bitwise(&o);
+    let (_, t) = scenario::timing(&o, 4);
+    eprintln!("shaped link: {t:?}");
+    assert_eq!(t.bounding.as_deref(), Some("wire (source)"), "{t:?}");
+    let m = t.measured_ns.unwrap();
+    assert!(t.pipelined_ns <= m && m <= t.sequential_ns, "measured {m} outside [{}, {}]", t.pipelined_ns, t.sequential_ns);
+}
+
+#[test]
+fn checksums_of_a_large_transfer_over_a_fast_link_are_named_the_bottleneck() {
+    let Some((_link, p)) = netns_pair("verify", None) else { return };
+    let mut sc = Scenario::new("bigverify");
+    sc.tokens = 2000;
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    let (_, t) = scenario::timing(&o, 4);
+    eprintln!("unshaped link, 2000 tokens verified: {t:?}");
+    assert!(t.bounding.as_deref().is_some_and(|b| b.starts_with("verify")), "{t:?}");
+    let m = t.measured_ns.unwrap();
+    assert!(t.pipelined_ns <= m && m <= t.sequential_ns, "measured {m} outside [{}, {}]", t.pipelined_ns, t.sequential_ns);
+}
