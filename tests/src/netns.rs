@@ -1,4 +1,7 @@
 //! Test hosts: two network namespaces joined by a veth pair, removed on drop.
+//! A process runs in a host with `ip netns exec`; a closure with
+//! [`Host::run`], on a thread that entered the namespace, so the sockets it
+//! makes belong to that host. (kvwire-transport's tests include this file.)
 
 use std::process::Command;
 
@@ -14,6 +17,20 @@ pub struct Host {
 }
 
 impl Host {
+    /// Runs `f` on a fresh thread inside this namespace.
+    pub fn run<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
+        let path = format!("/var/run/netns/{}", self.name);
+        std::thread::scope(|s| {
+            s.spawn(move || {
+                let ns = std::fs::File::open(&path).expect("open netns");
+                nix::sched::setns(ns, nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+                f()
+            })
+            .join()
+            .expect("namespace thread")
+        })
+    }
+
     /// Shapes this host's egress with a token bucket of `rate` (tc syntax, e.g. `40mbit`).
     pub fn shape(&self, rate: &str) -> Result<(), String> {
         let out = Command::new("ip")

@@ -3,6 +3,8 @@
 
 mod conformance;
 mod mem;
+#[path = "../../../tests/src/netns.rs"]
+#[allow(dead_code)] // shared with kvwire-e2e, which uses all of it
 mod netns;
 mod shm;
 mod tcp;

@@ -100,12 +100,11 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
 /// across a real (virtual) link, not loopback. Needs root and iproute2.
 #[test]
 fn tcp_across_two_network_namespaces() {
-    use std::process::Command;
-    if !nix::unistd::geteuid().is_root() || Command::new("ip").arg("-V").output().is_err() {
+    if !crate::netns::available() {
         eprintln!("SKIPPED tcp_across_two_network_namespaces: needs root and iproute2 (ip netns)");
         return;
     }
-    let ns = crate::netns::Pair::new("tcp").expect("create namespaces");
+    let ns = crate::netns::Link::new("tcp").expect("create namespaces");
     let dst_ep = ns.a.run(|| endpoint_at("host-a", &format!("{}:0", ns.a.ip)));
     let dst_addr = dst_ep.local_addr();
     let mut p = ns.b.run(|| {
