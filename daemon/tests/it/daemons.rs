@@ -137,6 +137,20 @@ fn read_back(s: &Side_) -> Buffers {
     out
 }
 
+/// Submits group `prefill` to peer `b`'s request `dst_request` in group `decode`.
+fn submit(c: &Client, s: &Side, tokens: u64, dst_request: &str) -> Result<(u16, u16, u64, u64), ClientError> {
+    c.submit(Submit {
+        request: format!("p-{dst_request}"),
+        group: "prefill".into(),
+        block_table: s.block_table.clone(),
+        tokens,
+        peer: "b".into(),
+        dst_group: "decode".into(),
+        dst_request: dst_request.into(),
+        codec: None,
+    })
+}
+
 const SRC: &str = "tp=4,block=16,layout=nhd,table=shuffle:5";
 const DST: &str = "tp=2,block=32,layout=hnd,table=shuffle:9";
 
@@ -159,18 +173,7 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     let slot = cb
         .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
         .unwrap();
-    let (sslot, peer_slot, bytes, _) = ca
-        .submit(Submit {
-            request: "p1".into(),
-            group: "prefill".into(),
-            block_table: ss.block_table.clone(),
-            tokens,
-            peer: "b".into(),
-            dst_group: "decode".into(),
-            dst_request: "r1".into(),
-            codec: None,
-        })
-        .unwrap();
+    let (sslot, peer_slot, bytes, _) = submit(&ca, &ss, tokens, "r1").unwrap();
     assert_eq!(peer_slot, slot);
     assert_eq!(bytes, 4 /*layers*/ * 4 /*kv heads*/ * 16 * 2 /*K,V*/ * 2 /*bf16*/ * tokens);
     for layer in 0..4 {
@@ -200,18 +203,7 @@ fn wrong_secret_is_refused_and_the_daemon_keeps_serving() {
     let _dst = register(&cb, "decode", DST, &ds, None, identity());
     cb.prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
         .unwrap();
-    let e = ca
-        .submit(Submit {
-            request: "p".into(),
-            group: "prefill".into(),
-            block_table: ss.block_table.clone(),
-            tokens,
-            peer: "b".into(),
-            dst_group: "decode".into(),
-            dst_request: "r".into(),
-            codec: None,
-        })
-        .unwrap_err();
+    let e = submit(&ca, &ss, tokens, "r").unwrap_err();
     assert!(matches!(&e, ClientError::Daemon { code: 202, .. }), "{e}");
     assert!(e.to_string().contains("secret"), "{e}");
     assert!(cb.stats().unwrap().contains("kvwire_refused_total{node=\"b\",who=\"peer\"} 1"));
@@ -232,18 +224,7 @@ fn identity_mismatch_is_refused_by_field() {
     let slot = cb
         .prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
         .unwrap();
-    let e = ca
-        .submit(Submit {
-            request: "p".into(),
-            group: "prefill".into(),
-            block_table: ss.block_table.clone(),
-            tokens,
-            peer: "b".into(),
-            dst_group: "decode".into(),
-            dst_request: "r".into(),
-            codec: None,
-        })
-        .unwrap_err();
+    let e = submit(&ca, &ss, tokens, "r").unwrap_err();
     assert!(e.to_string().contains("adapter digest mismatch"), "{e}");
     assert!(!cb.ready(slot, FlagName::DecoderUsable));
 }
