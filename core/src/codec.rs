@@ -130,8 +130,8 @@ pub fn from_e4m3(b: u8) -> f32 {
 pub fn encode_row(src: &[u8], elem: usize, dim: usize, dst: &mut [u8]) {
     let max = (0..dim).map(|i| load(src, elem, i).abs()).fold(0.0f32, f32::max);
     let scale = if max > 0.0 { max / E4M3_MAX } else { 1.0 };
-    for i in 0..dim {
-        dst[i] = to_e4m3(load(src, elem, i) / scale);
+    for (i, d) in dst[..dim].iter_mut().enumerate() {
+        *d = to_e4m3(load(src, elem, i) / scale);
     }
     dst[dim..dim + 4].copy_from_slice(&scale.to_le_bytes());
 }
@@ -139,8 +139,8 @@ pub fn encode_row(src: &[u8], elem: usize, dim: usize, dst: &mut [u8]) {
 /// Decodes one row back into `dim` elements of `elem` bytes.
 pub fn decode_row(src: &[u8], elem: usize, dim: usize, dst: &mut [u8]) {
     let scale = f32::from_le_bytes(src[dim..dim + 4].try_into().expect("4 bytes"));
-    for i in 0..dim {
-        store(dst, elem, i, from_e4m3(src[i]) * scale);
+    for (i, &b) in src[..dim].iter().enumerate() {
+        store(dst, elem, i, from_e4m3(b) * scale);
     }
 }
 

@@ -36,6 +36,10 @@ enum Command {
     /// A running kvwired's counters and per-hop table, from its metrics
     /// endpoint (`--metrics`) or its control socket (`--socket`).
     Stats(StatsArgs),
+    /// The roofline: attainable rate min(P, I × B), and which roof binds.
+    Roofline(crate::report::RooflineArgs),
+    /// One self-contained HTML page from a campaign: table, plots and the ceiling lab.
+    Report(crate::report::ReportArgs),
 }
 
 #[derive(Debug, Args)]
@@ -56,6 +60,8 @@ struct StatsArgs {
 enum BenchCommand {
     /// One-sided write throughput of a transport against its baseline.
     Transport(BenchTransportArgs),
+    /// A sweep over transports, sizes and concurrency: table, JSONL and SVG plots.
+    Campaign(crate::campaign::CampaignArgs),
 }
 
 #[derive(Debug, Args)]
@@ -230,7 +236,10 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
             }
             Ok(())
         }
+        Command::Bench(BenchCommand::Campaign(a)) => crate::campaign::run(a, out),
         Command::Stats(a) => stats(a, out),
+        Command::Roofline(a) => crate::report::roofline_cmd(a, out),
+        Command::Report(a) => crate::report::report_cmd(a, out),
         Command::Formats => {
             for f in kvwire_core::format::FORMATS {
                 let _ = writeln!(out, "{:<18} {}", f.id(), f.summary);

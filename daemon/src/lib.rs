@@ -3,6 +3,7 @@
 #![warn(missing_docs)]
 
 pub mod bench;
+pub mod campaign;
 pub mod cli;
 pub mod client;
 pub mod config;
@@ -10,6 +11,8 @@ pub mod control;
 pub mod metrics;
 pub mod peer;
 pub mod promtext;
+pub mod report;
 pub mod server;
 pub mod staging;
+pub mod svg;
 pub mod wire;

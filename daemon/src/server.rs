@@ -502,10 +502,10 @@ impl Daemon {
 
     /// Takes a free slot: the oldest finished one, so a late write for an
     /// old transfer is least likely to meet a reused slot.
-    fn alloc_slot(&self, st: &mut State, role: Role, request: &str, recv: Option<PrepareReceive>) -> Result<(u16, Arc<AtomicBool>), Reply> {
+    fn alloc_slot(&self, st: &mut State, role: Role, request: &str, recv: Option<PrepareReceive>) -> Result<(u16, Arc<AtomicBool>), Box<Reply>> {
         let live = st.slots.values().filter(|s| matches!(s.state, TransferState::Prepared | TransferState::Running)).count();
         if live >= self.cfg.limits.max_inflight_transfers {
-            return Err(err(Code::Limit, format!("limits.max_inflight_transfers {} reached", self.cfg.limits.max_inflight_transfers)));
+            return Err(Box::new(err(Code::Limit, format!("limits.max_inflight_transfers {} reached", self.cfg.limits.max_inflight_transfers))));
         }
         for i in 0..FLAG_SLOTS {
             let slot = (st.next_slot + i) % FLAG_SLOTS;
@@ -538,7 +538,7 @@ impl Daemon {
                 return Ok((slot, stop));
             }
         }
-        Err(err(Code::Limit, "no free flag slot"))
+        Err(Box::new(err(Code::Limit, "no free flag slot")))
     }
 
     fn finish(&self, slot: u16, state: TransferState, error: Option<String>) {
@@ -612,7 +612,7 @@ impl Daemon {
         let request = p.request.clone();
         match self.alloc_slot(&mut st, Role::Destination, &request, Some(p)) {
             Ok((slot, _)) => Reply::Prepared { slot },
-            Err(r) => r,
+            Err(r) => *r,
         }
     }
 
@@ -645,7 +645,7 @@ impl Daemon {
             let mut st = self.state.lock().expect("state lock");
             match self.alloc_slot(&mut st, Role::Source, &s.request, None) {
                 Ok(x) => x,
-                Err(r) => return r,
+                Err(r) => return *r,
             }
         };
         let fail = |code: Code, m: String| {

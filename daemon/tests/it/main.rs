@@ -1,6 +1,8 @@
 //! kvwired integration tests: one module per area; real binaries and daemons.
 
+mod campaign;
 mod cli;
 mod config;
 mod daemons;
+mod report;
 mod stats;
