@@ -875,6 +875,7 @@ impl Daemon {
     /// Posts every batch and polls until all completed locally.
     fn move_bytes(&self, slot: u16, data_addr: &str, batches: Vec<Batch>, stop: &AtomicBool) -> Result<(u64, u64), TransportError> {
         let mut conn = self.ep.connect(data_addr)?;
+        // Setup ends here: handshake, planning, manifest, packing, data-plane connect.
         self.slot_mark(slot, "posting".into());
         let first_post = Instant::now();
         let mut post_time = Duration::ZERO;

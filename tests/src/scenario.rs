@@ -109,7 +109,13 @@ pub fn timing(o: &Outcome, layers: u64) -> (Vec<(&'static str, Stage)>, Predicti
     }
     let posting = o.source.marks.iter().find(|m| m.name == "posting").map_or(0, |m| m.at_ns);
     let before: u64 = o.source.hops.iter().filter(|h| h.hop == "pack" || h.hop == "verify").map(|h| h.ns).sum();
-    let plain: Vec<Stage> = stages.iter().map(|(side, s)| Stage { hop: format!("{} ({side})", s.hop), ..s.clone() }).collect();
+    // `wire` runs from the post to the completion, so `post` lies inside it:
+    // listed, but not a stage of its own in the model.
+    let plain: Vec<Stage> = stages
+        .iter()
+        .filter(|(_, s)| s.hop != "post")
+        .map(|(side, s)| Stage { hop: format!("{} ({side})", s.hop), ..s.clone() })
+        .collect();
     let p = predict(&plain, layers, posting.saturating_sub(before)).measured(o.end_to_end.as_nanos() as u64);
     (stages, p)
 }
@@ -376,11 +382,16 @@ pub fn start_daemon_in(
     for (name, addr) in peers {
         cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
     }
-    // Tables last: `extra` may open [transport].
-    if extra.is_empty() && ip != "127.0.0.1" {
+    // Top-level keys of `extra` first; tables after, [transport] may be extended.
+    let (top, tables) = match extra.find('[') {
+        Some(i) => extra.split_at(i),
+        None => (extra, ""),
+    };
+    cfg = format!("{top}\n{cfg}");
+    if ip != "127.0.0.1" && !tables.contains("[transport]") {
         cfg.push_str(&format!("[transport]\ntcp_listen = \"{ip}:0\"\n"));
     }
-    cfg.push_str(extra);
+    cfg.push_str(tables);
     let path = dir.join(format!("{node}.toml"));
     std::fs::write(&path, cfg).expect("write config");
     let mut cmd = match netns {
