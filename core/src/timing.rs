@@ -78,3 +78,29 @@ impl Prediction {
         self
     }
 }
+
+/// Layer-wise transfer against per-layer compute: layer `L`'s bytes can only
+/// move once its compute finished, and after the previous layer's bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LayerOverlap {
+    /// Sum of per-layer transfer times, ns.
+    pub transfer_ns: u64,
+    /// Transfer time hidden under compute, ns.
+    pub overlapped_ns: u64,
+    /// Time from the end of the last layer's compute to its bytes landing:
+    /// what stays on the critical path, ns.
+    pub tail_ns: u64,
+}
+
+/// Simulates layer-wise transfer: `compute[L]` and `transfer[L]` are layer
+/// `L`'s compute and transfer times (same length).
+pub fn layerwise(compute: &[u64], transfer: &[u64]) -> LayerOverlap {
+    let (mut compute_end, mut transfer_end) = (0u64, 0u64);
+    for (c, t) in compute.iter().zip(transfer) {
+        compute_end += c;
+        transfer_end = transfer_end.max(compute_end) + t;
+    }
+    let transfer_ns: u64 = transfer.iter().sum();
+    let tail_ns = transfer_end.saturating_sub(compute_end);
+    LayerOverlap { transfer_ns, overlapped_ns: transfer_ns.saturating_sub(tail_ns), tail_ns }
+}

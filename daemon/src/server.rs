@@ -1136,6 +1136,7 @@ impl Daemon {
                     d.drop_stage(&stage);
                     return;
                 }
+                d.slot_mark(slot, format!("host_received({layer})"));
                 // Unpack (and decode) this layer's staged segments into place.
                 let t = Instant::now();
                 for st in &staged_layer[layer] {

@@ -9,7 +9,7 @@ use kvwire_core::layout::{inventory, Inventory};
 use kvwire_core::plan::Side;
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::{LayoutSpec, RegionId};
-use kvwire_core::timing::{predict, Prediction, Stage};
+use kvwire_core::timing::{layerwise, predict, LayerOverlap, Prediction, Stage};
 use kvwire_core::{CacheFormat, Geometry, ModelSpec};
 use kvwire_transport::HostMem;
 use kvwired::client::{Client, ClientError};
@@ -80,6 +80,8 @@ pub struct Outcome {
     pub layer_ready: Vec<Duration>,
     /// Submit → `decoder_usable` seen.
     pub end_to_end: Duration,
+    /// The prefill's compute time (all layers), measured on the client.
+    pub prefill: Duration,
 }
 
 impl Outcome {
@@ -118,6 +120,25 @@ pub fn timing(o: &Outcome, layers: u64) -> (Vec<(&'static str, Stage)>, Predicti
         .collect();
     let p = predict(&plain, layers, posting.saturating_sub(before)).measured(o.end_to_end.as_nanos() as u64);
     (stages, p)
+}
+
+/// Layer-wise transfer against the prefill's real per-layer compute: each
+/// layer's transfer time is the gap between consecutive `layer_ready` flags
+/// (the first from the end of setup), on the client's clock.
+pub fn layer_overlap(o: &Outcome, setup_ns: u64) -> LayerOverlap {
+    let layers = o.layer_ready.len().max(1) as u64;
+    let compute = vec![o.prefill.as_nanos() as u64 / layers; o.layer_ready.len()];
+    let mut prev = setup_ns;
+    let transfer: Vec<u64> = o
+        .layer_ready
+        .iter()
+        .map(|d| {
+            let t = (d.as_nanos() as u64).saturating_sub(prev);
+            prev = d.as_nanos() as u64;
+            t
+        })
+        .collect();
+    layerwise(&compute, &transfer)
 }
 
 /// Why a scenario stopped.
@@ -233,7 +254,9 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     let model = tinylm::model_spec(&cfg);
     let toml = model_toml(&cfg);
     let tokens = prompt(sc.tokens + 1, cfg.vocab, sc.seed);
+    let t = Instant::now();
     let (cache, _) = tinylm::prefill(&w, adapter.as_ref(), &tokens[..sc.tokens as usize]);
+    let prefill = t.elapsed();
     let next = tokens[sc.tokens as usize];
     let local = tinylm::decode_step(&w, adapter.as_ref(), &cache, next, sc.tokens);
     let geo = Geometry::new(CacheFormat::parse("fp32").expect("fp32"), 16).expect("geometry");
@@ -321,6 +344,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         destination: b.status(slot).map_err(step("status"))?,
         layer_ready,
         end_to_end,
+        prefill,
     })
 }
 

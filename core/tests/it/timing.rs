@@ -31,3 +31,16 @@ fn one_chunk_has_nothing_to_overlap() {
     assert_eq!(p.measured(20_000_000).overlap, None);
     assert_eq!(predict(&[], 3, 7).bounding, None);
 }
+
+#[test]
+fn layerwise_overlap_by_hand() {
+    use kvwire_core::timing::layerwise;
+    // Compute 10 per layer, transfer 4 per layer: each layer's bytes finish
+    // before the next layer's compute does; only the last 4 stay exposed.
+    let o = layerwise(&[10, 10, 10], &[4, 4, 4]);
+    assert_eq!((o.transfer_ns, o.overlapped_ns, o.tail_ns), (12, 8, 4));
+    // Transfer slower than compute: the transfers queue behind each other.
+    // compute ends 2, 4, 6; transfers end 2+5=7, 12, 17 -> tail 11.
+    let o = layerwise(&[2, 2, 2], &[5, 5, 5]);
+    assert_eq!((o.transfer_ns, o.overlapped_ns, o.tail_ns), (15, 4, 11));
+}

@@ -64,10 +64,12 @@ fn main() -> ExitCode {
     println!("  decoder_usable seen at {:>9.3} ms after submit", out.end_to_end.as_secs_f64() * 1e3);
     println!();
     let (stages, p) = scenario::timing(&out, 4);
-    println!("per-hop busy time of this transfer (each side on its own daemon's clock):");
-    println!("  {:<12} {:<8} {:>10} {:>12} {:>10}", "side", "hop", "busy ms", "bytes", "GB/s");
+    println!("per-hop busy time of this transfer (each side on its own daemon's clock; occupancy = busy / end to end):");
+    println!("  {:<12} {:<8} {:>10} {:>12} {:>10} {:>10}", "side", "hop", "busy ms", "bytes", "GB/s", "occupancy");
+    let e2e = out.end_to_end.as_nanos().max(1) as f64;
     for (side, st) in &stages {
-        println!("  {side:<12} {:<8} {:>10.3} {:>12} {:>10.3}", st.hop, st.total_ns as f64 / 1e6, st.bytes, st.gbps());
+        let occ = st.total_ns as f64 / e2e * 100.0;
+        println!("  {side:<12} {:<8} {:>10.3} {:>12} {:>10.3} {:>9.0}%", st.hop, st.total_ns as f64 / 1e6, st.bytes, st.gbps(), occ);
     }
     let ms = |ns: u64| ns as f64 / 1e6;
     println!("timing model over {} layer chunks, setup {:.3} ms:", p.chunks, ms(p.setup_ns));
@@ -78,6 +80,14 @@ fn main() -> ExitCode {
     if let Some(b) = &p.bounding {
         println!("  bounding hop: {b}");
     }
+    let lo = scenario::layer_overlap(&out, p.setup_ns);
+    println!(
+        "layer-wise, against the prefill's measured compute ({:.3} ms per layer): {:.3} of {:.3} ms of transfer would hide under compute; {:.3} ms stays on the critical path after the last layer",
+        out.prefill.as_secs_f64() * 1e3 / 4.0,
+        ms(lo.overlapped_ns),
+        ms(lo.transfer_ns),
+        ms(lo.tail_ns)
+    );
     println!();
     if out.bitwise() {
         println!("logits: bitwise identical to the local computation ({} values)", out.local.len());
