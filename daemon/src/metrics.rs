@@ -42,7 +42,7 @@ impl Metrics {
     }
 
     /// Prometheus text exposition of the counters and `hops`.
-    pub fn render(&self, node: &str, hops: &Hops) -> String {
+    pub fn render(&self, node: &str, hops: &Hops, per_peer: &[(String, std::sync::Arc<Hops>)]) -> String {
         let mut out = String::new();
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         // (metric, help, [(labels, value)])
@@ -91,6 +91,20 @@ impl Metrics {
             let _ = writeln!(out, "kvwire_hop_seconds_sum{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.sum_ns as f64 / 1e9);
             let _ = writeln!(out, "kvwire_hop_seconds_count{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.count);
             let _ = writeln!(out, "kvwire_hop_bytes_total{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.bytes);
+        }
+        let _ = writeln!(out, "# HELP kvwire_peer_hop_seconds Time spent in each hop, per peer daemon.\n# TYPE kvwire_peer_hop_seconds summary");
+        for (peer, h) in per_peer {
+            for hop in Hop::ALL {
+                let s = h.summary(hop);
+                if s.count == 0 {
+                    continue;
+                }
+                let l = format!("node=\"{node}\",peer=\"{peer}\",hop=\"{}\"", hop.name());
+                let _ = writeln!(out, "kvwire_peer_hop_seconds{{{l},quantile=\"0.5\"}} {}", s.p50_ns as f64 / 1e9);
+                let _ = writeln!(out, "kvwire_peer_hop_seconds{{{l},quantile=\"0.99\"}} {}", s.p99_ns as f64 / 1e9);
+                let _ = writeln!(out, "kvwire_peer_hop_seconds_sum{{{l}}} {}", s.sum_ns as f64 / 1e9);
+                let _ = writeln!(out, "kvwire_peer_hop_seconds_count{{{l}}} {}", s.count);
+            }
         }
         out
     }

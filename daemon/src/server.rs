@@ -70,6 +70,8 @@ struct Slot {
     wire: u64,
     hops: BTreeMap<&'static str, (u64, u64)>,
     marks: Vec<Mark>,
+    // The peer daemon on the other end, once known.
+    peer: String,
     started: Instant,
     elapsed: Option<Duration>,
     recv: Option<PrepareReceive>,
@@ -100,6 +102,8 @@ pub struct Daemon {
     stop: AtomicBool,
     next_client: AtomicU64,
     peer_addr: String,
+    // Hop histograms per peer daemon, next to the daemon-wide ones.
+    peer_hops: Mutex<BTreeMap<String, Arc<Hops>>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -167,6 +171,7 @@ impl Daemon {
             stop: AtomicBool::new(false),
             next_client: AtomicU64::new(1),
             peer_addr,
+            peer_hops: Mutex::new(BTreeMap::new()),
         });
         let dd = d.clone();
         std::thread::Builder::new().name("kvwired-control".into()).spawn(move || dd.control_loop(control))?;
@@ -204,7 +209,9 @@ impl Daemon {
 
     /// Prometheus text of every counter and hop histogram.
     pub fn metrics_text(&self) -> String {
-        self.metrics.render(&self.cfg.node, self.hops())
+        let per_peer: Vec<(String, Arc<Hops>)> =
+            self.peer_hops.lock().expect("peer hops lock").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        self.metrics.render(&self.cfg.node, self.hops(), &per_peer)
     }
 
     // ------------------------------------------------------------ control
@@ -528,6 +535,7 @@ impl Daemon {
                         reused: 0,
                         wire: 0,
                         hops: BTreeMap::new(),
+                        peer: String::new(),
                         marks: vec![Mark { name: "enqueued".into(), at_ns: 0 }],
                         started: Instant::now(),
                         elapsed: None,
@@ -570,6 +578,10 @@ impl Daemon {
             let e = s.hops.entry(hop.name()).or_default();
             e.0 += took.as_nanos() as u64;
             e.1 += bytes;
+            if !s.peer.is_empty() {
+                let h = self.peer_hops.lock().expect("peer hops lock").entry(s.peer.clone()).or_default().clone();
+                h.record(hop, took, bytes);
+            }
         }
     }
 
@@ -659,7 +671,11 @@ impl Daemon {
         };
         let _ = pc.set_read_timeout(Some(Duration::from_secs(30)));
         match peer::connect_auth(&mut pc, &self.secret, &self.cfg.node) {
-            Ok(name) if name == peer.name => {}
+            Ok(name) if name == peer.name => {
+                if let Some(sl) = self.state.lock().expect("state lock").slots.get_mut(&slot) {
+                    sl.peer = name;
+                }
+            }
             Ok(name) => return fail(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name)),
             Err(e) => return fail(Code::AuthFailed, e.to_string()),
         }
@@ -1011,6 +1027,7 @@ impl Daemon {
             sl.state = TransferState::Running;
             sl.started = Instant::now();
             sl.marks = vec![Mark { name: "enqueued".into(), at_ns: 0 }];
+            sl.peer = peer.to_string();
         }
         tracing::info!(peer, slot, request = o.dst_request, src_request = o.src_request, "transfer accepted");
         PeerMsg::Accept(accept)

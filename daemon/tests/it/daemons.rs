@@ -187,6 +187,8 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     assert_eq!(ca.status(sslot).unwrap().state, TransferState::Done);
     let stats = ca.stats().unwrap();
     assert!(stats.contains(&format!("kvwire_payload_bytes_total{{node=\"a\"}} {bytes}")), "{stats}");
+    // Per-peer hop histograms: the source timed its wire hop toward `b`.
+    assert!(stats.contains("kvwire_peer_hop_seconds_count{node=\"a\",peer=\"b\",hop=\"wire\"} 1"), "{stats}");
     drop(src);
 }
 

@@ -291,7 +291,7 @@ fn promtext_errors_name_the_line_or_the_metric() {
 #[test]
 fn promtext_reads_what_kvwired_renders() {
     // The daemon's own renderer, fresh: parses, and every hop is present.
-    let text = kvwired::metrics::Metrics::default().render("n", &kvwire_transport::metrics::Hops::default());
+    let text = kvwired::metrics::Metrics::default().render("n", &kvwire_transport::metrics::Hops::default(), &[]);
     let s = Stats::from_text(&text).unwrap();
     assert_eq!(s.node.as_deref(), Some("n"));
     assert_eq!(s.hops.iter().map(|h| h.hop.as_str()).collect::<Vec<_>>(), HOPS);
@@ -303,7 +303,7 @@ fn promtext_reads_what_kvwired_renders() {
     for us in [2, 20, 200] {
         hops.record(Hop::Wire, Duration::from_micros(us), 1000);
     }
-    let s = Stats::from_text(&kvwired::metrics::Metrics::default().render("n", &hops)).unwrap();
+    let s = Stats::from_text(&kvwired::metrics::Metrics::default().render("n", &hops, &[])).unwrap();
     let w = s.hops.iter().find(|h| h.hop == "wire").unwrap();
     assert_eq!((w.count, w.bytes, w.latency_from), (3, 3000, LatencyFrom::Buckets));
     let rel = |a: Option<f64>, b: f64| a.is_some_and(|a| ((a - b) / b).abs() < 1e-9);
