@@ -292,8 +292,9 @@ fn formula_map(model: &ModelSpec, tp: u32, pp: u32, pp_layers: Option<&[u32]>) -
             if split.len() as u32 != pp {
                 return Err(ShardError::PpSplit(format!("pp={pp} but pp_layers has {} entries", split.len())));
             }
-            let sum: u32 = split.iter().sum();
-            if sum != n {
+            // u64: a hostile split like 33,4294967295 must not wrap to the layer count.
+            let sum: u64 = split.iter().map(|&c| u64::from(c)).sum();
+            if sum != u64::from(n) {
                 return Err(ShardError::PpSplit(format!("pp_layers sums to {sum} but the model has {n} layers")));
             }
             split.to_vec()

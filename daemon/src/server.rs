@@ -249,6 +249,10 @@ impl Daemon {
                 Metrics::add(&self.metrics.clients_refused, 1);
                 tracing::warn!(uid = c.uid(), pid = c.pid(), "control client of another uid refused");
                 let _ = wire::send_unix(&s, &err(Code::PermissionDenied, format!("uid {} may not use this daemon (runs as uid {me})", c.uid())), &[]);
+                // Take the client's first message before closing, so its
+                // send does not fail with a broken pipe before it reads why.
+                let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+                let _ = wire::recv_unix(&s);
                 return;
             }
             Err(e) => {

@@ -910,3 +910,14 @@ proptest! {
         check_plan(&toy, &model, &src, &dst, format, tokens, prefix, CostModel::default())?;
     }
 }
+
+/// Found by the layout_spec fuzz target: the split's sum wrapped to the
+/// layer count, then indexed past the model.
+#[test]
+fn pp_layers_sum_overflow_is_refused() {
+    let model = builtin("llama-3.1-8b").unwrap();
+    for text in ["tp=1,pp_layers=33,4294967295", "tp=1,pp_layers=4294967295,33"] {
+        let err = LayoutSpec::parse(text).unwrap().shard_map(&model).unwrap_err();
+        assert!(matches!(err, ShardError::PpSplit(_)), "{text}: {err:?}");
+    }
+}

@@ -47,6 +47,7 @@ fn assert_bitwise(o: &scenario::Outcome) {
 
 #[test]
 fn lossless_remapped_transfers_decode_bitwise_identical() {
+    let _shared = crate::shared();
     let p = pair("lossless", "");
     // TP4 NHD/16 -> TP2 HND/32, 100 tokens: a partial final block on both sides.
     let o = run(&p, &Scenario::new("tp4-tp2")).unwrap();
@@ -71,6 +72,7 @@ fn lossless_remapped_transfers_decode_bitwise_identical() {
 
 #[test]
 fn prefix_hit_moves_only_the_rest_and_decodes_bitwise() {
+    let _shared = crate::shared();
     let p = pair("prefix", "");
     let mut sc = Scenario::new("prefix");
     sc.prefix = 40; // not block-aligned on either side
@@ -93,6 +95,7 @@ fn refused(p: &Pair, sc: &Scenario, needle: &str) {
 
 #[test]
 fn identity_mismatches_are_refused_before_any_flag() {
+    let _shared = crate::shared();
     let p = pair("identity", "");
     let mut sc = Scenario::new("model");
     sc.src_identity = |i| i.model_digest = "0123456789abcdef".into();
@@ -111,6 +114,7 @@ fn identity_mismatches_are_refused_before_any_flag() {
 
 #[test]
 fn forcing_a_shifted_cache_would_change_the_logits() {
+    let _shared = crate::shared();
     // What the position check prevents: a cache computed one position off,
     // decoded as if it were right.
     let cfg = scenario::config();
@@ -166,6 +170,7 @@ fn corrupting_proxy(listen: TcpListener, upstream: String) {
 
 #[test]
 fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
+    let _shared = crate::shared();
     // The decode daemon's data plane is reached through a proxy that flips one byte.
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -192,6 +197,7 @@ fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
 
 #[test]
 fn daemons_on_two_hosts_in_network_namespaces() {
+    let _shared = crate::shared();
     use kvwire_e2e::netns;
     if !netns::available() {
         eprintln!("SKIPPED daemons_on_two_hosts_in_network_namespaces: needs root and iproute2");
@@ -208,6 +214,7 @@ fn daemons_on_two_hosts_in_network_namespaces() {
 
 #[test]
 fn concurrent_transfers_from_several_clients_are_all_exact() {
+    let _shared = crate::shared();
     let d = dir("concurrent");
     let b = start_daemon(&d, "decode-host", SECRET, &[], "");
     let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
@@ -233,6 +240,7 @@ fn concurrent_transfers_from_several_clients_are_all_exact() {
 
 #[test]
 fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected() {
+    let _shared = crate::shared();
     use kvwire_core::reuse::CacheIdentity;
     use kvwire_transport::HostMem;
     use kvwired::control::*;
@@ -302,6 +310,7 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
 
 #[test]
 fn a_client_of_another_uid_is_refused() {
+    let _shared = crate::shared();
     use std::os::unix::fs::PermissionsExt;
     if !nix::unistd::geteuid().is_root() {
         eprintln!("SKIPPED a_client_of_another_uid_is_refused: needs root to run a client as another uid");
@@ -322,7 +331,11 @@ fn a_client_of_another_uid_is_refused() {
                 nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)).ok()?;
                 match Client::connect(&sock, "intruder") {
                     Err(e) if e.to_string().contains("400") && e.to_string().contains("uid 65534") => Some(0),
-                    _ => Some(1),
+                    Err(e) => {
+                        eprintln!("other uid got: {e}");
+                        Some(1)
+                    }
+                    Ok(_) => Some(3),
                 }
             })()
             .unwrap_or(2);
@@ -338,6 +351,7 @@ fn a_client_of_another_uid_is_refused() {
 
 #[test]
 fn packed_segments_travel_through_staging_and_decode_bitwise() {
+    let _shared = crate::shared();
     // TP4 NHD -> TP1 NHD: each source head's 128-byte rows interleave at the
     // destination, so the plan packs them: gathered at the source, one
     // write, scattered at the destination.
@@ -385,6 +399,7 @@ const FP8_MAX_ABS: f32 = 0.25;
 
 #[test]
 fn fp8_codec_quality_over_many_prompts_is_within_the_stated_tolerance() {
+    let _shared = crate::shared();
     let (top1, worst) = codec_quality(64);
     eprintln!("fp8_e4m3_row codec over 64 prompts: top-1 agreement {:.1}%, max abs logit error {worst:.4}", top1 * 100.0);
     assert!(top1 >= FP8_TOP1, "top-1 agreement {top1}");
@@ -393,6 +408,7 @@ fn fp8_codec_quality_over_many_prompts_is_within_the_stated_tolerance() {
 
 #[test]
 fn fp8_codec_through_daemons_reports_compressed_bytes_and_stays_in_tolerance() {
+    let _shared = crate::shared();
     let p = pair("codec", "");
     let mut sc = Scenario::new("fp8");
     sc.codec = Some("fp8_e4m3_row".into());
@@ -433,6 +449,7 @@ fn netns_pair(tag: &str, shape: Option<&str>, extra: &str) -> Option<(kvwire_e2e
 
 #[test]
 fn a_shaped_link_is_named_the_bottleneck() {
+    let _alone = crate::alone();
     // 8 MB through 200 Mbit/s: the wire takes ~0.35 s, verification several
     // ms per side — room between the two bounds for the measurement.
     let Some((_link, p)) = netns_pair("shaped", Some("200mbit"), "") else { return };
@@ -449,6 +466,7 @@ fn a_shaped_link_is_named_the_bottleneck() {
 
 #[test]
 fn a_converting_codec_over_a_fast_link_is_named_the_bottleneck() {
+    let _alone = crate::alone();
     // Unshaped link, fp8 codec: the wire carries 36 of every 128 bytes while
     // every element is converted at both ends — the conversion hops (pack
     // at the source, unpack at the destination) are now the slow ones.

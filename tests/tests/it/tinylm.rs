@@ -37,6 +37,7 @@ mod model {
 
     #[test]
     fn decode_after_prefill_matches_longer_prefill_bitwise() {
+        let _shared = crate::shared();
         let cfg = Config::default();
         let w = Weights::seeded(&cfg, 1);
         let tokens = prompt(&cfg, TOKENS + 1);
@@ -50,6 +51,7 @@ mod model {
 
     #[test]
     fn prefix_of_a_prefill_is_the_prefill_of_the_prefix() {
+        let _shared = crate::shared();
         // Causality: a decode side that computed the first P positions itself
         // holds exactly what the prefill side would send for them.
         let cfg = Config::default();
@@ -66,6 +68,7 @@ mod model {
 
     #[test]
     fn seeded_weights_are_deterministic_and_seed_sensitive() {
+        let _shared = crate::shared();
         let cfg = Config::default();
         let a = Weights::seeded(&cfg, 1);
         let b = Weights::seeded(&cfg, 1);
@@ -82,6 +85,7 @@ mod model {
 
     #[test]
     fn activations_stay_sane() {
+        let _shared = crate::shared();
         let cfg = Config::default();
         let w = Weights::seeded(&cfg, 1);
         let (cache, logits) = tinylm::prefill(&w, None, &prompt(&cfg, TOKENS));
@@ -93,6 +97,7 @@ mod model {
 
     #[test]
     fn model_spec_matches_the_cache_kvwire_counts() {
+        let _shared = crate::shared();
         let cfg = Config::default();
         let model = tinylm::model_spec(&cfg);
         model.validate().expect("tinylm's spec is valid");
@@ -108,6 +113,7 @@ mod model {
 
     #[test]
     fn a_different_adapter_changes_kv_cache_and_logits() {
+        let _shared = crate::shared();
         let cfg = Config::default();
         let w = Weights::seeded(&cfg, 1);
         let a = Adapter::seeded(&cfg, 8, 10);
@@ -135,6 +141,7 @@ mod model {
 
     #[test]
     fn rope_offset_shift_by_one_changes_logits() {
+        let _shared = crate::shared();
         let cfg = Config::default();
         let w = Weights::seeded(&cfg, 1);
         let mut shifted = w.clone();
@@ -180,6 +187,7 @@ mod paged {
 
     #[test]
     fn scatter_gather_round_trip_is_bitwise() {
+        let _shared = crate::shared();
         let cfg = Config::default();
         let model = tinylm::model_spec(&cfg);
         let w = Weights::seeded(&cfg, 1);
@@ -198,6 +206,7 @@ mod paged {
 
     #[test]
     fn tp1_contiguous_nhd_is_the_flat_cache() {
+        let _shared = crate::shared();
         // Hand-derived: with one rank, a contiguous table and no padding, NHD
         // blocks laid end to end are exactly [pos][head][dim].
         let cfg = Config::default();
@@ -216,6 +225,7 @@ mod paged {
 
     #[test]
     fn tp1_contiguous_hnd_row_sits_at_head_major_offset() {
+        let _shared = crate::shared();
         // Hand-derived: block b of HND holds [head][slot]; row (pos, head) at
         // ((pos/B)·heads·B + head·B + pos%B) · head_dim · 4.
         let cfg = Config::default();
@@ -234,6 +244,7 @@ mod paged {
 
     #[test]
     fn tp8_replicas_hold_identical_bytes() {
+        let _shared = crate::shared();
         // 4 KV heads over 8 ranks: ranks 2h and 2h+1 both hold head h.
         let cfg = Config::default();
         let model = tinylm::model_spec(&cfg);
@@ -295,6 +306,7 @@ mod transfer {
 
     #[test]
     fn tp4_nhd16_to_tp2_hnd32_decode_is_bitwise_local() {
+        let _shared = crate::shared();
         let plan = transfer_and_decode("tp=4,block=16,layout=nhd", "tp=2,block=32,layout=hnd,table=shuffle:3", 0);
         let cfg = Config::default();
         // Hand-derived: every K and V element of every layer moves once.
@@ -303,21 +315,25 @@ mod transfer {
 
     #[test]
     fn tp2_to_tp8_replication_decode_is_bitwise_local() {
+        let _shared = crate::shared();
         transfer_and_decode("tp=2,block=16,layout=hnd,table=shuffle:1", "tp=8,block=16,layout=nhd,table=shuffle:2", 0);
     }
 
     #[test]
     fn tp8_replicas_to_tp1_decode_is_bitwise_local() {
+        let _shared = crate::shared();
         transfer_and_decode("tp=8,block=32,layout=nhd", "tp=1,block=16,layout=hnd,table=shuffle:4", 0);
     }
 
     #[test]
     fn unequal_pp_split_decode_is_bitwise_local() {
+        let _shared = crate::shared();
         transfer_and_decode("tp=4,block=16,layout=nhd", "tp=2,pp=2,pp_layers=3,1,block=32,layout=hnd,table=shuffle:6", 0);
     }
 
     #[test]
     fn prefix_hit_decode_is_bitwise_local() {
+        let _shared = crate::shared();
         let prefix = 16;
         let plan = transfer_and_decode("tp=4,block=16,layout=nhd", "tp=2,block=32,layout=hnd,table=shuffle:3", prefix);
         let cfg = Config::default();

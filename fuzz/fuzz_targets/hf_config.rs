@@ -1,0 +1,16 @@
+//! Hugging Face `config.json` text: `from_hf_config`, then the inventory at
+//! token counts from 0 to `u64::MAX` in every format (see
+//! `kvwire_fuzz::exercise_model`). Must never panic.
+#![no_main]
+
+use kvwire_core::layout::from_hf_config;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(model) = from_hf_config("fuzz", text) {
+        kvwire_fuzz::exercise_model(&model);
+    }
+});

@@ -1,0 +1,65 @@
+//! Peer data-plane frames: `Header::decode` over arbitrary bytes with an
+//! arbitrary write limit, `Hello::decode` of the payload, and `check_write`
+//! of what a write header asks for.
+//!
+//! Input: 8 bytes little-endian `max_write` (the receiver's limit, also used
+//! as the region length), then the frame as it arrives: 40-byte header, payload.
+#![no_main]
+
+use kvwire_core::protocol::{check_write, Header, Hello, Kind, Tag, HEADER_LEN, MAX_HELLO};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let (limit, frame) = match data.split_first_chunk::<8>() {
+        Some((l, rest)) => (u64::from_le_bytes(*l), rest),
+        None => (0, data),
+    };
+    let header = match Header::decode(frame, limit) {
+        Ok(h) => h,
+        Err(_) => {
+            // A hello payload alone (the handshake's body) is outside bytes too.
+            let _ = Hello::decode(frame, "tcp");
+            return;
+        }
+    };
+    // A decoded header re-encodes to the same 40 bytes, and its length is
+    // within the limit for its kind.
+    assert_eq!(header.encode()[..], frame[..HEADER_LEN], "re-encoded header differs");
+    assert_eq!(Tag::from_wire(header.tag.to_wire()), header.tag);
+    let kind_limit = match header.kind {
+        Kind::Hello => MAX_HELLO,
+        Kind::Write => limit,
+        Kind::Ack => 0,
+        Kind::Nack => 4096,
+    };
+    assert!(header.len <= kind_limit, "{:?} len {} past its limit {kind_limit}", header.kind, header.len);
+
+    let rest = &frame[HEADER_LEN..];
+    let payload = &rest[..rest.len().min(usize::try_from(header.len).unwrap_or(usize::MAX))];
+    match header.kind {
+        Kind::Hello => {
+            for transport in ["tcp", "shm", "verbs"] {
+                if let Ok(hello) = Hello::decode(payload, transport) {
+                    assert_eq!(hello.transport, transport);
+                    let again = Hello::decode(&hello.encode(), transport).expect("an encoded hello decodes");
+                    assert_eq!(again, hello, "hello round trip");
+                }
+            }
+        }
+        Kind::Write => {
+            // The destination checks the write against the region its key names.
+            for region_len in [None, Some(limit), Some(header.offset), Some(u64::MAX)] {
+                if let Ok(r) = check_write(header.key, region_len, header.offset, header.len) {
+                    let region_len = region_len.expect("no region refuses");
+                    assert!(header.len > 0, "zero-length write accepted");
+                    assert_eq!((r.start, r.end - r.start), (header.offset, header.len));
+                    assert!(r.end <= region_len, "write range {r:?} past region of {region_len}");
+                }
+            }
+        }
+        Kind::Nack => {
+            let _ = String::from_utf8_lossy(payload);
+        }
+        Kind::Ack => {}
+    }
+});
