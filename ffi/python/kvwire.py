@@ -182,7 +182,29 @@ def cache_size(model, fmt, layout, rank, num_blocks):
     return regions.value, nbytes.value
 
 
-class Mem:
+class _Handle:
+    """Owns one C handle: freed once, by close(), `with`, or collection."""
+    _h = None
+
+    def close(self):
+        if self._h is not None:
+            type(self)._free(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class Mem(_Handle):
     """A memfd-backed, shared host buffer holding one rank's cache."""
 
     def __init__(self, length):
@@ -218,25 +240,10 @@ class Mem:
     def fill(self, byte):
         ctypes.memset(self.ptr, byte, len(self))
 
-    def close(self):
-        if self._h is not None:
-            _mem_free(self._h)
-            self._h = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    _free = staticmethod(lambda h: _mem_free(h))
 
 
-class Client:
+class Client(_Handle):
     """A connection to the local kvwired (its flag page mapped)."""
 
     def __init__(self, socket_path, name="python"):
@@ -343,19 +350,4 @@ class Client:
     def release_cache(self, group, rank):
         self._call(_release, _b(group), rank)
 
-    def close(self):
-        if self._h is not None:
-            _client_free(self._h)
-            self._h = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+    _free = staticmethod(lambda h: _client_free(h))
