@@ -126,9 +126,12 @@ fn time_verbs(src: &VerbsEndpoint, dst: &VerbsEndpoint, size: u64, iters: u32) -
 fn ib_write_bw(device: &str, gid_index: u32, size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
     use std::process::{Command, Stdio};
     let port = 18515 + (std::process::id() % 1000) as u16;
+    // Small messages need many iterations before perftest's clock sees them:
+    // at least 64 MiB in all, 5..=1000 iterations.
+    let baseline_iters = u64::from(iters).max((64u64 << 20) / size.max(1)).clamp(5, 1000);
     let args = |c: &mut Command| {
         c.args(["-d", device, "-i", "1", "-x", &gid_index.to_string(), "-s", &size.to_string()])
-            .args(["-n", &iters.max(5).to_string(), "-p", &port.to_string(), "-F", "--report_gbits"]);
+            .args(["-n", &baseline_iters.to_string(), "-p", &port.to_string(), "-F", "--report_gbits"]);
     };
     let mut server = Command::new("ib_write_bw");
     args(&mut server);
