@@ -170,7 +170,7 @@ fn ib_write_bw(device: &str, gid_index: u32, size: u64, iters: u32) -> anyhow::R
 
 /// Plain TCP socket pair on loopback streaming `size` bytes, receiver
 /// reading into a buffer, timed until the receiver holds every byte.
-fn tcp_baseline(size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+pub fn tcp_baseline(size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
     let listener = TcpListener::bind("127.0.0.1:0")?;
     let addr = listener.local_addr()?;
     let receiver = std::thread::spawn(move || -> std::io::Result<()> {

@@ -62,6 +62,8 @@ enum BenchCommand {
     Transport(BenchTransportArgs),
     /// A sweep over transports, sizes and concurrency: table, JSONL and SVG plots.
     Campaign(crate::campaign::CampaignArgs),
+    /// A sweep over real models' token counts and layout pairs, through two daemons.
+    Layouts(crate::layouts::LayoutsArgs),
 }
 
 #[derive(Debug, Args)]
@@ -237,6 +239,7 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
             Ok(())
         }
         Command::Bench(BenchCommand::Campaign(a)) => crate::campaign::run(a, out),
+        Command::Bench(BenchCommand::Layouts(a)) => crate::layouts::run(a, out),
         Command::Stats(a) => stats(a, out),
         Command::Roofline(a) => crate::report::roofline_cmd(a, out),
         Command::Report(a) => crate::report::report_cmd(a, out),

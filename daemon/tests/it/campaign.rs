@@ -186,3 +186,25 @@ fn bad_input_exits_2_naming_the_flag() {
     // Nothing was measured or written for bad input.
     assert!(!dir.0.join("campaign.jsonl").exists());
 }
+
+#[test]
+fn layouts_sweep_runs_through_two_daemons_and_writes_jsonl() {
+    let dir = std::env::temp_dir().join(format!("kvwire-layouts-test-{}", std::process::id()));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvwire"))
+        .args(["bench", "layouts", "--tokens", "20", "--pairs", "tp=2>tp=1,layout=hnd,block=32", "--iterations", "1", "--json", "--out"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(dir.join("layouts.jsonl")).unwrap();
+    let p: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
+    assert_eq!(p["kind"], "layout_point");
+    // llama-3.1-8b bf16: 32 layers x 8 KV heads x 128 x 2 (K,V) x 2 bytes per token.
+    assert_eq!(p["payload_bytes"], 32 * 8 * 128 * 2 * 2 * 20);
+    assert!(p["gbps"].as_f64().unwrap() > 0.0 && p["baseline_gbps"].as_f64().unwrap() > 0.0, "{p}");
+    assert!(p["bounding"].is_string(), "{p}");
+    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_kvwire")).args(["bench", "layouts", "--pairs", "tp=3"]).output().unwrap();
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--pairs"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,312 @@
+//! `kvwire bench layouts`: the campaign's layout dimension. Real models'
+//! caches at several token counts move between two layouts through two
+//! daemons (this process runs both, over real sockets and the chosen
+//! transport), timed from submit until `decoder_usable` is seen, next to a
+//! raw socket streaming the same payload in the same run.
+
+use crate::cli::Failure;
+use crate::client::Client;
+use crate::config::{Config, PeerConfig, TransportKind};
+use crate::control::*;
+use crate::server::Daemon;
+use anyhow::{anyhow, bail, Context};
+use clap::Args;
+use kvwire_core::layout::{self, ModelSpec};
+use kvwire_core::plan::Side;
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::shard::LayoutSpec;
+use kvwire_core::timing::{predict, Stage};
+use kvwire_core::CacheFormat;
+use kvwire_transport::HostMem;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Arguments of `kvwire bench layouts`.
+#[derive(Debug, Args)]
+pub struct LayoutsArgs {
+    /// Built-in model.
+    #[arg(long, default_value = "llama-3.1-8b")]
+    model: String,
+    /// Cache format.
+    #[arg(long, default_value = "bf16")]
+    format: String,
+    /// Token counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "256,2048")]
+    tokens: Vec<u64>,
+    /// Layout pairs `SRC>DST`, separated by `;`.
+    #[arg(long, default_value = "tp=1>tp=1;tp=8>tp=2;tp=8,block=16>tp=2,layout=hnd,block=32")]
+    pairs: String,
+    /// tcp or shm.
+    #[arg(long, default_value = "tcp")]
+    transport: String,
+    /// Timed transfers per point.
+    #[arg(long, default_value_t = 3)]
+    iterations: u32,
+    /// Directory for layouts.jsonl.
+    #[arg(long, default_value = "kvwire-campaign")]
+    out: PathBuf,
+    /// Print the JSONL lines instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One measured layout point (a line of layouts.jsonl).
+#[derive(Debug, Clone, Serialize)]
+pub struct LayoutPoint {
+    /// Always `layout_point`.
+    pub kind: &'static str,
+    /// Model name.
+    pub model: String,
+    /// Cache format id.
+    pub format: String,
+    /// Tokens in the request.
+    pub tokens: u64,
+    /// Source layout.
+    pub src_layout: String,
+    /// Destination layout.
+    pub dst_layout: String,
+    /// Transport.
+    pub transport: String,
+    /// Timed transfers.
+    pub iterations: u32,
+    /// Payload bytes per transfer (plan total).
+    pub payload_bytes: u64,
+    /// Bytes written on the data plane per transfer.
+    pub wire_bytes: u64,
+    /// Plan segments.
+    pub segments: u64,
+    /// Best submit → decoder_usable, ns.
+    pub best_ns: u64,
+    /// Median, ns.
+    pub p50_ns: u64,
+    /// Payload GB/s at the best time.
+    pub gbps: f64,
+    /// Raw socket streaming the payload, GB/s (same run).
+    pub baseline_gbps: f64,
+    /// gbps / baseline_gbps.
+    pub ratio: f64,
+    /// The stage with the largest busy time in the best transfer.
+    pub bounding: Option<String>,
+}
+
+fn bad(flag: &str, why: impl std::fmt::Display) -> Failure {
+    Failure::BadInput(anyhow!("--{flag}: {why}"))
+}
+
+fn identity(format: &CacheFormat) -> CacheIdentity {
+    CacheIdentity {
+        model_digest: "bench".into(),
+        adapter_digest: String::new(),
+        format: format.id(),
+        tenant: "bench".into(),
+        rope: "theta=10000".into(),
+        position_offset: 0,
+    }
+}
+
+struct Pair {
+    dir: PathBuf,
+    a: Arc<Daemon>,
+    b: Arc<Daemon>,
+}
+
+impl Drop for Pair {
+    fn drop(&mut self) {
+        self.a.shutdown();
+        self.b.shutdown();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn daemons(kind: TransportKind) -> anyhow::Result<Pair> {
+    let dir = std::env::temp_dir().join(format!("kvwire-layouts-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let secret = dir.join("secret");
+    std::fs::write(&secret, crate::peer::nonce().iter().map(|b| format!("{b:02x}")).collect::<String>())?;
+    let cfg = |node: &str| {
+        let mut c = Config { node: node.into(), control_socket: dir.join(format!("{node}.sock")), secret_file: Some(secret.clone()), ..Config::default() };
+        c.peer_listen = "127.0.0.1:0".into();
+        c.transport.kind = kind;
+        c
+    };
+    let b = Daemon::start(cfg("bench-b"))?;
+    let mut ca = cfg("bench-a");
+    ca.peers.push(PeerConfig { name: "bench-b".into(), address: b.peer_addr().into() });
+    let a = Daemon::start(ca)?;
+    Ok(Pair { dir, a, b })
+}
+
+fn register(c: &Client, group: &str, model: &str, format: &CacheFormat, layout: &str, side: &Side, m: &ModelSpec) -> anyhow::Result<Vec<HostMem>> {
+    let mut mems = Vec::new();
+    for rank in 0..side.shard.ranks.len() as u32 {
+        let len: u64 = side.regions(m, rank).iter().map(|(_, l)| l).sum();
+        let mem = HostMem::new("kvwire-bench-rank", len)?;
+        c.register(
+            RegisterCache {
+                group: group.into(),
+                model: ModelSource::Builtin(model.into()),
+                format: format.id(),
+                layout: layout.into(),
+                rank,
+                num_blocks: side.num_blocks,
+                identity: identity(format),
+            },
+            &mem,
+        )?;
+        mems.push(mem);
+    }
+    Ok(mems)
+}
+
+/// Runs the sweep.
+pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Failure> {
+    let model = layout::builtin(&a.model).map_err(|e| bad("model", e))?;
+    let format = CacheFormat::parse(&a.format).map_err(|e| bad("format", e))?;
+    let kind = match a.transport.as_str() {
+        "tcp" => TransportKind::Tcp,
+        "shm" => TransportKind::Shm,
+        other => return Err(bad("transport", format!("`{other}`: expected tcp or shm"))),
+    };
+    if a.iterations == 0 {
+        return Err(bad("iterations", "must be > 0"));
+    }
+    if a.tokens.is_empty() || a.tokens.contains(&0) {
+        return Err(bad("tokens", "token counts must be > 0"));
+    }
+    let mut pairs = Vec::new();
+    for p in a.pairs.split(';').map(str::trim).filter(|p| !p.is_empty()) {
+        let (s, d) = p.split_once('>').ok_or_else(|| bad("pairs", format!("`{p}` is not SRC>DST")))?;
+        LayoutSpec::parse(s).map_err(|e| bad("pairs", e))?;
+        LayoutSpec::parse(d).map_err(|e| bad("pairs", e))?;
+        pairs.push((s.to_string(), d.to_string()));
+    }
+    let points = sweep(&a, &model, &format, kind, &pairs).map_err(Failure::Failed)?;
+    std::fs::create_dir_all(&a.out).map_err(|e| Failure::Failed(anyhow!("--out {}: {e}", a.out.display())))?;
+    let jsonl: String = points.iter().map(|p| serde_json::to_string(p).expect("points serialize") + "\n").collect();
+    let path = a.out.join("layouts.jsonl");
+    std::fs::write(&path, &jsonl).map_err(|e| Failure::Failed(anyhow!("{}: {e}", path.display())))?;
+    if a.json {
+        out.push_str(&jsonl);
+        return Ok(());
+    }
+    let _ = writeln!(out, "kvwire bench layouts: {} {} over {}, {} timed transfers per point; latency = submit -> decoder_usable seen", a.model, format.id(), a.transport, a.iterations);
+    let _ = writeln!(
+        out,
+        "{:>7} {:<34} {:<34} {:>12} {:>9} {:>10} {:>10} {:>8} {:>9} {:>6}  bounding",
+        "tokens", "src", "dst", "payload B", "segments", "best ms", "p50 ms", "GB/s", "sock GB/s", "ratio"
+    );
+    for p in &points {
+        let _ = writeln!(
+            out,
+            "{:>7} {:<34} {:<34} {:>12} {:>9} {:>10.3} {:>10.3} {:>8.3} {:>9.3} {:>6.3}  {}",
+            p.tokens,
+            p.src_layout,
+            p.dst_layout,
+            p.payload_bytes,
+            p.segments,
+            p.best_ns as f64 / 1e6,
+            p.p50_ns as f64 / 1e6,
+            p.gbps,
+            p.baseline_gbps,
+            p.ratio,
+            p.bounding.as_deref().unwrap_or("-")
+        );
+    }
+    let _ = writeln!(out, "wrote {}", path.display());
+    Ok(())
+}
+
+fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: TransportKind, pairs: &[(String, String)]) -> anyhow::Result<Vec<LayoutPoint>> {
+    let d = daemons(kind).context("starting two daemons")?;
+    let ca = Client::connect(&d.a_socket(), "bench-prefill")?;
+    let cb = Client::connect(&d.b_socket(), "bench-decode")?;
+    let mut points = Vec::new();
+    for (pi, (src_l, dst_l)) in pairs.iter().enumerate() {
+        for &tokens in &a.tokens {
+            eprintln!("kvwire: layouts point: {tokens} tokens, {src_l} -> {dst_l}");
+            let src = Side::new(model, &LayoutSpec::parse(src_l)?, *format, tokens)?;
+            let dst = Side::new(model, &LayoutSpec::parse(dst_l)?, *format, tokens)?;
+            let (sg, dg) = (format!("s{pi}-{tokens}"), format!("d{pi}-{tokens}"));
+            let _src_mems = register(&ca, &sg, &a.model, format, src_l, &src, model)?;
+            let _dst_mems = register(&cb, &dg, &a.model, format, dst_l, &dst, model)?;
+            let mut times = Vec::new();
+            let mut best: Option<(u64, TransferStatus, TransferStatus)> = None;
+            for it in 0..=a.iterations {
+                let req = format!("r{pi}-{tokens}-{it}");
+                let slot = cb.prepare(PrepareReceive { group: dg.clone(), request: req.clone(), block_table: dst.block_table.clone(), tokens, prefix_tokens: 0 })?;
+                let t = Instant::now();
+                let (sslot, _, _, _) = ca.submit(Submit {
+                    request: req.clone(),
+                    group: sg.clone(),
+                    block_table: src.block_table.clone(),
+                    tokens,
+                    peer: "bench-b".into(),
+                    dst_group: dg.clone(),
+                    dst_request: req,
+                    codec: None,
+                })?;
+                cb.wait(slot, FlagName::DecoderUsable, Duration::from_secs(300))?;
+                let ns = t.elapsed().as_nanos() as u64;
+                ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(300))?;
+                if it == 0 {
+                    continue; // warm-up
+                }
+                times.push(ns);
+                if best.as_ref().is_none_or(|b| ns < b.0) {
+                    best = Some((ns, ca.status(sslot)?, cb.status(slot)?));
+                }
+            }
+            let (best_ns, s, dstat) = best.ok_or_else(|| anyhow!("no timed transfer"))?;
+            times.sort_unstable();
+            let stages: Vec<Stage> = [("source", &s), ("destination", &dstat)]
+                .iter()
+                .flat_map(|(side, st)| {
+                    st.hops.iter().filter(|h| h.hop != "post").map(move |h| Stage { hop: format!("{} ({side})", h.hop), total_ns: h.ns, bytes: h.bytes })
+                })
+                .collect();
+            let bounding = predict(&stages, model.layers.len() as u64, 0).bounding;
+            let payload = s.bytes;
+            let base = crate::bench::tcp_baseline(payload.max(1), a.iterations)?;
+            let base_ns = base.iter().min().map_or(1, |d| d.as_nanos() as u64).max(1);
+            let gbps = payload as f64 / best_ns as f64;
+            let baseline_gbps = payload as f64 / base_ns as f64;
+            ca.release(&sg, 0).ok();
+            points.push(LayoutPoint {
+                kind: "layout_point",
+                model: a.model.clone(),
+                format: format.id(),
+                tokens,
+                src_layout: src_l.clone(),
+                dst_layout: dst_l.clone(),
+                transport: a.transport.clone(),
+                iterations: a.iterations,
+                payload_bytes: payload,
+                wire_bytes: s.wire_bytes,
+                segments: s.segments,
+                best_ns,
+                p50_ns: times[times.len() / 2],
+                gbps,
+                baseline_gbps,
+                ratio: gbps / baseline_gbps,
+                bounding,
+            });
+        }
+    }
+    if points.is_empty() {
+        bail!("no layout pairs given");
+    }
+    Ok(points)
+}
+
+impl Pair {
+    fn a_socket(&self) -> PathBuf {
+        self.dir.join("bench-a.sock")
+    }
+
+    fn b_socket(&self) -> PathBuf {
+        self.dir.join("bench-b.sock")
+    }
+}
