@@ -621,11 +621,11 @@ pub fn read_buffers<'a>(bufs: &'a Buffers) -> impl Fn(u32, RegionId, u64, u64) -
 fn checksums<R: AsRef<[u8]>>(
     plan: &Plan,
     source: bool,
-    dst_ranks: impl Fn(u32) -> bool,
+    keep: impl Fn(u32, u32) -> bool,
     mut read: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
 ) -> Result<Vec<LayerChecksum>, ManifestError> {
     let mut hashers: BTreeMap<(u32, RegionId), (Xxh3, u64)> = BTreeMap::new();
-    for s in plan.segments.iter().filter(|s| dst_ranks(s.dst_rank)) {
+    for s in plan.segments.iter().filter(|s| keep(s.dst_rank, s.dst_region.layer)) {
         let (rank, region) = if source { (s.src_rank, s.src_region) } else { (s.dst_rank, s.dst_region) };
         let (h, bytes) = hashers.entry((s.dst_rank, s.dst_region)).or_insert_with(|| (Xxh3::new(), 0));
         for (so, d) in s.runs() {
@@ -659,15 +659,17 @@ fn checksums<R: AsRef<[u8]>>(
         .collect())
 }
 
-/// Recomputes, at the receiver, the checksums of the destination ranks
-/// `dst_ranks` accepts, reading placed bytes through
-/// `read_dst(dst_rank, region, offset, len)` (see the module docs).
+/// Recomputes, at the receiver, the checksums of the (destination rank,
+/// layer) pairs `keep` accepts — a rank subset, or one layer at a time —
+/// reading placed bytes through `read_dst(dst_rank, region, offset, len)`
+/// (see the module docs). Verify with the same filter
+/// ([`Manifest::verify_checksums_of`]).
 pub fn checksums_at_destination<R: AsRef<[u8]>>(
     plan: &Plan,
     read_dst: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
-    dst_ranks: impl Fn(u32) -> bool,
+    keep: impl Fn(u32, u32) -> bool,
 ) -> Result<Vec<LayerChecksum>, ManifestError> {
-    checksums(plan, false, dst_ranks, read_dst)
+    checksums(plan, false, keep, read_dst)
 }
 
 /// The field-by-field comparison: `Ok` when equal, else the error `make` builds.
@@ -734,7 +736,7 @@ impl Manifest {
             prefix_tokens: plan.prefix_tokens,
             positions: Positions { first_position: rope.position_offset.saturating_add(plan.prefix_tokens), rope },
             checksum_algo: CHECKSUM_ALGO.to_string(),
-            checksums: checksums(plan, true, |_| true, read_src)?,
+            checksums: checksums(plan, true, |_, _| true, read_src)?,
         })
     }
 

@@ -762,8 +762,14 @@ impl Daemon {
             let started = Instant::now();
             // With checksums off, the manifest still carries every identity
             // claim; hashing no segments leaves its checksum list empty.
-            let hashed = if self.cfg.verify_checksums { plan.clone() } else { Plan { segments: vec![], ..plan.clone() } };
-            let m = Manifest::for_plan(&identity_src, &model, &src, &dst_side, &hashed, &s.dst_request, read);
+            let unhashed;
+            let hashed = if self.cfg.verify_checksums {
+                &plan
+            } else {
+                unhashed = Plan { segments: vec![], counters: plan.counters.clone(), ..plan };
+                &unhashed
+            };
+            let m = Manifest::for_plan(&identity_src, &model, &src, &dst_side, hashed, &s.dst_request, read);
             match m {
                 Ok(m) => {
                     if self.cfg.verify_checksums {
@@ -1184,15 +1190,13 @@ impl Daemon {
                 }
                 if verify && layer_bytes > 0 {
                     let t = Instant::now();
-                    let sub = Plan { segments: plan.segments.iter().filter(|s| s.dst_region.layer as usize == layer).copied().collect(), ..plan.clone() };
-                    let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<Vec<u8>> {
+                    let read = |rank: u32, region: RegionId, offset: u64, len: u64| {
                         let r = regions.get(&(rank, region))?;
-                        let mut buf = vec![0u8; len as usize];
-                        r.mem.read(r.offset + offset, &mut buf).ok()?;
-                        Some(buf)
+                        staging::read(&r.mem, r.offset + offset, len)
                     };
-                    let checked = checksums_at_destination(&sub, read, |_| true)
-                        .and_then(|rec| manifest.verify_checksums_of(&rec, |_, l| l as usize == layer));
+                    let this_layer = |_, l: u32| l as usize == layer;
+                    let checked = checksums_at_destination(&plan, read, this_layer)
+                        .and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
                     d.slot_hop(slot, Hop::Verify, t.elapsed(), layer_bytes);
                     if let Err(err) = checked {
                         tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");

@@ -84,7 +84,7 @@ impl Run {
     }
 
     fn at_destination(&self, bufs: &Buffers) -> Vec<LayerChecksum> {
-        checksums_at_destination(&self.plan, read_buffers(bufs), |_| true).unwrap()
+        checksums_at_destination(&self.plan, read_buffers(bufs), |_, _| true).unwrap()
     }
 }
 
@@ -190,7 +190,7 @@ fn a_byte_the_plan_does_not_move_is_not_covered() {
 fn a_receiver_holding_one_rank_verifies_only_that_rank() {
     let r = llama();
     let m = llama_manifest();
-    let mine = checksums_at_destination(&r.plan, read_buffers(&r.dst_bufs), |rank| rank == 1).unwrap();
+    let mine = checksums_at_destination(&r.plan, read_buffers(&r.dst_bufs), |rank, _| rank == 1).unwrap();
     assert_eq!(mine.len() as u64, LAYERS * 2);
     assert!(mine.iter().all(|c| c.dst_rank == 1));
     m.verify_checksums_where(&mine, |rank| rank == 1).unwrap();
@@ -532,7 +532,7 @@ proptest! {
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert_eq!(m.check(&Expected::new(&id, &model, &dst, "t", tokens, prefix_tokens).unwrap()), Ok(()));
         prop_assert_eq!(Manifest::from_json(m.to_json().as_bytes()), Ok(m.clone()));
-        let recomputed = checksums_at_destination(&plan, read_buffers(&dst_bufs), |_| true).unwrap();
+        let recomputed = checksums_at_destination(&plan, read_buffers(&dst_bufs), |_, _| true).unwrap();
         prop_assert_eq!(&recomputed, &m.checksums);
         // Every moved byte is covered, once.
         prop_assert_eq!(m.checksums.iter().map(|c| c.bytes).sum::<u64>(), plan.counters.total_bytes_moved);
@@ -543,7 +543,7 @@ proptest! {
             let (_, d) = s.runs().nth(run.index(s.count as usize)).unwrap();
             let at = (d + byte.index(s.len as usize) as u64) as usize;
             dst_bufs.ranks[s.dst_rank as usize].get_mut(&s.dst_region).unwrap()[at] ^= mask;
-            let err = m.verify_checksums(&checksums_at_destination(&plan, read_buffers(&dst_bufs), |_| true).unwrap());
+            let err = m.verify_checksums(&checksums_at_destination(&plan, read_buffers(&dst_bufs), |_, _| true).unwrap());
             let located = matches!(err, Err(ManifestError::Checksum { dst_rank, layer, tensor, .. })
                 if (dst_rank, layer, tensor) == (s.dst_rank, s.dst_region.layer, s.dst_region.tensor));
             prop_assert!(located, "{:?}", err);
