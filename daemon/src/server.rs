@@ -50,6 +50,12 @@ impl Group {
     fn complete(&self) -> bool {
         self.ranks.len() == self.shard.ranks.len()
     }
+
+    /// Every registered region by (rank, region), held so a transfer keeps
+    /// them alive even if their client goes away meanwhile.
+    fn regions(&self) -> HashMap<(u32, RegionId), Arc<Region>> {
+        self.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect()
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -649,9 +655,7 @@ impl Daemon {
             if !g.complete() {
                 return err(Code::IncompleteGroup, format!("group `{}` has {} of {} ranks registered", s.group, g.ranks.len(), g.shard.ranks.len()));
             }
-            let keys: HashMap<(u32, RegionId), Arc<Region>> =
-                g.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect();
-            (g.model.clone(), g.format, g.layout.clone(), g.layout_text.clone(), g.identity.clone(), g.num_blocks, keys)
+            (g.model.clone(), g.format, g.layout.clone(), g.layout_text.clone(), g.identity.clone(), g.num_blocks, g.regions())
         };
         let src = match Side::with_table(&model, &layout, format, s.tokens, s.block_table.clone(), num_blocks) {
             Ok(x) => x,
@@ -1059,9 +1063,7 @@ impl Daemon {
             };
             let recv = sl.recv.clone().expect("destination slots hold their receive");
             let Some(g) = st.groups.get(&recv.group) else { return PeerMsg::Refused { reason: format!("group `{}` is gone", recv.group) } };
-            let regions: HashMap<(u32, RegionId), Arc<Region>> =
-                g.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect();
-            (recv, g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), regions)
+            (recv, g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions())
         };
         let (recv, model, format, layout, num_blocks, identity, regions) = prepared;
         let manifest = match Manifest::from_json(e.manifest.as_bytes()) {
