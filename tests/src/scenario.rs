@@ -360,6 +360,13 @@ pub struct DaemonProc {
     pub data: String,
 }
 
+impl DaemonProc {
+    /// The daemon's process id (for /proc figures and signals).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
 impl Drop for DaemonProc {
     fn drop(&mut self) {
         let _ = self.child.kill();
