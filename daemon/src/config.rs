@@ -80,6 +80,9 @@ pub struct Limits {
     pub max_clients: usize,
     /// Seconds a transfer may take before it fails.
     pub transfer_timeout_secs: u64,
+    /// Seconds a peer may stay silent mid-transfer before the transfer
+    /// fails on this side; a closed peer connection fails it at once.
+    pub peer_timeout_secs: u64,
 }
 
 impl Default for Limits {
@@ -90,6 +93,7 @@ impl Default for Limits {
             max_memory_bytes: 64 << 30,
             max_clients: 256,
             transfer_timeout_secs: 120,
+            peer_timeout_secs: 10,
         }
     }
 }
@@ -240,10 +244,14 @@ impl Config {
             ("limits.max_memory_bytes", l.max_memory_bytes),
             ("limits.max_clients", l.max_clients as u64),
             ("limits.transfer_timeout_secs", l.transfer_timeout_secs),
+            ("limits.peer_timeout_secs", l.peer_timeout_secs),
         ] {
             if v == 0 {
                 return Err(invalid(key, "must be > 0"));
             }
+        }
+        if l.peer_timeout_secs > l.transfer_timeout_secs {
+            return Err(invalid("limits.peer_timeout_secs", "must not exceed limits.transfer_timeout_secs"));
         }
         if l.max_inflight_transfers > 200 {
             return Err(invalid("limits.max_inflight_transfers", "at most 200 (flag-page slots)"));

@@ -203,6 +203,10 @@ pub struct TransferStatus {
     pub reused_bytes: u64,
     /// Bytes written on the data plane (after packing and any codec).
     pub wire_bytes: u64,
+    /// Bytes the transport sent again (source side; tcp: the kernel's
+    /// count on the data connection, so loss and reordering show here).
+    #[serde(default)]
+    pub retransmitted_bytes: u64,
     /// Nanoseconds from submit (or the accepted offer) to done, when done.
     pub elapsed_ns: Option<u64>,
     /// This side's busy time per hop for this transfer (one clock: this daemon's).

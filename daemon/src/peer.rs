@@ -21,7 +21,7 @@ use std::io::Read;
 use std::net::TcpStream;
 
 /// Peer protocol version.
-pub const PEER_VERSION: u32 = 1;
+pub const PEER_VERSION: u32 = 2;
 
 /// Messages on a peer connection.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -78,6 +78,17 @@ pub enum PeerMsg {
         slot: u16,
         /// Why.
         reason: String,
+    },
+    /// Liveness while a transfer runs; answered with `Pong`. A source that
+    /// stops sending these is gone for the destination after the peer timeout.
+    Ping,
+    /// The answer to `Ping`.
+    Pong,
+    /// Every write of the transfer into `slot` completed at the source, so
+    /// a connection closed after this is not a failure.
+    Done {
+        /// Destination slot.
+        slot: u16,
     },
 }
 

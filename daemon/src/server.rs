@@ -17,7 +17,7 @@ use kvwire_core::CacheFormat;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
-use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
+use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
@@ -64,9 +64,28 @@ enum Role {
     Destination,
 }
 
+/// A slot and the transfer in it: slots are reused, so everything a
+/// transfer's threads do to its slot is checked against `gen` first and a
+/// stale thread can never touch the transfer that took the slot after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct SlotId {
+    slot: u16,
+    gen: u64,
+}
+
 struct Slot {
+    gen: u64,
     role: Role,
     request: String,
+    // The group it reads or fills, and the client that made it: only
+    // clients holding a rank of that group may look at or cancel it.
+    group: String,
+    owner: u64,
+    // Destination: the region keys made for this transfer alone, revoked
+    // when it ends, so a late write of it is refused and can never land
+    // in blocks that were reused for another request.
+    keys: Vec<u32>,
+    retransmitted: u64,
     state: TransferState,
     error: Option<String>,
     layers: u16,
@@ -89,6 +108,7 @@ struct State {
     groups: HashMap<String, Group>,
     slots: HashMap<u16, Slot>,
     next_slot: u16,
+    next_gen: u64,
     memory: u64,
     regions: usize,
 }
@@ -118,6 +138,66 @@ impl std::fmt::Debug for Daemon {
     }
 }
 
+/// A source's peer-control connection while its bytes flow. A heartbeat
+/// thread pings the destination, so the destination can tell a dead source
+/// from a slow one, and an unanswered ping marks the destination lost.
+struct PeerLink {
+    stream: Mutex<TcpStream>,
+    peer: String,
+    timeout: Duration,
+    lost: Mutex<Option<String>>,
+    ended: AtomicBool,
+}
+
+impl PeerLink {
+    /// One exchange; the lock keeps pings and the final message apart.
+    fn call(&self, m: &PeerMsg) -> Result<PeerMsg, String> {
+        let mut s = self.stream.lock().expect("peer link lock");
+        write_msg(&mut *s, m).and_then(|()| read_msg::<PeerMsg>(&mut *s)).map_err(|e| match e {
+            WireError::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                format!("peer `{}` silent for {}s", self.peer, self.timeout.as_secs())
+            }
+            e => format!("peer `{}` went away mid-transfer: {e}", self.peer),
+        })
+    }
+
+    fn lost(&self) -> Option<String> {
+        self.lost.lock().expect("peer link lock").clone()
+    }
+
+    /// Pings about four times per peer timeout until [`PeerLink::end`].
+    fn heartbeat(&self) {
+        let every = (self.timeout / 4).max(Duration::from_millis(50));
+        loop {
+            let next = Instant::now() + every;
+            while Instant::now() < next {
+                if self.ended.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20).min(every));
+            }
+            let why = match self.call(&PeerMsg::Ping) {
+                Ok(PeerMsg::Pong) => continue,
+                Ok(other) => format!("peer `{}` answered a ping with {other:?}", self.peer),
+                Err(e) => e,
+            };
+            if !self.ended.load(Ordering::Acquire) {
+                tracing::warn!(peer = self.peer, why, "peer lost");
+                *self.lost.lock().expect("peer link lock") = Some(why);
+            }
+            return;
+        }
+    }
+
+    /// Stops the heartbeat and sends the transfer's last word (`Done` or `Abort`).
+    fn end(&self, m: &PeerMsg) {
+        self.ended.store(true, Ordering::Release);
+        if self.lost().is_none() {
+            let _ = self.call(m);
+        }
+    }
+}
+
 fn err(code: Code, m: impl std::fmt::Display) -> Reply {
     Reply::error(code, m.to_string())
 }
@@ -132,20 +212,24 @@ impl Daemon {
         cfg.validate()?;
         let secret = cfg.secret()?;
         let t = &cfg.transport;
+        // Clients register at most `max_regions`; each transfer into this
+        // host adds its own keys for the same regions (`Slot::keys`), so the
+        // data plane holds several times that.
+        let keys = cfg.limits.max_regions.saturating_mul(4);
         let ep: Arc<dyn Endpoint> = match t.kind {
             TransportKind::Tcp => {
-                let reg = Arc::new(Registry::new(cfg.limits.max_regions));
+                let reg = Arc::new(Registry::new(keys));
                 TcpEndpoint::bind(&cfg.node, t.tcp_listen.parse()?, reg, flags_placement()?, TcpLimits::default())?
             }
             TransportKind::Shm => {
-                let reg = Arc::new(Registry::new(cfg.limits.max_regions));
+                let reg = Arc::new(Registry::new(keys));
                 ShmEndpoint::new(&cfg.node, t.shm_dir.as_deref(), reg, flags_placement()?, ShmLimits::default())?
             }
             TransportKind::Verbs => {
                 let limits = VerbsLimits {
                     listen: t.verbs_listen.clone(),
                     node: cfg.node.clone(),
-                    max_regions: cfg.limits.max_regions,
+                    max_regions: keys,
                     slots: FLAG_SLOTS,
                     layers: MAX_TRANSFER_LAYERS,
                     ..VerbsLimits::default()
@@ -333,9 +417,12 @@ impl Daemon {
             }
             Request::RegisterCache(r) => (self.register(client, r, fds), false),
             Request::ReleaseCache { group, rank } => (self.release(client, &group, rank), false),
-            Request::PrepareReceive(p) => (self.prepare(p), false),
-            Request::Submit(s) => (self.submit(s), false),
+            Request::PrepareReceive(p) => (self.prepare(client, p), false),
+            Request::Submit(s) => (self.submit(client, s), false),
             Request::Wait { slot, flag, timeout_ms } => {
+                if let Err(r) = slot_access(&self.state.lock().expect("state lock"), client, slot) {
+                    return (*r, false);
+                }
                 let tag = Tag { slot, layer: flag.column() };
                 match self.page.wait(tag, Duration::from_millis(timeout_ms)) {
                     Ok(d) => (Reply::Waited { notify_ns: d.as_nanos() as u64 }, false),
@@ -348,6 +435,9 @@ impl Daemon {
             }
             Request::Status { slot } => {
                 let st = self.state.lock().expect("state lock");
+                if let Err(r) = slot_access(&st, client, slot) {
+                    return (*r, false);
+                }
                 match st.slots.get(&slot) {
                     Some(s) => (
                         Reply::Status(TransferStatus {
@@ -361,6 +451,7 @@ impl Daemon {
                             segments: s.segments,
                             reused_bytes: s.reused,
                             wire_bytes: s.wire,
+                            retransmitted_bytes: s.retransmitted,
                             hops: s.hops.iter().map(|(h, (ns, bytes))| HopTotal { hop: (*h).into(), ns: *ns, bytes: *bytes }).collect(),
                             marks: s.marks.clone(),
                             elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
@@ -371,18 +462,18 @@ impl Daemon {
                 }
             }
             Request::Cancel { slot } => {
-                let mut st = self.state.lock().expect("state lock");
-                match st.slots.get_mut(&slot) {
-                    Some(s) if matches!(s.state, TransferState::Prepared | TransferState::Running) => {
-                        s.state = TransferState::Cancelled;
-                        s.error = Some("cancelled by client".into());
-                        s.stop.store(true, Ordering::Release);
-                        self.fail_flags(slot);
-                        Metrics::add(&self.metrics.cancelled, 1);
-                        (Reply::Cancelled, false)
+                let id = {
+                    let st = self.state.lock().expect("state lock");
+                    if let Err(r) = slot_access(&st, client, slot) {
+                        return (*r, false);
                     }
-                    Some(_) => (err(Code::BadRequest, format!("slot {slot} already finished")), false),
-                    None => (err(Code::UnknownSlot, format!("no transfer in slot {slot}")), false),
+                    SlotId { slot, gen: st.slots[&slot].gen }
+                };
+                if self.finish(id, TransferState::Cancelled, Some("cancelled by client".into())) {
+                    Metrics::add(&self.metrics.cancelled, 1);
+                    (Reply::Cancelled, false)
+                } else {
+                    (err(Code::BadRequest, format!("slot {slot} already finished")), false)
                 }
             }
             Request::Stats => (Reply::Stats { text: self.metrics_text() }, false),
@@ -519,24 +610,32 @@ impl Daemon {
 
     /// Takes a free slot: the oldest finished one, so a late write for an
     /// old transfer is least likely to meet a reused slot.
-    fn alloc_slot(&self, st: &mut State, role: Role, request: &str, recv: Option<PrepareReceive>) -> Result<(u16, Arc<AtomicBool>), Box<Reply>> {
-        let live = st.slots.values().filter(|s| matches!(s.state, TransferState::Prepared | TransferState::Running)).count();
+    fn alloc_slot(&self, st: &mut State, role: Role, request: &str, group: &str, owner: u64, recv: Option<PrepareReceive>) -> Result<(SlotId, Arc<AtomicBool>), Box<Reply>> {
+        let live = st.slots.values().filter(|s| running(s.state)).count();
         if live >= self.cfg.limits.max_inflight_transfers {
             return Err(Box::new(err(Code::Limit, format!("limits.max_inflight_transfers {} reached", self.cfg.limits.max_inflight_transfers))));
         }
         for i in 0..FLAG_SLOTS {
             let slot = (st.next_slot + i) % FLAG_SLOTS;
-            let free = st.slots.get(&slot).is_none_or(|s| !matches!(s.state, TransferState::Prepared | TransferState::Running));
-            if free {
+            if st.slots.get(&slot).is_none_or(|s| !running(s.state)) {
                 st.next_slot = (slot + 1) % FLAG_SLOTS;
+                st.next_gen += 1;
+                let gen = st.next_gen;
+                // The old transfer's keys were revoked when it ended, so no
+                // late write of it can count toward the new one.
                 self.ep.placement().reset_slot(slot);
                 self.page.clear_slot(slot);
                 let stop = Arc::new(AtomicBool::new(false));
                 st.slots.insert(
                     slot,
                     Slot {
+                        gen,
                         role,
                         request: request.to_string(),
+                        group: group.to_string(),
+                        owner,
+                        keys: Vec::new(),
+                        retransmitted: 0,
                         state: if role == Role::Source { TransferState::Running } else { TransferState::Prepared },
                         error: None,
                         layers: 0,
@@ -553,38 +652,52 @@ impl Daemon {
                         stop: stop.clone(),
                     },
                 );
-                return Ok((slot, stop));
+                return Ok((SlotId { slot, gen }, stop));
             }
         }
         Err(Box::new(err(Code::Limit, "no free flag slot")))
     }
 
-    fn finish(&self, slot: u16, state: TransferState, error: Option<String>) {
+    /// Ends transfer `id` (if it still runs): records the outcome, stops its
+    /// threads, fails its flags unless done, and revokes its keys. Returns
+    /// whether this call ended it.
+    fn finish(&self, id: SlotId, state: TransferState, error: Option<String>) -> bool {
         let mut st = self.state.lock().expect("state lock");
-        if let Some(s) = st.slots.get_mut(&slot) {
-            if matches!(s.state, TransferState::Prepared | TransferState::Running) {
-                s.state = state;
-                s.error = error;
-                s.elapsed = Some(s.started.elapsed());
-                let c = match (s.role, state) {
-                    (Role::Source, TransferState::Done) => &self.metrics.source_done,
-                    (Role::Source, _) => &self.metrics.source_failed,
-                    (Role::Destination, TransferState::Done) => &self.metrics.destination_done,
-                    (Role::Destination, _) => &self.metrics.destination_failed,
-                };
-                Metrics::add(c, 1);
-            }
+        let Some(s) = st.slots.get_mut(&id.slot).filter(|s| s.gen == id.gen && running(s.state)) else { return false };
+        s.state = state;
+        s.error = error;
+        s.elapsed = Some(s.started.elapsed());
+        s.stop.store(true, Ordering::Release);
+        let c = match (s.role, state) {
+            (Role::Source, TransferState::Done) => &self.metrics.source_done,
+            (Role::Source, _) => &self.metrics.source_failed,
+            (Role::Destination, TransferState::Done) => &self.metrics.destination_done,
+            (Role::Destination, _) => &self.metrics.destination_failed,
+        };
+        Metrics::add(c, 1);
+        // Under the state lock: the slot cannot be taken again before its
+        // keys are gone and its flags failed.
+        for key in std::mem::take(&mut s.keys) {
+            self.ep.revoke(key);
         }
         if state != TransferState::Done {
-            self.fail_flags(slot);
+            self.fail_flags(id.slot);
         }
+        true
+    }
+
+    /// Publishes `column` of transfer `id` on the clients' page, if it still runs.
+    fn publish(&self, id: SlotId, column: u16) -> bool {
+        let st = self.state.lock().expect("state lock");
+        let current = st.slots.get(&id.slot).is_some_and(|s| s.gen == id.gen && running(s.state));
+        current && self.page.publish(Tag { slot: id.slot, layer: column })
     }
 
     /// Adds `took` to the slot's `hop` total, and to the daemon's histogram.
-    fn slot_hop(&self, slot: u16, hop: Hop, took: Duration, bytes: u64) {
+    fn slot_hop(&self, id: SlotId, hop: Hop, took: Duration, bytes: u64) {
         self.hops().record(hop, took, bytes);
         let mut st = self.state.lock().expect("state lock");
-        if let Some(s) = st.slots.get_mut(&slot) {
+        if let Some(s) = st.slots.get_mut(&id.slot).filter(|s| s.gen == id.gen) {
             let e = s.hops.entry(hop.name()).or_default();
             e.0 += took.as_nanos() as u64;
             e.1 += bytes;
@@ -595,10 +708,10 @@ impl Daemon {
         }
     }
 
-    /// Records that `slot` reached boundary `name` now.
-    fn slot_mark(&self, slot: u16, name: String) {
+    /// Records that transfer `id` reached boundary `name` now.
+    fn slot_mark(&self, id: SlotId, name: String) {
         let mut st = self.state.lock().expect("state lock");
-        if let Some(s) = st.slots.get_mut(&slot) {
+        if let Some(s) = st.slots.get_mut(&id.slot).filter(|s| s.gen == id.gen) {
             let at_ns = s.started.elapsed().as_nanos() as u64;
             s.marks.push(Mark { name, at_ns });
         }
@@ -612,9 +725,12 @@ impl Daemon {
         }
     }
 
-    fn prepare(&self, p: PrepareReceive) -> Reply {
+    fn prepare(&self, client: u64, p: PrepareReceive) -> Reply {
         let mut st = self.state.lock().expect("state lock");
-        let Some(g) = st.groups.get(&p.group) else { return err(Code::UnknownGroup, format!("no group `{}`", p.group)) };
+        let g = match group_access(&st, client, &p.group) {
+            Ok(g) => g,
+            Err(r) => return *r,
+        };
         if !g.complete() {
             return err(Code::IncompleteGroup, format!("group `{}` has {} of {} ranks registered", p.group, g.ranks.len(), g.shard.ranks.len()));
         }
@@ -631,16 +747,16 @@ impl Daemon {
         if dup {
             return err(Code::BadRequest, format!("request `{}` of group `{}` is already prepared", p.request, p.group));
         }
-        let request = p.request.clone();
-        match self.alloc_slot(&mut st, Role::Destination, &request, Some(p)) {
-            Ok((slot, _)) => Reply::Prepared { slot },
+        let (request, group) = (p.request.clone(), p.group.clone());
+        match self.alloc_slot(&mut st, Role::Destination, &request, &group, client, Some(p)) {
+            Ok((id, _)) => Reply::Prepared { slot: id.slot },
             Err(r) => *r,
         }
     }
 
     // ------------------------------------------------------------ source side
 
-    fn submit(self: &Arc<Self>, s: Submit) -> Reply {
+    fn submit(self: &Arc<Self>, client: u64, s: Submit) -> Reply {
         let codec = match s.codec.as_deref().map(Codec::parse).transpose() {
             Ok(c) => c,
             Err(e) => return err(Code::BadRequest, e),
@@ -651,7 +767,10 @@ impl Daemon {
         // Snapshot what planning needs; the regions stay registered (Arc) while we use them.
         let (model, format, layout, layout_text, identity, num_blocks, src_keys) = {
             let st = self.state.lock().expect("state lock");
-            let Some(g) = st.groups.get(&s.group) else { return err(Code::UnknownGroup, format!("no group `{}`", s.group)) };
+            let g = match group_access(&st, client, &s.group) {
+                Ok(g) => g,
+                Err(r) => return *r,
+            };
             if !g.complete() {
                 return err(Code::IncompleteGroup, format!("group `{}` has {} of {} ranks registered", s.group, g.ranks.len(), g.shard.ranks.len()));
             }
@@ -661,15 +780,16 @@ impl Daemon {
             Ok(x) => x,
             Err(e) => return err(Code::BadRequest, e),
         };
-        let (slot, stop) = {
+        let (id, stop) = {
             let mut st = self.state.lock().expect("state lock");
-            match self.alloc_slot(&mut st, Role::Source, &s.request, None) {
+            match self.alloc_slot(&mut st, Role::Source, &s.request, &s.group, client, None) {
                 Ok(x) => x,
                 Err(r) => return *r,
             }
         };
+        let slot = id.slot;
         let fail = |code: Code, m: String| {
-            self.finish(slot, TransferState::Failed, Some(m.clone()));
+            self.finish(id, TransferState::Failed, Some(m.clone()));
             err(code, m)
         };
         // Offer → accept.
@@ -777,7 +897,7 @@ impl Daemon {
             match m {
                 Ok(m) => {
                     if self.cfg.verify_checksums {
-                        self.slot_hop(slot, Hop::Verify, started.elapsed(), plan.counters.total_bytes_moved);
+                        self.slot_hop(id, Hop::Verify, started.elapsed(), plan.counters.total_bytes_moved);
                     }
                     m
                 }
@@ -802,9 +922,19 @@ impl Daemon {
             Ok(other) => return fail(Code::PeerRefused, format!("unexpected peer reply {other:?}")),
             Err(e) => return fail(Code::PeerUnreachable, format!("peer `{}`: {e}", peer.name)),
         };
+        // From here the destination waits for bytes: keep it told that this
+        // side is alive, and learn at once if it is not.
+        let peer_timeout = Duration::from_secs(self.cfg.limits.peer_timeout_secs);
+        let _ = pc.set_read_timeout(Some(peer_timeout));
+        let link = Arc::new(PeerLink { stream: Mutex::new(pc), peer: peer.name.clone(), timeout: peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) });
+        let beat = link.clone();
+        if let Err(e) = std::thread::Builder::new().name(format!("kvwired-beat-{slot}")).spawn(move || beat.heartbeat()) {
+            link.end(&PeerMsg::Abort { slot: accept.slot, reason: "source could not start its heartbeat".into() });
+            return fail(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}"));
+        }
         let stage_total = staging::total(&staged);
         if dst_stage_len != stage_total {
-            let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: "staging size differs".into() });
+            link.end(&PeerMsg::Abort { slot: accept.slot, reason: "staging size differs".into() });
             return fail(Code::PeerRefused, format!("peer staged {dst_stage_len} bytes, the plan needs {stage_total}"));
         }
         // Pack (and encode) the staged segments into one registered buffer.
@@ -823,7 +953,7 @@ impl Daemon {
             match packed {
                 Ok(r) => Some(r),
                 Err(e) => {
-                    let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: format!("pack: {e}") });
+                    link.end(&PeerMsg::Abort { slot: accept.slot, reason: format!("pack: {e}") });
                     return fail(Code::TransferFailed, format!("pack: {e}"));
                 }
             }
@@ -831,7 +961,7 @@ impl Daemon {
             None
         };
         if stage_total > 0 {
-            self.slot_hop(slot, Hop::Pack, started.elapsed(), stage_total);
+            self.slot_hop(id, Hop::Pack, started.elapsed(), stage_total);
         }
         let dst_keys: HashMap<(u32, RegionId), (u32, u64)> = accept.regions.iter().map(|r| ((r.rank, r.region), (r.key, r.len))).collect();
         let staged_at: HashMap<usize, &staging::Staged> = staged.iter().map(|st| (st.seg, st)).collect();
@@ -844,7 +974,10 @@ impl Daemon {
                 continue;
             }
             let (Some(sr), Some(&(dk, _))) = (src_keys.get(&(seg.src_rank, seg.src_region)), dst_keys.get(&(seg.dst_rank, seg.dst_region))) else {
-                let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: "region missing".into() });
+                if let Some(stage) = &src_stage {
+                    self.ep.revoke(stage.key);
+                }
+                link.end(&PeerMsg::Abort { slot: accept.slot, reason: "region missing".into() });
                 return fail(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", seg.src_rank, seg.dst_rank, seg.dst_region));
             };
             for (so, dof) in seg.runs() {
@@ -869,10 +1002,11 @@ impl Daemon {
         let d = self.clone();
         let data_addr = accept.data_addr.clone();
         let peer_slot = accept.slot;
+        let (link2, peer_slot2) = (link.clone(), peer_slot);
         let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{slot}")).spawn(move || {
             let span = tracing::info_span!("transfer", slot, request = s.request, peer = peer.name);
             let _g = span.enter();
-            let result = d.move_bytes(slot, &data_addr, batches, &stop);
+            let result = d.move_bytes(id, &data_addr, batches, &stop, &link);
             if let Some(stage) = &src_stage {
                 d.ep.revoke(stage.key);
             }
@@ -884,37 +1018,57 @@ impl Daemon {
                     }
                     let framing = if d.ep.transport() == "verbs" { 0 } else { writes * 2 * kvwire_core::protocol::HEADER_LEN as u64 };
                     Metrics::add(&d.metrics.wire_bytes, bytes + framing);
-                    d.page.publish(Tag { slot, layer: SOURCE_RELEASED });
-                    d.slot_mark(slot, "source_released".into());
-                    d.finish(slot, TransferState::Done, None);
+                    d.publish(id, SOURCE_RELEASED);
+                    d.slot_mark(id, "source_released".into());
+                    d.finish(id, TransferState::Done, None);
+                    link.end(&PeerMsg::Done { slot: peer_slot });
                     tracing::info!(bytes, writes, "source released");
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "transfer failed");
-                    let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: peer_slot, reason: e.to_string() });
-                    d.finish(slot, TransferState::Failed, Some(e.to_string()));
+                    link.end(&PeerMsg::Abort { slot: peer_slot, reason: e.clone() });
+                    d.finish(id, TransferState::Failed, Some(e));
                 }
             }
         });
         if let Err(e) = spawned {
+            link2.end(&PeerMsg::Abort { slot: peer_slot2, reason: "source could not start its transfer thread".into() });
             return fail(Code::TransferFailed, format!("cannot start the transfer thread: {e}"));
         }
         reply
     }
 
-    /// Posts every batch and polls until all completed locally.
-    fn move_bytes(&self, slot: u16, data_addr: &str, batches: Vec<Batch>, stop: &AtomicBool) -> Result<(u64, u64), TransportError> {
-        let mut conn = self.ep.connect(data_addr)?;
+    /// Posts every batch and polls until all completed locally; records
+    /// what the transport retransmitted either way.
+    fn move_bytes(&self, id: SlotId, data_addr: &str, batches: Vec<Batch>, stop: &AtomicBool, link: &PeerLink) -> Result<(u64, u64), String> {
+        let mut conn = self.ep.connect(data_addr).map_err(|e| format!("peer `{}` data plane: {e}", link.peer))?;
+        let result = self.post_all(id, conn.as_mut(), batches, stop, link);
+        let retransmitted = conn.retransmitted_bytes();
+        Metrics::add(&self.metrics.retransmitted_bytes, retransmitted);
+        if let Some(s) = self.state.lock().expect("state lock").slots.get_mut(&id.slot).filter(|s| s.gen == id.gen) {
+            s.retransmitted = retransmitted;
+        }
+        result
+    }
+
+    fn post_all(&self, id: SlotId, conn: &mut dyn Connection, batches: Vec<Batch>, stop: &AtomicBool, link: &PeerLink) -> Result<(u64, u64), String> {
         // Setup ends here: handshake, planning, manifest, packing, data-plane connect.
-        self.slot_mark(slot, "posting".into());
+        self.slot_mark(id, "posting".into());
         let first_post = Instant::now();
         let mut post_time = Duration::ZERO;
         let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
         let mut posted = 0;
         let (mut bytes, mut writes) = (0, 0);
-        for b in batches {
+        let interrupted = || -> Option<String> {
             if stop.load(Ordering::Acquire) {
-                return Err(TransportError::Unsupported("cancelled".into()));
+                return Some("cancelled".into());
+            }
+            link.lost()
+        };
+        let on_peer = |e: TransportError| format!("peer `{}`: {e}", link.peer);
+        for b in batches {
+            if let Some(why) = interrupted() {
+                return Err(why);
             }
             writes += b.writes.len() as u64;
             bytes += b.bytes();
@@ -922,28 +1076,28 @@ impl Daemon {
             // gets its flag from the destination's zero expectation.
             if !b.writes.is_empty() {
                 let t = Instant::now();
-                conn.post(b)?;
+                conn.post(b).map_err(on_peer)?;
                 post_time += t.elapsed();
                 posted += 1;
             }
         }
         let mut done = 0;
         while done < posted {
-            if stop.load(Ordering::Acquire) {
-                return Err(TransportError::Unsupported("cancelled".into()));
+            if let Some(why) = interrupted() {
+                return Err(why);
             }
             if Instant::now() > deadline {
-                return Err(TransportError::Unsupported(format!("timed out after {}s", self.cfg.limits.transfer_timeout_secs)));
+                return Err(format!("timed out after {}s", self.cfg.limits.transfer_timeout_secs));
             }
-            for c in conn.poll(Duration::from_millis(100))? {
-                c.result?;
+            for c in conn.poll(Duration::from_millis(100)).map_err(on_peer)? {
+                c.result.map_err(on_peer)?;
                 done += 1;
             }
         }
         // `wire` per transfer: the link's busy span, first post to last local
         // completion (batches overlap, so per-batch times would double count).
-        self.slot_hop(slot, Hop::Post, post_time, bytes);
-        self.slot_hop(slot, Hop::Wire, first_post.elapsed(), bytes);
+        self.slot_hop(id, Hop::Post, post_time, bytes);
+        self.slot_hop(id, Hop::Wire, first_post.elapsed(), bytes);
         Ok((bytes, writes))
     }
 
@@ -973,34 +1127,68 @@ impl Daemon {
             }
         };
         let _ = s.set_read_timeout(Some(Duration::from_secs(self.cfg.limits.transfer_timeout_secs)));
-        loop {
+        // Transfers accepted on this connection: its messages may name only
+        // these, and those still running when it ends fail then.
+        let mut mine: HashMap<u16, SlotId> = HashMap::new();
+        let ended = loop {
             let msg = match read_msg::<PeerMsg>(&mut s) {
                 Ok(m) => m,
-                Err(WireError::Closed) => return,
-                Err(e) => {
-                    tracing::debug!(peer, error = %e, "peer connection ended");
-                    return;
+                Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
+                Err(WireError::Io { source, .. }) if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                    break format!("peer `{peer}` silent for {}s", self.cfg.limits.peer_timeout_secs)
                 }
+                Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),
             };
             let reply = match msg {
-                PeerMsg::Offer(o) => self.offer(&peer, o),
-                PeerMsg::Expect(e) => self.expect(e),
-                PeerMsg::Abort { slot, reason } => {
-                    tracing::warn!(peer, slot, reason, "source aborted");
-                    self.finish(slot, TransferState::Failed, Some(format!("source aborted: {reason}")));
-                    PeerMsg::Ok
+                PeerMsg::Offer(o) => {
+                    let (reply, id) = self.offer(&peer, o);
+                    if let Some(id) = id {
+                        mine.insert(id.slot, id);
+                    }
+                    reply
                 }
+                PeerMsg::Expect(e) => match mine.get(&e.slot).copied() {
+                    Some(id) => {
+                        let reply = self.expect(id, e);
+                        if matches!(reply, PeerMsg::Staging { .. }) {
+                            // Bytes flow now; the source pings while they do.
+                            let _ = s.set_read_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
+                        }
+                        reply
+                    }
+                    None => PeerMsg::Refused { reason: format!("slot {} is not a transfer of this connection", e.slot) },
+                },
+                PeerMsg::Abort { slot, reason } => match mine.remove(&slot) {
+                    Some(id) => {
+                        tracing::warn!(peer, slot, reason, "source aborted");
+                        self.finish(id, TransferState::Failed, Some(format!("source aborted: {reason}")));
+                        PeerMsg::Ok
+                    }
+                    None => PeerMsg::Refused { reason: format!("slot {slot} is not a transfer of this connection") },
+                },
+                PeerMsg::Done { slot } => match mine.remove(&slot) {
+                    Some(_) => PeerMsg::Ok,
+                    None => PeerMsg::Refused { reason: format!("slot {slot} is not a transfer of this connection") },
+                },
+                PeerMsg::Ping => PeerMsg::Pong,
                 other => PeerMsg::Refused { reason: format!("unexpected {other:?}") },
             };
-            if write_msg(&mut s, &reply).is_err() {
-                return;
+            if let Err(e) = write_msg(&mut s, &reply) {
+                break format!("peer `{peer}` connection failed mid-transfer: {e}");
+            }
+        };
+        // A source that ends its connection without `Done` will write no
+        // more: what has not arrived never will.
+        for id in mine.into_values() {
+            if self.finish(id, TransferState::Failed, Some(ended.clone())) {
+                tracing::warn!(peer, slot = id.slot, why = ended, "transfer failed: its source is gone");
             }
         }
     }
 
-    fn offer(&self, peer: &str, o: Offer) -> PeerMsg {
+    fn offer(&self, peer: &str, o: Offer) -> (PeerMsg, Option<SlotId>) {
         let mut st = self.state.lock().expect("state lock");
-        let refused = |reason: String| PeerMsg::Refused { reason };
+        let refused = |reason: String| (PeerMsg::Refused { reason }, None);
         let Some(g) = st.groups.get(&o.dst_group) else { return refused(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
         let found = st.slots.iter().find(|(_, s)| {
             s.state == TransferState::Prepared && s.recv.as_ref().is_some_and(|r| r.group == o.dst_group && r.request == o.dst_request)
@@ -1009,6 +1197,7 @@ impl Daemon {
             return refused(format!("request `{}` of group `{}` is not prepared on {}", o.dst_request, o.dst_group, self.cfg.node));
         };
         let recv = sl.recv.clone().expect("prepared slots hold their receive");
+        let id = SlotId { slot, gen: sl.gen };
         if o.tokens != recv.tokens {
             return refused(format!("offer has {} tokens, the prepared request {}", o.tokens, recv.tokens));
         }
@@ -1017,10 +1206,23 @@ impl Daemon {
         if let Err(e) = check_prefix(&g.identity, &o.identity, recv.prefix_tokens, recv.tokens) {
             return refused(e.to_string());
         }
+        // Keys for this transfer alone (see `Slot::keys`).
         let mut regions = Vec::new();
+        let mut keys = Vec::new();
         for (rank, rc) in &g.ranks {
-            for (id, r) in &rc.regions {
-                regions.push(PeerRegion { rank: *rank, region: *id, key: r.key, len: r.len });
+            for (region, r) in &rc.regions {
+                match self.ep.register(r.mem.clone(), r.offset, r.len) {
+                    Ok(w) => {
+                        keys.push(w.key);
+                        regions.push(PeerRegion { rank: *rank, region: *region, key: w.key, len: w.len });
+                    }
+                    Err(e) => {
+                        for k in keys {
+                            self.ep.revoke(k);
+                        }
+                        return refused(format!("{} cannot register the transfer's regions: {e}", self.cfg.node));
+                    }
+                }
             }
         }
         let accept = Accept {
@@ -1039,26 +1241,27 @@ impl Daemon {
         };
         if let Some(sl) = st.slots.get_mut(&slot) {
             sl.state = TransferState::Running;
+            sl.keys = keys;
             sl.started = Instant::now();
             sl.marks = vec![Mark { name: "enqueued".into(), at_ns: 0 }];
             sl.peer = peer.to_string();
         }
         tracing::info!(peer, slot, request = o.dst_request, src_request = o.src_request, "transfer accepted");
-        PeerMsg::Accept(accept)
+        (PeerMsg::Accept(accept), Some(id))
     }
 
     /// Recomputes the plan from the source's side and this side's
     /// registration, checks the manifest field by field, and only then
     /// expects bytes; a watcher verifies each layer and publishes it.
-    fn expect(self: &Arc<Self>, e: Expect) -> PeerMsg {
-        let slot = e.slot;
+    fn expect(self: &Arc<Self>, id: SlotId, e: Expect) -> PeerMsg {
+        let slot = id.slot;
         let refuse = |d: &Daemon, reason: String| {
-            d.finish(slot, TransferState::Failed, Some(reason.clone()));
+            d.finish(id, TransferState::Failed, Some(reason.clone()));
             PeerMsg::Refused { reason }
         };
         let prepared = {
             let st = self.state.lock().expect("state lock");
-            let Some(sl) = st.slots.get(&slot).filter(|s| s.role == Role::Destination && s.state == TransferState::Running) else {
+            let Some(sl) = st.slots.get(&slot).filter(|s| s.gen == id.gen && s.role == Role::Destination && s.state == TransferState::Running) else {
                 return PeerMsg::Refused { reason: format!("slot {slot} is not receiving") };
             };
             let recv = sl.recv.clone().expect("destination slots hold their receive");
@@ -1161,11 +1364,11 @@ impl Daemon {
                 let tag = Tag { slot, layer: layer as u16 };
                 let left = timeout.saturating_sub(start.elapsed());
                 if let Err(err) = d.ep.placement().wait(tag, left) {
-                    d.finish(slot, TransferState::Failed, Some(err.to_string()));
+                    d.finish(id, TransferState::Failed, Some(err.to_string()));
                     d.drop_stage(&stage);
                     return;
                 }
-                d.slot_mark(slot, format!("host_received({layer})"));
+                d.slot_mark(id, format!("host_received({layer})"));
                 // Unpack (and decode) this layer's staged segments into place.
                 let t = Instant::now();
                 for st in &staged_layer[layer] {
@@ -1182,13 +1385,13 @@ impl Daemon {
                         Some(())
                     })();
                     if placed.is_none() {
-                        d.finish(slot, TransferState::Failed, Some(format!("unpack of layer {layer} failed")));
+                        d.finish(id, TransferState::Failed, Some(format!("unpack of layer {layer} failed")));
                         d.drop_stage(&stage);
                         return;
                     }
                 }
                 if !staged_layer[layer].is_empty() {
-                    d.slot_hop(slot, Hop::Unpack, t.elapsed(), staged_layer[layer].iter().map(|st| plan.segments[st.seg].bytes()).sum());
+                    d.slot_hop(id, Hop::Unpack, t.elapsed(), staged_layer[layer].iter().map(|st| plan.segments[st.seg].bytes()).sum());
                 }
                 if verify && layer_bytes > 0 {
                     let t = Instant::now();
@@ -1199,21 +1402,21 @@ impl Daemon {
                     let this_layer = |_, l: u32| l as usize == layer;
                     let checked = checksums_at_destination(&plan, read, this_layer)
                         .and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
-                    d.slot_hop(slot, Hop::Verify, t.elapsed(), layer_bytes);
+                    d.slot_hop(id, Hop::Verify, t.elapsed(), layer_bytes);
                     if let Err(err) = checked {
                         tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
-                        d.finish(slot, TransferState::Failed, Some(err.to_string()));
+                        d.finish(id, TransferState::Failed, Some(err.to_string()));
                         d.drop_stage(&stage);
                         return;
                     }
                 }
-                d.page.publish(tag);
-                d.slot_mark(slot, format!("layer_ready({layer})"));
+                d.publish(id, tag.layer);
+                d.slot_mark(id, format!("layer_ready({layer})"));
             }
             d.drop_stage(&stage);
-            d.page.publish(Tag { slot, layer: DECODER_USABLE });
-            d.slot_mark(slot, "decoder_usable".into());
-            d.finish(slot, TransferState::Done, None);
+            d.publish(id, DECODER_USABLE);
+            d.slot_mark(id, "decoder_usable".into());
+            d.finish(id, TransferState::Done, None);
             tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "decoder usable");
         });
         if let Err(err) = spawned {
@@ -1252,5 +1455,30 @@ impl Daemon {
             );
             let _ = std::io::Write::write_all(&mut s, resp.as_bytes());
         }
+    }
+}
+
+fn running(state: TransferState) -> bool {
+    matches!(state, TransferState::Prepared | TransferState::Running)
+}
+
+/// Group `name`, if `client` holds a rank of it: a client touches only
+/// the caches it registered (ranks of one group may come from several
+/// clients, one per process).
+fn group_access<'a>(st: &'a State, client: u64, name: &str) -> Result<&'a Group, Box<Reply>> {
+    let Some(g) = st.groups.get(name) else { return Err(Box::new(err(Code::UnknownGroup, format!("no group `{name}`")))) };
+    if !g.ranks.values().any(|r| r.client == client) {
+        return Err(Box::new(err(Code::PermissionDenied, format!("group `{name}` was registered by another client"))));
+    }
+    Ok(g)
+}
+
+/// Refuses a slot request from a client that neither made the transfer nor
+/// holds a rank of its group.
+fn slot_access(st: &State, client: u64, slot: u16) -> Result<(), Box<Reply>> {
+    match st.slots.get(&slot) {
+        None => Err(Box::new(err(Code::UnknownSlot, format!("no transfer in slot {slot}")))),
+        Some(s) if s.owner == client || group_access(st, client, &s.group).is_ok() => Ok(()),
+        Some(s) => Err(Box::new(err(Code::PermissionDenied, format!("slot {slot} is a transfer of group `{}`, which this client holds no rank of", s.group)))),
     }
 }

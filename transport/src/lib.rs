@@ -163,6 +163,13 @@ pub trait Connection: Send {
 
     /// Batches posted and not yet completed.
     fn pending(&self) -> usize;
+
+    /// Bytes this connection's transport sent more than once so far (lost,
+    /// reordered or timed-out segments). Transports that cannot see their
+    /// retransmissions report 0.
+    fn retransmitted_bytes(&self) -> u64 {
+        0
+    }
 }
 
 /// One host's endpoint of a transport.

@@ -491,6 +491,29 @@ impl Connection for TcpConnection {
     fn pending(&self) -> usize {
         self.pending.len()
     }
+
+    fn retransmitted_bytes(&self) -> u64 {
+        tcp_bytes_retrans(&self.stream).unwrap_or(0)
+    }
+}
+
+/// The kernel's count of bytes this socket retransmitted (TCP_INFO,
+/// Linux ≥ 4.19); None where the kernel does not report it.
+fn tcp_bytes_retrans(s: &TcpStream) -> Option<u64> {
+    use nix::libc;
+    use std::os::fd::AsRawFd;
+    let mut info = std::mem::MaybeUninit::<libc::tcp_info>::zeroed();
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: the buffer is a zeroed tcp_info and `len` its size; the
+    // kernel writes at most `len` bytes and reports how many it wrote.
+    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_INFO, info.as_mut_ptr().cast(), &mut len) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: zero-initialised, and every field is a plain integer.
+    let info = unsafe { info.assume_init() };
+    let end = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_retrans) + std::mem::size_of::<u64>();
+    (len as usize >= end).then_some(info.tcpi_bytes_retrans)
 }
 
 impl Drop for TcpConnection {

@@ -217,6 +217,11 @@ fn bad_values_are_refused_naming_the_key() {
     assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight_transfers = 0\n"), &["limits.max_inflight_transfers", "> 0"]);
     assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight_transfers = 201\n"), &["limits.max_inflight_transfers", "200"]);
     assert_refused(&minimal(&dir, "", "[limits]\ntransfer_timeout_secs = 0\n"), &["limits.transfer_timeout_secs"]);
+    assert_refused(&minimal(&dir, "", "[limits]\npeer_timeout_secs = 0\n"), &["limits.peer_timeout_secs", "> 0"]);
+    assert_refused(
+        &minimal(&dir, "", "[limits]\ntransfer_timeout_secs = 5\npeer_timeout_secs = 6\n"),
+        &["limits.peer_timeout_secs", "transfer_timeout_secs"],
+    );
     // A node name outside [A-Za-z0-9-_.].
     assert_refused(&format!("node = \"bad name!\"\nsecret_file = {:?}\n", dir.write("s", SECRET).display().to_string()), &["node"]);
 }
