@@ -39,6 +39,11 @@ fn tmpdir(tag: &str) -> PathBuf {
 }
 
 fn start(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)]) -> Daemon {
+    start_with(dir, node, secret, peers, "")
+}
+
+/// [`start`] with `tables` (e.g. a `[limits]` table) added to the config.
+fn start_with(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], tables: &str) -> Daemon {
     let secret_file = dir.join(format!("{node}.secret"));
     std::fs::write(&secret_file, secret).unwrap();
     let sock = dir.join(format!("{node}.sock"));
@@ -47,6 +52,7 @@ fn start(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)]) -> Daemon
         sock.display(),
         secret_file.display()
     );
+    cfg.push_str(tables);
     for (name, addr) in peers {
         cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
     }
@@ -275,4 +281,157 @@ fn malformed_control_messages_get_errors_and_the_daemon_keeps_serving() {
     let e = c.register(RegisterCache { model: ModelSource::Builtin("nope".into()), ..r }, &mem).unwrap_err();
     assert!(matches!(&e, ClientError::Daemon { code: 101, .. }), "{e}");
     assert!(Client::connect(&b.sock, "y").is_ok());
+}
+
+fn denied(r: Result<impl std::fmt::Debug, ClientError>, what: &str) {
+    match r {
+        Err(ClientError::Daemon { code: 400, message }) => assert!(message.contains("another client") || message.contains("no rank of"), "{what}: {message}"),
+        other => panic!("{what}: expected permission denied (400), got {other:?}"),
+    }
+}
+
+fn limit(r: Result<impl std::fmt::Debug, ClientError>, key: &str) {
+    match r {
+        Err(ClientError::Daemon { code: 108, message }) => assert!(message.contains(key), "{message}"),
+        other => panic!("expected {key} (108), got {other:?}"),
+    }
+}
+
+/// Moves group `prefill` into request `request` of group `decode` and checks every destination byte.
+fn transfer_exact(ca: &Client, cb: &Client, ss: &Side, ds: &Side, dst: &Side_, tokens: u64, request: &str) {
+    for m in &dst.mems {
+        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
+    }
+    let slot = cb
+        .prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .unwrap();
+    let (sslot, _, _, _) = submit(ca, ss, tokens, request).unwrap();
+    cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+    ca.wait(sslot, FlagName::SourceReleased, WAIT).unwrap();
+    assert!(read_back(dst) == verify::expected_destination(&model(), ds, tokens, 0), "destination bytes differ");
+}
+
+#[test]
+fn a_client_touches_only_the_groups_and_transfers_it_registered() {
+    let dir = tmpdir("scope");
+    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let ca = Client::connect(&a.sock, "prefill").unwrap();
+    let cb = Client::connect(&b.sock, "decode").unwrap();
+    // Same uid, so the socket lets them in; only their own registrations are theirs.
+    let xa = Client::connect(&a.sock, "intruder").unwrap();
+    let xb = Client::connect(&b.sock, "intruder").unwrap();
+    let tokens = 40;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let src_bytes = verify::fill_source(&model(), &ss, tokens);
+    let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
+    let dst = register(&cb, "decode", DST, &ds, None, identity());
+
+    denied(xb.release("decode", 0), "release of another client's rank");
+    let prep = PrepareReceive { group: "decode".into(), request: "x".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 };
+    denied(xb.prepare(prep.clone()), "prepare into another client's group");
+    denied(submit(&xa, &ss, tokens, "x"), "submit of another client's group");
+    let slot = cb.prepare(prep).unwrap();
+    denied(xb.status(slot), "status of another client's transfer");
+    denied(xb.cancel(slot), "cancel of another client's transfer");
+    let wait = Request::Wait { slot, flag: FlagName::DecoderUsable, timeout_ms: 10 };
+    denied(xb.call(&wait, &[]), "wait on another client's transfer");
+    // The intruder's own cache is its own: it may register a group of its own name.
+    let own = HostMem::new("own", dst.mems[0].len()).unwrap();
+    let r = RegisterCache {
+        group: "intruder".into(),
+        model: ModelSource::Toml(MODEL.into()),
+        format: "bf16".into(),
+        layout: DST.into(),
+        rank: 0,
+        num_blocks: ds.num_blocks,
+        identity: identity(),
+    };
+    xb.register(r, &own).unwrap();
+    // Nothing of the owners' was touched: the prepared slot still waits and
+    // the transfer into it is exact.
+    assert_eq!(cb.status(slot).unwrap().state, TransferState::Prepared);
+    cb.cancel(slot).unwrap();
+    transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "r");
+}
+
+#[test]
+fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
+    use kvwired::peer::{connect_auth, PeerMsg};
+    use kvwired::wire::{read_msg, write_msg};
+    let dir = tmpdir("peerscope");
+    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let tokens = 20;
+    let ds = side(DST, tokens);
+    let _dst = register(&cb, "decode", DST, &ds, None, identity());
+    let slot = cb
+        .prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .unwrap();
+    // An authenticated peer that never offered anything.
+    let mut s = std::net::TcpStream::connect(&b.peer).unwrap();
+    connect_auth(&mut s, b"a-secret-of-at-least-16-bytes", "a").unwrap();
+    for m in [PeerMsg::Abort { slot, reason: "hostile".into() }, PeerMsg::Done { slot }] {
+        write_msg(&mut s, &m).unwrap();
+        match read_msg::<PeerMsg>(&mut s).unwrap() {
+            PeerMsg::Refused { reason } => assert!(reason.contains("not a transfer of this connection"), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    drop(s);
+    assert_eq!(cb.status(slot).unwrap().state, TransferState::Prepared);
+    assert!(!cb.ready(slot, FlagName::DecoderUsable));
+}
+
+#[test]
+fn limits_are_enforced_by_name_and_what_is_registered_keeps_working() {
+    let dir = tmpdir("limits");
+    let tokens = 30;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    // One DST group: 2 ranks of 4 layers x (K, V) = 16 regions.
+    let group_bytes: u64 = (0..2).flat_map(|r| ds.regions(&model(), r)).map(|(_, l)| l).sum();
+    let b = start_with(
+        &dir,
+        "b",
+        "a-secret-of-at-least-16-bytes",
+        &[],
+        &format!("[limits]\nmax_regions = 24\nmax_inflight_transfers = 2\nmax_memory_bytes = {}\n", group_bytes * 5 / 2),
+    );
+    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let ca = Client::connect(&a.sock, "prefill").unwrap();
+    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let src_bytes = verify::fill_source(&model(), &ss, tokens);
+    let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
+    let dst = register(&cb, "decode", DST, &ds, None, identity());
+
+    let rank_bytes: u64 = ds.regions(&model(), 0).iter().map(|(_, l)| l).sum();
+    let reg = |group: &str, len: u64| {
+        let mem = HostMem::new("extra", len).unwrap();
+        let r = RegisterCache {
+            group: group.into(),
+            model: ModelSource::Toml(MODEL.into()),
+            format: "bf16".into(),
+            layout: DST.into(),
+            rank: 0,
+            num_blocks: ds.num_blocks,
+            identity: identity(),
+        };
+        cb.register(r, &mem)
+    };
+    // 16 + 8 regions fit; 8 more do not.
+    reg("second", rank_bytes).unwrap();
+    limit(reg("third", rank_bytes), "limits.max_regions");
+    // Memory: a memfd far larger than its regions still counts whole.
+    limit(reg("fat", group_bytes * 2), "limits.max_memory_bytes");
+    // Two receives in flight, not three.
+    let prep = |request: &str| {
+        cb.prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+    };
+    let s1 = prep("p1").unwrap();
+    let _s2 = prep("p2").unwrap();
+    limit(prep("p3"), "limits.max_inflight_transfers");
+    cb.cancel(s1).unwrap();
+    cb.cancel(_s2).unwrap();
+    // The refusals cost nothing already registered: a transfer is exact.
+    transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "after");
 }
