@@ -58,7 +58,7 @@ impl Client {
             other => return Err(ClientError::Unexpected(format!("{other:?}"))),
         };
         let fd = fds.pop().ok_or_else(|| ClientError::FlagPage("hello reply carried no flag page".into()))?;
-        let mem = HostMem::from_file(std::fs::File::from(fd)).map_err(|e| ClientError::FlagPage(e.to_string()))?;
+        let mem = HostMem::from_file_read_only(std::fs::File::from(fd)).map_err(|e| ClientError::FlagPage(e.to_string()))?;
         let flags = FlagTable::from_mem(Arc::new(mem), slots, columns).map_err(|e| ClientError::FlagPage(e.to_string()))?;
         Ok(Client { sock, node, flags })
     }

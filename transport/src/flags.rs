@@ -57,7 +57,8 @@ pub enum WaitError {
 impl FlagTable {
     /// A zeroed table for `slots` transfers × `layers` layers.
     pub fn new(slots: u16, layers: u16) -> Result<FlagTable, MemError> {
-        let mem = HostMem::new("kvwire-flags", u64::from(slots) * u64::from(layers) * 8)?;
+        // Clients map it read-only: only this process publishes.
+        let mem = HostMem::new_for_readers("kvwire-flags", u64::from(slots) * u64::from(layers) * 8)?;
         Ok(FlagTable { mem: Arc::new(mem), slots, layers })
     }
 
@@ -89,9 +90,15 @@ impl FlagTable {
         Some(unsafe { &*(self.mem.as_ptr().add(index * 8) as *const AtomicU64) })
     }
 
-    /// Publishes `layer_ready` for `tag` (release). Returns false when the tag is outside the table.
+    /// The word of `tag`, where this process may write it.
+    fn word_mut(&self, tag: Tag) -> Option<&AtomicU64> {
+        self.word(tag).filter(|_| self.mem.writable())
+    }
+
+    /// Publishes `layer_ready` for `tag` (release). Returns false when the
+    /// tag is outside the table or the table is mapped read-only here.
     pub fn publish(&self, tag: Tag) -> bool {
-        match self.word(tag) {
+        match self.word_mut(tag) {
             Some(w) => {
                 w.store(monotonic_ns().max(1), Ordering::Release);
                 true
@@ -102,7 +109,7 @@ impl FlagTable {
 
     /// Marks `tag` failed, unless it was already published.
     pub fn fail(&self, tag: Tag) {
-        if let Some(w) = self.word(tag) {
+        if let Some(w) = self.word_mut(tag) {
             let _ = w.compare_exchange(0, FAILED, Ordering::AcqRel, Ordering::Acquire);
         }
     }
@@ -147,7 +154,7 @@ impl FlagTable {
     /// Clears every flag of `slot`, before the slot serves another transfer.
     pub fn clear_slot(&self, slot: u16) {
         for layer in 0..self.layers {
-            if let Some(w) = self.word(Tag { slot, layer }) {
+            if let Some(w) = self.word_mut(Tag { slot, layer }) {
                 w.store(0, Ordering::Release);
             }
         }

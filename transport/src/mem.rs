@@ -42,6 +42,9 @@ pub enum MemError {
     /// Zero-sized memory cannot be registered.
     #[error("cannot map 0 bytes")]
     Empty,
+    /// A write into memory this process maps read-only.
+    #[error("memory is mapped read-only here")]
+    ReadOnly,
 }
 
 /// A shared, mapped memfd.
@@ -51,6 +54,7 @@ pub struct HostMem {
     map: MmapRaw,
     file: File,
     len: u64,
+    writable: bool,
 }
 
 fn os(op: &'static str) -> impl Fn(std::io::Error) -> MemError {
@@ -60,6 +64,18 @@ fn os(op: &'static str) -> impl Fn(std::io::Error) -> MemError {
 impl HostMem {
     /// A new zero-filled memfd of `len` bytes, mapped read-write and shared.
     pub fn new(name: &str, len: u64) -> Result<HostMem, MemError> {
+        HostMem::create(name, len, SealFlag::empty())
+    }
+
+    /// Like [`HostMem::new`], but once this mapping exists no one can ever
+    /// write the file again except through it: other processes that get
+    /// the fd can only map it read-only (F_SEAL_FUTURE_WRITE). For pages a
+    /// daemon publishes to its clients.
+    pub fn new_for_readers(name: &str, len: u64) -> Result<HostMem, MemError> {
+        HostMem::create(name, len, SealFlag::F_SEAL_FUTURE_WRITE)
+    }
+
+    fn create(name: &str, len: u64, extra: SealFlag) -> Result<HostMem, MemError> {
         if len == 0 {
             return Err(MemError::Empty);
         }
@@ -69,31 +85,51 @@ impl HostMem {
         let file = File::from(fd);
         file.set_len(len).map_err(os("ftruncate"))?;
         // A fixed size, so whoever maps this file (a peer, the daemon) can
-        // never be made to fault by it shrinking under the mapping.
-        fcntl(&file, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL))
+        // never be made to fault by it shrinking under the mapping. The
+        // mapping comes first: a future-write seal allows only mappings
+        // that already exist to write.
+        let mem = HostMem::map(file, len, true)?;
+        fcntl(&mem.file, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_GROW | SealFlag::F_SEAL_SEAL | extra))
             .map_err(|errno| MemError::Os { op: "fcntl(F_ADD_SEALS)", errno })?;
-        HostMem::map(file, len)
+        Ok(mem)
     }
 
     /// Maps a memfd received from another process (SCM_RIGHTS). The file
     /// must be sealed against shrinking — or let this side add that seal —
     /// since a file that shrinks under a mapping turns a copy into SIGBUS.
     pub fn from_file(file: File) -> Result<HostMem, MemError> {
-        let seals = fcntl(&file, FcntlArg::F_GET_SEALS).map_err(|errno| MemError::Unsealed { errno })?;
+        let len = HostMem::sealed_len(&file)?;
+        HostMem::map(file, len, true)
+    }
+
+    /// [`HostMem::from_file`], mapped read-only: writes through it fail.
+    pub fn from_file_read_only(file: File) -> Result<HostMem, MemError> {
+        let len = HostMem::sealed_len(&file)?;
+        HostMem::map(file, len, false)
+    }
+
+    fn sealed_len(file: &File) -> Result<u64, MemError> {
+        let seals = fcntl(file, FcntlArg::F_GET_SEALS).map_err(|errno| MemError::Unsealed { errno })?;
         if seals & SealFlag::F_SEAL_SHRINK.bits() == 0 {
-            fcntl(&file, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK)).map_err(|errno| MemError::Unsealed { errno })?;
+            fcntl(file, FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK)).map_err(|errno| MemError::Unsealed { errno })?;
         }
         let len = file.metadata().map_err(os("fstat"))?.len();
         if len == 0 {
             return Err(MemError::Empty);
         }
-        HostMem::map(file, len)
+        Ok(len)
     }
 
-    fn map(file: File, len: u64) -> Result<HostMem, MemError> {
+    fn map(file: File, len: u64, writable: bool) -> Result<HostMem, MemError> {
         let size = usize::try_from(len).map_err(|_| MemError::OutOfBounds { offset: 0, len, size: usize::MAX as u64 })?;
-        let map = MmapOptions::new().len(size).map_raw(&file).map_err(os("mmap"))?;
-        Ok(HostMem { map, file, len })
+        let opts = MmapOptions::new().len(size).to_owned();
+        let map = if writable { opts.map_raw(&file) } else { opts.map_raw_read_only(&file) }.map_err(os("mmap"))?;
+        Ok(HostMem { map, file, len, writable })
+    }
+
+    /// Whether this process may write through the mapping.
+    pub fn writable(&self) -> bool {
+        self.writable
     }
 
     /// Length in bytes.
@@ -127,6 +163,9 @@ impl HostMem {
     /// Copies `data` into the mapping at `offset`.
     pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), MemError> {
         self.check(offset, data.len() as u64)?;
+        if !self.writable {
+            return Err(MemError::ReadOnly);
+        }
         // SAFETY: the range is inside the live mapping (checked above), the
         // source is a distinct Rust slice, and no Rust reference into the
         // mapping exists (see module docs); concurrent writers to the same
@@ -147,6 +186,9 @@ impl HostMem {
     pub fn copy_to(&self, offset: u64, dst: &HostMem, dst_offset: u64, len: u64) -> Result<(), MemError> {
         self.check(offset, len)?;
         dst.check(dst_offset, len)?;
+        if !dst.writable {
+            return Err(MemError::ReadOnly);
+        }
         // SAFETY: both ranges are inside live mappings (checked); `copy`
         // tolerates overlap when both are the same mapping.
         unsafe { std::ptr::copy(self.as_ptr().add(offset as usize), dst.as_ptr().add(dst_offset as usize), len as usize) };

@@ -35,3 +35,23 @@ fn access_is_bounds_checked() {
     assert!(matches!(m.read(u64::MAX, &mut [0; 2]), Err(MemError::OutOfBounds { .. })));
     assert_eq!(HostMem::new("t", 0).unwrap_err(), MemError::Empty);
 }
+
+#[test]
+fn a_page_for_readers_is_written_only_by_its_creator() {
+    use kvwire_transport::{FlagTable, Tag};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let page = FlagTable::new(2, 4).unwrap();
+    let fd = || File::from(page.mem().fd().try_clone_to_owned().unwrap());
+    // Another process holding the fd can neither map it writable nor write it.
+    assert!(matches!(HostMem::from_file(fd()), Err(MemError::Os { op: "mmap", .. })));
+    assert!(std::io::Write::write_all(&mut fd(), &[1; 8]).is_err(), "write(2) to a future-write-sealed memfd");
+    let reader = FlagTable::from_mem(Arc::new(HostMem::from_file_read_only(fd()).unwrap()), 2, 4).unwrap();
+    let tag = Tag { slot: 1, layer: 2 };
+    // A reader's publish is refused, not a fault; the creator's is seen.
+    assert!(!reader.publish(tag));
+    assert!(reader.ready(tag).is_none());
+    assert!(page.publish(tag));
+    assert!(reader.wait(tag, Duration::from_secs(1)).is_ok());
+    assert_eq!(reader.mem().write(0, &[0; 8]), Err(MemError::ReadOnly));
+}
