@@ -33,16 +33,38 @@ impl Host {
 
     /// Shapes this host's egress with a token bucket of `rate` (tc syntax, e.g. `40mbit`).
     pub fn shape(&self, rate: &str) -> Result<(), String> {
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.name, "tc", "qdisc", "replace", "dev", &self.dev, "root", "tbf"])
-            .args(["rate", rate, "burst", "32kbit", "latency", "400ms"])
-            .output()
-            .map_err(|e| format!("tc: {e}"))?;
+        self.qdisc(&["tbf", "rate", rate, "burst", "32kbit", "latency", "400ms"])
+    }
+
+    /// Replaces the root qdisc of this host's veth end (its egress):
+    /// `args` follow `root`, e.g. `["netem", "loss", "3%", "delay", "2ms"]`.
+    pub fn qdisc(&self, args: &[&str]) -> Result<(), String> {
+        let mut a: Vec<&str> = vec!["qdisc", "replace", "dev", &self.dev, "root"];
+        a.extend_from_slice(args);
+        self.tc(&a)
+    }
+
+    /// Runs `tc` with `args` inside this namespace.
+    pub fn tc(&self, args: &[&str]) -> Result<(), String> {
+        let out = Command::new("ip").args(["netns", "exec", &self.name, "tc"]).args(args).output().map_err(|e| format!("tc: {e}"))?;
         if out.status.success() {
             Ok(())
         } else {
-            Err(format!("tc on {}: {}", self.dev, String::from_utf8_lossy(&out.stderr).trim()))
+            Err(format!("tc {} on {}: {}", args.join(" "), self.name, String::from_utf8_lossy(&out.stderr).trim()))
         }
+    }
+
+    /// Sets this host's veth end up or down; down drops the carrier on
+    /// both ends until it is set up again.
+    pub fn set_link(&self, up: bool) -> Result<(), String> {
+        self.link_set(&[if up { "up" } else { "down" }])
+    }
+
+    /// `ip link set` on this host's veth end with `args` (e.g. `["gso_max_segs", "1"]`).
+    pub fn link_set(&self, args: &[&str]) -> Result<(), String> {
+        let mut a: Vec<&str> = vec!["-n", &self.name, "link", "set", "dev", &self.dev];
+        a.extend_from_slice(args);
+        ip(&a)
     }
 }
 

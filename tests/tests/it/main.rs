@@ -1,6 +1,7 @@
 //! kvwire-e2e integration tests: one module per area.
 
 mod daemons;
+mod faults;
 mod tinylm;
 
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};

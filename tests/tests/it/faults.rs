@@ -1,0 +1,649 @@
+//! Faults, through real kvwired processes: a daemon killed or frozen
+//! mid-transfer, a lossy, reordering, duplicating link, a link that goes down, a source
+//! overwritten the moment it is released, and a cancelled request whose
+//! late writes arrive after its blocks were reused. Each either completes
+//! with exactly the source bytes or fails by name with nothing wrong
+//! published.
+
+use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_e2e::netns::{self, Host, Link};
+use kvwire_e2e::scenario::{self, start_daemon, start_daemon_in, DaemonProc, Scenario};
+use kvwire_transport::flags::WaitError;
+use kvwire_transport::HostMem;
+use kvwired::client::{Client, ClientError};
+use kvwired::control::*;
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "faults-shared-secret-0123456789";
+const PEER_TIMEOUT_SECS: u64 = 2;
+
+fn peer_timeout() -> String {
+    format!("[limits]\npeer_timeout_secs = {PEER_TIMEOUT_SECS}\n")
+}
+
+fn dir(tag: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvwire-faults-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Two namespace hosts, or `None` (and a SKIPPED line) without root or iproute2.
+fn hosts(tag: &str, test: &str) -> Option<Link> {
+    if !netns::available() {
+        eprintln!("SKIPPED {test}: needs root and iproute2");
+        return None;
+    }
+    Some(Link::new(tag).expect("namespaces"))
+}
+
+fn connect(d: &DaemonProc, name: &str) -> Client {
+    Client::connect(&d.socket, name).unwrap()
+}
+
+/// A cache described by hand: `layers` layers of dense K and V, each
+/// `heads × dim` fp32 per token, one rank, NHD pages of 16 tokens,
+/// `blocks` blocks. Its memory is, per layer, the K region then the V
+/// region, each `blocks` pages back to back.
+#[derive(Debug, Clone, Copy)]
+struct Cache {
+    layers: u64,
+    heads: u64,
+    dim: u64,
+    blocks: u32,
+}
+
+const LAYOUT: &str = "tp=1,block=16";
+
+impl Cache {
+    fn spec(&self) -> String {
+        let (layers, heads, dim) = (self.layers, self.heads, self.dim);
+        format!("name = \"faults\"\ndtype = \"fp32\"\n[[layers]]\nrepeat = {layers}\nattention = \"dense\"\nkv_heads = {heads}\nhead_dim = {dim}\n")
+    }
+
+    fn tokens(&self) -> u64 {
+        u64::from(self.blocks) * 16
+    }
+
+    fn block_bytes(&self) -> u64 {
+        16 * self.heads * self.dim * 4
+    }
+
+    fn region_bytes(&self) -> u64 {
+        u64::from(self.blocks) * self.block_bytes()
+    }
+
+    fn layer_bytes(&self) -> u64 {
+        2 * self.region_bytes()
+    }
+
+    fn bytes(&self) -> u64 {
+        self.layers * self.layer_bytes()
+    }
+
+    fn identity() -> CacheIdentity {
+        CacheIdentity {
+            model_digest: "faults".into(),
+            adapter_digest: String::new(),
+            format: "fp32/v1".into(),
+            tenant: "t".into(),
+            rope: "theta=10000".into(),
+            position_offset: 0,
+        }
+    }
+
+    fn register(&self, c: &Client, group: &str, mem: &HostMem) {
+        let r = RegisterCache {
+            group: group.into(),
+            model: ModelSource::Toml(self.spec()),
+            format: "fp32".into(),
+            layout: LAYOUT.into(),
+            rank: 0,
+            num_blocks: self.blocks,
+            identity: Cache::identity(),
+        };
+        c.register(r, mem).unwrap();
+    }
+
+    /// What a destination holding `table` must contain after a copy from
+    /// a source holding `src` in identity order: each region's page `p`
+    /// lands at page `table[p]` (the rest stays as it was, in `before`).
+    fn placed(&self, src: &[u8], table: &[u32], before: &[u8]) -> Vec<u8> {
+        let mut out = before.to_vec();
+        let (page, region) = (self.block_bytes() as usize, self.region_bytes() as usize);
+        for r in 0..(2 * self.layers) as usize {
+            for (p, &b) in table.iter().enumerate() {
+                let from = r * region + p * page;
+                let to = r * region + b as usize * page;
+                out[to..to + page].copy_from_slice(&src[from..from + page]);
+            }
+        }
+        out
+    }
+
+    fn layer(&self, l: u64) -> std::ops::Range<usize> {
+        (l * self.layer_bytes()) as usize..((l + 1) * self.layer_bytes()) as usize
+    }
+}
+
+/// `len` bytes from a xorshift stream seeded by `seed`.
+fn pattern(seed: u64, len: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut out = Vec::with_capacity(len as usize + 8);
+    while (out.len() as u64) < len {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        out.extend_from_slice(&s.to_le_bytes());
+    }
+    out.truncate(len as usize);
+    out
+}
+
+fn mem_with(name: &str, bytes: &[u8]) -> HostMem {
+    let m = HostMem::new(name, bytes.len() as u64).unwrap();
+    m.write(0, bytes).unwrap();
+    m
+}
+
+fn contents(m: &HostMem) -> Vec<u8> {
+    let mut out = vec![0u8; m.len() as usize];
+    m.read(0, &mut out).unwrap();
+    out
+}
+
+/// Where two buffers first differ, for a readable assertion.
+fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
+    if a.len() != b.len() {
+        return Some(a.len().min(b.len()));
+    }
+    a.iter().zip(b).position(|(x, y)| x != y)
+}
+
+/// Prepares `request` of group `dst` on `cb` into `table`, then submits
+/// `src_group` (identity table) from `ca`: (source slot, destination slot).
+fn start(ca: &Client, cb: &Client, peer: &str, c: &Cache, src_group: &str, request: &str, table: &[u32]) -> (u16, u16) {
+    let dslot = cb
+        .prepare(PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.to_vec(), tokens: c.tokens(), prefix_tokens: 0 })
+        .unwrap();
+    let (sslot, peer_slot, bytes, _) = ca
+        .submit(Submit {
+            request: format!("{src_group}-{request}"),
+            group: src_group.into(),
+            block_table: (0..c.blocks).collect(),
+            tokens: c.tokens(),
+            peer: peer.into(),
+            dst_group: "dst".into(),
+            dst_request: request.into(),
+            codec: None,
+        })
+        .unwrap();
+    assert_eq!(peer_slot, dslot);
+    assert_eq!(bytes, c.bytes(), "the plan moves every byte of the cache");
+    (sslot, dslot)
+}
+
+/// Counts the layers whose `layer_ready` was published in `slot`, checking
+/// each holds exactly `expected`'s bytes.
+fn published_layers_hold(cb: &Client, slot: u16, c: &Cache, dst: &HostMem, expected: &[u8]) -> u64 {
+    let got = contents(dst);
+    let mut n = 0;
+    for l in 0..c.layers {
+        if cb.ready(slot, FlagName::LayerReady(l as u16)) {
+            let r = c.layer(l);
+            if let Some(at) = first_difference(&got[r.clone()], &expected[r.clone()]) {
+                panic!("layer {l} was published but differs from the source at byte {at} of the layer");
+            }
+            n += 1;
+        }
+    }
+    n
+}
+
+fn is_failed_wait(r: &Result<Duration, ClientError>) -> bool {
+    matches!(r, Err(ClientError::Wait(WaitError::Failed { .. })))
+}
+
+/// 32 MiB in 8 layers: about 2.7 s through a 100 Mbit/s link, so a fault
+/// can land mid-transfer after a layer or two.
+const SLOW: Cache = Cache { layers: 8, heads: 8, dim: 128, blocks: 32 };
+
+#[test]
+fn a_source_killed_mid_transfer_fails_the_destination_within_the_peer_timeout() {
+    let _alone = crate::alone();
+    let name = "a_source_killed_mid_transfer_fails_the_destination_within_the_peer_timeout";
+    let Some(link) = hosts("xsrc", name) else { return };
+    link.b.shape("100mbit").expect("tc shaping");
+    let d = dir("xsrc");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &peer_timeout());
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let orig = pattern(1, c.bytes());
+    let src = mem_with("src", &orig);
+    let dst = HostMem::new("dst", c.bytes()).unwrap();
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).collect();
+    let (_, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    cb.wait(dslot, FlagName::LayerReady(1), Duration::from_secs(20)).expect("two layers arrive before the kill");
+    let killed = Instant::now();
+    drop(a); // SIGKILL, reaped
+    let waited = cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(PEER_TIMEOUT_SECS + 10));
+    let after = killed.elapsed();
+    drop(ca);
+    let st = cb.status(dslot).unwrap();
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    let published = published_layers_hold(&cb, dslot, &c, &dst, &expected);
+    eprintln!("{name}: destination failed {after:?} after the kill; {published} of {} layers published; error: {:?}", c.layers, st.error);
+    assert!(is_failed_wait(&waited), "decoder_usable wait: {waited:?}");
+    assert!(after <= Duration::from_secs(PEER_TIMEOUT_SECS + 3), "the destination noticed the dead source only after {after:?}");
+    assert_eq!(st.state, TransferState::Failed, "{st:?}");
+    let err = st.error.unwrap_or_default();
+    assert!(err.contains("prefill-host"), "the error does not name the source: {err}");
+    assert!(!cb.ready(dslot, FlagName::DecoderUsable), "decoder_usable published for a partial transfer");
+    assert!((2..c.layers).contains(&published), "{published} layers published");
+    // The destination keeps serving: a fresh source moves a whole tinylm cache, bitwise.
+    let a2 = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
+    let o = scenario::run(&connect(&a2, "prefill"), &cb, "decode-host", &Scenario::new("after-kill")).unwrap();
+    assert!(o.bitwise(), "logits differ after the kill: max abs diff {}", o.max_abs_diff());
+}
+
+#[test]
+fn a_frozen_source_fails_the_destination_once_silent_for_the_peer_timeout() {
+    let _alone = crate::alone();
+    use nix::sys::signal::{kill, Signal};
+    let name = "a_frozen_source_fails_the_destination_once_silent_for_the_peer_timeout";
+    let Some(link) = hosts("frozen", name) else { return };
+    link.b.shape("100mbit").expect("tc shaping");
+    let d = dir("frozen");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &peer_timeout());
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let orig = pattern(5, c.bytes());
+    let src = mem_with("src", &orig);
+    let dst = HostMem::new("dst", c.bytes()).unwrap();
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).collect();
+    let (_, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    cb.wait(dslot, FlagName::LayerReady(1), Duration::from_secs(20)).expect("two layers arrive before the freeze");
+    // Stopped, not dead: every connection stays open, nothing more is said.
+    let pid = nix::unistd::Pid::from_raw(a.pid() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let frozen = Instant::now();
+    let waited = cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(PEER_TIMEOUT_SECS + 10));
+    let after = frozen.elapsed();
+    let st = cb.status(dslot).unwrap();
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    let published = published_layers_hold(&cb, dslot, &c, &dst, &expected);
+    eprintln!("{name}: destination failed {after:?} after the freeze; {published} of {} layers published; error: {:?}", c.layers, st.error);
+    assert!(is_failed_wait(&waited), "decoder_usable wait: {waited:?}");
+    // The last ping came at most a quarter of the timeout before the freeze.
+    let t = Duration::from_secs(PEER_TIMEOUT_SECS);
+    assert!(after >= t * 3 / 4 - Duration::from_millis(100), "failed after {after:?}: before the peer timeout ran out");
+    assert!(after <= t + Duration::from_secs(3), "failed only after {after:?}");
+    assert_eq!(st.state, TransferState::Failed, "{st:?}");
+    let err = st.error.unwrap_or_default();
+    assert!(err.contains(&format!("peer `prefill-host` silent for {PEER_TIMEOUT_SECS}s")), "{err}");
+    assert!(!cb.ready(dslot, FlagName::DecoderUsable));
+    assert!((2..c.layers).contains(&published), "{published} layers published");
+    kill(pid, Signal::SIGCONT).unwrap();
+}
+
+#[test]
+fn a_destination_killed_mid_transfer_fails_the_source_which_serves_another() {
+    let _alone = crate::alone();
+    let name = "a_destination_killed_mid_transfer_fails_the_source_which_serves_another";
+    let Some(link) = hosts("ydst", name) else { return };
+    link.b.shape("100mbit").expect("tc shaping");
+    let d = dir("ydst");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &peer_timeout());
+    let b2 = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-two", SECRET, &[], &peer_timeout());
+    let peers = [("decode-host", b.peer.as_str()), ("decode-two", b2.peer.as_str())];
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &peers, &peer_timeout());
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let src = mem_with("src", &pattern(2, c.bytes()));
+    let dst = HostMem::new("dst", c.bytes()).unwrap();
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).collect();
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    cb.wait(dslot, FlagName::LayerReady(1), Duration::from_secs(20)).expect("two layers arrive before the kill");
+    let killed = Instant::now();
+    drop(b);
+    let waited = ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(PEER_TIMEOUT_SECS + 10));
+    let after = killed.elapsed();
+    let st = ca.status(sslot).unwrap();
+    eprintln!("{name}: source failed {after:?} after the kill; error: {:?}", st.error);
+    assert!(is_failed_wait(&waited), "source_released wait: {waited:?}");
+    assert!(after <= Duration::from_secs(PEER_TIMEOUT_SECS + 3), "the source noticed the dead destination only after {after:?}");
+    assert_eq!(st.state, TransferState::Failed, "{st:?}");
+    let err = st.error.unwrap_or_default();
+    assert!(err.contains("decode-host"), "the error does not name the destination: {err}");
+    // The source keeps serving: the other destination gets a whole tinylm cache, bitwise.
+    let o = scenario::run(&ca, &connect(&b2, "decode"), "decode-two", &Scenario::new("other-dst")).unwrap();
+    assert!(o.bitwise(), "logits differ after the kill: max abs diff {}", o.max_abs_diff());
+}
+
+/// A classic-BPF program that draws a random u32 and returns `hit` with
+/// probability `p`, else `miss` (`ld rand; jge #t, hit, miss`).
+fn random_bpf(p: f64, hit: u32, miss: u32) -> String {
+    const LD_RAND: u32 = 0xffff_f000 + 56; // SKF_AD_OFF + SKF_AD_RANDOM
+    let t = ((1.0 - p) * 4_294_967_296.0) as u32;
+    format!("4,32 0 0 {LD_RAND},53 1 0 {t},6 0 0 {miss},6 0 0 {hit}")
+}
+
+/// Without netem: the same three faults from what this kernel has, on
+/// packets toward `h` (loss, duplication) and from `h` (reordering).
+/// One TCP segment per packet (`gso_max_segs 1`), so they hit segments.
+/// - loss 3%: a direct-action classifier on `h`'s ingress returns
+///   TC_ACT_SHOT for 3% of packets (a drop in flight, not at the sender's
+///   qdisc, which TCP would simply resend without counting);
+/// - duplicate 2%: a classifier matching 2% mirrors them back into the
+///   same ingress, so the stack receives them twice;
+/// - reorder 25%: an HTB root sends 25% through a 20 Mbit/s lane with a
+///   16-packet queue, so they arrive after packets sent later.
+fn impair_without_netem(h: &Host) -> Result<(), String> {
+    const SHOT: u32 = 2;
+    const UNSPEC: u32 = u32::MAX; // TC_ACT_UNSPEC: on to the next filter
+    let dev = h.dev.as_str();
+    h.link_set(&["gso_max_segs", "1"])?;
+    h.qdisc(&["handle", "1:", "htb", "default", "10"])?;
+    h.tc(&["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", "10gbit"])?;
+    h.tc(&["class", "add", "dev", dev, "parent", "1:", "classid", "1:30", "htb", "rate", "20mbit", "ceil", "20mbit"])?;
+    h.tc(&["qdisc", "add", "dev", dev, "parent", "1:30", "pfifo", "limit", "16"])?;
+    let slow = random_bpf(0.25, 0x0001_0030, 0);
+    h.tc(&["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "bpf", "bytecode", &slow, "flowid", "1:10"])?;
+    h.tc(&["qdisc", "add", "dev", dev, "clsact"])?;
+    let drop = random_bpf(0.03, SHOT, UNSPEC);
+    h.tc(&["filter", "add", "dev", dev, "ingress", "protocol", "ip", "prio", "1", "bpf", "da", "bytecode", &drop])?;
+    let dup = random_bpf(0.02, u32::MAX, 0); // -1: a match, so the mirred action runs
+    h.tc(&["filter", "add", "dev", dev, "ingress", "protocol", "ip", "prio", "2", "bpf", "bytecode", &dup, "action", "mirred", "ingress", "mirror", "dev", dev])
+}
+
+/// Loss 3%, reordering 25% and duplication 2% both ways on `link`: with
+/// netem where the kernel has it, else [`impair_without_netem`]. Returns which.
+fn impair(link: &Link) -> &'static str {
+    let netem = ["netem", "loss", "3%", "reorder", "25%", "50%", "duplicate", "2%", "delay", "2ms"];
+    match link.a.qdisc(&netem) {
+        Ok(()) => {
+            link.b.qdisc(&netem).expect("netem");
+            "netem"
+        }
+        Err(e) if e.contains("unknown") => {
+            for h in [&link.a, &link.b] {
+                impair_without_netem(h).expect("tc: bpf classifiers, htb, mirred");
+            }
+            "tc bpf/htb/mirred (this kernel has no netem)"
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+/// TCP counters of host `h`'s namespace (`nstat`, absolute), by name.
+fn tcp_counters(h: &Host) -> std::collections::BTreeMap<String, u64> {
+    let out = std::process::Command::new("ip").args(["netns", "exec", &h.name, "nstat", "-asz"]).output().expect("nstat");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            Some((w.next()?.to_string(), w.next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn a_lossy_reordering_duplicating_link_still_delivers_exact_bytes() {
+    let _shared = crate::shared();
+    let name = "a_lossy_reordering_duplicating_link_still_delivers_exact_bytes";
+    let Some(link) = hosts("netem", name) else { return };
+    let how = impair(&link);
+    let d = dir("netem");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let mut sc = Scenario::new("lossy");
+    sc.tokens = 400; // 1.6 MB: over a thousand segments, so 3% loss hits some
+    let o = scenario::run(&connect(&a, "prefill"), &connect(&b, "decode"), "decode-host", &sc).unwrap();
+    // What the receiving host's stack saw, counted apart from the daemons.
+    let seen = tcp_counters(&link.a);
+    let of = |k: &str| seen.get(k).copied().unwrap_or(0);
+    eprintln!(
+        "{name}: impaired with {how}; {} bytes moved, {} retransmitted; receiver: {} segments queued out of order, {} D-SACKs for segments it already had",
+        o.source.bytes,
+        o.source.retransmitted_bytes,
+        of("TcpExtTCPOFOQueue"),
+        of("TcpExtTCPDSACKOldSent"),
+    );
+    assert!(o.bitwise(), "logits differ: max abs diff {}", o.max_abs_diff());
+    assert!(o.source.retransmitted_bytes > 0, "3% loss and no retransmitted bytes counted: {:?}", o.source);
+    assert!(of("TcpExtTCPOFOQueue") > 0, "the receiver saw nothing out of order: the link was not impaired");
+}
+
+#[test]
+fn a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly() {
+    let _alone = crate::alone();
+    let name = "a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly";
+    let Some(link) = hosts("updown", name) else { return };
+    link.b.shape("100mbit").expect("tc shaping");
+    let d = dir("updown");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let orig = pattern(3, c.bytes());
+    let src = mem_with("src", &orig);
+    let dst = HostMem::new("dst", c.bytes()).unwrap();
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).rev().collect();
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    cb.wait(dslot, FlagName::LayerReady(0), Duration::from_secs(20)).expect("a layer arrives before the link goes down");
+    link.b.set_link(false).expect("link down");
+    std::thread::sleep(Duration::from_secs(1));
+    link.b.set_link(true).expect("link up");
+    let waited = cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(30));
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    let dst_status = cb.status(dslot).unwrap();
+    match waited {
+        Ok(_) => {
+            ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).expect("source released after a complete transfer");
+            let st = ca.status(sslot).unwrap();
+            eprintln!("{name}: recovered; {} bytes retransmitted", st.retransmitted_bytes);
+            assert_eq!(dst_status.state, TransferState::Done, "{dst_status:?}");
+            assert_eq!(first_difference(&contents(&dst), &expected), None, "the recovered transfer placed other bytes");
+            assert!(st.retransmitted_bytes > 0, "a second without a link and nothing retransmitted: {st:?}");
+        }
+        Err(ClientError::Wait(e @ WaitError::Failed { .. })) => {
+            let published = published_layers_hold(&cb, dslot, &c, &dst, &expected);
+            eprintln!("{name}: failed cleanly ({e}); {published} of {} layers published; error: {:?}", c.layers, dst_status.error);
+            assert_eq!(dst_status.state, TransferState::Failed, "{dst_status:?}");
+            assert!(dst_status.error.as_deref().is_some_and(|e| !e.is_empty()), "failed without a reason: {dst_status:?}");
+            assert!(!cb.ready(dslot, FlagName::DecoderUsable));
+            assert!(published < c.layers);
+        }
+        Err(e) => panic!("neither completed nor failed within 30 s of the link coming back: {e}; {dst_status:?}"),
+    }
+}
+
+/// The source overwrites its whole memory the moment `source_released` is
+/// seen; the destination must still hold the original. Checksums are off
+/// on both daemons, so only the bytes decide.
+fn source_may_be_overwritten_once_released(tag: &str, extra: &str) {
+    let d = dir(tag);
+    let b = start_daemon(&d, "decode-host", SECRET, &[], extra);
+    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = Cache { layers: 4, heads: 8, dim: 128, blocks: 16 };
+    let orig = pattern(4, c.bytes());
+    let src = mem_with("src", &orig);
+    let dst = HostMem::new("dst", c.bytes()).unwrap();
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).rev().collect();
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(20)).expect("source released");
+    let garbage = pattern(0xdead, c.bytes());
+    src.write(0, &garbage).unwrap();
+    cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(20)).expect("decoder usable");
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    let got = contents(&dst);
+    if let Some(at) = first_difference(&got, &expected) {
+        let from_garbage = got[at] == c.placed(&garbage, &table, &vec![0; c.bytes() as usize])[at];
+        panic!("{tag}: destination differs from the original source at byte {at} (matches the overwrite: {from_garbage})");
+    }
+}
+
+#[test]
+fn overwriting_the_source_after_source_released_leaves_the_destination_intact_over_tcp() {
+    let _shared = crate::shared();
+    source_may_be_overwritten_once_released("lifetime-tcp", "verify_checksums = false\n");
+}
+
+#[test]
+fn overwriting_the_source_after_source_released_leaves_the_destination_intact_over_shm() {
+    let _shared = crate::shared();
+    source_may_be_overwritten_once_released("lifetime-shm", "verify_checksums = false\n[transport]\nkind = \"shm\"\n");
+}
+
+/// What the test controls in [`holding_proxy`].
+#[derive(Debug, Default)]
+struct Hold {
+    /// Write frames of the first connection that reached the proxy.
+    writes_seen: AtomicUsize,
+    /// Set to let the held frames go.
+    released: AtomicBool,
+}
+
+/// Forwards TCP connections to `upstream`. The first connection's
+/// handshake passes; its first `Write` frame and everything after it wait,
+/// in order, until `released`. Later connections pass straight through.
+fn holding_proxy(listen: TcpListener, upstream: String) -> Arc<Hold> {
+    let hold = Arc::new(Hold::default());
+    let h = hold.clone();
+    std::thread::spawn(move || {
+        for (n, c) in listen.incoming().enumerate() {
+            let Ok(down) = c else { return };
+            let Ok(up) = TcpStream::connect(&upstream) else { return };
+            let (mut up_r, mut down_w) = (up.try_clone().unwrap(), down.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut up_r, &mut down_w);
+                let _ = down_w.shutdown(Shutdown::Write);
+            });
+            let (mut down_r, mut up_w) = (down, up);
+            if n > 0 {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut down_r, &mut up_w);
+                    let _ = up_w.shutdown(Shutdown::Write);
+                });
+                continue;
+            }
+            let (tx, rx) = std::sync::mpsc::channel::<(Kind, Vec<u8>)>();
+            let seen = h.clone();
+            std::thread::spawn(move || loop {
+                let mut frame = vec![0u8; HEADER_LEN];
+                if down_r.read_exact(&mut frame).is_err() {
+                    return;
+                }
+                let Ok(header) = Header::decode(frame[..HEADER_LEN].try_into().unwrap(), u64::MAX) else { return };
+                frame.resize(HEADER_LEN + header.len as usize, 0);
+                if down_r.read_exact(&mut frame[HEADER_LEN..]).is_err() {
+                    return;
+                }
+                if header.kind == Kind::Write {
+                    seen.writes_seen.fetch_add(1, Ordering::AcqRel);
+                }
+                if tx.send((header.kind, frame)).is_err() {
+                    return;
+                }
+            });
+            let gate = h.clone();
+            std::thread::spawn(move || {
+                let mut holding = false;
+                for (kind, frame) in rx {
+                    holding |= kind == Kind::Write;
+                    while holding && !gate.released.load(Ordering::Acquire) {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    if up_w.write_all(&frame).is_err() {
+                        return;
+                    }
+                }
+                let _ = up_w.shutdown(Shutdown::Write);
+            });
+        }
+    });
+    hold
+}
+
+#[test]
+fn a_cancelled_requests_late_writes_are_refused_after_its_blocks_were_reused() {
+    let _shared = crate::shared();
+    let name = "a_cancelled_requests_late_writes_are_refused_after_its_blocks_were_reused";
+    // The decode daemon's data plane is reached through a proxy that holds
+    // the first transfer's writes until the test lets them go.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
+    let proxy_addr = proxy.local_addr().unwrap().to_string();
+    let d = dir("reuse");
+    let b = start_daemon(&d, "decode-host", SECRET, &[], &format!("[transport]\ntcp_listen = \"127.0.0.1:{port}\"\ntcp_advertise = \"{proxy_addr}\"\n"));
+    let hold = holding_proxy(proxy, format!("127.0.0.1:{port}"));
+    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = Cache { layers: 4, heads: 4, dim: 64, blocks: 8 };
+    let (one, two) = (pattern(11, c.bytes()), pattern(22, c.bytes()));
+    let (src_a, src_b) = (mem_with("src-a", &one), mem_with("src-b", &two));
+    let dst = HostMem::new("dst", c.bytes()).unwrap();
+    c.register(&ca, "A", &src_a);
+    c.register(&ca, "B", &src_b);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).rev().collect();
+    // r1 from A: its writes are held in the proxy.
+    let (slot_a, r1) = start(&ca, &cb, "decode-host", &c, "A", "r1", &table);
+    let t = Instant::now();
+    while hold.writes_seen.load(Ordering::Acquire) == 0 {
+        assert!(t.elapsed() < Duration::from_secs(10), "no write of r1 reached the proxy");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!(ca.status(slot_a).unwrap().state, TransferState::Running);
+    // The decode side gives up on r1 and reuses its blocks for r2 from B.
+    cb.cancel(r1).unwrap();
+    assert_eq!(cb.status(r1).unwrap().state, TransferState::Cancelled);
+    let (slot_b, r2) = start(&ca, &cb, "decode-host", &c, "B", "r2", &table);
+    cb.wait(r2, FlagName::DecoderUsable, Duration::from_secs(20)).expect("r2 decoder usable");
+    ca.wait(slot_b, FlagName::SourceReleased, Duration::from_secs(20)).expect("B released");
+    let expected = c.placed(&two, &table, &vec![0; c.bytes() as usize]);
+    assert_eq!(first_difference(&contents(&dst), &expected), None, "r2 did not place B's bytes");
+    // Now r1's late writes arrive.
+    hold.released.store(true, Ordering::Release);
+    let t = Instant::now();
+    let st = loop {
+        let st = ca.status(slot_a).unwrap();
+        if st.state != TransferState::Running {
+            break st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "A still running 15 s after its writes were released: {st:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let held = hold.writes_seen.load(Ordering::Acquire);
+    eprintln!("{name}: {held} write frames held; A ended {:?} after the release: {:?} {:?}", t.elapsed(), st.state, st.error);
+    assert_eq!(st.state, TransferState::Failed, "{st:?}");
+    let err = st.error.unwrap_or_default();
+    assert!(err.contains("unknown or revoked remote key"), "A's late writes were not refused by key: {err}");
+    assert!(!ca.ready(slot_a, FlagName::SourceReleased));
+    if let Some(at) = first_difference(&contents(&dst), &expected) {
+        let from_a = contents(&dst)[at] == c.placed(&one, &table, &vec![0; c.bytes() as usize])[at];
+        panic!("r1's late writes changed the reused blocks at byte {at} (A's byte there: {from_a})");
+    }
+    let r2_status = cb.status(r2).unwrap();
+    assert_eq!(r2_status.state, TransferState::Done, "{r2_status:?}");
+    assert!(cb.ready(r2, FlagName::DecoderUsable));
+}
