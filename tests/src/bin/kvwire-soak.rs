@@ -1,0 +1,807 @@
+//! A bounded soak of two real kvwired daemons: N clients move KV caches
+//! from "soak-src" to "soak-dst" as fast as they can for S seconds, every
+//! transfer remapped (TP2 NHD/16 → TP1 HND/32, shuffled block tables), and
+//! every transfer checked byte for byte.
+//!
+//! Each client owns its groups (`src-i`, `dst-i`), registered once. Per
+//! iteration it writes a new key into its source (the oracle's codes from
+//! `kvwire_core::verify`, XOR the key), prepares a uniquely named receive,
+//! submits, waits `decoder_usable`, and compares the destination with the
+//! oracle's expectation XOR the same key (canary bytes stay canary). The key
+//! changes every iteration, so a byte the transfer failed to write still holds
+//! the previous key and shows.
+//!
+//! A sampler reads each daemon's VmRSS, Threads and open fds from /proc every
+//! 500 ms: before any client connects, during the run, and 1 s after every
+//! client has disconnected. "RSS first" is the first sample after a warm-up
+//! of 20% of the run (registrations, allocator arenas, first connections).
+//!
+//! Judgement (exit 1, naming what failed): any transfer error or byte
+//! mismatch; a daemon that died; fds or threads after the clients left not
+//! equal to before they connected; RSS growth: max RSS in the last third of
+//! the run above the middle third's max by more than max(16 MiB, 10%).
+//! Exit 2 on bad arguments.
+
+use kvwire_core::layout::{from_toml_spec, ModelSpec};
+use kvwire_core::plan::{Buffers, Side};
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::shard::LayoutSpec;
+use kvwire_core::{verify, CacheFormat};
+use kvwire_e2e::netns;
+use kvwire_e2e::scenario::{start_daemon, start_daemon_in, DaemonProc};
+use kvwire_transport::HostMem;
+use kvwired::client::{Client, ClientError};
+use kvwired::control::*;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "kvwire-soak-shared-secret-0123456789";
+const LAYERS: u64 = 4;
+const KV_HEADS: u64 = 4;
+const HEAD_DIM: u64 = 64;
+const ELEM_BYTES: u64 = 2; // fp16
+const MODEL: &str = "name = \"soak\"\ndtype = \"fp16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 64\n";
+const SRC_LAYOUT: &str = "tp=2,block=16,layout=nhd,table=shuffle:3";
+const DST_LAYOUT: &str = "tp=1,block=32,layout=hnd,table=shuffle:7";
+const WAIT: Duration = Duration::from_secs(30);
+const SAMPLE_EVERY: Duration = Duration::from_millis(500);
+const SETTLE: Duration = Duration::from_secs(1);
+/// Errors kept verbatim per client (the rest are only counted).
+const KEEP_ERRORS: usize = 3;
+/// A client stops after this many failures in a row: its daemon is likely gone.
+const GIVE_UP_AFTER: u32 = 3;
+
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--json]";
+
+// ------------------------------------------------------------------ arguments
+
+/// The command line as given.
+#[derive(Debug, Default)]
+struct RawArgs {
+    seconds: Option<String>,
+    clients: Option<String>,
+    tokens: Option<String>,
+    netns: bool,
+    json: bool,
+    help: bool,
+}
+
+/// What to run, validated.
+#[derive(Debug, Clone)]
+struct Settings {
+    seconds: u64,
+    clients: usize,
+    tokens: u64,
+    netns: bool,
+    json: bool,
+}
+
+fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
+    let mut raw = RawArgs::default();
+    let mut it = args.into_iter();
+    while let Some(a) = it.next() {
+        let mut value = |key: &str| it.next().ok_or_else(|| format!("{key} needs a value"));
+        match a.as_str() {
+            "--seconds" => raw.seconds = Some(value("--seconds")?),
+            "--clients" => raw.clients = Some(value("--clients")?),
+            "--tokens" => raw.tokens = Some(value("--tokens")?),
+            "--netns" => raw.netns = true,
+            "--json" => raw.json = true,
+            "-h" | "--help" => raw.help = true,
+            other => return Err(format!("unknown argument `{other}`")),
+        }
+    }
+    Ok(raw)
+}
+
+fn number(key: &str, v: Option<&str>, default: u64, range: std::ops::RangeInclusive<u64>) -> Result<u64, String> {
+    let n = match v {
+        None => default,
+        Some(s) => s.parse::<u64>().map_err(|e| format!("{key} `{s}`: {e}"))?,
+    };
+    if range.contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("{key} {n} is outside {}..={}", range.start(), range.end()))
+    }
+}
+
+fn settings(raw: &RawArgs) -> Result<Settings, String> {
+    Ok(Settings {
+        // Under 3 s the thirds of the run hold too few samples to judge RSS.
+        seconds: number("--seconds", raw.seconds.as_deref(), 30, 3..=3600)?,
+        // A daemon runs at most 64 transfers at once by default; each client has one.
+        clients: number("--clients", raw.clients.as_deref(), 8, 1..=64)? as usize,
+        tokens: number("--tokens", raw.tokens.as_deref(), 256, 1..=65536)?,
+        netns: raw.netns,
+        json: raw.json,
+    })
+}
+
+// ------------------------------------------------------------------ /proc figures
+
+/// One daemon's figures at one moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProcFigures {
+    rss_kib: u64,
+    threads: u64,
+    fds: u64,
+}
+
+fn proc_figures(pid: u32) -> Result<ProcFigures, String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| format!("/proc/{pid}/status: {e}"))?;
+    let field = |key: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    // A zombie has a status file but no VmRSS: the daemon is gone.
+    let rss_kib = field("VmRSS:").ok_or_else(|| format!("pid {pid} has no VmRSS (exited?)"))?;
+    let threads = field("Threads:").ok_or_else(|| format!("pid {pid}: no Threads line"))?;
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_err(|e| format!("/proc/{pid}/fd: {e}"))?.count() as u64;
+    Ok(ProcFigures { rss_kib, threads, fds })
+}
+
+/// `ip netns exec` execs its command without forking, so the child's pid is
+/// kvwired's; this checks that rather than trusting it, since a wrapper's
+/// figures would say nothing about the daemon.
+fn daemon_pid(d: &DaemonProc) -> Result<u32, String> {
+    let pid = d.pid();
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).map_err(|e| format!("/proc/{pid}/comm: {e}"))?;
+    if comm.trim() == "kvwired" {
+        Ok(pid)
+    } else {
+        Err(format!("pid {pid} is `{}`, not kvwired", comm.trim()))
+    }
+}
+
+/// A sample of both daemons (src, dst) at `at` after the clients started.
+#[derive(Debug, Clone, Copy)]
+struct Sample {
+    at: Duration,
+    figs: [ProcFigures; 2],
+}
+
+// ------------------------------------------------------------------ the fixture
+
+/// What every client shares: the model, both sides, and the oracle's bytes
+/// (per rank, regions back to back as registered).
+#[derive(Debug)]
+struct Fixture {
+    model: ModelSpec,
+    src: Side,
+    dst: Side,
+    src_codes: Vec<Vec<u8>>,
+    dst_expect: Vec<Vec<u8>>,
+    identity: CacheIdentity,
+    tokens: u64,
+}
+
+fn flatten(model: &ModelSpec, side: &Side, bufs: &Buffers) -> Vec<Vec<u8>> {
+    (0..side.shard.ranks.len() as u32)
+        .map(|r| side.regions(model, r).iter().flat_map(|(id, _)| bufs.ranks[r as usize][id].iter().copied()).collect())
+        .collect()
+}
+
+fn fixture(tokens: u64) -> Result<Fixture, String> {
+    let model = from_toml_spec("soak", MODEL).map_err(|e| format!("model spec: {e}"))?;
+    let fmt = CacheFormat::parse("fp16").map_err(|e| e.to_string())?;
+    let side = |l: &str| -> Result<Side, String> {
+        let spec = LayoutSpec::parse(l).map_err(|e| format!("layout `{l}`: {e}"))?;
+        Side::new(&model, &spec, fmt, tokens).map_err(|e| format!("layout `{l}`: {e}"))
+    };
+    let (src, dst) = (side(SRC_LAYOUT)?, side(DST_LAYOUT)?);
+    let src_codes = flatten(&model, &src, &verify::fill_source(&model, &src, tokens));
+    let dst_expect = flatten(&model, &dst, &verify::expected_destination(&model, &dst, tokens, 0));
+    let identity = CacheIdentity {
+        model_digest: "soak".into(),
+        adapter_digest: String::new(),
+        format: "fp16/v1".into(),
+        tenant: "soak".into(),
+        rope: "theta=10000".into(),
+        position_offset: 0,
+    };
+    Ok(Fixture { model, src, dst, src_codes, dst_expect, identity, tokens })
+}
+
+// ------------------------------------------------------------------ clients
+
+/// Why one transfer (or a client's set-up) failed.
+#[derive(Debug, thiserror::Error)]
+enum SoakError {
+    /// A daemon refused or failed.
+    #[error("{step}: {source}{}", .why.as_deref().map(|w| format!(" (daemon says: {w})")).unwrap_or_default())]
+    Daemon {
+        /// What was being done.
+        step: &'static str,
+        /// The error.
+        source: ClientError,
+        /// The transfer's own error, from its status, when there is one.
+        why: Option<String>,
+    },
+    /// The destination does not hold what the oracle says.
+    #[error("destination bytes differ: {count} bytes, first at rank {rank} offset {offset} (got {got:#04x}, want {want:#04x})")]
+    Mismatch {
+        /// Differing bytes.
+        count: u64,
+        /// Rank of the first.
+        rank: usize,
+        /// Its offset in the rank's memfd.
+        offset: usize,
+        /// What it held.
+        got: u8,
+        /// What it should have held.
+        want: u8,
+    },
+    /// The daemon reported another size than the independent formula.
+    #[error("submit reported {got} bytes, the model needs {want}")]
+    Bytes {
+        /// Reported.
+        got: u64,
+        /// Layers × KV heads × head_dim × (K, V) × element size × tokens.
+        want: u64,
+    },
+    /// Local set-up failed.
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn step(step: &'static str) -> impl Fn(ClientError) -> SoakError {
+    move |source| SoakError::Daemon { step, source, why: None }
+}
+
+/// What one client did.
+#[derive(Debug, Default)]
+struct Tally {
+    latencies: Vec<Duration>,
+    bytes: u64,
+    errors: u64,
+    mismatches: u64,
+    kept: Vec<String>,
+}
+
+/// One client's connections and memory; dropped when it leaves.
+struct Session<'a> {
+    fx: &'a Fixture,
+    ca: Client,
+    cb: Client,
+    src_group: String,
+    dst_group: String,
+    src_mems: Vec<HostMem>,
+    dst_mems: Vec<HostMem>,
+    scratch: Vec<u8>,
+}
+
+fn register(c: &Client, fx: &Fixture, group: &str, layout: &str, side: &Side) -> Result<Vec<HostMem>, SoakError> {
+    let ranks = side.shard.ranks.len() as u32;
+    let mut mems = Vec::new();
+    for rank in 0..ranks {
+        let total: u64 = side.regions(&fx.model, rank).iter().map(|(_, l)| l).sum();
+        let mem = HostMem::new("kvwire-soak", total).map_err(|e| SoakError::Setup(format!("memfd: {e}")))?;
+        let r = RegisterCache {
+            group: group.into(),
+            model: ModelSource::Toml(MODEL.into()),
+            format: "fp16".into(),
+            layout: layout.into(),
+            rank,
+            num_blocks: side.num_blocks,
+            identity: fx.identity.clone(),
+        };
+        let (_, bytes, complete) = c.register(r, &mem).map_err(step("register"))?;
+        if bytes != total || complete != (rank + 1 == ranks) {
+            return Err(SoakError::Setup(format!("{group} rank {rank}: registered {bytes} bytes (complete {complete}), expected {total}")));
+        }
+        mems.push(mem);
+    }
+    Ok(mems)
+}
+
+impl<'a> Session<'a> {
+    fn open(i: usize, fx: &'a Fixture, src: &DaemonProc, dst: &DaemonProc) -> Result<Session<'a>, SoakError> {
+        let ca = Client::connect(&src.socket, &format!("soak-{i}")).map_err(step("connect soak-src"))?;
+        let cb = Client::connect(&dst.socket, &format!("soak-{i}")).map_err(step("connect soak-dst"))?;
+        let (src_group, dst_group) = (format!("src-{i}"), format!("dst-{i}"));
+        let src_mems = register(&ca, fx, &src_group, SRC_LAYOUT, &fx.src)?;
+        let dst_mems = register(&cb, fx, &dst_group, DST_LAYOUT, &fx.dst)?;
+        for m in &dst_mems {
+            m.write(0, &vec![verify::CANARY; m.len() as usize]).map_err(|e| SoakError::Setup(e.to_string()))?;
+        }
+        Ok(Session { fx, ca, cb, src_group, dst_group, src_mems, dst_mems, scratch: Vec::new() })
+    }
+
+    /// One transfer under `key`; returns submit → `decoder_usable` seen, and the bytes moved.
+    fn transfer(&mut self, request: &str, key: u8) -> Result<(Duration, u64), SoakError> {
+        let fx = self.fx;
+        // The previous transfer's source_released was seen: the daemon no longer reads these pages.
+        for (mem, codes) in self.src_mems.iter().zip(&fx.src_codes) {
+            self.scratch.clear();
+            self.scratch.extend(codes.iter().map(|b| b ^ key));
+            mem.write(0, &self.scratch).map_err(|e| SoakError::Setup(e.to_string()))?;
+        }
+        let slot = self
+            .cb
+            .prepare(PrepareReceive {
+                group: self.dst_group.clone(),
+                request: request.into(),
+                block_table: fx.dst.block_table.clone(),
+                tokens: fx.tokens,
+                prefix_tokens: 0,
+            })
+            .map_err(step("prepare"))?;
+        let started = Instant::now();
+        let submitted = self.ca.submit(Submit {
+            request: format!("{request}-src"),
+            group: self.src_group.clone(),
+            block_table: fx.src.block_table.clone(),
+            tokens: fx.tokens,
+            peer: "soak-dst".into(),
+            dst_group: self.dst_group.clone(),
+            dst_request: request.into(),
+            codec: None,
+        });
+        let (sslot, _, bytes, _) = match submitted {
+            Ok(x) => x,
+            Err(e) => {
+                // Otherwise the prepared slot stays live for ever and the daemon runs out of slots.
+                let _ = self.cb.cancel(slot);
+                return Err(SoakError::Daemon { step: "submit", source: e, why: None });
+            }
+        };
+        if let Err(e) = self.cb.wait(slot, FlagName::DecoderUsable, WAIT) {
+            let why = self.cb.status(slot).ok().and_then(|s| s.error);
+            let _ = self.cb.cancel(slot);
+            let _ = self.ca.cancel(sslot);
+            return Err(SoakError::Daemon { step: "wait decoder_usable", source: e, why });
+        }
+        let took = started.elapsed();
+        if let Err(e) = self.ca.wait(sslot, FlagName::SourceReleased, WAIT) {
+            let why = self.ca.status(sslot).ok().and_then(|s| s.error);
+            return Err(SoakError::Daemon { step: "wait source_released", source: e, why });
+        }
+        let want = LAYERS * KV_HEADS * HEAD_DIM * 2 * ELEM_BYTES * fx.tokens;
+        if bytes != want {
+            return Err(SoakError::Bytes { got: bytes, want });
+        }
+        self.check(key)?;
+        Ok((took, bytes))
+    }
+
+    /// Every destination byte against the oracle under `key`.
+    fn check(&mut self, key: u8) -> Result<(), SoakError> {
+        let mut first = None;
+        let mut count = 0u64;
+        for (rank, (mem, expect)) in self.dst_mems.iter().zip(&self.fx.dst_expect).enumerate() {
+            self.scratch.resize(mem.len() as usize, 0);
+            mem.read(0, &mut self.scratch).map_err(|e| SoakError::Setup(e.to_string()))?;
+            for (offset, (&got, &e)) in self.scratch.iter().zip(expect).enumerate() {
+                let want = if e == verify::CANARY { e } else { e ^ key };
+                if got != want {
+                    count += 1;
+                    first.get_or_insert((rank, offset, got, want));
+                }
+            }
+        }
+        match first {
+            None => Ok(()),
+            Some((rank, offset, got, want)) => Err(SoakError::Mismatch { count, rank, offset, got, want }),
+        }
+    }
+}
+
+fn client(i: usize, fx: &Fixture, src: &DaemonProc, dst: &DaemonProc, deadline: Instant) -> Tally {
+    let mut t = Tally::default();
+    let fail = |t: &mut Tally, e: SoakError| {
+        t.errors += 1;
+        if matches!(e, SoakError::Mismatch { .. }) {
+            t.mismatches += 1;
+        }
+        if t.kept.len() < KEEP_ERRORS {
+            t.kept.push(format!("client {i}: {e}"));
+        }
+    };
+    let mut s = match Session::open(i, fx, src, dst) {
+        Ok(s) => s,
+        Err(e) => {
+            fail(&mut t, e);
+            return t;
+        }
+    };
+    let mut in_a_row = 0;
+    let mut iter = 0u64;
+    while Instant::now() < deadline && in_a_row < GIVE_UP_AFTER {
+        // Never 0 (the source codes unchanged), and never the previous iteration's key.
+        let key = ((i as u64 * 37 + iter) % 255 + 1) as u8;
+        match s.transfer(&format!("soak-{i}-{iter}"), key) {
+            Ok((took, bytes)) => {
+                t.latencies.push(took);
+                t.bytes += bytes;
+                in_a_row = 0;
+            }
+            Err(e) => {
+                // A mismatch says nothing about whether the daemons still serve: keep going.
+                if !matches!(e, SoakError::Mismatch { .. }) {
+                    in_a_row += 1;
+                }
+                fail(&mut t, e);
+            }
+        }
+        iter += 1;
+    }
+    t
+}
+
+// ------------------------------------------------------------------ the run
+
+/// One daemon's figures over the run.
+#[derive(Debug)]
+struct DaemonReport {
+    name: &'static str,
+    pid: u32,
+    before: ProcFigures,
+    after: ProcFigures,
+    peak_fds: u64,
+    peak_threads: u64,
+    rss_first_kib: u64,
+    rss_last_kib: u64,
+    rss_max_kib: u64,
+    rss_mid_max_kib: Option<u64>,
+    rss_late_max_kib: Option<u64>,
+}
+
+#[derive(Debug)]
+struct Report {
+    settings: Settings,
+    elapsed: Duration,
+    transfers: u64,
+    errors: u64,
+    mismatches: u64,
+    kept: Vec<String>,
+    latencies: Vec<Duration>,
+    bytes: u64,
+    per_client: (u64, u64),
+    daemons: Vec<DaemonReport>,
+    sampling: Option<String>,
+}
+
+/// The daemons' configs, secrets and sockets; removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Result<TempDir, String> {
+        let d = std::env::temp_dir().join(format!("kvwire-soak-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).map_err(|e| format!("{}: {e}", d.display()))?;
+        Ok(TempDir(d))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn soak(s: &Settings) -> Result<Report, String> {
+    let fx = fixture(s.tokens)?;
+    let tmp = TempDir::new()?;
+    let dir = tmp.0.as_path();
+    // Declared before the daemons, so dropped after them: they die before their namespaces.
+    let link = if s.netns { Some(netns::Link::new("soak")?) } else { None };
+    let (dst, src) = match &link {
+        Some(l) => {
+            let dst = start_daemon_in(Some(&l.a.name), &l.a.ip, dir, "soak-dst", SECRET, &[], "");
+            let src = start_daemon_in(Some(&l.b.name), &l.b.ip, dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], "");
+            (dst, src)
+        }
+        None => {
+            let dst = start_daemon(dir, "soak-dst", SECRET, &[], "");
+            let src = start_daemon(dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], "");
+            (dst, src)
+        }
+    };
+    let pids = [daemon_pid(&src)?, daemon_pid(&dst)?];
+    let sample = || -> Result<[ProcFigures; 2], String> { Ok([proc_figures(pids[0])?, proc_figures(pids[1])?]) };
+    // "ready" is printed once the listeners are bound; let the daemon's other threads start.
+    std::thread::sleep(Duration::from_millis(300));
+    let before = sample()?;
+
+    let samples = Mutex::new(Vec::<Sample>::new());
+    let sampling_failed = Mutex::new(None::<String>);
+    let stop = AtomicBool::new(false);
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(s.seconds);
+    let (tallies, after) = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            let mut next = t0;
+            while !stop.load(Ordering::Acquire) {
+                if Instant::now() >= next {
+                    match sample() {
+                        Ok(figs) => samples.lock().expect("samples").push(Sample { at: t0.elapsed(), figs }),
+                        Err(e) => {
+                            sampling_failed.lock().expect("sampling").get_or_insert(format!("at {:.1} s: {e}", t0.elapsed().as_secs_f64()));
+                        }
+                    }
+                    next += SAMPLE_EVERY;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        });
+        let hs: Vec<_> = (0..s.clients).map(|i| sc.spawn({
+            let (fx, src, dst) = (&fx, &src, &dst);
+            move || client(i, fx, src, dst, deadline)
+        })).collect();
+        let tallies: Vec<Tally> = hs.into_iter().map(|h| h.join().expect("client thread")).collect();
+        // Every client connection is closed now; give the daemons time to notice and clean up.
+        std::thread::sleep(SETTLE);
+        let after = sample();
+        stop.store(true, Ordering::Release);
+        (tallies, after)
+    });
+    let elapsed = deadline.saturating_duration_since(t0).max(Duration::from_millis(1));
+    let after = after?;
+    let samples = samples.into_inner().expect("samples");
+    let run: Vec<&Sample> = samples.iter().filter(|x| x.at <= elapsed).collect();
+
+    let daemons = [("soak-src", 0), ("soak-dst", 1)]
+        .into_iter()
+        .map(|(name, d)| {
+            let secs = elapsed.as_secs_f64();
+            let rss_in = |lo: f64, hi: f64| run.iter().filter(|x| (lo..=hi).contains(&x.at.as_secs_f64())).map(|x| x.figs[d].rss_kib).max();
+            let warm: Vec<u64> = run.iter().filter(|x| x.at.as_secs_f64() >= 0.2 * secs).map(|x| x.figs[d].rss_kib).collect();
+            DaemonReport {
+                name,
+                pid: pids[d],
+                before: before[d],
+                after: after[d],
+                peak_fds: run.iter().map(|x| x.figs[d].fds).max().unwrap_or(0),
+                peak_threads: run.iter().map(|x| x.figs[d].threads).max().unwrap_or(0),
+                rss_first_kib: warm.first().copied().unwrap_or(0),
+                rss_last_kib: warm.last().copied().unwrap_or(0),
+                rss_max_kib: warm.iter().copied().max().unwrap_or(0),
+                rss_mid_max_kib: rss_in(secs / 3.0, 2.0 * secs / 3.0),
+                rss_late_max_kib: rss_in(2.0 * secs / 3.0, secs),
+            }
+        })
+        .collect();
+
+    let mut latencies: Vec<Duration> = tallies.iter().flat_map(|t| t.latencies.iter().copied()).collect();
+    latencies.sort_unstable();
+    let counts = tallies.iter().map(|t| t.latencies.len() as u64);
+    let report = Report {
+        settings: s.clone(),
+        elapsed,
+        transfers: latencies.len() as u64,
+        errors: tallies.iter().map(|t| t.errors).sum(),
+        mismatches: tallies.iter().map(|t| t.mismatches).sum(),
+        kept: tallies.iter().flat_map(|t| t.kept.iter().cloned()).collect(),
+        bytes: tallies.iter().map(|t| t.bytes).sum(),
+        per_client: (counts.clone().min().unwrap_or(0), counts.max().unwrap_or(0)),
+        latencies,
+        daemons,
+        sampling: sampling_failed.into_inner().expect("sampling"),
+    };
+    Ok(report)
+}
+
+// ------------------------------------------------------------------ judgement and output
+
+/// Nearest-rank percentile of sorted values.
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = (p * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// One verdict: passed or not, and why.
+#[derive(Debug)]
+struct Verdict {
+    ok: bool,
+    what: String,
+}
+
+fn judge(r: &Report) -> Vec<Verdict> {
+    let mut v = Vec::new();
+    let mut say = |ok: bool, what: String| v.push(Verdict { ok, what });
+    say(
+        r.errors == 0 && r.transfers > 0,
+        format!("transfers: {} exact, {} errors ({} byte mismatches)", r.transfers, r.errors, r.mismatches),
+    );
+    if let Some(e) = &r.sampling {
+        say(false, format!("daemon figures unreadable during the run {e}"));
+    }
+    for d in &r.daemons {
+        // Exact equality: every per-client and per-transfer fd (control
+        // socket, memfds, peer and data connections) must be closed once
+        // the clients have gone and the transfers have finished.
+        say(d.after.fds == d.before.fds, format!("{} fds: {} before clients connected, {} after they left", d.name, d.before.fds, d.after.fds));
+        say(
+            d.after.threads == d.before.threads,
+            format!("{} threads: {} before clients connected, {} after they left", d.name, d.before.threads, d.after.threads),
+        );
+        match (d.rss_mid_max_kib, d.rss_late_max_kib) {
+            (Some(mid), Some(late)) => {
+                let allowed = mid + (16 * 1024).max(mid / 10);
+                say(
+                    late <= allowed,
+                    format!(
+                        "{} RSS: last third max {:.1} MiB, middle third max {:.1} MiB (allowed up to {:.1} MiB)",
+                        d.name,
+                        mib(late),
+                        mib(mid),
+                        mib(allowed)
+                    ),
+                );
+            }
+            _ => say(false, format!("{} RSS: no samples in the middle or last third (the clients stopped early)", d.name)),
+        }
+    }
+    v
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn json_str(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+fn print_json(r: &Report, verdicts: &[Verdict]) {
+    let secs = r.elapsed.as_secs_f64();
+    let figs = |f: &ProcFigures| format!("{{\"rss_kib\":{},\"fds\":{},\"threads\":{}}}", f.rss_kib, f.fds, f.threads);
+    let opt = |v: Option<u64>| v.map_or("null".to_string(), |v| v.to_string());
+    let daemons: Vec<String> = r
+        .daemons
+        .iter()
+        .map(|d| {
+            format!(
+                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}}}}",
+                json_str(d.name),
+                d.pid,
+                figs(&d.before),
+                figs(&d.after),
+                d.peak_fds,
+                d.peak_threads,
+                d.rss_first_kib,
+                d.rss_last_kib,
+                d.rss_max_kib,
+                opt(d.rss_mid_max_kib),
+                opt(d.rss_late_max_kib)
+            )
+        })
+        .collect();
+    let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
+    let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
+    println!(
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        r.settings.seconds,
+        r.settings.clients,
+        r.settings.tokens,
+        r.settings.netns,
+        json_str(SRC_LAYOUT),
+        json_str(DST_LAYOUT),
+        r.transfers,
+        r.errors,
+        r.mismatches,
+        r.transfers as f64 / secs,
+        r.per_client.0,
+        r.per_client.1,
+        ms(percentile(&r.latencies, 0.50)),
+        ms(percentile(&r.latencies, 0.99)),
+        ms(r.latencies.last().copied().unwrap_or_default()),
+        r.bytes,
+        r.bytes as f64 / secs / 1e9,
+        daemons.join(","),
+        errors.join(","),
+        judgement.join(","),
+        verdicts.iter().all(|v| v.ok)
+    );
+}
+
+fn print_text(r: &Report, verdicts: &[Verdict]) {
+    let s = &r.settings;
+    let secs = r.elapsed.as_secs_f64();
+    println!(
+        "kvwire-soak: {} s, {} clients, {} tokens, {}; {SRC_LAYOUT} -> {DST_LAYOUT}, fp16, {LAYERS} layers x {KV_HEADS} kv heads x {HEAD_DIM}",
+        s.seconds,
+        s.clients,
+        s.tokens,
+        if s.netns { "two network namespaces (veth)" } else { "loopback" }
+    );
+    println!(
+        "transfers {}  errors {}  {:.1}/s  (per client {}..{})",
+        r.transfers,
+        r.errors,
+        r.transfers as f64 / secs,
+        r.per_client.0,
+        r.per_client.1
+    );
+    println!(
+        "latency submit -> decoder_usable: p50 {:.3} ms  p99 {:.3} ms  max {:.3} ms",
+        ms(percentile(&r.latencies, 0.50)),
+        ms(percentile(&r.latencies, 0.99)),
+        ms(r.latencies.last().copied().unwrap_or_default())
+    );
+    println!("bytes moved {} ({:.3} GB/s)", r.bytes, r.bytes as f64 / secs / 1e9);
+    for e in &r.kept {
+        println!("  error: {e}");
+    }
+    println!(
+        "{:<9} {:>7}  {:>24}  {:>22}  {:>26}",
+        "daemon", "pid", "RSS MiB first/last/max", "fds before/peak/after", "threads before/peak/after"
+    );
+    for d in &r.daemons {
+        println!(
+            "{:<9} {:>7}  {:>24}  {:>22}  {:>26}",
+            d.name,
+            d.pid,
+            format!("{:.1}/{:.1}/{:.1}", mib(d.rss_first_kib), mib(d.rss_last_kib), mib(d.rss_max_kib)),
+            format!("{}/{}/{}", d.before.fds, d.peak_fds, d.after.fds),
+            format!("{}/{}/{}", d.before.threads, d.peak_threads, d.after.threads)
+        );
+    }
+    println!("judgement:");
+    for v in verdicts {
+        println!("  {}  {}", if v.ok { "ok  " } else { "FAIL" }, v.what);
+    }
+}
+
+fn main() -> ExitCode {
+    let parsed = raw_args(std::env::args().skip(1)).and_then(|raw| if raw.help { Err(String::new()) } else { settings(&raw) });
+    let s = match parsed {
+        Ok(s) => s,
+        Err(e) if e.is_empty() => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("kvwire-soak: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    if s.netns && !netns::available() {
+        eprintln!("kvwire-soak: --netns needs root and iproute2");
+        return ExitCode::from(2);
+    }
+    let report = match soak(&s) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("kvwire-soak: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let verdicts = judge(&report);
+    if s.json {
+        print_json(&report, &verdicts);
+    } else {
+        print_text(&report, &verdicts);
+    }
+    let failed: Vec<&str> = verdicts.iter().filter(|v| !v.ok).map(|v| v.what.as_str()).collect();
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("kvwire-soak: FAILED: {}", failed.join("; "));
+        ExitCode::from(1)
+    }
+}
