@@ -1,7 +1,7 @@
 //! The daemon: cache groups registered by local clients, transfer slots,
 //! the control socket, the peer listener, and the threads that move bytes.
 
-use crate::config::{Config, TransportKind};
+use crate::config::{Config, PeerConfig, TransportKind};
 use crate::control::*;
 use crate::metrics::Metrics;
 use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion};
@@ -761,8 +761,9 @@ impl Daemon {
             Ok(c) => c,
             Err(e) => return err(Code::BadRequest, e),
         };
-        let Some(peer) = self.cfg.peers.iter().find(|p| p.name == s.peer).cloned() else {
-            return err(Code::UnknownPeer, format!("peer `{}` is not configured", s.peer));
+        let peer = match self.resolve_peer(&s.peer) {
+            Ok(p) => p,
+            Err(r) => return *r,
         };
         // Snapshot what planning needs; the regions stay registered (Arc) while we use them.
         let (model, format, layout, layout_text, identity, num_blocks, src_keys) = {
@@ -1036,6 +1037,14 @@ impl Daemon {
             return fail(Code::TransferFailed, format!("cannot start the transfer thread: {e}"));
         }
         reply
+    }
+
+    /// Where peer `name` listens: the static `[[peers]]` list.
+    fn resolve_peer(&self, name: &str) -> Result<PeerConfig, Box<Reply>> {
+        match self.cfg.peers.iter().find(|p| p.name == name) {
+            Some(p) => Ok(p.clone()),
+            None => Err(Box::new(err(Code::UnknownPeer, format!("peer `{name}` is not configured")))),
+        }
     }
 
     /// Posts every batch and polls until all completed locally; records
