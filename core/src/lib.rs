@@ -16,6 +16,7 @@ pub mod protocol;
 pub mod reuse;
 pub mod shard;
 pub mod timing;
+pub mod topology;
 pub mod verify;
 
 pub use format::{CacheFormat, FormatError};

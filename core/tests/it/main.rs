@@ -6,3 +6,4 @@ mod manifest;
 mod plan;
 mod protocol;
 mod timing;
+mod topology;
