@@ -280,7 +280,7 @@ impl fmt::Display for Locality {
 /// A host's devices and, when a topology file was applied, its rails.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
 pub struct HostTopology {
-    /// Every device found, RDMA devices, then netdevs, then GPUs, each by name.
+    /// Every device found: RDMA devices, then netdevs, then GPUs.
     pub devices: Vec<Device>,
     /// Rails a topology file declares, in file order; empty without one.
     pub rails: Vec<Rail>,
@@ -540,7 +540,7 @@ impl TopologyFile {
     pub fn parse(text: &str) -> Result<TopologyFile, TopologyFileError> {
         let raw: RawFile = toml::from_str(text).map_err(|e| TopologyFileError::Syntax {
             line: e.span().map_or(1, |s| text[..s.start.min(text.len())].matches('\n').count() + 1),
-            reason: e.message().trim().to_string(),
+            reason: e.message().split_whitespace().collect::<Vec<_>>().join(" "),
         })?;
         let invalid = |key: String, reason: String| TopologyFileError::Invalid { key, reason };
         let mut rails: Vec<RailEntry> = Vec::new();
