@@ -40,6 +40,9 @@ enum Command {
     Roofline(crate::report::RooflineArgs),
     /// One self-contained HTML page from a campaign: table, plots and the ceiling lab.
     Report(crate::report::ReportArgs),
+    /// This host's RDMA devices, netdevs and GPUs (NUMA node, PCI path), and
+    /// for each GPU and NUMA node the rails in preference order.
+    Topology(crate::topology::TopologyArgs),
 }
 
 #[derive(Debug, Args)]
@@ -243,6 +246,7 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
         Command::Stats(a) => stats(a, out),
         Command::Roofline(a) => crate::report::roofline_cmd(a, out),
         Command::Report(a) => crate::report::report_cmd(a, out),
+        Command::Topology(a) => crate::topology::topology_cmd(a, out),
         Command::Formats => {
             for f in kvwire_core::format::FORMATS {
                 let _ = writeln!(out, "{:<18} {}", f.id(), f.summary);

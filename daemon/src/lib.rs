@@ -16,4 +16,5 @@ pub mod report;
 pub mod server;
 pub mod staging;
 pub mod svg;
+pub mod topology;
 pub mod wire;

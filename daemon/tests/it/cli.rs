@@ -225,3 +225,39 @@ fn plan_bad_tp_names_tp_and_kv_heads() {
     assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
     assert!(stderr.contains("tp=3") && stderr.contains("8 KV heads"), "{stderr}");
 }
+
+fn sysfs_fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/sysfs/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn topology_bad_file_names_the_missing_device_and_what_exists() {
+    let dgx = sysfs_fixture("dgx-h100");
+    let file = TempFile::new("toml", "[[rail]]\ndevice = \"mlx5_0\"\n[[rail]]\ndevice = \"mlx5_8\"\n");
+    assert_bad_input(
+        &["topology", "--sysfs", &dgx, "--file", file.path()],
+        &[file.path(), "rail[1].device", "`mlx5_8`", "mlx5_0, mlx5_1, mlx5_2, mlx5_3, mlx5_4, mlx5_5, mlx5_6, mlx5_7", "eth0"],
+    );
+    let typo = TempFile::new("toml", "[[rail]]\ndevice = \"mlx5_0\"\ngpu = [\"0000:18:00.0\"]\n");
+    assert_bad_input(&["topology", "--sysfs", &dgx, "--file", typo.path()], &["line 3", "unknown field `gpu`"]);
+    assert_bad_input(&["topology", "--sysfs", &dgx, "--rail", "mlx5_9"], &["--rail mlx5_9", "mlx5_7"]);
+    assert_bad_input(&["topology", "--sysfs", "/nonexistent-sysfs-root"], &["no sysfs under /nonexistent-sysfs-root"]);
+}
+
+#[test]
+fn topology_json_ranks_rails_for_every_gpu_and_node() {
+    let file = TempFile::new("toml", "[[rail]]\ndevice = \"mlx5_0\"\n[[rail]]\nname = \"pinned\"\ndevice = \"mlx5_3\"\ngpus = [\"0000:18:00.0\"]\n");
+    let v = stdout_json(&["topology", "--sysfs", &sysfs_fixture("dgx-h100"), "--file", file.path(), "--json"]);
+    assert_eq!(v["devices"].as_array().unwrap().len(), 8 + 10 + 8, "{v}");
+    assert_eq!(v["rails"], serde_json::json!(["mlx5_0", "pinned"]));
+    assert_eq!(v["rails_from"], "topology file");
+    let prefs = v["preferences"].as_array().unwrap();
+    assert_eq!(prefs.len(), 8 + 2, "8 GPUs, 2 NUMA nodes");
+    assert_eq!(prefs[0]["memory"], serde_json::json!({"gpu": {"pci": "0000:18:00.0"}}));
+    let order = |p: &Value| p["rails"].as_array().unwrap().iter().map(|r| (r["rail"].as_str().unwrap().to_string(), r["locality"].as_str().unwrap().to_string(), r["score"].as_u64().unwrap())).collect::<Vec<_>>();
+    let s = |r: &str, l: &str, n| (r.to_string(), l.to_string(), n);
+    assert_eq!(order(&prefs[0]), [s("pinned", "pinned", 0), s("mlx5_0", "same_pcie_switch", 10)]);
+    assert_eq!(order(&prefs[3]), [s("pinned", "same_pcie_switch", 10), s("mlx5_0", "same_numa", 30)]);
+    assert_eq!(prefs[9]["memory"], serde_json::json!({"host": {"numa": 1}}));
+    assert_eq!(order(&prefs[9]), [s("mlx5_0", "other_numa", 50), s("pinned", "other_numa", 50)]);
+}

@@ -6,3 +6,4 @@ mod config;
 mod daemons;
 mod report;
 mod stats;
+mod topology;
