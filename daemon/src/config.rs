@@ -28,6 +28,23 @@ pub struct PeerConfig {
     pub address: String,
 }
 
+/// One more data rail (tcp): a listener on another NIC's address. The
+/// `[transport]` listener is always the first rail.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RailConfig {
+    /// Rail name, in reports and metrics.
+    pub name: String,
+    /// Data listener on this rail's address (port 0 picks one).
+    pub tcp_listen: String,
+    /// Address told to peers for this rail, when it differs from the bound one.
+    #[serde(default)]
+    pub tcp_advertise: Option<String>,
+    /// The netdev or RDMA device this rail uses, for locality (sysfs).
+    #[serde(default)]
+    pub device: Option<String>,
+}
+
 /// Data-plane settings.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -49,6 +66,15 @@ pub struct TransportConfig {
     pub verbs_gid_index: Option<u32>,
     /// Handshake listener for `verbs`.
     pub verbs_listen: String,
+    /// Largest slice a transfer is cut into for striping across rails:
+    /// each slice travels whole on one rail and is re-sent whole on another
+    /// if its rail fails. Smaller slices balance rails more finely and lose
+    /// less on a failure; larger ones cost fewer completions.
+    pub slice_bytes: u64,
+    /// A rail with slices outstanding and no completion for this long is
+    /// failed and its slices re-sent on the others (a port that went down
+    /// breaks no TCP connection by itself).
+    pub rail_stall_ms: u64,
 }
 
 impl Default for TransportConfig {
@@ -62,6 +88,8 @@ impl Default for TransportConfig {
             verbs_port: 1,
             verbs_gid_index: None,
             verbs_listen: "127.0.0.1:0".into(),
+            slice_bytes: 1 << 20,
+            rail_stall_ms: 2000,
         }
     }
 }
@@ -119,6 +147,8 @@ pub struct Config {
     pub transport: TransportConfig,
     /// Static peers.
     pub peers: Vec<PeerConfig>,
+    /// Data rails beyond `[transport]`'s own.
+    pub rails: Vec<RailConfig>,
     /// Limits.
     pub limits: Limits,
 }
@@ -134,6 +164,7 @@ impl Default for Config {
             verify_checksums: true,
             transport: TransportConfig::default(),
             peers: Vec::new(),
+            rails: Vec::new(),
             limits: Limits::default(),
         }
     }
@@ -212,7 +243,7 @@ impl Config {
 
     /// Checks values that parse but cannot work.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        if self.node.is_empty() || self.node.len() > 64 || !self.node.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+        if !is_node_name(&self.node) {
             return Err(invalid("node", "1-64 characters of [A-Za-z0-9-_.]"));
         }
         let addr = |key: &str, v: &str| -> Result<(), ConfigError> {
@@ -236,6 +267,22 @@ impl Config {
             if !names.insert(&p.name) {
                 return Err(invalid(&format!("peers[{i}].name"), format!("peer `{}` listed twice", p.name)));
             }
+        }
+        let mut rails = std::collections::HashSet::from(["rail0"]);
+        for (i, r) in self.rails.iter().enumerate() {
+            if self.transport.kind != TransportKind::Tcp {
+                return Err(invalid(&format!("rails[{i}]"), "extra rails are supported for transport.kind = \"tcp\" only"));
+            }
+            if r.name.is_empty() || !rails.insert(&r.name) {
+                return Err(invalid(&format!("rails[{i}].name"), format!("`{}` is empty or taken (the [transport] rail is `rail0`)", r.name)));
+            }
+            addr(&format!("rails[{i}].tcp_listen"), &r.tcp_listen)?;
+        }
+        if !(4096..=1 << 30).contains(&self.transport.slice_bytes) {
+            return Err(invalid("transport.slice_bytes", "between 4096 and 1073741824"));
+        }
+        if self.transport.rail_stall_ms == 0 {
+            return Err(invalid("transport.rail_stall_ms", "must be > 0"));
         }
         let l = &self.limits;
         for (key, v) in [
@@ -273,6 +320,11 @@ impl Config {
         }
         Ok(s)
     }
+}
+
+/// Whether `s` can be a node name: 1-64 characters of [A-Za-z0-9-_.].
+pub(crate) fn is_node_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
 }
 
 fn one_line(s: &str) -> String {

@@ -215,6 +215,29 @@ pub struct TransferStatus {
     /// Lifetime boundaries reached, in ns since this side started the transfer.
     #[serde(default)]
     pub marks: Vec<Mark>,
+    /// The rails the source used (source side).
+    #[serde(default)]
+    pub rails: Vec<RailUse>,
+}
+
+/// What one rail carried for one transfer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RailUse {
+    /// The destination's rail name.
+    pub name: String,
+    /// Its data address.
+    pub addr: String,
+    /// Bytes completed on it.
+    pub bytes: u64,
+    /// Slices completed on it.
+    pub slices: u64,
+    /// Bytes of its slices re-sent on other rails after it failed, plus
+    /// what its transport retransmitted.
+    pub retransmitted_bytes: u64,
+    /// Nanoseconds it was busy (first post to last completion).
+    pub busy_ns: u64,
+    /// Why it failed, if it did (unreachable, reset, stalled).
+    pub failed: Option<String>,
 }
 
 /// One hop's busy time within one transfer.

@@ -15,6 +15,7 @@ pub mod promtext;
 pub mod report;
 pub mod server;
 pub mod staging;
+pub mod stripe;
 pub mod svg;
 pub mod topology;
 pub mod wire;

@@ -15,7 +15,8 @@ pub struct Metrics {
     pub reused_bytes: AtomicU64,
     /// Wire payload after a converting codec, for transfers that used one.
     pub compressed_bytes: AtomicU64,
-    /// Bytes sent again (none yet: failed transfers are not retried).
+    /// Bytes sent again: slices re-sent after their rail failed, and what
+    /// the transport itself retransmitted (tcp: the kernel's count).
     pub retransmitted_bytes: AtomicU64,
     /// Bytes expected by transfers received here.
     pub received_bytes: AtomicU64,
@@ -33,6 +34,26 @@ pub struct Metrics {
     pub peers_refused: AtomicU64,
     /// Control clients refused (uid).
     pub clients_refused: AtomicU64,
+    /// Per rail (by the destination's rail name, with its address), what
+    /// this daemon sent over it.
+    pub rails: std::sync::Mutex<std::collections::BTreeMap<(String, String), RailTotals>>,
+}
+
+/// What one rail carried, since start.
+#[derive(Debug, Default, Clone)]
+pub struct RailTotals {
+    /// Bytes completed.
+    pub bytes: u64,
+    /// Slices completed.
+    pub slices: u64,
+    /// Slices posted and not yet completed, now.
+    pub inflight: u64,
+    /// Nanoseconds busy (first post to last completion, per transfer).
+    pub busy_ns: u64,
+    /// Times it failed mid-transfer or could not be reached.
+    pub failures: u64,
+    /// Bytes of its slices re-sent on other rails.
+    pub resent_bytes: u64,
 }
 
 impl Metrics {
@@ -91,6 +112,20 @@ impl Metrics {
             let _ = writeln!(out, "kvwire_hop_seconds_sum{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.sum_ns as f64 / 1e9);
             let _ = writeln!(out, "kvwire_hop_seconds_count{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.count);
             let _ = writeln!(out, "kvwire_hop_bytes_total{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.bytes);
+        }
+        let rails = self.rails.lock().expect("rail metrics lock").clone();
+        for (name, help, kind, get) in [
+            ("kvwire_rail_bytes_total", "Bytes completed per rail.", "counter", (|t: &RailTotals| t.bytes as f64) as fn(&RailTotals) -> f64),
+            ("kvwire_rail_slices_total", "Slices completed per rail.", "counter", |t| t.slices as f64),
+            ("kvwire_rail_inflight_slices", "Slices posted and not completed per rail, now.", "gauge", |t| t.inflight as f64),
+            ("kvwire_rail_busy_seconds_total", "Seconds each rail was busy with transfers.", "counter", |t| t.busy_ns as f64 / 1e9),
+            ("kvwire_rail_failures_total", "Rail failures mid-transfer (unreachable, reset, stalled).", "counter", |t| t.failures as f64),
+            ("kvwire_rail_resent_bytes_total", "Bytes of a failed rail's slices re-sent on other rails.", "counter", |t| t.resent_bytes as f64),
+        ] {
+            let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+            for ((rail, addr), t) in &rails {
+                let _ = writeln!(out, "{name}{{node=\"{node}\",rail=\"{rail}\",addr=\"{addr}\"}} {}", get(t));
+            }
         }
         let _ = writeln!(out, "# HELP kvwire_peer_hop_seconds Time spent in each hop, per peer daemon.\n# TYPE kvwire_peer_hop_seconds summary");
         for (peer, h) in per_peer {

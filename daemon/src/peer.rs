@@ -165,6 +165,20 @@ pub struct Accept {
     pub transport: String,
     /// Every region of every destination rank.
     pub regions: Vec<PeerRegion>,
+    /// Every data rail of the destination, `data_addr`'s first: the
+    /// source stripes slices across those it can reach.
+    #[serde(default)]
+    pub rails: Vec<RailAddr>,
+}
+
+/// One data rail of a daemon.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RailAddr {
+    /// Rail name.
+    pub name: String,
+    /// Data-plane address on it.
+    pub addr: String,
 }
 
 /// Why authentication failed.

@@ -4,10 +4,11 @@
 use crate::config::{Config, PeerConfig, TransportKind};
 use crate::control::*;
 use crate::metrics::Metrics;
-use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion};
+use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion, RailAddr};
 use crate::wire::{self, read_msg, write_msg, WireError};
 use kvwire_core::layout::{self, ModelSpec};
 use crate::staging;
+use crate::stripe;
 use kvwire_core::codec::Codec;
 use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
@@ -17,7 +18,7 @@ use kvwire_core::CacheFormat;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
-use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
+use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, WriteOp};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
@@ -86,6 +87,7 @@ struct Slot {
     // in blocks that were reused for another request.
     keys: Vec<u32>,
     retransmitted: u64,
+    rails: Vec<RailUse>,
     state: TransferState,
     error: Option<String>,
     layers: u16,
@@ -130,6 +132,18 @@ pub struct Daemon {
     peer_addr: String,
     // Hop histograms per peer daemon, next to the daemon-wide ones.
     peer_hops: Mutex<BTreeMap<String, Arc<Hops>>>,
+    // Every data rail, `ep`'s first. Extra rails are tcp listeners sharing
+    // `ep`'s registry and placement, so a key is valid on each of them and
+    // a layer's bytes count the same whichever rails carried them.
+    rails: Vec<RailEp>,
+}
+
+struct RailEp {
+    name: String,
+    advertise: String,
+    // Held for its listener: writes arriving on it are placed through the
+    // shared registry and placement.
+    _ep: Option<Arc<dyn Endpoint>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -237,6 +251,21 @@ impl Daemon {
                 Arc::new(VerbsEndpoint::new(t.verbs_device.as_deref(), t.verbs_port, t.verbs_gid_index, limits)?)
             }
         };
+        let mut rails = vec![RailEp {
+            name: "rail0".into(),
+            advertise: match (&t.tcp_advertise, t.kind) {
+                (Some(a), TransportKind::Tcp) => a.clone(),
+                _ => ep.local_addr(),
+            },
+            _ep: None,
+        }];
+        for r in &cfg.rails {
+            let listen = r.tcp_listen.parse().map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
+            let extra = TcpEndpoint::bind(&cfg.node, listen, ep.registry().clone(), ep.placement().clone(), TcpLimits::default())
+                .map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
+            let advertise = r.tcp_advertise.clone().unwrap_or_else(|| extra.local_addr());
+            rails.push(RailEp { name: r.name.clone(), advertise, _ep: Some(extra) });
+        }
         let peer_listener = TcpListener::bind(&cfg.peer_listen).map_err(|e| anyhow::anyhow!("peer_listen {}: {e}", cfg.peer_listen))?;
         let peer_addr = peer_listener.local_addr()?.to_string();
         let _ = std::fs::remove_file(&cfg.control_socket);
@@ -262,6 +291,7 @@ impl Daemon {
             next_client: AtomicU64::new(1),
             peer_addr,
             peer_hops: Mutex::new(BTreeMap::new()),
+            rails,
         });
         let dd = d.clone();
         std::thread::Builder::new().name("kvwired-control".into()).spawn(move || dd.control_loop(control))?;
@@ -454,6 +484,7 @@ impl Daemon {
                             retransmitted_bytes: s.retransmitted,
                             hops: s.hops.iter().map(|(h, (ns, bytes))| HopTotal { hop: (*h).into(), ns: *ns, bytes: *bytes }).collect(),
                             marks: s.marks.clone(),
+                            rails: s.rails.clone(),
                             elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
                         }),
                         false,
@@ -636,6 +667,7 @@ impl Daemon {
                         owner,
                         keys: Vec::new(),
                         retransmitted: 0,
+                        rails: Vec::new(),
                         state: if role == Role::Source { TransferState::Running } else { TransferState::Prepared },
                         error: None,
                         layers: 0,
@@ -1001,13 +1033,14 @@ impl Daemon {
         let payload = c.total_bytes_moved;
         let reply = Reply::Submitted { slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
         let d = self.clone();
-        let data_addr = accept.data_addr.clone();
+        // A peer of an older build names one rail: its data address.
+        let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
         let peer_slot = accept.slot;
         let (link2, peer_slot2) = (link.clone(), peer_slot);
         let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{slot}")).spawn(move || {
             let span = tracing::info_span!("transfer", slot, request = s.request, peer = peer.name);
             let _g = span.enter();
-            let result = d.move_bytes(id, &data_addr, batches, &stop, &link);
+            let result = d.move_bytes(id, &rails, batches, &stop, &link);
             if let Some(stage) = &src_stage {
                 d.ep.revoke(stage.key);
             }
@@ -1047,67 +1080,94 @@ impl Daemon {
         }
     }
 
-    /// Posts every batch and polls until all completed locally; records
-    /// what the transport retransmitted either way.
-    fn move_bytes(&self, id: SlotId, data_addr: &str, batches: Vec<Batch>, stop: &AtomicBool, link: &PeerLink) -> Result<(u64, u64), String> {
-        let mut conn = self.ep.connect(data_addr).map_err(|e| format!("peer `{}` data plane: {e}", link.peer))?;
-        let result = self.post_all(id, conn.as_mut(), batches, stop, link);
-        let retransmitted = conn.retransmitted_bytes();
-        Metrics::add(&self.metrics.retransmitted_bytes, retransmitted);
-        if let Some(s) = self.state.lock().expect("state lock").slots.get_mut(&id.slot).filter(|s| s.gen == id.gen) {
-            s.retransmitted = retransmitted;
-        }
-        result
-    }
-
-    fn post_all(&self, id: SlotId, conn: &mut dyn Connection, batches: Vec<Batch>, stop: &AtomicBool, link: &PeerLink) -> Result<(u64, u64), String> {
-        // Setup ends here: handshake, planning, manifest, packing, data-plane connect.
+    /// Sends every batch, cut into slices striped across the destination's
+    /// rails (`stripe`), until each completed at least once; records per
+    /// rail what it carried and what was sent again, either way.
+    fn move_bytes(&self, id: SlotId, rails: &[RailAddr], batches: Vec<Batch>, stop: &AtomicBool, link: &PeerLink) -> Result<(u64, u64), String> {
+        // Setup ends here: handshake, planning, manifest, packing.
         self.slot_mark(id, "posting".into());
-        let first_post = Instant::now();
-        let mut post_time = Duration::ZERO;
-        let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
-        let mut posted = 0;
-        let (mut bytes, mut writes) = (0, 0);
+        let t = &self.cfg.transport;
+        let slices = stripe::cut(batches, t.slice_bytes);
+        let settings = stripe::Settings {
+            window: 4,
+            stall: Duration::from_millis(t.rail_stall_ms),
+            deadline: Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
+        };
         let interrupted = || -> Option<String> {
             if stop.load(Ordering::Acquire) {
                 return Some("cancelled".into());
             }
             link.lost()
         };
-        let on_peer = |e: TransportError| format!("peer `{}`: {e}", link.peer);
-        for b in batches {
-            if let Some(why) = interrupted() {
-                return Err(why);
+        let connect = |addr: &str| self.ep.connect(addr);
+        let event = |rail: &RailAddr, e: stripe::RailEvent<'_>| {
+            // The transfer's status shows its rails while it runs.
+            if let Some(s) = self.state.lock().expect("state lock").slots.get_mut(&id.slot).filter(|s| s.gen == id.gen) {
+                let at = match s.rails.iter().position(|r| r.name == rail.name) {
+                    Some(at) => at,
+                    None => {
+                        s.rails.push(RailUse {
+                            name: rail.name.clone(),
+                            addr: rail.addr.clone(),
+                            bytes: 0,
+                            slices: 0,
+                            retransmitted_bytes: 0,
+                            busy_ns: 0,
+                            failed: None,
+                        });
+                        s.rails.len() - 1
+                    }
+                };
+                let r = &mut s.rails[at];
+                match e {
+                    stripe::RailEvent::Posted => {}
+                    stripe::RailEvent::Completed(bytes) => {
+                        r.bytes += bytes;
+                        r.slices += 1;
+                    }
+                    stripe::RailEvent::Failed(resent, why) => {
+                        r.retransmitted_bytes += resent;
+                        r.failed = Some(why.to_string());
+                    }
+                }
             }
-            writes += b.writes.len() as u64;
-            bytes += b.bytes();
-            // An empty layer (all reused, or held by no destination rank) still
-            // gets its flag from the destination's zero expectation.
-            if !b.writes.is_empty() {
-                let t = Instant::now();
-                conn.post(b).map_err(on_peer)?;
-                post_time += t.elapsed();
-                posted += 1;
+            let mut m = self.metrics.rails.lock().expect("rail metrics lock");
+            let r = m.entry((rail.name.clone(), rail.addr.clone())).or_default();
+            match e {
+                stripe::RailEvent::Posted => r.inflight += 1,
+                stripe::RailEvent::Completed(bytes) => {
+                    r.inflight = r.inflight.saturating_sub(1);
+                    r.bytes += bytes;
+                    r.slices += 1;
+                }
+                stripe::RailEvent::Failed(resent, _) => {
+                    r.failures += 1;
+                    r.resent_bytes += resent;
+                }
+            }
+        };
+        let started = Instant::now();
+        let (outcome, result) = stripe::run(&slices, rails, &connect, &settings, &interrupted, &event);
+        {
+            let mut m = self.metrics.rails.lock().expect("rail metrics lock");
+            for r in &outcome.rails {
+                let totals = m.entry((r.name.clone(), r.addr.clone())).or_default();
+                totals.busy_ns += r.busy_ns;
+                // Whatever was in flight when the transfer ended is not any more.
+                totals.inflight = 0;
             }
         }
-        let mut done = 0;
-        while done < posted {
-            if let Some(why) = interrupted() {
-                return Err(why);
-            }
-            if Instant::now() > deadline {
-                return Err(format!("timed out after {}s", self.cfg.limits.transfer_timeout_secs));
-            }
-            for c in conn.poll(Duration::from_millis(100)).map_err(on_peer)? {
-                c.result.map_err(on_peer)?;
-                done += 1;
-            }
+        Metrics::add(&self.metrics.retransmitted_bytes, outcome.retransmitted);
+        if let Some(s) = self.state.lock().expect("state lock").slots.get_mut(&id.slot).filter(|s| s.gen == id.gen) {
+            s.retransmitted = outcome.retransmitted;
+            s.rails = outcome.rails.clone();
         }
-        // `wire` per transfer: the link's busy span, first post to last local
-        // completion (batches overlap, so per-batch times would double count).
-        self.slot_hop(id, Hop::Post, post_time, bytes);
-        self.slot_hop(id, Hop::Wire, first_post.elapsed(), bytes);
-        Ok((bytes, writes))
+        result.map_err(|e| format!("peer `{}`: {e}", link.peer))?;
+        // `wire` per transfer: the links' busy span, first post to last
+        // completion (slices overlap, so per-slice times would double count).
+        self.slot_hop(id, Hop::Post, outcome.post_time, outcome.bytes);
+        self.slot_hop(id, Hop::Wire, started.elapsed(), outcome.bytes);
+        Ok((outcome.bytes, outcome.writes))
     }
 
     // ------------------------------------------------------------ destination side
@@ -1241,10 +1301,8 @@ impl Daemon {
             num_blocks: g.num_blocks,
             block_table: recv.block_table.clone(),
             prefix_tokens: recv.prefix_tokens,
-            data_addr: match (&self.cfg.transport.tcp_advertise, self.cfg.transport.kind) {
-                (Some(a), TransportKind::Tcp) => a.clone(),
-                _ => self.ep.local_addr(),
-            },
+            data_addr: self.rails[0].advertise.clone(),
+            rails: self.rails.iter().map(|r| RailAddr { name: r.name.clone(), addr: r.advertise.clone() }).collect(),
             transport: self.ep.transport().into(),
             regions,
         };

@@ -113,6 +113,22 @@ impl Link {
         }
         Ok(link)
     }
+
+    /// A second veth pair between the same two hosts, on 10.199.<n>.0/24:
+    /// another rail. Returns each host as seen on it (same namespace, the
+    /// new device and address); it goes when the namespaces do.
+    pub fn second_pair(&self) -> Result<(Host, Host), String> {
+        let id = std::process::id() % 200;
+        let (va, vb) = (format!("{}2", self.a.dev), format!("{}2", self.b.dev));
+        let a = Host { name: self.a.name.clone(), ip: format!("10.199.{id}.1"), dev: va.clone() };
+        let b = Host { name: self.b.name.clone(), ip: format!("10.199.{id}.2"), dev: vb.clone() };
+        ip(&["link", "add", &va, "netns", &a.name, "type", "veth", "peer", "name", &vb, "netns", &b.name])?;
+        for h in [&a, &b] {
+            ip(&["-n", &h.name, "addr", "add", &format!("{}/24", h.ip), "dev", &h.dev])?;
+            ip(&["-n", &h.name, "link", "set", &h.dev, "up"])?;
+        }
+        Ok((a, b))
+    }
 }
 
 impl Drop for Link {

@@ -170,6 +170,13 @@ pub trait Connection: Send {
     fn retransmitted_bytes(&self) -> u64 {
         0
     }
+
+    /// A handle that breaks this connection from another thread, so a
+    /// `post` blocked on a dead link returns with an error. None where the
+    /// transport cannot do that (its posts do not block on the peer).
+    fn interrupter(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
+        None
+    }
 }
 
 /// One host's endpoint of a transport.

@@ -5,7 +5,7 @@
 use crate::flags::FlagTable;
 use crate::metrics::{Hop, Hops};
 use kvwire_core::protocol::Tag;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -57,6 +57,10 @@ struct Count {
 #[derive(Debug)]
 pub struct Placement {
     counts: Mutex<HashMap<Tag, Count>>,
+    // Byte ranges placed per (tag, region key), for transports that may
+    // deliver a write twice (a slice re-sent on another rail after its
+    // first rail failed): a range is counted once, however often it lands.
+    ranges: Mutex<HashMap<(Tag, u32), BTreeMap<u64, u64>>>,
     flags: FlagTable,
     hops: Arc<Hops>,
 }
@@ -64,7 +68,7 @@ pub struct Placement {
 impl Placement {
     /// Accounting publishing into `flags`, timing into `hops`.
     pub fn new(flags: FlagTable, hops: Arc<Hops>) -> Placement {
-        Placement { counts: Mutex::new(HashMap::new()), flags, hops }
+        Placement { counts: Mutex::new(HashMap::new()), ranges: Mutex::new(HashMap::new()), flags, hops }
     }
 
     /// The flag page.
@@ -133,6 +137,28 @@ impl Placement {
         }
     }
 
+    /// Bytes of `key[offset..offset+len]` not yet placed for `tag`.
+    pub fn new_bytes(&self, tag: Tag, key: u32, offset: u64, len: u64) -> u64 {
+        let ranges = self.ranges.lock().expect("placement lock");
+        len - ranges.get(&(tag, key)).map_or(0, |m| overlap(m, offset, offset.saturating_add(len)))
+    }
+
+    /// [`Placement::check_room`] for a write of `key[offset..offset+len]`
+    /// that may repeat bytes already placed: only its new bytes count.
+    pub fn check_room_range(&self, tag: Tag, key: u32, offset: u64, len: u64) -> Result<(), PlacementError> {
+        self.check_room(tag, self.new_bytes(tag, key, offset, len))
+    }
+
+    /// [`Placement::placed`] for a write of `key[offset..offset+len]`:
+    /// counts only the bytes no earlier write of `tag` covered. Returns them.
+    pub fn placed_range(&self, tag: Tag, key: u32, offset: u64, len: u64, seen_at: std::time::Instant) -> Result<u64, PlacementError> {
+        let fresh = {
+            let mut ranges = self.ranges.lock().expect("placement lock");
+            cover(ranges.entry((tag, key)).or_default(), offset, offset.saturating_add(len))
+        };
+        self.placed(tag, fresh, seen_at).map(|()| fresh)
+    }
+
     /// Bytes placed so far for `tag`.
     pub fn placed_bytes(&self, tag: Tag) -> u64 {
         self.counts.lock().expect("placement lock").get(&tag).map_or(0, |c| c.placed)
@@ -158,6 +184,56 @@ impl Placement {
     /// were revoked, or late writes would count toward the new one.
     pub fn reset_slot(&self, slot: u16) {
         self.counts.lock().expect("placement lock").retain(|t, _| t.slot != slot);
+        self.ranges.lock().expect("placement lock").retain(|(t, _), _| t.slot != slot);
         self.flags.clear_slot(slot);
+    }
+}
+
+/// Bytes of `start..end` that the disjoint ranges in `m` (start → end) cover.
+fn overlap(m: &BTreeMap<u64, u64>, start: u64, end: u64) -> u64 {
+    let first = m.range(..=start).next_back().map_or(start, |(&s, _)| s);
+    m.range(first..end).map(|(&s, &e)| e.min(end).saturating_sub(s.max(start))).sum()
+}
+
+/// Adds `start..end` to `m`, merging what it touches; returns the bytes it newly covers.
+fn cover(m: &mut BTreeMap<u64, u64>, start: u64, end: u64) -> u64 {
+    if start >= end {
+        return 0;
+    }
+    let fresh = (end - start) - overlap(m, start, end);
+    let first = m.range(..=start).next_back().filter(|(_, &e)| e >= start).map_or(start, |(&s, _)| s);
+    let touched: Vec<(u64, u64)> = m.range(first..=end).map(|(&s, &e)| (s, e)).collect();
+    let (mut lo, mut hi) = (start, end);
+    for (s, e) in touched {
+        m.remove(&s);
+        lo = lo.min(s);
+        hi = hi.max(e);
+    }
+    m.insert(lo, hi);
+    fresh
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranges_count_each_byte_once_and_merge() {
+        let mut m = BTreeMap::new();
+        assert_eq!(cover(&mut m, 10, 20), 10);
+        assert_eq!(cover(&mut m, 10, 20), 0);
+        assert_eq!(cover(&mut m, 15, 25), 5);
+        assert_eq!(cover(&mut m, 0, 5), 5);
+        assert_eq!(m.len(), 2);
+        assert_eq!(cover(&mut m, 5, 10), 5); // fills the gap: adjacent ranges merge
+        assert_eq!(m.into_iter().collect::<Vec<_>>(), vec![(0, 25)]);
+        let mut m = BTreeMap::new();
+        for (s, e) in [(0, 4), (8, 12), (16, 20)] {
+            cover(&mut m, s, e);
+        }
+        assert_eq!(overlap(&m, 2, 18), 2 + 4 + 2);
+        assert_eq!(cover(&mut m, 2, 18), 16 - 8);
+        assert_eq!(m.into_iter().collect::<Vec<_>>(), vec![(0, 20)]);
+        assert_eq!(cover(&mut BTreeMap::new(), 7, 7), 0);
     }
 }

@@ -174,7 +174,7 @@ fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Pla
         let region = registry.get(h.key);
         let checked = check_write(h.key, region.as_ref().map(|r| r.len), h.offset, h.len)
             .map_err(|e| e.to_string())
-            .and_then(|range| placement.check_room(h.tag, h.len).map(|()| range).map_err(|e| e.to_string()));
+            .and_then(|range| placement.check_room_range(h.tag, h.key, h.offset, h.len).map(|()| range).map_err(|e| e.to_string()));
         match checked {
             Ok(range) => {
                 let region = region.expect("check_write refuses keys with no region");
@@ -183,13 +183,14 @@ fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Pla
                 // (checked against the registry just above; the region Arc
                 // keeps the mapping alive). The bytes are not counted as
                 // placed yet, so no reader may look at them (flags are the
-                // only licence to read), and a plan never sends two writes
-                // to one byte; the slice lives only for this read.
+                // only licence to read); a plan sends two writes to one byte
+                // only when a slice is re-sent after a rail failed, and then
+                // with the same bytes. The slice lives only for this read.
                 let dst = unsafe { std::slice::from_raw_parts_mut(region.mem.as_ptr().add(at as usize), h.len as usize) };
                 reader.read_exact(dst).map_err(TransportError::io("receive write payload"))?;
                 let seen = Instant::now();
-                match placement.placed(h.tag, h.len, seen) {
-                    Ok(()) => send_ack(&mut acks, h.seq, h.len)?,
+                match placement.placed_range(h.tag, h.key, h.offset, h.len, seen) {
+                    Ok(_) => send_ack(&mut acks, h.seq, h.len)?,
                     Err(e) => send_nack(&mut acks, h.seq, &e.to_string())?,
                 }
             }
@@ -495,6 +496,13 @@ impl Connection for TcpConnection {
     fn retransmitted_bytes(&self) -> u64 {
         tcp_bytes_retrans(&self.stream).unwrap_or(0)
     }
+
+    fn interrupter(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
+        let s = self.stream.try_clone().ok()?;
+        Some(Box::new(move || {
+            let _ = s.shutdown(Shutdown::Both);
+        }))
+    }
 }
 
 /// The kernel's count of bytes this socket retransmitted (TCP_INFO,
@@ -518,6 +526,16 @@ fn tcp_bytes_retrans(s: &TcpStream) -> Option<u64> {
 
 impl Drop for TcpConnection {
     fn drop(&mut self) {
+        if self.pending.values().any(|p| p.frames_left > 0) {
+            // Abandoned with writes outstanding (a failed rail): reset, so
+            // the kernel drops what it still holds instead of delivering it
+            // later, after the writes were re-sent elsewhere.
+            // Only the read side is shut (that ends the ack thread, whose
+            // close then resets): shutting the write side would flush first.
+            let _ = nix::sys::socket::setsockopt(&self.stream, nix::sys::socket::sockopt::Linger, &nix::libc::linger { l_onoff: 1, l_linger: 0 });
+            let _ = self.stream.shutdown(Shutdown::Read);
+            return;
+        }
         let _ = self.stream.shutdown(Shutdown::Both);
     }
 }

@@ -70,6 +70,7 @@ fn assert_refused(text: &str, needles: &[&str]) {
 fn config_keys() -> BTreeSet<String> {
     let mut c = Config::default();
     c.peers.push(kvwired::config::PeerConfig { name: "p".into(), address: "127.0.0.1:1".into() });
+    c.rails.push(kvwired::config::RailConfig { name: "r".into(), tcp_listen: "127.0.0.1:0".into(), tcp_advertise: None, device: None });
     let dbg = format!("{c:#?}");
     let mut keys = BTreeSet::new();
     let mut stack: Vec<(usize, String)> = Vec::new();
@@ -218,6 +219,13 @@ fn bad_values_are_refused_naming_the_key() {
     assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight_transfers = 201\n"), &["limits.max_inflight_transfers", "200"]);
     assert_refused(&minimal(&dir, "", "[limits]\ntransfer_timeout_secs = 0\n"), &["limits.transfer_timeout_secs"]);
     assert_refused(&minimal(&dir, "", "[limits]\npeer_timeout_secs = 0\n"), &["limits.peer_timeout_secs", "> 0"]);
+    let rail = |name: &str, listen: &str| format!("[[rails]]\nname = \"{name}\"\ntcp_listen = \"{listen}\"\n");
+    assert_refused(&minimal(&dir, "", &rail("rail0", "127.0.0.1:0")), &["rails[0].name", "rail0"]);
+    assert_refused(&minimal(&dir, "", &(rail("r1", "127.0.0.1:0") + &rail("r1", "127.0.0.1:0"))), &["rails[1].name", "r1"]);
+    assert_refused(&minimal(&dir, "", &rail("r1", "eth1")), &["rails[0].tcp_listen"]);
+    assert_refused(&minimal(&dir, "", &format!("[transport]\nkind = \"shm\"\n{}", rail("r1", "127.0.0.1:0"))), &["rails[0]", "tcp"]);
+    assert_refused(&minimal(&dir, "", "[transport]\nslice_bytes = 100\n"), &["transport.slice_bytes", "4096"]);
+    assert_refused(&minimal(&dir, "", "[transport]\nrail_stall_ms = 0\n"), &["transport.rail_stall_ms"]);
     assert_refused(
         &minimal(&dir, "", "[limits]\ntransfer_timeout_secs = 5\npeer_timeout_secs = 6\n"),
         &["limits.peer_timeout_secs", "transfer_timeout_secs"],

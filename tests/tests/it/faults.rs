@@ -647,3 +647,128 @@ fn a_cancelled_requests_late_writes_are_refused_after_its_blocks_were_reused() {
     assert_eq!(r2_status.state, TransferState::Done, "{r2_status:?}");
     assert!(cb.ready(r2, FlagName::DecoderUsable));
 }
+
+// ------------------------------------------------------------------ rails
+
+/// Two hosts joined by two veth pairs; the destination (in `a`) listens on
+/// both (`rail0` on the first pair, `rail1` on the second), the source (in
+/// `b`) reaches each through its own pair. Returns the link, the second
+/// pair's hosts, and the daemons (destination, source); `extra` goes into
+/// both configs, `src_extra` into the source's.
+fn two_rails(tag: &str, test: &str, extra: &str, src_extra: &str) -> Option<(Link, (Host, Host), DaemonProc, DaemonProc)> {
+    let link = hosts(tag, test)?;
+    let second = link.second_pair().expect("second veth pair");
+    let d = dir(tag);
+    let rails = format!("[[rails]]\nname = \"rail1\"\ntcp_listen = \"{}:0\"\n{extra}", second.0.ip);
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &rails);
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &format!("{src_extra}{extra}"));
+    Some((link, second, b, a))
+}
+
+fn rail<'a>(st: &'a TransferStatus, name: &str) -> &'a RailUse {
+    st.rails.iter().find(|r| r.name == name).unwrap_or_else(|| panic!("no rail `{name}` in {:?}", st.rails))
+}
+
+#[test]
+fn a_transfer_is_striped_over_both_rails_and_exact() {
+    let _shared = crate::shared();
+    let name = "a_transfer_is_striped_over_both_rails_and_exact";
+    let Some((_link, second, b, a)) = two_rails("stripe", name, "", "") else { return };
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let orig = pattern(11, c.bytes());
+    let (src, dst) = (mem_with("src", &orig), HostMem::new("dst", c.bytes()).unwrap());
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).rev().collect();
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(30)).unwrap();
+    ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).unwrap();
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    assert_eq!(first_difference(&contents(&dst), &expected), None);
+    let st = ca.status(sslot).unwrap();
+    let (r0, r1) = (rail(&st, "rail0"), rail(&st, "rail1"));
+    eprintln!("{name}: rail0 {} B in {} slices, rail1 {} B in {} slices", r0.bytes, r0.slices, r1.bytes, r1.slices);
+    assert!(r1.addr.starts_with(&second.0.ip), "{r1:?}");
+    assert_eq!(r0.bytes + r1.bytes, c.bytes(), "each byte once across the rails: {:?}", st.rails);
+    // Equal links: neither rail carries less than a quarter.
+    assert!(r0.bytes.min(r1.bytes) >= c.bytes() / 4, "{:?}", st.rails);
+    assert!(r0.failed.is_none() && r1.failed.is_none(), "{:?}", st.rails);
+    let m = ca.stats().unwrap();
+    for r in [r0, r1] {
+        assert!(m.contains(&format!("kvwire_rail_bytes_total{{node=\"prefill-host\",rail=\"{}\",addr=\"{}\"}} {}", r.name, r.addr, r.bytes)), "{m}");
+    }
+}
+
+#[test]
+fn a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes() {
+    let _alone = crate::alone();
+    let name = "a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes";
+    // The stall timeout only matters at the source, which detects it.
+    let stall = "[transport]\nrail_stall_ms = 500\n";
+    let Some((link, second, b, a)) = two_rails("failover", name, &peer_timeout(), stall) else { return };
+    for h in [&link.b, &second.1] {
+        h.shape("100mbit").expect("tc shaping");
+    }
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let orig = pattern(12, c.bytes());
+    let (src, dst) = (mem_with("src", &orig), HostMem::new("dst", c.bytes()).unwrap());
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).collect();
+    let t0 = Instant::now();
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    cb.wait(dslot, FlagName::LayerReady(1), Duration::from_secs(20)).expect("two layers arrive over both rails");
+    eprintln!("layer 1 after {:?}", t0.elapsed());
+    second.1.set_link(false).expect("rail1 down");
+    let waited = cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(30));
+    let released = ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10));
+    eprintln!("decoder usable and source released after {:?}", t0.elapsed());
+    let st = ca.status(sslot).unwrap();
+    let (r0, r1) = (rail(&st, "rail0"), rail(&st, "rail1"));
+    eprintln!("{name}: {waited:?}; rail0 {} B, rail1 {} B (failed: {:?}); retransmitted {} B", r0.bytes, r1.bytes, r1.failed, st.retransmitted_bytes);
+    waited.expect("the transfer completes on the remaining rail");
+    released.expect("the source is released");
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    assert_eq!(first_difference(&contents(&dst), &expected), None, "failover placed other bytes");
+    assert!(r1.failed.as_deref().is_some_and(|e| e.contains("stalled")), "{r1:?}");
+    assert!(r0.failed.is_none(), "{r0:?}");
+    assert!(r1.retransmitted_bytes > 0 && st.retransmitted_bytes >= r1.retransmitted_bytes, "{st:?}");
+    // Every byte completed once: what rail1 completed before failing plus all rail0 carried.
+    assert_eq!(r0.bytes + r1.bytes, c.bytes(), "{:?}", st.rails);
+    assert!(ca.stats().unwrap().contains("kvwire_rail_failures_total{node=\"prefill-host\",rail=\"rail1\""));
+}
+
+#[test]
+fn losing_every_rail_fails_the_transfer_cleanly() {
+    let _alone = crate::alone();
+    let name = "losing_every_rail_fails_the_transfer_cleanly";
+    let Some((link, second, b, a)) = two_rails("norail", name, &peer_timeout(), "") else { return };
+    for h in [&link.b, &second.1] {
+        h.shape("100mbit").expect("tc shaping");
+    }
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let orig = pattern(13, c.bytes());
+    let (src, dst) = (mem_with("src", &orig), HostMem::new("dst", c.bytes()).unwrap());
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).collect();
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
+    cb.wait(dslot, FlagName::LayerReady(0), Duration::from_secs(20)).expect("a layer arrives");
+    let cut = Instant::now();
+    for h in [&link.b, &second.1] {
+        h.set_link(false).expect("link down");
+    }
+    let src_wait = ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(PEER_TIMEOUT_SECS + 10));
+    let dst_wait = cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(PEER_TIMEOUT_SECS + 10));
+    let after = cut.elapsed();
+    let (sst, dst_st) = (ca.status(sslot).unwrap(), cb.status(dslot).unwrap());
+    eprintln!("{name}: both sides failed within {after:?}; source: {:?}; destination: {:?}", sst.error, dst_st.error);
+    assert!(is_failed_wait(&src_wait) && is_failed_wait(&dst_wait), "{src_wait:?} {dst_wait:?}");
+    assert!(sst.error.as_deref().is_some_and(|e| e.contains("decode-host")), "{sst:?}");
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    let published = published_layers_hold(&cb, dslot, &c, &dst, &expected);
+    assert!(published < c.layers && !cb.ready(dslot, FlagName::DecoderUsable));
+}

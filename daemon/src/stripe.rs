@@ -1,0 +1,390 @@
+//! Striping a transfer across the destination's rails, with failover.
+//!
+//! The layer batches are cut into slices of at most `slice_bytes`, in layer
+//! order, into one queue. Each rail has its own connection and its own
+//! thread, which keeps up to `window` slices in flight and takes the next
+//! slice from the queue whenever one completes — so a faster rail simply
+//! takes more slices, and early layers still finish first.
+//!
+//! A rail fails when its connection cannot be made, breaks, or goes
+//! `stall` without a completion while slices are outstanding and another
+//! rail is still up (a port that went down breaks no TCP connection by
+//! itself; the last rail instead waits, bounded by the transfer and peer
+//! timeouts). Its outstanding slices go
+//! back to the front of the queue for the other rails; their bytes count as
+//! re-sent. A slice is re-sent whole, with the same writes, so the
+//! destination (which counts each byte range once) places it exactly once
+//! however many copies land. A refused write (revoked key, overrun) is not a
+//! rail failure: it fails the transfer. So does losing every rail.
+
+use crate::control::RailUse;
+use crate::peer::RailAddr;
+use kvwire_transport::{Batch, BatchId, Connection, TransportError, WriteOp};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Cuts each layer's batch into slices of at most `slice_bytes`, splitting
+/// writes where needed. Layers without writes give no slice.
+pub fn cut(batches: Vec<Batch>, slice_bytes: u64) -> Vec<Batch> {
+    let slice_bytes = slice_bytes.max(1);
+    let mut out = Vec::new();
+    for b in batches {
+        let mut cur = Batch { tag: b.tag, writes: Vec::new() };
+        let mut size = 0;
+        for w in b.writes {
+            if w.len == 0 {
+                // Goes out as is: the destination refuses it by name.
+                cur.writes.push(w);
+                continue;
+            }
+            let mut off = 0;
+            while off < w.len {
+                let n = (w.len - off).min(slice_bytes - size);
+                cur.writes.push(WriteOp { src_offset: w.src_offset + off, dst_offset: w.dst_offset + off, len: n, ..w });
+                size += n;
+                off += n;
+                if size == slice_bytes {
+                    out.push(std::mem::replace(&mut cur, Batch { tag: b.tag, writes: Vec::new() }));
+                    size = 0;
+                }
+            }
+        }
+        if !cur.writes.is_empty() {
+            out.push(cur);
+        }
+    }
+    out
+}
+
+/// What happened on a rail, for live metrics.
+#[derive(Debug, Clone, Copy)]
+pub enum RailEvent<'a> {
+    /// A slice was posted.
+    Posted,
+    /// A slice of this many bytes completed.
+    Completed(u64),
+    /// The rail failed, for this reason; this many bytes of its slices go to other rails.
+    Failed(u64, &'a str),
+}
+
+/// Opens a data connection to a rail's address.
+pub type Connect<'a> = dyn Fn(&str) -> Result<Box<dyn Connection>, TransportError> + Sync + 'a;
+
+/// How to run the slices.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Slices in flight per rail.
+    pub window: usize,
+    /// No completion for this long with slices outstanding fails a rail.
+    pub stall: Duration,
+    /// The transfer fails after this.
+    pub deadline: Instant,
+}
+
+/// What the rails carried.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// Payload bytes completed (each slice once).
+    pub bytes: u64,
+    /// Writes completed.
+    pub writes: u64,
+    /// Per rail.
+    pub rails: Vec<RailUse>,
+    /// Summed time spent handing slices to the transport.
+    pub post_time: Duration,
+    /// Bytes re-sent after a rail failed plus what transports retransmitted.
+    pub retransmitted: u64,
+}
+
+struct Shared {
+    queue: VecDeque<usize>,
+    done: usize,
+    alive: usize,
+    fatal: Option<String>,
+    failures: Vec<String>,
+    lanes: Vec<LaneState>,
+}
+
+/// What the watchdog sees of a rail.
+#[derive(Default)]
+struct LaneState {
+    up: bool,
+    inflight: usize,
+    last_progress: Option<Instant>,
+    stalled: bool,
+    // Breaks the rail's connection from outside, so a post blocked on a
+    // dead link returns.
+    interrupt: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl Shared {
+    fn interrupt_all(&mut self) {
+        for l in &mut self.lanes {
+            if let Some(i) = l.interrupt.take() {
+                i();
+            }
+        }
+    }
+}
+
+/// Sends `slices` over `rails` (connections made with `connect`) until each
+/// completed once. `interrupted` is asked every few milliseconds (cancel,
+/// peer lost); `event` hears of every post, completion and failure.
+pub fn run(
+    slices: &[Batch],
+    rails: &[RailAddr],
+    connect: &Connect<'_>,
+    settings: &Settings,
+    interrupted: &(dyn Fn() -> Option<String> + Sync),
+    event: &(dyn Fn(&RailAddr, RailEvent<'_>) + Sync),
+) -> (Outcome, Result<(), String>) {
+    let mut outcome = Outcome::default();
+    if slices.is_empty() {
+        return (outcome, Ok(()));
+    }
+    if rails.is_empty() {
+        return (outcome, Err("the peer offered no data rail".into()));
+    }
+    let shared = Mutex::new(Shared {
+        queue: (0..slices.len()).collect(),
+        done: 0,
+        alive: rails.len(),
+        fatal: None,
+        failures: Vec::new(),
+        lanes: rails.iter().map(|_| LaneState { up: true, ..LaneState::default() }).collect(),
+    });
+    let cv = Condvar::new();
+    let lanes: Vec<(RailUse, Duration, u64)> = std::thread::scope(|scope| {
+        let (shared, cv) = (&shared, &cv);
+        let handles: Vec<_> =
+            rails.iter().enumerate().map(|(i, rail)| scope.spawn(move || lane(i, slices, rail, connect, settings, event, shared, cv))).collect();
+        watchdog(shared, cv, settings, interrupted, || handles.iter().all(|h| h.is_finished()));
+        handles.into_iter().map(|h| h.join().expect("rail thread")).collect()
+    });
+    for (r, post_time, writes) in lanes {
+        outcome.bytes += r.bytes;
+        outcome.writes += writes;
+        outcome.post_time += post_time;
+        outcome.retransmitted += r.retransmitted_bytes;
+        outcome.rails.push(r);
+    }
+    let sh = shared.into_inner().expect("stripe lock");
+    let result = match sh.fatal {
+        Some(e) => Err(e),
+        None if sh.done < slices.len() => Err(format!("{} of {} slices never completed: {}", slices.len() - sh.done, slices.len(), sh.failures.join("; "))),
+        None => Ok(()),
+    };
+    (outcome, result)
+}
+
+/// Until every rail thread ended: ends the transfer on an interruption or
+/// the deadline, and breaks a rail that stalled while another is up. Rail
+/// threads may be blocked in a post, so both are done by breaking their
+/// connections from here.
+fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupted: &(dyn Fn() -> Option<String> + Sync), finished: impl Fn() -> bool) {
+    while !finished() {
+        std::thread::sleep(Duration::from_millis(10));
+        let why = interrupted().or_else(|| (Instant::now() > settings.deadline).then(|| "transfer timed out".to_string()));
+        let mut sh = shared.lock().expect("stripe lock");
+        if let Some(why) = why {
+            sh.fatal.get_or_insert(why);
+        }
+        if sh.fatal.is_some() {
+            sh.interrupt_all();
+            drop(sh);
+            cv.notify_all();
+            continue;
+        }
+        // A stalled rail is given up only while another can take its
+        // slices; the last one waits (the transfer and peer timeouts bound it).
+        let up = sh.lanes.iter().filter(|l| l.up && !l.stalled).count();
+        if up < 2 {
+            continue;
+        }
+        if let Some(l) = sh.lanes.iter_mut().find(|l| {
+            l.up && !l.stalled && l.inflight > 0 && l.last_progress.is_some_and(|t| t.elapsed() > settings.stall)
+        }) {
+            l.stalled = true;
+            if let Some(i) = l.interrupt.take() {
+                i();
+            }
+        }
+    }
+}
+
+/// One rail's thread. Returns its use, post time and writes completed.
+#[allow(clippy::too_many_arguments)]
+fn lane(
+    me: usize,
+    slices: &[Batch],
+    rail: &RailAddr,
+    connect: &Connect<'_>,
+    settings: &Settings,
+    event: &(dyn Fn(&RailAddr, RailEvent<'_>) + Sync),
+    shared: &Mutex<Shared>,
+    cv: &Condvar,
+) -> (RailUse, Duration, u64) {
+    let mut use_ = RailUse { name: rail.name.clone(), addr: rail.addr.clone(), bytes: 0, slices: 0, retransmitted_bytes: 0, busy_ns: 0, failed: None };
+    let mut post_time = Duration::ZERO;
+    let mut writes = 0;
+    let lock = || shared.lock().expect("stripe lock");
+    // Gives this rail's outstanding slices back and leaves; the last rail
+    // to leave with work undone fails the transfer.
+    let fail = |why: String, inflight: &mut HashMap<BatchId, usize>, use_: &mut RailUse| {
+        let mut back: Vec<usize> = inflight.drain().map(|(_, i)| i).collect();
+        back.sort_unstable();
+        let resent: u64 = back.iter().map(|&i| slices[i].bytes()).sum();
+        let mut sh = lock();
+        let why = if sh.lanes[me].stalled { format!("stalled: no completion for {} ms", settings.stall.as_millis()) } else { why };
+        for i in back.into_iter().rev() {
+            sh.queue.push_front(i);
+        }
+        sh.alive -= 1;
+        sh.lanes[me].up = false;
+        sh.lanes[me].interrupt = None;
+        sh.failures.push(format!("rail `{}` ({}): {why}", rail.name, rail.addr));
+        if sh.alive == 0 && sh.done < slices.len() && sh.fatal.is_none() {
+            sh.fatal = Some(format!("every rail failed: {}", sh.failures.join("; ")));
+        }
+        drop(sh);
+        cv.notify_all();
+        tracing::warn!(rail = rail.name, addr = rail.addr, why, resent, "rail failed; its slices go to the others");
+        event(rail, RailEvent::Failed(resent, &why));
+        use_.failed = Some(why);
+        use_.retransmitted_bytes += resent;
+    };
+    let mut conn: Box<dyn Connection> = match connect(&rail.addr) {
+        Ok(c) => c,
+        Err(e) => {
+            fail(format!("unreachable: {e}"), &mut HashMap::new(), &mut use_);
+            return (use_, post_time, writes);
+        }
+    };
+    lock().lanes[me].interrupt = conn.interrupter();
+    let mut inflight: HashMap<BatchId, usize> = HashMap::new();
+    let mut first_post: Option<Instant> = None;
+    let mut last_done: Option<Instant> = None;
+    'run: loop {
+        if lock().fatal.is_some() {
+            break;
+        }
+        while inflight.len() < settings.window {
+            let i = {
+                let mut sh = lock();
+                let Some(i) = sh.queue.pop_front() else { break };
+                let l = &mut sh.lanes[me];
+                if l.inflight == 0 {
+                    l.last_progress = Some(Instant::now());
+                }
+                l.inflight += 1;
+                i
+            };
+            let t = Instant::now();
+            first_post.get_or_insert(t);
+            match conn.post(slices[i].clone()) {
+                Ok(b) => {
+                    post_time += t.elapsed();
+                    inflight.insert(b, i);
+                    event(rail, RailEvent::Posted);
+                }
+                Err(e) => {
+                    inflight.insert(BatchId(u64::MAX), i);
+                    fail(format!("post: {e}"), &mut inflight, &mut use_);
+                    break 'run;
+                }
+            }
+        }
+        if inflight.is_empty() {
+            let sh = lock();
+            if sh.done == slices.len() || sh.fatal.is_some() {
+                break;
+            }
+            // Others hold the last slices: wait for them to finish, or to
+            // fail and hand theirs back.
+            let _ = cv.wait_timeout(sh, Duration::from_millis(20));
+            continue;
+        }
+        match conn.poll(Duration::from_millis(20)) {
+            Ok(done) => {
+                for c in done {
+                    let Some(i) = inflight.remove(&c.batch) else { continue };
+                    match c.result {
+                        Ok(()) => {
+                            let now = Instant::now();
+                            last_done = Some(now);
+                            use_.bytes += c.bytes;
+                            use_.slices += 1;
+                            writes += slices[i].writes.len() as u64;
+                            {
+                                let mut sh = lock();
+                                sh.done += 1;
+                                sh.lanes[me].inflight -= 1;
+                                sh.lanes[me].last_progress = Some(now);
+                            }
+                            cv.notify_all();
+                            event(rail, RailEvent::Completed(c.bytes));
+                        }
+                        Err(TransportError::Refused(why)) => {
+                            let mut sh = lock();
+                            sh.fatal.get_or_insert(format!("peer refused a write on rail `{}`: {why}", rail.name));
+                            drop(sh);
+                            cv.notify_all();
+                            break 'run;
+                        }
+                        Err(e) => {
+                            inflight.insert(c.batch, i);
+                            fail(e.to_string(), &mut inflight, &mut use_);
+                            break 'run;
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                fail(e.to_string(), &mut inflight, &mut use_);
+                break;
+            }
+        }
+    }
+    lock().lanes[me].interrupt = None;
+    use_.retransmitted_bytes += conn.retransmitted_bytes();
+    if let (Some(a), Some(b)) = (first_post, last_done) {
+        use_.busy_ns = b.saturating_duration_since(a).as_nanos() as u64;
+    }
+    (use_, post_time, writes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvwire_transport::Tag;
+
+    fn w(src: u64, dst: u64, len: u64) -> WriteOp {
+        WriteOp { src_key: 1, src_offset: src, dst_key: 2, dst_offset: dst, len }
+    }
+
+    #[test]
+    fn cutting_keeps_every_byte_once_in_order_and_bounds_each_slice() {
+        let t0 = Tag { slot: 3, layer: 0 };
+        let t1 = Tag { slot: 3, layer: 1 };
+        let batches = vec![
+            Batch { tag: t0, writes: vec![w(0, 100, 10), w(50, 300, 25)] },
+            Batch { tag: Tag { slot: 3, layer: 2 }, writes: vec![] },
+            Batch { tag: t1, writes: vec![w(7, 0, 16)] },
+        ];
+        let slices = cut(batches, 16);
+        type Runs = Vec<(u64, u64, u64)>;
+        let got: Vec<(u16, Runs)> =
+            slices.iter().map(|b| (b.tag.layer, b.writes.iter().map(|w| (w.src_offset, w.dst_offset, w.len)).collect())).collect();
+        assert_eq!(
+            got,
+            vec![
+                (0, vec![(0, 100, 10), (50, 300, 6)]),
+                (0, vec![(56, 306, 16)]),
+                (0, vec![(72, 322, 3)]),
+                (1, vec![(7, 0, 16)]),
+            ]
+        );
+        assert!(slices.iter().all(|b| b.bytes() <= 16));
+    }
+}
