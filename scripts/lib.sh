@@ -30,4 +30,9 @@ need_rust() {
     # small C stub with cmake and generates bindings with libclang. None of
     # it links libibverbs: RDMA is loaded at run time.
     need_apt gcc libc6-dev cmake libclang-dev
+    # Discovery: etcd-client compiles etcd's .proto files in its build
+    # script (tonic/prost), which needs protoc and the well-known types
+    # (google/protobuf/*.proto, in libprotobuf-dev); the discovery tests
+    # start a real etcd (/usr/bin/etcd) on loopback.
+    need_apt protobuf-compiler libprotobuf-dev etcd-server
 }

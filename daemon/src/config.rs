@@ -126,6 +126,29 @@ impl Default for Limits {
     }
 }
 
+/// Discovery through etcd (`crate::discovery`): this daemon registers under
+/// a lease, and a peer missing from `[[peers]]` is looked up there.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DiscoveryConfig {
+    /// etcd client endpoints, `host:port` or `http://host:port`; empty = off.
+    pub etcd: Vec<String>,
+    /// Seconds this daemon's entry outlives it when it dies without
+    /// revoking its lease (killed, host down, cut off from etcd).
+    pub lease_ttl_secs: u64,
+    /// Key prefix: entries are `{prefix}/nodes/{node}`.
+    pub prefix: String,
+    /// Peer-control address told to other daemons, when it differs from the
+    /// bound `peer_listen` (which must then not be a wildcard address).
+    pub advertise_peer: Option<String>,
+}
+
+impl Default for DiscoveryConfig {
+    fn default() -> Self {
+        DiscoveryConfig { etcd: Vec::new(), lease_ttl_secs: 10, prefix: "/kvwire/v1".into(), advertise_peer: None }
+    }
+}
+
 /// Everything kvwired needs.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -151,6 +174,8 @@ pub struct Config {
     pub rails: Vec<RailConfig>,
     /// Limits.
     pub limits: Limits,
+    /// Discovery through etcd (off by default: static peers only).
+    pub discovery: DiscoveryConfig,
 }
 
 impl Default for Config {
@@ -166,6 +191,7 @@ impl Default for Config {
             peers: Vec::new(),
             rails: Vec::new(),
             limits: Limits::default(),
+            discovery: DiscoveryConfig::default(),
         }
     }
 }
@@ -302,6 +328,50 @@ impl Config {
         }
         if l.max_inflight_transfers > 200 {
             return Err(invalid("limits.max_inflight_transfers", "at most 200 (flag-page slots)"));
+        }
+        self.validate_discovery()
+    }
+
+    fn validate_discovery(&self) -> Result<(), ConfigError> {
+        let d = &self.discovery;
+        for (i, e) in d.etcd.iter().enumerate() {
+            let key = format!("discovery.etcd[{i}]");
+            if e.starts_with("https://") {
+                return Err(invalid(&key, format!("`{e}`: TLS to etcd is not built in; use http:// or host:port")));
+            }
+            let hostport = e.strip_prefix("http://").unwrap_or(e);
+            let ok = hostport.rsplit_once(':').is_some_and(|(host, port)| {
+                !host.is_empty() && !host.contains(['/', ' ']) && port.parse::<u16>().is_ok_and(|p| p > 0)
+            });
+            if !ok {
+                return Err(invalid(&key, format!("`{e}` is not host:port or http://host:port")));
+            }
+        }
+        if d.lease_ttl_secs < 2 {
+            return Err(invalid("discovery.lease_ttl_secs", "at least 2 (etcd grants no shorter lease with its default timing)"));
+        }
+        if !d.prefix.starts_with('/') || d.prefix.len() < 2 || d.prefix.ends_with('/') || d.prefix.contains(char::is_whitespace) {
+            return Err(invalid("discovery.prefix", format!("`{}`: starts with `/`, does not end with one, no spaces", d.prefix)));
+        }
+        let reachable = |key: &str, v: &str| -> Result<(), ConfigError> {
+            let a = v.parse::<std::net::SocketAddr>().map_err(|e| invalid(key, format!("`{v}` is not host:port ({e})")))?;
+            if a.ip().is_unspecified() || a.port() == 0 {
+                return Err(invalid(key, format!("`{v}` is not an address other daemons can connect to")));
+            }
+            Ok(())
+        };
+        match &d.advertise_peer {
+            Some(a) => reachable("discovery.advertise_peer", a)?,
+            None if !d.etcd.is_empty() => {
+                let bound: std::net::SocketAddr = self.peer_listen.parse().map_err(|e| invalid("peer_listen", format!("{e}")))?;
+                if bound.ip().is_unspecified() {
+                    return Err(invalid(
+                        "discovery.advertise_peer",
+                        format!("required when peer_listen `{}` binds every address: set the address other hosts reach this daemon's peer listener at", self.peer_listen),
+                    ));
+                }
+            }
+            None => {}
         }
         Ok(())
     }

@@ -8,6 +8,7 @@ pub mod cli;
 pub mod client;
 pub mod config;
 pub mod control;
+pub mod discovery;
 pub mod layouts;
 pub mod metrics;
 pub mod peer;

@@ -136,6 +136,9 @@ pub struct Daemon {
     // `ep`'s registry and placement, so a key is valid on each of them and
     // a layer's bytes count the same whichever rails carried them.
     rails: Vec<RailEp>,
+    // This daemon's entry in etcd, when `[discovery]` names etcd; set at
+    // the end of `start`, once every listener is bound.
+    discovery: std::sync::OnceLock<crate::discovery::Discovery>,
 }
 
 struct RailEp {
@@ -292,6 +295,7 @@ impl Daemon {
             peer_addr,
             peer_hops: Mutex::new(BTreeMap::new()),
             rails,
+            discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();
         std::thread::Builder::new().name("kvwired-control".into()).spawn(move || dd.control_loop(control))?;
@@ -302,6 +306,18 @@ impl Daemon {
             std::thread::Builder::new().name("kvwired-metrics".into()).spawn(move || dd.metrics_loop(l))?;
         }
         tracing::info!(node = d.cfg.node, transport = d.ep.transport(), data = d.ep.local_addr(), peer = d.peer_addr, "kvwired started");
+        if !d.cfg.discovery.etcd.is_empty() {
+            use crate::discovery::{Discovery, Entry, Serves};
+            let data = d.rails.iter().map(|r| r.advertise.clone()).collect();
+            let me = Entry::for_daemon(&d.cfg, &d.peer_addr, d.ep.transport(), data);
+            // Weak: what the entry says it serves is read from the groups
+            // without keeping the daemon alive.
+            let weak = Arc::downgrade(&d);
+            let serves = move || {
+                weak.upgrade().map_or_else(Serves::default, |d| Serves::of(d.state.lock().expect("state lock").groups.values().map(|g| &g.identity)))
+            };
+            let _ = d.discovery.set(Discovery::start(&d.cfg.discovery, me, serves)?);
+        }
         Ok(d)
     }
 
@@ -315,8 +331,12 @@ impl Daemon {
         self.ep.local_addr()
     }
 
-    /// Stops accepting; in-flight transfers fail their flags.
+    /// Stops accepting; in-flight transfers fail their flags. First revokes
+    /// the etcd lease, so peers stop finding this daemon at once.
     pub fn shutdown(&self) {
+        if let Some(d) = self.discovery.get() {
+            d.shutdown();
+        }
         self.stop.store(true, Ordering::Release);
         let _ = UnixStream::connect(&self.cfg.control_socket);
         let _ = TcpStream::connect(&self.peer_addr);
@@ -433,6 +453,7 @@ impl Daemon {
             }
         }
         st.groups.retain(|_, g| !g.ranks.is_empty());
+        if let Some(d) = self.discovery.get() { d.changed() }
     }
 
     fn handle(self: &Arc<Self>, client: u64, req: Request, fds: Vec<std::os::fd::OwnedFd>) -> (Reply, bool) {
@@ -615,6 +636,7 @@ impl Daemon {
         });
         g.ranks.insert(r.rank, RankCache { regions: windows, mem, client });
         tracing::info!(group = r.group, rank = r.rank, regions = n, bytes = total, "rank registered");
+        if let Some(d) = self.discovery.get() { d.changed() }
         Reply::Registered { regions: n as u32, bytes: total, complete: g.complete() }
     }
 
@@ -636,6 +658,7 @@ impl Daemon {
         if g.ranks.is_empty() {
             st.groups.remove(group);
         }
+        if let Some(d) = self.discovery.get() { d.changed() }
         Reply::Released
     }
 
@@ -1072,11 +1095,27 @@ impl Daemon {
         reply
     }
 
-    /// Where peer `name` listens: the static `[[peers]]` list.
+    /// Where peer `name` listens: the static `[[peers]]` list, then etcd
+    /// (one lookup, at most `discovery::CALL_TIMEOUT`).
     fn resolve_peer(&self, name: &str) -> Result<PeerConfig, Box<Reply>> {
-        match self.cfg.peers.iter().find(|p| p.name == name) {
-            Some(p) => Ok(p.clone()),
-            None => Err(Box::new(err(Code::UnknownPeer, format!("peer `{name}` is not configured")))),
+        if let Some(p) = self.cfg.peers.iter().find(|p| p.name == name) {
+            return Ok(p.clone());
+        }
+        let Some(disc) = self.discovery.get() else {
+            return Err(Box::new(err(Code::UnknownPeer, format!("peer `{name}` is not configured"))));
+        };
+        let (etcd, ours) = (disc.endpoints(), self.ep.transport());
+        match disc.lookup(name) {
+            Ok(Some(e)) if e.version != peer::PEER_VERSION => Err(Box::new(err(
+                Code::PeerRefused,
+                format!("peer `{name}` (etcd at {etcd}) speaks peer protocol v{}, this daemon v{}", e.version, peer::PEER_VERSION),
+            ))),
+            Ok(Some(e)) if e.transport != ours => {
+                Err(Box::new(err(Code::PeerRefused, format!("peer `{name}` (etcd at {etcd}) speaks `{}`, this daemon `{ours}`", e.transport))))
+            }
+            Ok(Some(e)) => Ok(PeerConfig { name: e.name, address: e.peer }),
+            Ok(None) => Err(Box::new(err(Code::UnknownPeer, format!("peer `{name}` is not configured and not registered in etcd at {etcd}")))),
+            Err(e) => Err(Box::new(err(Code::UnknownPeer, format!("peer `{name}` is not configured, and etcd cannot say where it is: {e}")))),
         }
     }
 

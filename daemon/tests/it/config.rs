@@ -235,6 +235,34 @@ fn bad_values_are_refused_naming_the_key() {
 }
 
 #[test]
+fn discovery_table_bad_values_are_refused_naming_the_key() {
+    let dir = TempDir::new("discovery");
+    let disc = |body: &str| minimal(&dir, "", &format!("[discovery]\n{body}\n"));
+    assert_refused(&disc("etcd = [\"127.0.0.1:2379\", \"nowhere\"]"), &["discovery.etcd[1]", "nowhere"]);
+    assert_refused(&disc("etcd = [\"http://127.0.0.1:0\"]"), &["discovery.etcd[0]"]);
+    assert_refused(&disc("etcd = [\"https://etcd-0:2379\"]"), &["discovery.etcd[0]", "TLS"]);
+    assert_refused(&disc("etcd = \"127.0.0.1:2379\""), &["etcd"]);
+    assert_refused(&disc("lease_ttl_secs = 1"), &["discovery.lease_ttl_secs", "at least 2"]);
+    assert_refused(&disc("lease_ttl_secs = -3"), &["lease_ttl_secs"]);
+    assert_refused(&disc("prefix = \"kvwire\""), &["discovery.prefix", "`kvwire`"]);
+    assert_refused(&disc("prefix = \"/kvwire/\""), &["discovery.prefix"]);
+    assert_refused(&disc("advertise_peer = \"0.0.0.0:7400\""), &["discovery.advertise_peer", "0.0.0.0:7400"]);
+    assert_refused(&disc("advertise_peer = \"10.0.0.1:0\""), &["discovery.advertise_peer"]);
+    assert_refused(&disc("advertise_peer = \"etcd-less\""), &["discovery.advertise_peer", "host:port"]);
+    assert_refused(&disc("ttl = 3"), &["ttl"]);
+    // A wildcard peer listener cannot be advertised: with etcd on, it needs
+    // advertise_peer; without etcd, nothing is advertised.
+    let wild = |tables: &str| minimal(&dir, "peer_listen = \"0.0.0.0:7400\"", tables);
+    assert_refused(&wild("[discovery]\netcd = [\"127.0.0.1:2379\"]\n"), &["discovery.advertise_peer", "0.0.0.0:7400", "required"]);
+    load(&wild("[discovery]\netcd = [\"127.0.0.1:2379\"]\nadvertise_peer = \"10.0.0.1:7400\"\n")).unwrap();
+    load(&wild("")).unwrap();
+    let c = load(&disc("etcd = [\"etcd-0.cluster:2379\", \"http://10.0.0.9:2379\"]\nlease_ttl_secs = 2")).unwrap();
+    assert_eq!((c.discovery.etcd.len(), c.discovery.lease_ttl_secs, c.discovery.prefix.as_str()), (2, 2, "/kvwire/v1"));
+    // Off by default: the embedded default config needs no etcd.
+    assert!(Config::default().discovery.etcd.is_empty());
+}
+
+#[test]
 fn secret_file_missing_absent_or_short_is_refused() {
     let dir = TempDir::new("secret");
     // Not set at all.

@@ -4,6 +4,7 @@ mod campaign;
 mod cli;
 mod config;
 mod daemons;
+mod discovery;
 mod report;
 mod stats;
 mod topology;
