@@ -75,6 +75,12 @@ pub struct TransportConfig {
     /// failed and its slices re-sent on the others (a port that went down
     /// breaks no TCP connection by itself).
     pub rail_stall_ms: u64,
+    /// The netdev or RDMA device of the `[transport]` rail (`rail0`), for
+    /// locality (sysfs).
+    pub device: Option<String>,
+    /// A topology file overriding what sysfs says (see `kvwire topology`):
+    /// a device it names that does not exist stops the daemon.
+    pub topology_file: Option<PathBuf>,
 }
 
 impl Default for TransportConfig {
@@ -90,6 +96,8 @@ impl Default for TransportConfig {
             verbs_listen: "127.0.0.1:0".into(),
             slice_bytes: 1 << 20,
             rail_stall_ms: 2000,
+            device: None,
+            topology_file: None,
         }
     }
 }

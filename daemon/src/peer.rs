@@ -169,6 +169,23 @@ pub struct Accept {
     /// source stripes slices across those it can reach.
     #[serde(default)]
     pub rails: Vec<RailAddr>,
+    /// Per destination rank, the rails closest to its memory, when some
+    /// rails are closer than others; slices for that rank use only these
+    /// while any of them is up.
+    #[serde(default)]
+    pub locality: Vec<RankRails>,
+}
+
+/// The rails a destination rank prefers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankRails {
+    /// Destination rank.
+    pub rank: u32,
+    /// Rail names, all of the best locality level.
+    pub rails: Vec<String>,
+    /// That level (`same-pcie-switch`, `same-numa`, ...).
+    pub level: String,
 }
 
 /// One data rail of a daemon.

@@ -4,7 +4,7 @@
 use crate::config::{Config, PeerConfig, TransportKind};
 use crate::control::*;
 use crate::metrics::Metrics;
-use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion, RailAddr};
+use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion, RailAddr, RankRails};
 use crate::wire::{self, read_msg, write_msg, WireError};
 use kvwire_core::layout::{self, ModelSpec};
 use crate::staging;
@@ -136,6 +136,8 @@ pub struct Daemon {
     // `ep`'s registry and placement, so a key is valid on each of them and
     // a layer's bytes count the same whichever rails carried them.
     rails: Vec<RailEp>,
+    // What sysfs (or the topology file) says, when a rail names a device.
+    topology: Option<kvwire_core::topology::HostTopology>,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -144,6 +146,8 @@ pub struct Daemon {
 struct RailEp {
     name: String,
     advertise: String,
+    // Its device, for locality (None: unknown).
+    device: Option<String>,
     // Held for its listener: writes arriving on it are placed through the
     // shared registry and placement.
     _ep: Option<Arc<dyn Endpoint>>,
@@ -260,6 +264,7 @@ impl Daemon {
                 (Some(a), TransportKind::Tcp) => a.clone(),
                 _ => ep.local_addr(),
             },
+            device: t.device.clone(),
             _ep: None,
         }];
         for r in &cfg.rails {
@@ -267,8 +272,24 @@ impl Daemon {
             let extra = TcpEndpoint::bind(&cfg.node, listen, ep.registry().clone(), ep.placement().clone(), TcpLimits::default())
                 .map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
             let advertise = r.tcp_advertise.clone().unwrap_or_else(|| extra.local_addr());
-            rails.push(RailEp { name: r.name.clone(), advertise, _ep: Some(extra) });
+            rails.push(RailEp { name: r.name.clone(), advertise, device: r.device.clone(), _ep: Some(extra) });
         }
+        // Locality: only when a rail names its device. A device or file that
+        // does not match this host stops the daemon, named.
+        let topology = if rails.iter().any(|r| r.device.is_some()) || t.topology_file.is_some() {
+            let topo = crate::topology::discover(std::path::Path::new("/"), t.topology_file.as_deref())?;
+            for r in &rails {
+                if let Some(dev) = &r.device {
+                    if topo.rail_device(dev).is_none() {
+                        let names: Vec<&str> = topo.devices.iter().filter(|d| d.can_be_rail()).map(|d| d.name.as_str()).collect();
+                        anyhow::bail!("rail `{}` device `{dev}`: no such RDMA device or netdev on this host (there are: {})", r.name, names.join(", "));
+                    }
+                }
+            }
+            Some(topo)
+        } else {
+            None
+        };
         let peer_listener = TcpListener::bind(&cfg.peer_listen).map_err(|e| anyhow::anyhow!("peer_listen {}: {e}", cfg.peer_listen))?;
         let peer_addr = peer_listener.local_addr()?.to_string();
         let _ = std::fs::remove_file(&cfg.control_socket);
@@ -295,6 +316,7 @@ impl Daemon {
             peer_addr,
             peer_hops: Mutex::new(BTreeMap::new()),
             rails,
+            topology,
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();
@@ -849,7 +871,12 @@ impl Daemon {
             err(code, m)
         };
         // Offer → accept.
-        let mut pc = match TcpStream::connect(&peer.address) {
+        let connected = peer
+            .address
+            .parse()
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e}")))
+            .and_then(|a| TcpStream::connect_timeout(&a, Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
+        let mut pc = match connected {
             Ok(c) => c,
             Err(e) => return fail(Code::PeerUnreachable, format!("peer `{}` at {}: {e}", peer.name, peer.address)),
         };
@@ -1056,6 +1083,15 @@ impl Daemon {
         let payload = c.total_bytes_moved;
         let reply = Reply::Submitted { slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
         let d = self.clone();
+        // Which rails each destination rank prefers, as a bit per rail, and
+        // the rank of each destination key.
+        let prefer: HashMap<u32, u64> = accept
+            .locality
+            .iter()
+            .map(|p| (p.rank, accept.rails.iter().enumerate().filter(|(_, r)| p.rails.contains(&r.name)).fold(0u64, |m, (i, _)| m | 1 << i)))
+            .collect();
+        let key_rank: HashMap<u32, u32> = accept.regions.iter().map(|r| (r.key, r.rank)).collect();
+        let prefer = (prefer, key_rank);
         // A peer of an older build names one rail: its data address.
         let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
         let peer_slot = accept.slot;
@@ -1063,7 +1099,7 @@ impl Daemon {
         let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{slot}")).spawn(move || {
             let span = tracing::info_span!("transfer", slot, request = s.request, peer = peer.name);
             let _g = span.enter();
-            let result = d.move_bytes(id, &rails, batches, &stop, &link);
+            let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &link);
             if let Some(stage) = &src_stage {
                 d.ep.revoke(stage.key);
             }
@@ -1095,6 +1131,27 @@ impl Daemon {
         reply
     }
 
+    /// Per rank of `g`, the rails closest to its memory, where some are
+    /// closer than others (host memory: by NUMA node, read from the pages).
+    fn rank_rails(&self, g: &Group) -> Vec<RankRails> {
+        let Some(topo) = &self.topology else { return Vec::new() };
+        let devices: Vec<&str> = self.rails.iter().map(|r| r.device.as_deref().unwrap_or("")).collect();
+        let mut out = Vec::new();
+        for (rank, rc) in &g.ranks {
+            // The client's pages are in this mapping only once touched here:
+            // a read maps the page the client placed (shared memfd).
+            let _ = rc.mem.read(0, &mut [0u8; 1]);
+            let mem = kvwire_core::topology::MemPlace::Host { numa: crate::topology::numa_node_of(rc.mem.as_ptr()) };
+            let ranked = kvwire_core::topology::rank(topo, &mem, &devices);
+            let Some(&(_, best)) = ranked.first() else { continue };
+            let rails: Vec<String> = ranked.iter().filter(|(_, l)| *l == best).map(|(i, _)| self.rails[*i].name.clone()).collect();
+            if rails.len() < self.rails.len() {
+                out.push(RankRails { rank: *rank, rails, level: best.label().into() });
+            }
+        }
+        out
+    }
+
     /// Where peer `name` listens: the static `[[peers]]` list, then etcd
     /// (one lookup, at most `discovery::CALL_TIMEOUT`).
     fn resolve_peer(&self, name: &str) -> Result<PeerConfig, Box<Reply>> {
@@ -1122,11 +1179,23 @@ impl Daemon {
     /// Sends every batch, cut into slices striped across the destination's
     /// rails (`stripe`), until each completed at least once; records per
     /// rail what it carried and what was sent again, either way.
-    fn move_bytes(&self, id: SlotId, rails: &[RailAddr], batches: Vec<Batch>, stop: &AtomicBool, link: &PeerLink) -> Result<(u64, u64), String> {
+    fn move_bytes(
+        &self,
+        id: SlotId,
+        rails: &[RailAddr],
+        prefer: &(HashMap<u32, u64>, HashMap<u32, u32>),
+        batches: Vec<Batch>,
+        stop: &AtomicBool,
+        link: &PeerLink,
+    ) -> Result<(u64, u64), String> {
         // Setup ends here: handshake, planning, manifest, packing.
         self.slot_mark(id, "posting".into());
         let t = &self.cfg.transport;
-        let slices = stripe::cut(batches, t.slice_bytes);
+        let (rank_mask, key_rank) = prefer;
+        // Staging buffers and unknown keys group as u32::MAX: no preference.
+        let rank_of = |w: &WriteOp| key_rank.get(&w.dst_key).copied().unwrap_or(u32::MAX);
+        let slices = stripe::cut(batches, t.slice_bytes, rank_of);
+        let masks: Vec<u64> = slices.iter().map(|b| b.writes.first().and_then(|w| rank_mask.get(&rank_of(w))).copied().unwrap_or(0)).collect();
         let settings = stripe::Settings {
             window: 4,
             stall: Duration::from_millis(t.rail_stall_ms),
@@ -1186,7 +1255,7 @@ impl Daemon {
             }
         };
         let started = Instant::now();
-        let (outcome, result) = stripe::run(&slices, rails, &connect, &settings, &interrupted, &event);
+        let (outcome, result) = stripe::run(&slices, &masks, rails, &connect, &settings, &interrupted, &event);
         {
             let mut m = self.metrics.rails.lock().expect("rail metrics lock");
             for r in &outcome.rails {
@@ -1342,6 +1411,7 @@ impl Daemon {
             prefix_tokens: recv.prefix_tokens,
             data_addr: self.rails[0].advertise.clone(),
             rails: self.rails.iter().map(|r| RailAddr { name: r.name.clone(), addr: r.advertise.clone() }).collect(),
+            locality: self.rank_rails(g),
             transport: self.ep.transport().into(),
             regions,
         };

@@ -1,10 +1,15 @@
 //! Striping a transfer across the destination's rails, with failover.
 //!
 //! The layer batches are cut into slices of at most `slice_bytes`, in layer
-//! order, into one queue. Each rail has its own connection and its own
-//! thread, which keeps up to `window` slices in flight and takes the next
-//! slice from the queue whenever one completes — so a faster rail simply
-//! takes more slices, and early layers still finish first.
+//! order; a slice never mixes destination ranks. Each rail has its own
+//! connection and its own thread, which keeps up to `window` slices in
+//! flight and takes the next slice whenever one completes — so a faster rail
+//! simply takes more slices, and early layers still finish first.
+//!
+//! Locality: a slice may name the rails it prefers (the destination's rails
+//! closest to its rank's memory, by NUMA node or PCIe switch). Only those
+//! take it while any of them is up; the others take it once all of them
+//! failed. A slice that prefers nothing goes to any rail.
 //!
 //! A rail fails when its connection cannot be made, breaks, or goes
 //! `stall` without a completion while slices are outstanding and another
@@ -20,19 +25,25 @@
 use crate::control::RailUse;
 use crate::peer::RailAddr;
 use kvwire_transport::{Batch, BatchId, Connection, TransportError, WriteOp};
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Cuts each layer's batch into slices of at most `slice_bytes`, splitting
 /// writes where needed. Layers without writes give no slice.
-pub fn cut(batches: Vec<Batch>, slice_bytes: u64) -> Vec<Batch> {
+/// A new slice starts wherever `group` (e.g. the destination rank of a
+/// write's key) changes, so each slice can prefer the rails of one group.
+pub fn cut(batches: Vec<Batch>, slice_bytes: u64, group: impl Fn(&WriteOp) -> u32) -> Vec<Batch> {
     let slice_bytes = slice_bytes.max(1);
     let mut out = Vec::new();
     for b in batches {
         let mut cur = Batch { tag: b.tag, writes: Vec::new() };
         let mut size = 0;
         for w in b.writes {
+            if cur.writes.first().is_some_and(|f| group(f) != group(&w)) {
+                out.push(std::mem::replace(&mut cur, Batch { tag: b.tag, writes: Vec::new() }));
+                size = 0;
+            }
             if w.len == 0 {
                 // Goes out as is: the destination refuses it by name.
                 cur.writes.push(w);
@@ -98,7 +109,8 @@ pub struct Outcome {
 }
 
 struct Shared {
-    queue: VecDeque<usize>,
+    // Queued slices by the rails they prefer (a bit per rail; 0: any).
+    queues: BTreeMap<u64, VecDeque<usize>>,
     done: usize,
     alive: usize,
     fatal: Option<String>,
@@ -119,6 +131,19 @@ struct LaneState {
 }
 
 impl Shared {
+    /// The next slice rail `me` may take: the earliest among those that
+    /// prefer it, prefer nothing, or prefer only rails that are down.
+    fn take(&mut self, me: usize) -> Option<usize> {
+        let up: u64 = self.lanes.iter().enumerate().filter(|(_, l)| l.up).fold(0, |m, (i, _)| m | 1 << i);
+        let mask = *self
+            .queues
+            .iter()
+            .filter(|(&mask, q)| !q.is_empty() && (mask == 0 || mask & (1 << me) != 0 || mask & up == 0))
+            .min_by_key(|(_, q)| q.front().copied())?
+            .0;
+        self.queues.get_mut(&mask)?.pop_front()
+    }
+
     fn interrupt_all(&mut self) {
         for l in &mut self.lanes {
             if let Some(i) = l.interrupt.take() {
@@ -133,6 +158,7 @@ impl Shared {
 /// peer lost); `event` hears of every post, completion and failure.
 pub fn run(
     slices: &[Batch],
+    prefer: &[u64],
     rails: &[RailAddr],
     connect: &Connect<'_>,
     settings: &Settings,
@@ -147,7 +173,10 @@ pub fn run(
         return (outcome, Err("the peer offered no data rail".into()));
     }
     let shared = Mutex::new(Shared {
-        queue: (0..slices.len()).collect(),
+        queues: (0..slices.len()).fold(BTreeMap::new(), |mut m: BTreeMap<u64, VecDeque<usize>>, i| {
+            m.entry(prefer.get(i).copied().unwrap_or(0)).or_default().push_back(i);
+            m
+        }),
         done: 0,
         alive: rails.len(),
         fatal: None,
@@ -158,7 +187,7 @@ pub fn run(
     let lanes: Vec<(RailUse, Duration, u64)> = std::thread::scope(|scope| {
         let (shared, cv) = (&shared, &cv);
         let handles: Vec<_> =
-            rails.iter().enumerate().map(|(i, rail)| scope.spawn(move || lane(i, slices, rail, connect, settings, event, shared, cv))).collect();
+            rails.iter().enumerate().map(|(i, rail)| scope.spawn(move || lane(i, slices, prefer, rail, connect, settings, event, shared, cv))).collect();
         watchdog(shared, cv, settings, interrupted, || handles.iter().all(|h| h.is_finished()));
         handles.into_iter().map(|h| h.join().expect("rail thread")).collect()
     });
@@ -218,6 +247,7 @@ fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupt
 fn lane(
     me: usize,
     slices: &[Batch],
+    prefer: &[u64],
     rail: &RailAddr,
     connect: &Connect<'_>,
     settings: &Settings,
@@ -238,7 +268,7 @@ fn lane(
         let mut sh = lock();
         let why = if sh.lanes[me].stalled { format!("stalled: no completion for {} ms", settings.stall.as_millis()) } else { why };
         for i in back.into_iter().rev() {
-            sh.queue.push_front(i);
+            sh.queues.entry(prefer.get(i).copied().unwrap_or(0)).or_default().push_front(i);
         }
         sh.alive -= 1;
         sh.lanes[me].up = false;
@@ -272,7 +302,7 @@ fn lane(
         while inflight.len() < settings.window {
             let i = {
                 let mut sh = lock();
-                let Some(i) = sh.queue.pop_front() else { break };
+                let Some(i) = sh.take(me) else { break };
                 let l = &mut sh.lanes[me];
                 if l.inflight == 0 {
                     l.last_progress = Some(Instant::now());
@@ -372,7 +402,7 @@ mod tests {
             Batch { tag: Tag { slot: 3, layer: 2 }, writes: vec![] },
             Batch { tag: t1, writes: vec![w(7, 0, 16)] },
         ];
-        let slices = cut(batches, 16);
+        let slices = cut(batches, 16, |_| 0);
         type Runs = Vec<(u64, u64, u64)>;
         let got: Vec<(u16, Runs)> =
             slices.iter().map(|b| (b.tag.layer, b.writes.iter().map(|w| (w.src_offset, w.dst_offset, w.len)).collect())).collect();

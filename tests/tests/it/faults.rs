@@ -772,3 +772,81 @@ fn losing_every_rail_fails_the_transfer_cleanly() {
     let published = published_layers_hold(&cb, dslot, &c, &dst, &expected);
     assert!(published < c.layers && !cb.ready(dslot, FlagName::DecoderUsable));
 }
+
+#[test]
+fn slices_keep_to_the_rail_near_their_memory_until_it_fails() {
+    let _alone = crate::alone();
+    let name = "slices_keep_to_the_rail_near_their_memory_until_it_fails";
+    let Some(link) = hosts("near", name) else { return };
+    let second = link.second_pair().expect("second veth pair");
+    // Veths have no NUMA node in sysfs; the topology file gives rail1's
+    // device this host's node 0 and rail0's another node.
+    let d = dir("near");
+    let topo = d.join("topology.toml");
+    std::fs::write(&topo, format!("[[rail]]\ndevice = \"{}\"\nnuma = 0\n[[rail]]\ndevice = \"{}\"\nnuma = 1\n", second.0.dev, link.a.dev)).unwrap();
+    let extra = format!(
+        "[transport]\ntcp_listen = \"{}:0\"\ndevice = \"{}\"\ntopology_file = \"{}\"\n[[rails]]\nname = \"rail1\"\ntcp_listen = \"{}:0\"\ndevice = \"{}\"\n{}",
+        link.a.ip,
+        link.a.dev,
+        topo.display(),
+        second.0.ip,
+        second.0.dev,
+        peer_timeout()
+    );
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &extra);
+    let src_extra = format!("[transport]\nrail_stall_ms = 500\n{}", peer_timeout());
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &src_extra);
+    for h in [&link.b, &second.1] {
+        h.shape("200mbit").expect("tc shaping");
+    }
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    let c = SLOW;
+    let orig = pattern(14, c.bytes());
+    // The destination's pages exist (written), so their node can be read.
+    let (src, dst) = (mem_with("src", &orig), mem_with("dst", &vec![0; c.bytes() as usize]));
+    c.register(&ca, "src", &src);
+    c.register(&cb, "dst", &dst);
+    let table: Vec<u32> = (0..c.blocks).collect();
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    // Both rails up: everything on the near one.
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r1", &table);
+    cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(30)).unwrap();
+    ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).unwrap();
+    let st = ca.status(sslot).unwrap();
+    eprintln!("{name}: both up: {:?}", st.rails.iter().map(|r| (&r.name, r.bytes)).collect::<Vec<_>>());
+    assert_eq!(rail(&st, "rail1").bytes, c.bytes(), "{:?}", st.rails);
+    assert!(st.rails.iter().all(|r| r.name == "rail1" || r.bytes == 0), "{:?}", st.rails);
+    assert_eq!(first_difference(&contents(&dst), &expected), None);
+    // The near rail goes down mid-transfer: the far one takes the rest.
+    dst.write(0, &vec![0; c.bytes() as usize]).unwrap();
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r2", &table);
+    cb.wait(dslot, FlagName::LayerReady(1), Duration::from_secs(20)).unwrap();
+    second.1.set_link(false).expect("rail1 down");
+    cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(30)).expect("the far rail finishes the transfer");
+    ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).unwrap();
+    let st = ca.status(sslot).unwrap();
+    eprintln!("{name}: near rail down: {:?}", st.rails.iter().map(|r| (&r.name, r.bytes, &r.failed)).collect::<Vec<_>>());
+    assert!(rail(&st, "rail1").failed.is_some() && rail(&st, "rail0").bytes > 0, "{:?}", st.rails);
+    assert_eq!(first_difference(&contents(&dst), &expected), None);
+}
+
+#[test]
+fn a_rail_device_that_does_not_exist_stops_the_daemon_by_name() {
+    let _shared = crate::shared();
+    let d = dir("nodev");
+    let cfg = d.join("bad.toml");
+    std::fs::write(d.join("s"), SECRET).unwrap();
+    std::fs::write(
+        &cfg,
+        format!(
+            "node = \"x\"\ncontrol_socket = \"{}\"\npeer_listen = \"127.0.0.1:0\"\nsecret_file = \"{}\"\n[transport]\ndevice = \"no-such-nic9\"\n",
+            d.join("x.sock").display(),
+            d.join("s").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(scenario::kvwired_bin()).arg("--config").arg(&cfg).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "kvwired started with a rail on a missing device");
+    assert!(err.contains("no-such-nic9") && err.contains("rail0") && err.contains("lo"), "{err}");
+}
