@@ -1188,8 +1188,9 @@ impl Daemon {
         stop: &AtomicBool,
         link: &PeerLink,
     ) -> Result<(u64, u64), String> {
-        // Setup ends here: handshake, planning, manifest, packing.
-        self.slot_mark(id, "posting".into());
+        // Setup ends at the first post, on whichever rail: handshake,
+        // planning, manifest, packing, data-plane connect.
+        let posting = std::sync::Once::new();
         let t = &self.cfg.transport;
         let (rank_mask, key_rank) = prefer;
         // Staging buffers and unknown keys group as u32::MAX: no preference.
@@ -1228,6 +1229,10 @@ impl Daemon {
                 };
                 let r = &mut s.rails[at];
                 match e {
+                    stripe::RailEvent::Starting => posting.call_once(|| {
+                        let at_ns = s.started.elapsed().as_nanos() as u64;
+                        s.marks.push(Mark { name: "posting".into(), at_ns });
+                    }),
                     stripe::RailEvent::Posted => {}
                     stripe::RailEvent::Completed(bytes) => {
                         r.bytes += bytes;
@@ -1242,6 +1247,7 @@ impl Daemon {
             let mut m = self.metrics.rails.lock().expect("rail metrics lock");
             let r = m.entry((rail.name.clone(), rail.addr.clone())).or_default();
             match e {
+                stripe::RailEvent::Starting => {}
                 stripe::RailEvent::Posted => r.inflight += 1,
                 stripe::RailEvent::Completed(bytes) => {
                     r.inflight = r.inflight.saturating_sub(1);
@@ -1254,7 +1260,6 @@ impl Daemon {
                 }
             }
         };
-        let started = Instant::now();
         let (outcome, result) = stripe::run(&slices, &masks, rails, &connect, &settings, &interrupted, &event);
         {
             let mut m = self.metrics.rails.lock().expect("rail metrics lock");
@@ -1274,7 +1279,7 @@ impl Daemon {
         // `wire` per transfer: the links' busy span, first post to last
         // completion (slices overlap, so per-slice times would double count).
         self.slot_hop(id, Hop::Post, outcome.post_time, outcome.bytes);
-        self.slot_hop(id, Hop::Wire, started.elapsed(), outcome.bytes);
+        self.slot_hop(id, Hop::Wire, outcome.wire, outcome.bytes);
         Ok((outcome.bytes, outcome.writes))
     }
 

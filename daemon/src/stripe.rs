@@ -71,6 +71,8 @@ pub fn cut(batches: Vec<Batch>, slice_bytes: u64, group: impl Fn(&WriteOp) -> u3
 /// What happened on a rail, for live metrics.
 #[derive(Debug, Clone, Copy)]
 pub enum RailEvent<'a> {
+    /// The rail is about to post its first slice.
+    Starting,
     /// A slice was posted.
     Posted,
     /// A slice of this many bytes completed.
@@ -106,6 +108,9 @@ pub struct Outcome {
     pub post_time: Duration,
     /// Bytes re-sent after a rail failed plus what transports retransmitted.
     pub retransmitted: u64,
+    /// The links' busy span: first post on any rail to last completion on
+    /// any (connection setup excluded).
+    pub wire: Duration,
 }
 
 struct Shared {
@@ -184,14 +189,19 @@ pub fn run(
         lanes: rails.iter().map(|_| LaneState { up: true, ..LaneState::default() }).collect(),
     });
     let cv = Condvar::new();
-    let lanes: Vec<(RailUse, Duration, u64)> = std::thread::scope(|scope| {
+    let lanes: Vec<LaneResult> = std::thread::scope(|scope| {
         let (shared, cv) = (&shared, &cv);
         let handles: Vec<_> =
             rails.iter().enumerate().map(|(i, rail)| scope.spawn(move || lane(i, slices, prefer, rail, connect, settings, event, shared, cv))).collect();
         watchdog(shared, cv, settings, interrupted, || handles.iter().all(|h| h.is_finished()));
         handles.into_iter().map(|h| h.join().expect("rail thread")).collect()
     });
-    for (r, post_time, writes) in lanes {
+    let first = lanes.iter().filter_map(|l| l.span.map(|s| s.0)).min();
+    let last = lanes.iter().filter_map(|l| l.span.map(|s| s.1)).max();
+    if let (Some(a), Some(b)) = (first, last) {
+        outcome.wire = b.saturating_duration_since(a);
+    }
+    for LaneResult { rail: r, post_time, writes, .. } in lanes {
         outcome.bytes += r.bytes;
         outcome.writes += writes;
         outcome.post_time += post_time;
@@ -242,7 +252,16 @@ fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupt
     }
 }
 
-/// One rail's thread. Returns its use, post time and writes completed.
+/// What one rail's thread did.
+struct LaneResult {
+    rail: RailUse,
+    post_time: Duration,
+    writes: u64,
+    // First post and last completion.
+    span: Option<(Instant, Instant)>,
+}
+
+/// One rail's thread.
 #[allow(clippy::too_many_arguments)]
 fn lane(
     me: usize,
@@ -254,7 +273,7 @@ fn lane(
     event: &(dyn Fn(&RailAddr, RailEvent<'_>) + Sync),
     shared: &Mutex<Shared>,
     cv: &Condvar,
-) -> (RailUse, Duration, u64) {
+) -> LaneResult {
     let mut use_ = RailUse { name: rail.name.clone(), addr: rail.addr.clone(), bytes: 0, slices: 0, retransmitted_bytes: 0, busy_ns: 0, failed: None };
     let mut post_time = Duration::ZERO;
     let mut writes = 0;
@@ -288,7 +307,7 @@ fn lane(
         Ok(c) => c,
         Err(e) => {
             fail(format!("unreachable: {e}"), &mut HashMap::new(), &mut use_);
-            return (use_, post_time, writes);
+            return LaneResult { rail: use_, post_time, writes, span: None };
         }
     };
     lock().lanes[me].interrupt = conn.interrupter();
@@ -311,7 +330,10 @@ fn lane(
                 i
             };
             let t = Instant::now();
-            first_post.get_or_insert(t);
+            if first_post.is_none() {
+                first_post = Some(t);
+                event(rail, RailEvent::Starting);
+            }
             match conn.post(slices[i].clone()) {
                 Ok(b) => {
                     post_time += t.elapsed();
@@ -378,10 +400,11 @@ fn lane(
     }
     lock().lanes[me].interrupt = None;
     use_.retransmitted_bytes += conn.retransmitted_bytes();
-    if let (Some(a), Some(b)) = (first_post, last_done) {
+    let span = first_post.zip(last_done);
+    if let Some((a, b)) = span {
         use_.busy_ns = b.saturating_duration_since(a).as_nanos() as u64;
     }
-    (use_, post_time, writes)
+    LaneResult { rail: use_, post_time, writes, span }
 }
 
 #[cfg(test)]

@@ -88,6 +88,13 @@ fn main() -> ExitCode {
         ms(lo.transfer_ns),
         ms(lo.tail_ns)
     );
+    println!("rails of this transfer (source side; GB/s = bytes / busy):");
+    for r in &out.source.rails {
+        let gbps = if r.busy_ns > 0 { r.bytes as f64 / r.busy_ns as f64 } else { 0.0 };
+        let failed = r.failed.as_deref().map(|f| format!("  FAILED: {f}")).unwrap_or_default();
+        println!("  {:<8} {:<22} {:>10} bytes {:>5} slices {:>8.3} GB/s  re-sent {} bytes{failed}", r.name, r.addr, r.bytes, r.slices, gbps, r.retransmitted_bytes);
+    }
+    println!("retransmitted_bytes {}", out.source.retransmitted_bytes);
     println!();
     if out.bitwise() {
         println!("logits: bitwise identical to the local computation ({} values)", out.local.len());
