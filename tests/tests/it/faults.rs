@@ -158,6 +158,22 @@ fn contents(m: &HostMem) -> Vec<u8> {
     out
 }
 
+/// A source cache filled from `pattern(seed)` and an empty destination,
+/// registered as groups `src` (on `ca`) and `dst` (on `cb`).
+struct Caches {
+    orig: Vec<u8>,
+    src: HostMem,
+    dst: HostMem,
+}
+
+fn caches(ca: &Client, cb: &Client, c: &Cache, seed: u64) -> Caches {
+    let orig = pattern(seed, c.bytes());
+    let (src, dst) = (mem_with("src", &orig), HostMem::new("dst", c.bytes()).unwrap());
+    c.register(ca, "src", &src);
+    c.register(cb, "dst", &dst);
+    Caches { orig, src, dst }
+}
+
 /// Where two buffers first differ, for a readable assertion.
 fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
     if a.len() != b.len() {
@@ -225,11 +241,7 @@ fn a_source_killed_mid_transfer_fails_the_destination_within_the_peer_timeout() 
     let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
-    let orig = pattern(1, c.bytes());
-    let src = mem_with("src", &orig);
-    let dst = HostMem::new("dst", c.bytes()).unwrap();
-    c.register(&ca, "src", &src);
-    c.register(&cb, "dst", &dst);
+    let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 1);
     let table: Vec<u32> = (0..c.blocks).collect();
     let (_, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
     cb.wait(dslot, FlagName::LayerReady(1), Duration::from_secs(20)).expect("two layers arrive before the kill");
@@ -267,11 +279,7 @@ fn a_frozen_source_fails_the_destination_once_silent_for_the_peer_timeout() {
     let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
-    let orig = pattern(5, c.bytes());
-    let src = mem_with("src", &orig);
-    let dst = HostMem::new("dst", c.bytes()).unwrap();
-    c.register(&ca, "src", &src);
-    c.register(&cb, "dst", &dst);
+    let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 5);
     let table: Vec<u32> = (0..c.blocks).collect();
     let (_, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
     cb.wait(dslot, FlagName::LayerReady(1), Duration::from_secs(20)).expect("two layers arrive before the freeze");
@@ -439,11 +447,7 @@ fn a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly() {
     let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
-    let orig = pattern(3, c.bytes());
-    let src = mem_with("src", &orig);
-    let dst = HostMem::new("dst", c.bytes()).unwrap();
-    c.register(&ca, "src", &src);
-    c.register(&cb, "dst", &dst);
+    let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 3);
     let table: Vec<u32> = (0..c.blocks).rev().collect();
     let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
     cb.wait(dslot, FlagName::LayerReady(0), Duration::from_secs(20)).expect("a layer arrives before the link goes down");
@@ -483,11 +487,7 @@ fn source_may_be_overwritten_once_released(tag: &str, extra: &str) {
     let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = Cache { layers: 4, heads: 8, dim: 128, blocks: 16 };
-    let orig = pattern(4, c.bytes());
-    let src = mem_with("src", &orig);
-    let dst = HostMem::new("dst", c.bytes()).unwrap();
-    c.register(&ca, "src", &src);
-    c.register(&cb, "dst", &dst);
+    let Caches { orig, src, dst } = caches(&ca, &cb, &c, 4);
     let table: Vec<u32> = (0..c.blocks).rev().collect();
     let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
     ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(20)).expect("source released");
@@ -676,10 +676,7 @@ fn a_transfer_is_striped_over_both_rails_and_exact() {
     let Some((_link, second, b, a)) = two_rails("stripe", name, "", "") else { return };
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
-    let orig = pattern(11, c.bytes());
-    let (src, dst) = (mem_with("src", &orig), HostMem::new("dst", c.bytes()).unwrap());
-    c.register(&ca, "src", &src);
-    c.register(&cb, "dst", &dst);
+    let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 11);
     let table: Vec<u32> = (0..c.blocks).rev().collect();
     let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
     cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(30)).unwrap();
@@ -712,10 +709,7 @@ fn a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes() {
     }
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
-    let orig = pattern(12, c.bytes());
-    let (src, dst) = (mem_with("src", &orig), HostMem::new("dst", c.bytes()).unwrap());
-    c.register(&ca, "src", &src);
-    c.register(&cb, "dst", &dst);
+    let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 12);
     let table: Vec<u32> = (0..c.blocks).collect();
     let t0 = Instant::now();
     let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
@@ -750,10 +744,7 @@ fn losing_every_rail_fails_the_transfer_cleanly() {
     }
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
-    let orig = pattern(13, c.bytes());
-    let (src, dst) = (mem_with("src", &orig), HostMem::new("dst", c.bytes()).unwrap());
-    c.register(&ca, "src", &src);
-    c.register(&cb, "dst", &dst);
+    let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 13);
     let table: Vec<u32> = (0..c.blocks).collect();
     let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
     cb.wait(dslot, FlagName::LayerReady(0), Duration::from_secs(20)).expect("a layer arrives");
