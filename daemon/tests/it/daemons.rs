@@ -15,13 +15,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const MODEL: &str = "name = \"toy\"\ndtype = \"bf16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 16\n";
-const WAIT: Duration = Duration::from_secs(20);
+pub(crate) const MODEL: &str = "name = \"toy\"\ndtype = \"bf16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 16\n";
+pub(crate) const WAIT: Duration = Duration::from_secs(20);
 
-struct Daemon {
-    child: Child,
-    sock: PathBuf,
-    peer: String,
+pub(crate) struct Daemon {
+    pub(crate) child: Child,
+    pub(crate) node: String,
+    pub(crate) sock: PathBuf,
+    pub(crate) peer: String,
 }
 
 impl Drop for Daemon {
@@ -31,7 +32,7 @@ impl Drop for Daemon {
     }
 }
 
-fn tmpdir(tag: &str) -> PathBuf {
+pub(crate) fn tmpdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("kvwired-test-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
@@ -43,7 +44,7 @@ fn start(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)]) -> Daemon
 }
 
 /// [`start`] with `tables` (e.g. a `[limits]` table) added to the config.
-fn start_with(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], tables: &str) -> Daemon {
+pub(crate) fn start_with(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], tables: &str) -> Daemon {
     let secret_file = dir.join(format!("{node}.secret"));
     std::fs::write(&secret_file, secret).unwrap();
     let sock = dir.join(format!("{node}.sock"));
@@ -68,36 +69,40 @@ fn start_with(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], tabl
     BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
     assert!(line.starts_with("kvwired ready"), "daemon {node} did not start: {line:?}");
     let peer = line.split_whitespace().find_map(|w| w.strip_prefix("peer=")).unwrap().to_string();
-    Daemon { child, sock, peer }
+    Daemon { child, node: node.into(), sock, peer }
 }
 
 fn identity() -> CacheIdentity {
+    identity_of("toy-digest", "t1")
+}
+
+pub(crate) fn identity_of(model_digest: &str, tenant: &str) -> CacheIdentity {
     CacheIdentity {
-        model_digest: "toy-digest".into(),
+        model_digest: model_digest.into(),
         adapter_digest: String::new(),
         format: "bf16/v1".into(),
-        tenant: "t1".into(),
+        tenant: tenant.into(),
         rope: "theta=10000".into(),
         position_offset: 0,
     }
 }
 
 /// One side of a test transfer: its layout resolved, and one memfd per rank.
-struct Side_ {
-    side: Side,
-    mems: Vec<HostMem>,
+pub(crate) struct Side_ {
+    pub(crate) side: Side,
+    pub(crate) mems: Vec<HostMem>,
 }
 
-fn model() -> ModelSpec {
+pub(crate) fn model() -> ModelSpec {
     from_toml_spec("toy", MODEL).unwrap()
 }
 
-fn side(layout: &str, tokens: u64) -> Side {
+pub(crate) fn side(layout: &str, tokens: u64) -> Side {
     Side::new(&model(), &LayoutSpec::parse(layout).unwrap(), CacheFormat::parse("bf16").unwrap(), tokens).unwrap()
 }
 
 /// Registers every rank of `layout` as group `group`, filled from `bufs` (or zero).
-fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Option<&Buffers>, id: CacheIdentity) -> Side_ {
+pub(crate) fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Option<&Buffers>, id: CacheIdentity) -> Side_ {
     let m = model();
     let mut mems = Vec::new();
     for rank in 0..s.shard.ranks.len() as u32 {
@@ -129,7 +134,7 @@ fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Option<&Buffe
 }
 
 /// What the destination's memfds hold, as Buffers.
-fn read_back(s: &Side_) -> Buffers {
+pub(crate) fn read_back(s: &Side_) -> Buffers {
     let m = model();
     let mut out = Buffers::alloc(&m, &s.side, 0);
     for (rank, mem) in s.mems.iter().enumerate() {
@@ -145,20 +150,25 @@ fn read_back(s: &Side_) -> Buffers {
 
 /// Submits group `prefill` to peer `b`'s request `dst_request` in group `decode`.
 fn submit(c: &Client, s: &Side, tokens: u64, dst_request: &str) -> Result<(u16, u16, u64, u64), ClientError> {
+    submit_to(c, "b", s, tokens, dst_request)
+}
+
+/// Submits group `prefill` to `peer`'s request `dst_request` in group `decode`.
+pub(crate) fn submit_to(c: &Client, peer: &str, s: &Side, tokens: u64, dst_request: &str) -> Result<(u16, u16, u64, u64), ClientError> {
     c.submit(Submit {
         request: format!("p-{dst_request}"),
         group: "prefill".into(),
         block_table: s.block_table.clone(),
         tokens,
-        peer: "b".into(),
+        peer: peer.into(),
         dst_group: "decode".into(),
         dst_request: dst_request.into(),
         codec: None,
     })
 }
 
-const SRC: &str = "tp=4,block=16,layout=nhd,table=shuffle:5";
-const DST: &str = "tp=2,block=32,layout=hnd,table=shuffle:9";
+pub(crate) const SRC: &str = "tp=4,block=16,layout=nhd,table=shuffle:5";
+pub(crate) const DST: &str = "tp=2,block=32,layout=hnd,table=shuffle:9";
 
 #[test]
 fn remapped_transfer_between_two_daemons_is_exact() {

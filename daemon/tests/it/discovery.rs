@@ -3,16 +3,11 @@
 //! processes with a `[discovery]` table and no static peers. Entries are read
 //! back with etcd-client directly, as plain JSON, not through kvwired.
 
-use kvwire_core::layout::{from_toml_spec, ModelSpec};
-use kvwire_core::plan::{Buffers, Side};
-use kvwire_core::reuse::CacheIdentity;
-use kvwire_core::shard::LayoutSpec;
-use kvwire_core::{verify, CacheFormat};
-use kvwire_transport::HostMem;
+use crate::daemons::{identity_of, model, read_back, register, side, submit_to, tmpdir, Daemon, DST, SRC, WAIT};
+use kvwire_core::verify;
 use kvwired::client::{Client, ClientError};
 use kvwired::control::*;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -20,10 +15,6 @@ use std::time::{Duration, Instant};
 
 const ETCD: &str = "/usr/bin/etcd";
 const SECRET: &str = "a-secret-of-at-least-16-bytes";
-const MODEL: &str = "name = \"toy\"\ndtype = \"bf16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 16\n";
-const SRC: &str = "tp=4,block=16,layout=nhd,table=shuffle:5";
-const DST: &str = "tp=2,block=32,layout=hnd,table=shuffle:9";
-const WAIT: Duration = Duration::from_secs(20);
 
 /// A private etcd on loopback: killed, and its data removed, on drop.
 struct Etcd {
@@ -166,20 +157,6 @@ fn entry_key(node: &str) -> String {
     format!("/kvwire/v1/nodes/{node}")
 }
 
-struct Daemon {
-    child: Child,
-    node: String,
-    sock: PathBuf,
-    peer: String,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 impl Daemon {
     /// SIGKILL: it cannot revoke its lease.
     fn kill(&mut self) {
@@ -195,111 +172,14 @@ impl Daemon {
     }
 }
 
-fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvwired-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A kvwired with `tables` added to its config, no static peers.
+fn start_with(dir: &Path, node: &str, tables: &str) -> Daemon {
+    crate::daemons::start_with(dir, node, SECRET, &[], tables)
 }
 
 /// A kvwired with a `[discovery]` table naming `etcd` and no static peers.
 fn start(dir: &Path, node: &str, etcd: &Etcd, lease_ttl_secs: u64) -> Daemon {
     start_with(dir, node, &format!("[discovery]\netcd = [\"{}\"]\nlease_ttl_secs = {lease_ttl_secs}\n", etcd.endpoint))
-}
-
-/// A kvwired with `tables` added to its config.
-fn start_with(dir: &Path, node: &str, tables: &str) -> Daemon {
-    let secret_file = dir.join(format!("{node}.secret"));
-    std::fs::write(&secret_file, SECRET).unwrap();
-    let sock = dir.join(format!("{node}.sock"));
-    let cfg = format!(
-        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"127.0.0.1:0\"\nsecret_file = \"{}\"\n{tables}",
-        sock.display(),
-        secret_file.display()
-    );
-    let path = dir.join(format!("{node}.toml"));
-    std::fs::write(&path, cfg).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvwired")).arg("--config").arg(&path).stdout(Stdio::piped()).spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.starts_with("kvwired ready"), "daemon {node} did not start: {line:?}");
-    let peer = line.split_whitespace().find_map(|w| w.strip_prefix("peer=")).unwrap().to_string();
-    Daemon { child, node: node.into(), sock, peer }
-}
-
-fn identity(model_digest: &str, tenant: &str) -> CacheIdentity {
-    CacheIdentity {
-        model_digest: model_digest.into(),
-        adapter_digest: String::new(),
-        format: "bf16/v1".into(),
-        tenant: tenant.into(),
-        rope: "theta=10000".into(),
-        position_offset: 0,
-    }
-}
-
-fn model() -> ModelSpec {
-    from_toml_spec("toy", MODEL).unwrap()
-}
-
-fn side(layout: &str, tokens: u64) -> Side {
-    Side::new(&model(), &LayoutSpec::parse(layout).unwrap(), CacheFormat::parse("bf16").unwrap(), tokens).unwrap()
-}
-
-/// Registers every rank of `s` as `group`, filled from `bufs` (or zero); the memfds.
-fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Option<&Buffers>, id: &CacheIdentity) -> Vec<HostMem> {
-    let m = model();
-    let mut mems = Vec::new();
-    for rank in 0..s.shard.ranks.len() as u32 {
-        let regions = s.regions(&m, rank);
-        let mem = HostMem::new("test-rank", regions.iter().map(|(_, l)| l).sum()).unwrap();
-        let mut off = 0;
-        for (region, len) in &regions {
-            if let Some(b) = bufs {
-                mem.write(off, &b.ranks[rank as usize][region]).unwrap();
-            }
-            off += len;
-        }
-        let r = RegisterCache {
-            group: group.into(),
-            model: ModelSource::Toml(MODEL.into()),
-            format: "bf16".into(),
-            layout: layout.into(),
-            rank,
-            num_blocks: s.num_blocks,
-            identity: id.clone(),
-        };
-        c.register(r, &mem).unwrap();
-        mems.push(mem);
-    }
-    mems
-}
-
-/// What the destination's memfds hold, as Buffers.
-fn read_back(s: &Side, mems: &[HostMem]) -> Buffers {
-    let m = model();
-    let mut out = Buffers::alloc(&m, s, 0);
-    for (rank, mem) in mems.iter().enumerate() {
-        let mut off = 0;
-        for (region, len) in s.regions(&m, rank as u32) {
-            mem.read(off, out.ranks[rank].get_mut(&region).unwrap()).unwrap();
-            off += len;
-        }
-    }
-    out
-}
-
-fn submit_to(c: &Client, peer: &str, s: &Side, tokens: u64, dst_request: &str) -> Result<(u16, u16, u64, u64), ClientError> {
-    c.submit(Submit {
-        request: format!("p-{dst_request}"),
-        group: "prefill".into(),
-        block_table: s.block_table.clone(),
-        tokens,
-        peer: peer.into(),
-        dst_group: "decode".into(),
-        dst_request: dst_request.into(),
-        codec: None,
-    })
 }
 
 #[test]
@@ -328,9 +208,9 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
     let tokens = 100;
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let src_bytes = verify::fill_source(&model(), &ss, tokens);
-    let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), &identity("toy-digest", "t1"));
-    let dst = register(&cb, "decode", DST, &ds, None, &identity("toy-digest", "t1"));
-    let other = register(&cb, "other", "tp=1,block=16", &side("tp=1,block=16", 16), None, &identity("big-digest", "t0"));
+    let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity_of("toy-digest", "t1"));
+    let dst = register(&cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
+    let other = register(&cb, "other", "tp=1,block=16", &side("tp=1,block=16", 16), None, identity_of("big-digest", "t0"));
     // b's entry now says what it serves, sorted, under the same lease.
     let (_, lease_b) = r.get(&entry_key("b")).unwrap();
     let serves = json!({"models": ["big-digest", "toy-digest"], "tenants": ["t0", "t1"]});
@@ -340,7 +220,7 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
     assert_eq!(r.get(&entry_key("a")).unwrap().0["serves"], json!({"models": ["toy-digest"], "tenants": ["t1"]}));
 
     // A transfer to `b` by name: a has no static peers, so it asks etcd.
-    for m in &dst {
+    for m in &dst.mems {
         m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
     }
     let slot = cb
@@ -351,7 +231,7 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
     cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
     ca.wait(sslot, FlagName::SourceReleased, WAIT).unwrap();
     let want = verify::expected_destination(&model(), &ds, tokens, 0);
-    assert!(read_back(&ds, &dst) == want, "destination bytes differ from the independent expectation");
+    assert!(read_back(&dst) == want, "destination bytes differ from the independent expectation");
     assert_eq!(ca.status(sslot).unwrap().state, TransferState::Done);
 
     // Releasing a group takes it out of the summary.
@@ -401,7 +281,7 @@ fn vanished_peer_fails_fast_and_shutdown_revokes_the_lease() {
     let ca = Client::connect(&a.sock, "prefill").unwrap();
     let tokens = 20;
     let ss = side(SRC, tokens);
-    let _src = register(&ca, "prefill", SRC, &ss, None, &identity("toy-digest", "t1"));
+    let _src = register(&ca, "prefill", SRC, &ss, None, identity_of("toy-digest", "t1"));
 
     // b dies: while its entry lingers, its address no longer answers.
     let b_peer = b.peer.clone();
