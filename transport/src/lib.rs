@@ -19,6 +19,7 @@
 
 #![warn(missing_docs)]
 
+pub mod device;
 pub mod flags;
 pub mod mem;
 pub mod metrics;

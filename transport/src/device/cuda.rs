@@ -1,0 +1,453 @@
+//! The CUDA backend (feature `cuda`): the driver API through `cudarc`,
+//! with libcuda loaded at run time.
+//!
+//! cudarc's loader panics when libcuda or one of its symbols is missing, so
+//! [`probe`] first looks for the library and every symbol this module calls
+//! (inside a panic boundary), and only then calls into it. Without a driver
+//! every entry point returns [`DeviceError::NoDriver`]; nothing panics.
+//!
+//! Driver calls need the device's primary context current on the calling
+//! thread; every method makes it current first, so handles can be used from
+//! any thread.
+
+use super::{Device, DeviceError, DeviceMem, Event, Stream};
+use crate::mem::HostMem;
+use cudarc::driver::result::DriverError;
+use cudarc::driver::sys;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Every driver symbol this module calls (checked by [`probe`]).
+const SYMBOLS: &[&str] = &[
+    "cuInit",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetPCIBusId",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease_v2",
+    "cuCtxSetCurrent",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
+    "cuMemHostRegister_v2",
+    "cuMemHostUnregister",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuMemcpyDtoH_v2",
+    "cuMemcpyHtoD_v2",
+    "cuStreamCreate",
+    "cuStreamSynchronize",
+    "cuStreamDestroy_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+    "cuGetErrorName",
+    "cuGetErrorString",
+];
+
+fn describe(e: DriverError) -> String {
+    let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+    let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    format!("{name}: {text}")
+}
+
+fn call(name: &'static str) -> impl Fn(DriverError) -> DeviceError {
+    move |e| DeviceError::Driver { call: name, message: describe(e) }
+}
+
+fn check(name: &'static str, r: sys::CUresult) -> Result<(), DeviceError> {
+    r.result().map_err(call(name))
+}
+
+/// Loads libcuda and runs cuInit once per process; the outcome is kept.
+/// Ok, or [`DeviceError::NoDriver`] naming why.
+pub fn probe() -> Result<(), DeviceError> {
+    static PROBE: OnceLock<Result<(), DeviceError>> = OnceLock::new();
+    PROBE
+        .get_or_init(|| {
+            let loaded = std::panic::catch_unwind(|| {
+                // SAFETY: is_culib_present and culib only dlopen the driver
+                // library; culib is called only once the library is known
+                // to open, so its loader does not panic.
+                unsafe {
+                    if !sys::is_culib_present() {
+                        return Err("libcuda.so.1 could not be loaded (is the NVIDIA driver installed, and on the loader path?)".to_string());
+                    }
+                    let lib = sys::culib();
+                    for s in SYMBOLS {
+                        if lib.get::<*const c_void>(s.as_bytes()).is_err() {
+                            return Err(format!("libcuda lacks {s}: the driver is older than CUDA 12.4"));
+                        }
+                    }
+                }
+                Ok(())
+            });
+            match loaded {
+                Err(_) => return Err(DeviceError::NoDriver("loading libcuda panicked".into())),
+                Ok(Err(why)) => return Err(DeviceError::NoDriver(why)),
+                Ok(Ok(())) => {}
+            }
+            cudarc::driver::result::init().map_err(|e| DeviceError::NoDriver(format!("cuInit: {}", describe(e))))
+        })
+        .clone()
+}
+
+struct Ctx {
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    ordinal: u32,
+    pci: Option<String>,
+}
+
+// SAFETY: a CUDA context handle may be made current on, and used from, any
+// thread; the driver serialises access internally.
+unsafe impl Send for Ctx {}
+// SAFETY: as above; Ctx has no interior state of its own.
+unsafe impl Sync for Ctx {}
+
+impl Ctx {
+    fn bind(&self) -> Result<(), DeviceError> {
+        // SAFETY: ctx is the retained primary context of a live device.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+    }
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        // SAFETY: releases the retain taken in CudaDevice::open, once.
+        unsafe {
+            let _ = sys::cuDevicePrimaryCtxRelease_v2(self.dev);
+        }
+    }
+}
+
+/// One CUDA device (its primary context).
+pub struct CudaDevice {
+    ctx: Arc<Ctx>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("ordinal", &self.ctx.ordinal).field("pci", &self.ctx.pci).finish()
+    }
+}
+
+impl CudaDevice {
+    /// Opens device `ordinal`. Without a driver: [`DeviceError::NoDriver`].
+    pub fn open(ordinal: u32) -> Result<CudaDevice, DeviceError> {
+        probe()?;
+        let count = cudarc::driver::result::device::get_count().map_err(call("cuDeviceGetCount"))?;
+        if i64::from(ordinal) >= i64::from(count) {
+            return Err(DeviceError::NoDevice { ordinal, count: count.max(0) as u32 });
+        }
+        let dev = cudarc::driver::result::device::get(ordinal as i32).map_err(call("cuDeviceGet"))?;
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: buf is writable for its stated length; dev came from cuDeviceGet.
+        let pci = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev) }
+            .result()
+            .ok()
+            // SAFETY: the driver NUL-terminates within the buffer on success.
+            .map(|()| unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().to_lowercase());
+        // SAFETY: dev came from cuDeviceGet; released in Ctx::drop.
+        let ctx = unsafe { cudarc::driver::result::primary_ctx::retain(dev) }.map_err(call("cuDevicePrimaryCtxRetain"))?;
+        let ctx = Arc::new(Ctx { dev, ctx, ordinal, pci });
+        ctx.bind()?;
+        Ok(CudaDevice { ctx })
+    }
+}
+
+/// Device memory from cuMemAlloc, freed on drop.
+pub struct CudaMem {
+    ptr: sys::CUdeviceptr,
+    len: u64,
+    ctx: Arc<Ctx>,
+}
+
+impl std::fmt::Debug for CudaMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaMem").field("ptr", &format_args!("{:#x}", self.ptr)).field("len", &self.len).field("ordinal", &self.ctx.ordinal).finish()
+    }
+}
+
+impl CudaMem {
+    /// The device address (for dmabuf export and verbs registration).
+    pub fn as_raw(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+}
+
+impl DeviceMem for CudaMem {
+    fn len(&self) -> u64 {
+        self.len
+    }
+    fn ordinal(&self) -> u32 {
+        self.ctx.ordinal
+    }
+    fn pci_bus_id(&self) -> Option<&str> {
+        self.ctx.pci.as_deref()
+    }
+}
+
+impl Drop for CudaMem {
+    fn drop(&mut self) {
+        // SAFETY: ptr came from cuMemAlloc in this context and is freed once;
+        // every stream that copied from or into it held an Arc to it until
+        // its copies completed, so no copy is outstanding.
+        unsafe {
+            if self.ctx.bind().is_ok() {
+                let _ = sys::cuMemFree_v2(self.ptr);
+            }
+        }
+    }
+}
+
+/// Host memory registered with cuMemHostRegister; unregistered on drop.
+pub struct CudaPinned {
+    // Keeps the mapping alive while it is registered.
+    mem: Arc<HostMem>,
+    ctx: Arc<Ctx>,
+}
+
+impl std::fmt::Debug for CudaPinned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaPinned").field("len", &self.mem.len()).finish()
+    }
+}
+
+impl Drop for CudaPinned {
+    fn drop(&mut self) {
+        // SAFETY: the range was registered by CudaDevice::pin and is unregistered once.
+        unsafe {
+            if self.ctx.bind().is_ok() {
+                let _ = sys::cuMemHostUnregister(self.mem.as_ptr().cast());
+            }
+        }
+    }
+}
+
+type Keep = Box<dyn std::any::Any + Send + Sync>;
+
+struct StreamInner {
+    raw: sys::CUstream,
+    ctx: Arc<Ctx>,
+    /// Buffers of enqueued copies, with the copy's sequence number: kept
+    /// alive until an event after them is seen complete.
+    keep: Mutex<Vec<(u64, Keep)>>,
+    seq: Mutex<u64>,
+}
+
+// SAFETY: CUstream handles may be used from any thread with the context current.
+unsafe impl Send for StreamInner {}
+// SAFETY: as above; the Rust-side state is behind mutexes.
+unsafe impl Sync for StreamInner {}
+
+impl StreamInner {
+    fn release_through(&self, seq: u64) {
+        self.keep.lock().expect("stream keep lock").retain(|(s, _)| *s > seq);
+    }
+}
+
+impl Drop for StreamInner {
+    fn drop(&mut self) {
+        // SAFETY: the stream is live until here; waiting for it before
+        // dropping `keep` keeps every buffer of its copies alive until they ended.
+        unsafe {
+            if self.ctx.bind().is_ok() {
+                let _ = sys::cuStreamSynchronize(self.raw);
+                let _ = sys::cuStreamDestroy_v2(self.raw);
+            }
+        }
+    }
+}
+
+/// A CUDA stream (non-blocking).
+pub struct CudaStream(Arc<StreamInner>);
+
+impl std::fmt::Debug for CudaStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaStream").field("ordinal", &self.0.ctx.ordinal).finish()
+    }
+}
+
+impl CudaStream {
+    fn enqueued(&self, keep: Keep) {
+        let seq = *self.0.seq.lock().expect("stream seq lock");
+        self.0.keep.lock().expect("stream keep lock").push((seq, keep));
+    }
+}
+
+impl Stream for CudaStream {
+    type Mem = CudaMem;
+    type Event = CudaEvent;
+
+    fn copy_d2h(&self, src: &Arc<CudaMem>, src_off: u64, dst: &Arc<HostMem>, dst_off: u64, len: u64) -> Result<(), DeviceError> {
+        src.check(src_off, len)?;
+        dst.check(dst_off, len)?;
+        if !dst.writable() {
+            return Err(DeviceError::Mem(crate::mem::MemError::ReadOnly));
+        }
+        self.0.ctx.bind()?;
+        // SAFETY: both ranges are in bounds (checked); the stream holds Arcs
+        // to both buffers (below) until an event after the copy completed.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.as_ptr().add(dst_off as usize).cast(), src.ptr + src_off, len as usize, self.0.raw)
+        })?;
+        self.enqueued(Box::new((src.clone(), dst.clone())));
+        Ok(())
+    }
+
+    fn copy_h2d(&self, src: &Arc<HostMem>, src_off: u64, dst: &Arc<CudaMem>, dst_off: u64, len: u64) -> Result<(), DeviceError> {
+        src.check(src_off, len)?;
+        dst.check(dst_off, len)?;
+        self.0.ctx.bind()?;
+        // SAFETY: as in copy_d2h.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst.ptr + dst_off, src.as_ptr().add(src_off as usize).cast_const().cast(), len as usize, self.0.raw)
+        })?;
+        self.enqueued(Box::new((src.clone(), dst.clone())));
+        Ok(())
+    }
+
+    fn record(&self) -> Result<CudaEvent, DeviceError> {
+        self.0.ctx.bind()?;
+        let raw = cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(call("cuEventCreate"))?;
+        // Destroys `raw` should recording fail.
+        let mut event = CudaEvent { raw, stream: self.0.clone(), seq: 0 };
+        let mut seq = self.0.seq.lock().expect("stream seq lock");
+        // SAFETY: raw was just created, the stream is live.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(event.raw, self.0.raw) })?;
+        event.seq = *seq;
+        *seq += 1;
+        Ok(event)
+    }
+}
+
+/// A CUDA event recorded on a [`CudaStream`].
+pub struct CudaEvent {
+    raw: sys::CUevent,
+    stream: Arc<StreamInner>,
+    seq: u64,
+}
+
+// SAFETY: event handles may be queried from any thread with the context current.
+unsafe impl Send for CudaEvent {}
+
+impl std::fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaEvent").field("seq", &self.seq).finish()
+    }
+}
+
+impl Event for CudaEvent {
+    fn query(&self) -> Result<bool, DeviceError> {
+        self.stream.ctx.bind()?;
+        // SAFETY: raw is a live event (destroyed only in Drop).
+        match unsafe { sys::cuEventQuery(self.raw) } {
+            sys::CUresult::CUDA_SUCCESS => {
+                self.stream.release_through(self.seq);
+                Ok(true)
+            }
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(call("cuEventQuery")(DriverError(e))),
+        }
+    }
+
+    fn synchronize(&self, timeout: Duration) -> Result<(), DeviceError> {
+        // cuEventSynchronize cannot time out: poll, yielding, then sleeping.
+        let start = Instant::now();
+        loop {
+            if self.query()? {
+                return Ok(());
+            }
+            let waited = start.elapsed();
+            if waited >= timeout {
+                return Err(DeviceError::Timeout { what: "CUDA event".into(), after: timeout });
+            }
+            if waited < Duration::from_micros(100) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
+            }
+        }
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        // SAFETY: destroyed once; the driver frees it when complete if it is not yet.
+        unsafe {
+            if self.stream.ctx.bind().is_ok() {
+                let _ = sys::cuEventDestroy_v2(self.raw);
+            }
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    type Mem = CudaMem;
+    type Stream = CudaStream;
+    type Pinned = CudaPinned;
+
+    fn ordinal(&self) -> u32 {
+        self.ctx.ordinal
+    }
+
+    fn pci_bus_id(&self) -> Option<&str> {
+        self.ctx.pci.as_deref()
+    }
+
+    fn alloc(&self, len: u64) -> Result<Arc<CudaMem>, DeviceError> {
+        if len == 0 {
+            return Err(DeviceError::Invalid("cannot allocate 0 bytes of device memory".into()));
+        }
+        self.ctx.bind()?;
+        // SAFETY: allocates in the current (this device's) context; freed in CudaMem::drop.
+        let ptr = unsafe { cudarc::driver::result::malloc_sync(len as usize) }.map_err(call("cuMemAlloc"))?;
+        Ok(Arc::new(CudaMem { ptr, len, ctx: self.ctx.clone() }))
+    }
+
+    fn stream(&self) -> Result<CudaStream, DeviceError> {
+        self.ctx.bind()?;
+        let raw = cudarc::driver::result::stream::create(cudarc::driver::result::stream::StreamKind::NonBlocking).map_err(call("cuStreamCreate"))?;
+        Ok(CudaStream(Arc::new(StreamInner { raw, ctx: self.ctx.clone(), keep: Mutex::new(Vec::new()), seq: Mutex::new(0) })))
+    }
+
+    fn pin(&self, mem: &Arc<HostMem>) -> Result<CudaPinned, DeviceError> {
+        self.ctx.bind()?;
+        // SAFETY: the whole live mapping is registered; CudaPinned keeps it
+        // alive and unregisters it before it can be unmapped.
+        check("cuMemHostRegister", unsafe { sys::cuMemHostRegister_v2(mem.as_ptr().cast(), mem.len() as usize, sys::CU_MEMHOSTREGISTER_PORTABLE) })?;
+        Ok(CudaPinned { mem: mem.clone(), ctx: self.ctx.clone() })
+    }
+
+    fn write(&self, dst: &CudaMem, dst_off: u64, data: &[u8]) -> Result<(), DeviceError> {
+        dst.check(dst_off, data.len() as u64)?;
+        self.ctx.bind()?;
+        // SAFETY: in bounds (checked); synchronous, so `data` outlives the copy.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst.ptr + dst_off, data.as_ptr().cast(), data.len()) })
+    }
+
+    fn read(&self, src: &CudaMem, src_off: u64, out: &mut [u8]) -> Result<(), DeviceError> {
+        src.check(src_off, out.len() as u64)?;
+        self.ctx.bind()?;
+        // SAFETY: as in write.
+        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src.ptr + src_off, out.len()) })
+    }
+
+    fn copy_d2h_sync(&self, src: &CudaMem, src_off: u64, dst: &HostMem, dst_off: u64, len: u64) -> Result<(), DeviceError> {
+        src.check(src_off, len)?;
+        dst.check(dst_off, len)?;
+        self.ctx.bind()?;
+        // SAFETY: both in bounds (checked); synchronous.
+        check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(dst.as_ptr().add(dst_off as usize).cast(), src.ptr + src_off, len as usize) })
+    }
+
+    fn copy_h2d_sync(&self, src: &HostMem, src_off: u64, dst: &CudaMem, dst_off: u64, len: u64) -> Result<(), DeviceError> {
+        src.check(src_off, len)?;
+        dst.check(dst_off, len)?;
+        self.ctx.bind()?;
+        // SAFETY: both in bounds (checked); synchronous.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(dst.ptr + dst_off, src.as_ptr().add(src_off as usize).cast_const().cast(), len as usize) })
+    }
+}
