@@ -2,6 +2,7 @@
 //! against every backend, plus each backend's own cases.
 
 mod conformance;
+mod device;
 mod mem;
 #[path = "../../../tests/src/netns.rs"]
 #[allow(dead_code)] // shared with kvwire-e2e, which uses all of it
