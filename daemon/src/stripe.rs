@@ -315,7 +315,17 @@ fn lane(
     let mut first_post: Option<Instant> = None;
     let mut last_done: Option<Instant> = None;
     'run: loop {
-        if lock().fatal.is_some() {
+        let (fatal, stalled) = {
+            let sh = lock();
+            (sh.fatal.is_some(), sh.lanes[me].stalled)
+        };
+        if fatal {
+            break;
+        }
+        // The watchdog marked this rail stalled (and broke its connection
+        // where the transport can): give its slices to the others.
+        if stalled {
+            fail(String::new(), &mut inflight, &mut use_);
             break;
         }
         while inflight.len() < settings.window {
