@@ -41,6 +41,16 @@ fn run(p: &Pair, sc: &Scenario) -> Result<scenario::Outcome, ScenarioError> {
     scenario::run(&p.ca, &p.cb, "decode-host", sc)
 }
 
+/// The measured end to end lies between the model's bounds. The lower one
+/// gets a small slack: the source's `wire` span ends when the last ack
+/// reaches it, which can be after the destination already published — the
+/// ack's trip back is in the span but not on the client's critical path.
+fn assert_between_bounds(t: &kvwire_core::timing::Prediction) {
+    let m = t.measured_ns.unwrap();
+    let slack = (t.pipelined_ns / 50).max(5_000_000);
+    assert!(t.pipelined_ns <= m + slack && m <= t.sequential_ns, "measured {m} outside [{} - {slack}, {}]", t.pipelined_ns, t.sequential_ns);
+}
+
 fn assert_bitwise(o: &scenario::Outcome) {
     assert!(o.bitwise(), "logits differ from the local computation: max abs diff {}", o.max_abs_diff());
 }
@@ -460,8 +470,7 @@ fn a_shaped_link_is_named_the_bottleneck() {
     let (_, t) = scenario::timing(&o, 4);
     eprintln!("shaped link: {t:?}");
     assert_eq!(t.bounding.as_deref(), Some("wire (source)"), "{t:?}");
-    let m = t.measured_ns.unwrap();
-    assert!(t.pipelined_ns <= m && m <= t.sequential_ns, "measured {m} outside [{}, {}]", t.pipelined_ns, t.sequential_ns);
+    assert_between_bounds(&t);
 }
 
 #[test]
@@ -480,6 +489,5 @@ fn a_converting_codec_over_a_fast_link_is_named_the_bottleneck() {
     eprintln!("unshaped link, fp8 codec: {stages:?}\n{t:?}");
     let b = t.bounding.clone().unwrap_or_default();
     assert!(b.starts_with("pack") || b.starts_with("unpack"), "{t:?}");
-    let m = t.measured_ns.unwrap();
-    assert!(t.pipelined_ns <= m && m <= t.sequential_ns, "measured {m} outside [{}, {}]", t.pipelined_ns, t.sequential_ns);
+    assert_between_bounds(&t);
 }
