@@ -175,7 +175,7 @@ impl PeerLink {
     fn call(&self, m: &PeerMsg) -> Result<PeerMsg, String> {
         let mut s = self.stream.lock().expect("peer link lock");
         write_msg(&mut *s, m).and_then(|()| read_msg::<PeerMsg>(&mut *s)).map_err(|e| match e {
-            WireError::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            e if e.is_timeout() => {
                 format!("peer `{}` silent for {}s", self.peer, self.timeout.as_secs())
             }
             e => format!("peer `{}` went away mid-transfer: {e}", self.peer),
@@ -1316,7 +1316,7 @@ impl Daemon {
             let msg = match read_msg::<PeerMsg>(&mut s) {
                 Ok(m) => m,
                 Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
-                Err(WireError::Io { source, .. }) if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(e) if e.is_timeout() => {
                     break format!("peer `{peer}` silent for {}s", self.cfg.limits.peer_timeout_secs)
                 }
                 Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),

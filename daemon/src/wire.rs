@@ -38,6 +38,14 @@ pub enum WireError {
     Json(String),
 }
 
+impl WireError {
+    /// Whether a read timeout (SO_RCVTIMEO) ended the wait: the peer went
+    /// silent, rather than away.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, WireError::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+    }
+}
+
 fn io(op: &'static str) -> impl Fn(std::io::Error) -> WireError {
     move |source| WireError::Io { op, source }
 }

@@ -65,25 +65,18 @@ impl Registry {
 
     /// Registers `mem[offset..offset+len]` and returns it.
     pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, RegistryError> {
-        mem.check(offset, len)?;
-        if len == 0 {
-            return Err(RegistryError::Window(MemError::Empty));
-        }
-        let mut regions = self.regions.lock().expect("registry lock");
-        if regions.len() >= self.limit {
-            return Err(RegistryError::Limit(self.limit));
-        }
-        let mut next = self.next.lock().expect("key counter lock");
-        let key = self.salt ^ (*next & 0x000F_FFFF) ^ ((*next >> 20) << 20);
-        *next = next.wrapping_add(1);
-        let region = Arc::new(Region { key, mem, offset, len });
-        regions.insert(key, region.clone());
-        Ok(region)
+        self.insert(mem, offset, len, None)
     }
 
     /// Registers a window under a key chosen by the caller (a NIC's rkey,
     /// so local and remote names agree). Refuses a key already in use.
     pub fn register_with_key(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: u32) -> Result<Arc<Region>, RegistryError> {
+        self.insert(mem, offset, len, Some(key))
+    }
+
+    /// Checks the window and the limit, then inserts under `key`, or under
+    /// the next salted counter value.
+    fn insert(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: Option<u32>) -> Result<Arc<Region>, RegistryError> {
         mem.check(offset, len)?;
         if len == 0 {
             return Err(RegistryError::Window(MemError::Empty));
@@ -92,9 +85,16 @@ impl Registry {
         if regions.len() >= self.limit {
             return Err(RegistryError::Limit(self.limit));
         }
-        if regions.contains_key(&key) {
-            return Err(RegistryError::KeyInUse(key));
-        }
+        let key = match key {
+            Some(k) if regions.contains_key(&k) => return Err(RegistryError::KeyInUse(k)),
+            Some(k) => k,
+            None => {
+                let mut next = self.next.lock().expect("key counter lock");
+                let k = self.salt ^ (*next & 0x000F_FFFF) ^ ((*next >> 20) << 20);
+                *next = next.wrapping_add(1);
+                k
+            }
+        };
         let region = Arc::new(Region { key, mem, offset, len });
         regions.insert(key, region.clone());
         Ok(region)
