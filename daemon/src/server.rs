@@ -1209,6 +1209,10 @@ impl Daemon {
             link.lost()
         };
         let connect = |addr: &str| self.ep.connect(addr);
+        // This transfer's share of each rail's in-flight gauge: what it
+        // still holds when it ends comes off the gauge, and only that (other
+        // transfers may be using the same rails).
+        let inflight: Mutex<HashMap<(String, String), u64>> = Mutex::new(HashMap::new());
         let event = |rail: &RailAddr, e: stripe::RailEvent<'_>| {
             // The transfer's status shows its rails while it runs.
             if let Some(s) = self.state.lock().expect("state lock").slots.get_mut(&id.slot).filter(|s| s.gen == id.gen) {
@@ -1244,13 +1248,20 @@ impl Daemon {
                     }
                 }
             }
+            let rail_key = (rail.name.clone(), rail.addr.clone());
+            let mut mine = inflight.lock().expect("rail in-flight lock");
             let mut m = self.metrics.rails.lock().expect("rail metrics lock");
-            let r = m.entry((rail.name.clone(), rail.addr.clone())).or_default();
+            let r = m.entry(rail_key.clone()).or_default();
             match e {
                 stripe::RailEvent::Starting => {}
-                stripe::RailEvent::Posted => r.inflight += 1,
+                stripe::RailEvent::Posted => {
+                    r.inflight += 1;
+                    *mine.entry(rail_key).or_default() += 1;
+                }
                 stripe::RailEvent::Completed(bytes) => {
                     r.inflight = r.inflight.saturating_sub(1);
+                    let held = mine.entry(rail_key).or_default();
+                    *held = held.saturating_sub(1);
                     r.bytes += bytes;
                     r.slices += 1;
                 }
@@ -1262,12 +1273,15 @@ impl Daemon {
         };
         let (outcome, result) = stripe::run(&slices, &masks, rails, &connect, &settings, &interrupted, &event);
         {
+            let mine = inflight.into_inner().expect("rail in-flight lock");
             let mut m = self.metrics.rails.lock().expect("rail metrics lock");
             for r in &outcome.rails {
-                let totals = m.entry((r.name.clone(), r.addr.clone())).or_default();
+                let key = (r.name.clone(), r.addr.clone());
+                let totals = m.entry(key.clone()).or_default();
                 totals.busy_ns += r.busy_ns;
-                // Whatever was in flight when the transfer ended is not any more.
-                totals.inflight = 0;
+                // Slices this transfer left in flight (re-sent elsewhere, or
+                // abandoned when it failed) never complete on this rail.
+                totals.inflight = totals.inflight.saturating_sub(mine.get(&key).copied().unwrap_or(0));
             }
         }
         Metrics::add(&self.metrics.retransmitted_bytes, outcome.retransmitted);

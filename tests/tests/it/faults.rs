@@ -731,7 +731,12 @@ fn a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes() {
     assert!(r1.retransmitted_bytes > 0 && st.retransmitted_bytes >= r1.retransmitted_bytes, "{st:?}");
     // Every byte completed once: what rail1 completed before failing plus all rail0 carried.
     assert_eq!(r0.bytes + r1.bytes, c.bytes(), "{:?}", st.rails);
-    assert!(ca.stats().unwrap().contains("kvwire_rail_failures_total{node=\"prefill-host\",rail=\"rail1\""));
+    let m = ca.stats().unwrap();
+    assert!(m.contains("kvwire_rail_failures_total{node=\"prefill-host\",rail=\"rail1\""), "{m}");
+    // The slices rail1 held when it failed left its in-flight gauge.
+    for r in [r0, r1] {
+        assert!(m.contains(&format!("kvwire_rail_inflight_slices{{node=\"prefill-host\",rail=\"{}\",addr=\"{}\"}} 0", r.name, r.addr)), "{m}");
+    }
 }
 
 #[test]
