@@ -23,7 +23,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Version of this protocol; peers speaking another are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// `KVW1` in wire order.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVW1");
 /// Size of a frame header.
@@ -32,8 +32,8 @@ pub const HEADER_LEN: usize = 40;
 pub const MAX_HELLO: u64 = 1 << 20;
 
 /// Identifies what a write belongs to: a transfer slot the destination
-/// assigned, and a layer. Carried by TCP frame headers and by the verbs
-/// immediate value, so the destination can count placed bytes per layer.
+/// assigned, and a layer. Carried by TCP frame headers and by verbs write
+/// notes ([`WriteNote`]), so the destination can count placed bytes per layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Tag {
     /// Transfer slot (assigned by the destination).
@@ -111,6 +111,9 @@ pub enum FrameError {
     /// Fewer bytes than a header.
     #[error("truncated frame: {0} of {HEADER_LEN} header bytes")]
     Truncated(usize),
+    /// A verbs write-note message that is not a whole number of notes.
+    #[error("write-note message of {0} bytes is not a multiple of {NOTE_LEN}")]
+    NoteLength(usize),
 }
 
 impl Header {
@@ -173,6 +176,11 @@ pub struct RegionDesc {
     pub addr: u64,
     /// Length in bytes.
     pub len: u64,
+    /// The NIC's remote key for this region on the device the hello came
+    /// from (verbs). Each device registers a region on its own, so one
+    /// region has one rkey per rail, while `key` names it on every rail.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rkey: Option<u32>,
 }
 
 /// What a verbs peer needs to connect an RC queue pair.
@@ -286,5 +294,52 @@ pub fn check_write(key: u32, region_len: Option<u64>, offset: u64, len: u64) -> 
     match offset.checked_add(len) {
         Some(end) if end <= region_len => Ok(offset..end),
         _ => Err(WriteError::OutOfBounds { key, offset, len, region_len }),
+    }
+}
+
+/// Bytes of one encoded [`WriteNote`].
+pub const NOTE_LEN: usize = 24;
+
+/// What a verbs source tells the destination after one-sided writes land:
+/// which bytes of which region they covered. It travels as a SEND after
+/// the writes on the same RC queue pair, so by the time the destination
+/// sees it the bytes are in memory. Naming the range (not only a length,
+/// as an immediate value would) lets the destination count a range once
+/// even when a slice is written again on another rail after a failure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteNote {
+    /// Slot and layer.
+    pub tag: Tag,
+    /// Region key (the same on every rail).
+    pub key: u32,
+    /// Offset in the region.
+    pub offset: u64,
+    /// Bytes written.
+    pub len: u64,
+}
+
+impl WriteNote {
+    /// Little-endian: tag, key, offset, len.
+    pub fn encode(&self, out: &mut [u8]) {
+        out[0..4].copy_from_slice(&self.tag.to_wire().to_le_bytes());
+        out[4..8].copy_from_slice(&self.key.to_le_bytes());
+        out[8..16].copy_from_slice(&self.offset.to_le_bytes());
+        out[16..24].copy_from_slice(&self.len.to_le_bytes());
+    }
+
+    /// Every note in a received buffer; a length that is not a whole
+    /// number of notes is refused (a truncated or foreign message).
+    pub fn decode_all(b: &[u8]) -> Result<Vec<WriteNote>, FrameError> {
+        if b.len() % NOTE_LEN != 0 {
+            return Err(FrameError::NoteLength(b.len()));
+        }
+        Ok(b
+            .chunks_exact(NOTE_LEN)
+            .map(|c| {
+                let u32_at = |i: usize| u32::from_le_bytes(c[i..i + 4].try_into().expect("4 bytes"));
+                let u64_at = |i: usize| u64::from_le_bytes(c[i..i + 8].try_into().expect("8 bytes"));
+                WriteNote { tag: Tag::from_wire(u32_at(0)), key: u32_at(4), offset: u64_at(8), len: u64_at(16) }
+            })
+            .collect())
     }
 }

@@ -26,7 +26,7 @@ pub struct Region {
 impl Region {
     /// What a peer needs to write here (`addr` is the window's address, for verbs).
     pub fn desc(&self) -> RegionDesc {
-        RegionDesc { key: self.key, addr: self.mem.as_ptr() as u64 + self.offset, len: self.len }
+        RegionDesc { key: self.key, addr: self.mem.as_ptr() as u64 + self.offset, len: self.len, rkey: None }
     }
 }
 

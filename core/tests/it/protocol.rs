@@ -72,3 +72,20 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn write_notes_round_trip_and_refuse_partial_notes() {
+    use kvwire_core::protocol::{WriteNote, NOTE_LEN};
+    let notes = [
+        WriteNote { tag: Tag { slot: 3, layer: 70 }, key: 0xdead_beef, offset: 1 << 40, len: 4096 },
+        WriteNote { tag: Tag { slot: 0, layer: 0 }, key: 1, offset: 0, len: u64::MAX },
+    ];
+    let mut buf = vec![0u8; notes.len() * NOTE_LEN];
+    for (n, c) in notes.iter().zip(buf.chunks_exact_mut(NOTE_LEN)) {
+        n.encode(c);
+    }
+    assert_eq!(WriteNote::decode_all(&buf).unwrap(), notes);
+    assert_eq!(WriteNote::decode_all(&[]).unwrap(), vec![]);
+    let e = WriteNote::decode_all(&buf[..NOTE_LEN + 5]).unwrap_err();
+    assert_eq!(e.to_string(), format!("write-note message of {} bytes is not a multiple of {NOTE_LEN}", NOTE_LEN + 5));
+}

@@ -1,4 +1,5 @@
-//! Verbs (RDMA) transport: RC queue pairs, one-sided `RDMA_WRITE_WITH_IMM`.
+//! Verbs (RDMA) transport: RC queue pairs, one-sided `RDMA_WRITE`s, each
+//! batch followed by a SEND of [`WriteNote`]s naming what it wrote.
 //!
 //! - [`VerbsEndpoint::new`] opens an RDMA device (through `sideway`, which
 //!   loads libibverbs at run time, so this builds and runs on hosts without
@@ -11,18 +12,28 @@
 //!   [`Hello`] carry `key = rkey`, `addr = mapping + offset`.
 //!   [`VerbsEndpoint::revoke`] deregisters the MR, so every later remote
 //!   write to it fails at the destination NIC with a remote access error.
+//! - Several devices (rails): [`VerbsEndpoint::rail`] opens another device
+//!   sharing the first one's registry and placement;
+//!   [`VerbsEndpoint::attach`] registers a region of the shared registry
+//!   with that device too. Its hello names the region by the shared `key`
+//!   and gives its own device's `rkey`, so a write names the same key on
+//!   every rail and counts toward the same layer.
 //! - [`Endpoint::connect`] exchanges [`Hello`]s (version, transport, regions,
 //!   QPN/PSN/GID/LID/MTU) and brings an RC QP on each side to RTS. The
 //!   accepting side runs one thread per connection that pre-posts receives
-//!   and polls its CQ: every `IBV_WC_RECV_RDMA_WITH_IMM` completion carries
-//!   the write's [`Tag`] as immediate data and its length as `byte_len`, and
-//!   is counted with [`Placement::placed`]. Layer flags therefore follow
-//!   counted completions, never an assumed ordering.
+//!   into a registered buffer ring and polls its CQ. After a batch's
+//!   writes, the source SENDs notes naming each write's (tag, key, offset,
+//!   length); RC ordering places the writes before the SEND completes at
+//!   the destination, which then counts each named range once with
+//!   [`Placement::placed_range`]. Layer flags therefore follow counted
+//!   completions, never an assumed ordering, and a slice written again
+//!   after its first rail failed is not counted twice (an immediate value
+//!   would carry only a tag and a length).
 //! - [`Connection::post`] validates every write locally (source inside a
 //!   registered local region, destination key and bounds inside the peer's
 //!   descriptor, no zero length) and refuses the whole batch before posting
-//!   anything; then each write becomes one signaled `RDMA_WRITE_WITH_IMM`
-//!   work request (split at 1 GiB). [`Connection::poll`] reports a batch
+//!   anything; then each write becomes signaled `RDMA_WRITE` work requests
+//!   (split at 1 GiB), followed by the batch's note SENDs. [`Connection::poll`] reports a batch
 //!   once all its work requests completed locally; a failed work request
 //!   (e.g. remote access error after a revoke) fails the batch with an
 //!   actionable [`TransportError::Verbs`], and the queue pair is then in the
@@ -36,7 +47,7 @@ use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::{Region, Registry};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{self, Header, Hello, Kind, RegionDesc, Tag, VerbsAddr, HEADER_LEN, PROTOCOL_VERSION};
+use kvwire_core::protocol::{self, Header, Hello, Kind, RegionDesc, Tag, VerbsAddr, WriteNote, HEADER_LEN, NOTE_LEN, PROTOCOL_VERSION};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{
     BasicCompletionQueue, PollCompletionQueueError, WorkCompletionOperationType, WorkCompletionStatus,
@@ -62,6 +73,10 @@ use std::time::{Duration, Instant};
 const TRANSPORT: &str = "verbs";
 /// Largest single work request; longer writes are split (rxe allows 2 GiB).
 const MAX_WR_BYTES: u64 = 1 << 30;
+/// Notes per SEND; a batch with more writes sends several.
+const NOTES_PER_SEND: usize = 64;
+/// Bytes of one note buffer (send ring slot, receive buffer).
+const NOTE_BUF: usize = NOTES_PER_SEND * NOTE_LEN;
 /// How to make a device, for error messages.
 const HOW_TO_GET_A_DEVICE: &str = "create a soft-RoCE device with `scripts/softroce-up` or \
     `rdma link add rxe0 type rxe netdev IF` (needs the rdma_rxe kernel module), or run inside \
@@ -82,7 +97,8 @@ pub struct VerbsLimits {
     pub layers: u16,
     /// Send-queue depth of each connection (work requests in flight).
     pub send_depth: u32,
-    /// Receives pre-posted per accepted connection (write-with-immediate credits).
+    /// Receives pre-posted per accepted connection (note credits), each
+    /// with a buffer of its own.
     pub recv_depth: u32,
     /// Limit on each handshake read and write.
     pub handshake_timeout: Duration,
@@ -97,7 +113,7 @@ impl Default for VerbsLimits {
             slots: 64,
             layers: 128,
             send_depth: 256,
-            recv_depth: 1024,
+            recv_depth: 256,
             handshake_timeout: Duration::from_secs(10),
         }
     }
@@ -131,7 +147,7 @@ struct RegionMr {
 
 impl RegionMr {
     fn rdesc(&self) -> RegionDesc {
-        RegionDesc { key: self.mr.rkey(), addr: self.region.desc().addr, len: self.region.len }
+        RegionDesc { key: self.region.key, addr: self.region.desc().addr, len: self.region.len, rkey: Some(self.mr.rkey()) }
     }
 }
 
@@ -231,6 +247,26 @@ impl VerbsEndpoint {
     /// Opens `device` (or the first device) at `port`, using GID `gid_index`
     /// (or the IPv4-mapped RoCE v2 GID), and starts the handshake listener.
     pub fn new(device: Option<&str>, port: u8, gid_index: Option<u32>, limits: VerbsLimits) -> Result<VerbsEndpoint, TransportError> {
+        Self::open(device, port, gid_index, limits, None)
+    }
+
+    /// Another device as a rail of this endpoint: it shares this endpoint's
+    /// registry and placement, listens on `listen`, and serves the regions
+    /// [`VerbsEndpoint::attach`]ed to it. Register on the first endpoint
+    /// only (its rkeys are the shared keys), then attach to each rail.
+    pub fn rail(&self, device: Option<&str>, port: u8, gid_index: Option<u32>, listen: &str) -> Result<VerbsEndpoint, TransportError> {
+        let limits = VerbsLimits { listen: listen.into(), ..self.shared.limits.clone() };
+        let shared = (self.shared.registry.clone(), self.shared.placement.clone());
+        Self::open(device, port, gid_index, limits, Some(shared))
+    }
+
+    fn open(
+        device: Option<&str>,
+        port: u8,
+        gid_index: Option<u32>,
+        limits: VerbsLimits,
+        shared_with: Option<(Arc<Registry>, Arc<Placement>)>,
+    ) -> Result<VerbsEndpoint, TransportError> {
         let list = DeviceList::new().map_err(|e| {
             let why = match os_code(&e) {
                 Some(c) if c == nix::errno::Errno::EOPNOTSUPP as i32 => {
@@ -291,9 +327,13 @@ impl VerbsEndpoint {
         let mtu = pattr.active_mtu() as u32 as u8;
         let info = VerbsInfo { device: name.clone(), port, gid_index, gid: gid.raw, lid: pattr.lid(), mtu };
         let pd = ctx.alloc_pd().map_err(|e| verbs_err("ibv_alloc_pd", format!("{name}: {}", chain(&e))))?;
-        let flags = FlagTable::new(limits.slots, limits.layers)?;
-        let placement = Arc::new(Placement::new(flags, Arc::new(Hops::default())));
-        let registry = Arc::new(Registry::new(limits.max_regions));
+        let (registry, placement) = match shared_with {
+            Some(s) => s,
+            None => {
+                let flags = FlagTable::new(limits.slots, limits.layers)?;
+                (Arc::new(Registry::new(limits.max_regions)), Arc::new(Placement::new(flags, Arc::new(Hops::default()))))
+            }
+        };
         let listener = TcpListener::bind(&limits.listen).map_err(TransportError::io("bind handshake listener"))?;
         let addr = listener.local_addr().map_err(TransportError::io("handshake listener address"))?.to_string();
         listener.set_nonblocking(true).map_err(TransportError::io("handshake listener nonblocking"))?;
@@ -326,6 +366,29 @@ impl VerbsEndpoint {
     /// is both what [`crate::WriteOp::src_key`] names locally and what
     /// peers write to.
     pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
+        let mr = self.reg_mr(&mem, offset, len)?;
+        let region = self.shared.registry.register_with_key(mem, offset, len, mr.rkey())?;
+        self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
+        Ok(region)
+    }
+
+    /// Registers `region`, already in the registry this rail shares, with
+    /// this rail's device too, so writes through this rail can read from
+    /// it and peers of this rail can write into it (under its shared key).
+    pub fn attach(&self, region: &Arc<Region>) -> Result<(), TransportError> {
+        let mr = self.reg_mr(&region.mem, region.offset, region.len)?;
+        self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
+        // Revoked while this MR was being made: do not keep it.
+        if self.shared.registry.get(region.key).is_none() {
+            self.shared.mrs.lock().expect("mr lock").remove(&region.key);
+            return Err(TransportError::Source(format!("region {:#010x} was revoked while being attached to {}", region.key, self.shared.info.device)));
+        }
+        Ok(())
+    }
+
+    /// An MR of this device over `mem[offset..offset+len]`. The caller
+    /// stores it next to an `Arc` of `mem` that outlives it.
+    fn reg_mr(&self, mem: &Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<MemoryRegion>, TransportError> {
         mem.check(offset, len)?;
         if len == 0 {
             return Err(crate::mem::MemError::Empty.into());
@@ -333,11 +396,10 @@ impl VerbsEndpoint {
         let ptr = mem.as_ptr() as usize + offset as usize;
         let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
         // SAFETY: `ptr..ptr+len` is inside the live mapping of `mem`
-        // (checked above). The MR is stored in a `RegionMr` whose field
+        // (checked above). Callers store the MR in a `RegionMr` whose field
         // order drops the MR before the `Arc<Region>` holding the mapping,
-        // and on the error paths below the MR is dropped while `mem` is
-        // still held here, so the NIC never holds a registration of
-        // unmapped memory.
+        // and on their error paths the MR is dropped while they still hold
+        // `mem`, so the NIC never holds a registration of unmapped memory.
         let mr = unsafe { self.shared.pd.reg_mr(ptr, len as usize, access) };
         let mr = match mr {
             Ok(mr) => mr,
@@ -352,9 +414,7 @@ impl VerbsEndpoint {
                 return Err(verbs_err("ibv_reg_mr", format!("{len} bytes at {ptr:#x} on {}: {}{hint}", self.shared.info.device, chain(&e))));
             }
         };
-        let region = self.shared.registry.register_with_key(mem, offset, len, mr.rkey())?;
-        self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
-        Ok(region)
+        Ok(mr)
     }
 
     /// Registers a whole mapping, as [`VerbsEndpoint::register`].
@@ -597,12 +657,16 @@ impl Qp {
         self.modify(&attr, "RTR→RTS", format!("sq PSN {:#x} / timeout 14 / retry 7 / rnr retry 7", self.psn))
     }
 
-    /// Posts `n` receives without buffers: a write-with-immediate consumes
-    /// one and places its data by rkey, not into the receive.
-    fn post_recvs(&mut self, n: u32) -> Result<(), TransportError> {
+    /// Posts a receive into each of `slots` of `ring` (`wr_id` = slot).
+    fn post_recvs(&mut self, ring: &NoteRing, slots: impl Iterator<Item = u32>) -> Result<(), TransportError> {
         let mut guard = self.qp.start_post_recv();
-        for i in 0..n {
-            let _ = guard.construct_wr(u64::from(i));
+        let mut n = 0;
+        for slot in slots {
+            // SAFETY: the slot lies inside the ring's MR; the ring outlives
+            // the QP (declared after it in `serve`), so the NIC never writes
+            // into freed memory.
+            unsafe { guard.construct_wr(u64::from(slot)).setup_sge(ring.mr.lkey(), ring.addr(slot), NOTE_BUF as u32) };
+            n += 1;
         }
         guard.post().map_err(|e| verbs_err("ibv_post_recv", format!("{n} receives: {}", chain(&e))))
     }
@@ -611,11 +675,54 @@ impl Qp {
     fn drain(&self) -> Result<Vec<Wc>, TransportError> {
         match self.cq.start_poll() {
             Ok(poller) => Ok(poller
-                .map(|wc| Wc { wr_id: wc.wr_id(), status: wc.status(), opcode: wc.opcode(), vendor_err: wc.vendor_err(), byte_len: wc.byte_len(), imm: wc.imm_data() })
+                .map(|wc| Wc { wr_id: wc.wr_id(), status: wc.status(), opcode: wc.opcode(), vendor_err: wc.vendor_err(), byte_len: wc.byte_len() })
                 .collect()),
             Err(PollCompletionQueueError::CompletionQueueEmpty) => Ok(Vec::new()),
             Err(e) => Err(verbs_err("ibv_poll_cq", chain(&e))),
         }
+    }
+}
+
+/// Registered note buffers: a source's send ring, a destination's
+/// receive buffers (one per pre-posted receive).
+struct NoteRing {
+    // Field order is drop order: the MR before the memory it covers.
+    mr: Arc<MemoryRegion>,
+    mem: HostMem,
+    slots: u32,
+}
+
+impl std::fmt::Debug for NoteRing {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NoteRing").field("slots", &self.slots).finish()
+    }
+}
+
+impl NoteRing {
+    fn new(shared: &Shared, slots: u32) -> Result<NoteRing, TransportError> {
+        let slots = slots.max(1);
+        let len = u64::from(slots) * NOTE_BUF as u64;
+        let mem = HostMem::new("kvwire-verbs-notes", len)?;
+        // SAFETY: the whole live mapping of `mem`, which the ring holds and
+        // drops after the MR (field order).
+        let mr = unsafe { shared.pd.reg_mr(mem.as_ptr() as usize, len as usize, AccessFlags::LocalWrite) }.map_err(|e| {
+            verbs_err("ibv_reg_mr", format!("{len}-byte note buffers on {}: {} (raise `ulimit -l`?)", shared.info.device, chain(&e)))
+        })?;
+        Ok(NoteRing { mr, mem, slots })
+    }
+
+    fn addr(&self, slot: u32) -> u64 {
+        self.mem.as_ptr() as u64 + u64::from(slot) * NOTE_BUF as u64
+    }
+
+    /// The notes a completed receive left in `slot`.
+    fn read(&self, slot: u64, len: u32) -> Result<Vec<WriteNote>, TransportError> {
+        if slot >= u64::from(self.slots) || len as usize > NOTE_BUF {
+            return Err(TransportError::Refused(format!("receive completion for slot {slot} with {len} bytes is outside the note buffers")));
+        }
+        let mut b = vec![0u8; len as usize];
+        self.mem.read(slot * NOTE_BUF as u64, &mut b)?;
+        Ok(WriteNote::decode_all(&b)?)
     }
 }
 
@@ -626,7 +733,6 @@ struct Wc {
     opcode: u32,
     vendor_err: u32,
     byte_len: u32,
-    imm: u32,
 }
 
 const WC_SUCCESS: u32 = WorkCompletionStatus::Success as u32;
@@ -638,7 +744,7 @@ const WC_LOC_PROT: u32 = WorkCompletionStatus::LocalProtectionError as u32;
 const WC_LOC_LEN: u32 = WorkCompletionStatus::LocalLengthError as u32;
 const WC_REM_INV_REQ: u32 = WorkCompletionStatus::RemoteInvalidRequestError as u32;
 const WC_REM_OP: u32 = WorkCompletionStatus::RemoteOperationError as u32;
-const WC_RECV_IMM: u32 = WorkCompletionOperationType::ReceiveWithImmediate as u32;
+const WC_RECV: u32 = WorkCompletionOperationType::Receive as u32;
 
 /// What a failed completion means, and what to do about it.
 fn wc_error(wc: &Wc) -> String {
@@ -648,7 +754,7 @@ fn wc_error(wc: &Wc) -> String {
         WC_FLUSH => "flushed: the queue pair had already entered the error state after an earlier failure; reconnect",
         WC_RETRY_EXC => "transport retry counter exceeded: no acknowledgement from the peer (peer gone, its QP \
                          destroyed, or unreachable with this GID/netdev)",
-        WC_RNR_RETRY_EXC => "receiver not ready: the destination had no receive posted for the write-with-immediate",
+        WC_RNR_RETRY_EXC => "receiver not ready: the destination had no receive posted for a write note",
         WC_LOC_PROT => "local protection error: the source range is not covered by a local MR (source region deregistered?)",
         WC_LOC_LEN => "local length error: the work request is longer than the device allows",
         WC_REM_INV_REQ => "remote invalid request: the destination rejected the request (length beyond its limit, or RDMA write not enabled on its QP)",
@@ -693,19 +799,51 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-/// One accepted connection: handshake, then count write-with-immediate
-/// completions until the peer closes the TCP stream or the endpoint stops.
+/// Counts the ranges a received note buffer names. A note naming a key
+/// that is not registered here, or bytes outside it, is refused with a
+/// warning and counts nothing (the NIC would have refused such a write).
+fn count_notes(shared: &Shared, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) {
+    let notes = match ring.read(wc.wr_id, wc.byte_len) {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::warn!(peer, error = %e, "malformed write notes; ignored");
+            return;
+        }
+    };
+    for n in notes {
+        let region = shared.registry.get(n.key);
+        if let Err(e) = protocol::check_write(n.key, region.map(|r| r.len), n.offset, n.len) {
+            tracing::warn!(peer, error = %e, "write note refused; counted nothing");
+            continue;
+        }
+        if let Err(e) = shared.placement.placed_range(n.tag, n.key, n.offset, n.len, seen_at) {
+            tracing::warn!(peer, error = %e, "placement refused a counted write");
+        }
+    }
+}
+
+/// One accepted connection: handshake, then count the ranges of received
+/// write notes until the peer closes the TCP stream or the endpoint stops.
 fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
     let t = Some(shared.limits.handshake_timeout);
     stream.set_nonblocking(false).map_err(TransportError::io("handshake socket"))?;
     stream.set_read_timeout(t).map_err(TransportError::io("handshake socket"))?;
     stream.set_write_timeout(t).map_err(TransportError::io("handshake socket"))?;
     let _ = stream.set_nodelay(true);
+    // Declared before the QP, so dropped after it: the NIC may write into
+    // these buffers until the QP is destroyed.
+    let ring = match NoteRing::new(shared, shared.limits.recv_depth) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = write_frame(&mut stream, Kind::Nack, e.to_string().as_bytes());
+            return Err(e);
+        }
+    };
     let setup = (|| {
         let peer = read_hello(&mut stream)?;
         let pv = peer_verbs(&peer)?;
-        let mut qp = Qp::new(shared, 1, shared.limits.recv_depth)?;
-        qp.post_recvs(shared.limits.recv_depth)?;
+        let mut qp = Qp::new(shared, 1, ring.slots)?;
+        qp.post_recvs(&ring, 0..ring.slots)?;
         // RTR before answering, so the peer's first write finds us ready.
         qp.connect(shared, &pv)?;
         Ok::<_, TransportError>((peer, qp))
@@ -725,7 +863,7 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
     loop {
         let wcs = qp.drain()?;
         let seen_at = Instant::now();
-        let mut reposts = 0u32;
+        let mut reposts = Vec::new();
         for wc in &wcs {
             if wc.status != WC_SUCCESS {
                 if !failed {
@@ -734,19 +872,15 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
                 failed = true;
                 continue;
             }
-            if wc.opcode != WC_RECV_IMM {
-                tracing::warn!(peer = %peer.node, opcode = wc.opcode, "unexpected receive completion (not a write with immediate); ignored");
-                reposts += 1;
-                continue;
+            if wc.opcode == WC_RECV {
+                count_notes(shared, &ring, wc, seen_at, &peer.node);
+            } else {
+                tracing::warn!(peer = %peer.node, opcode = wc.opcode, "unexpected receive completion (not a write note); ignored");
             }
-            let tag = Tag::from_wire(u32::from_be(wc.imm));
-            if let Err(e) = shared.placement.placed(tag, u64::from(wc.byte_len), seen_at) {
-                tracing::warn!(peer = %peer.node, error = %e, "placement refused a counted write");
-            }
-            reposts += 1;
+            reposts.push(wc.wr_id as u32);
         }
-        if reposts > 0 && !failed {
-            qp.post_recvs(reposts)?;
+        if !reposts.is_empty() && !failed {
+            qp.post_recvs(&ring, reposts.into_iter())?;
         }
         if wcs.is_empty() {
             idle = idle.saturating_add(1);
@@ -769,9 +903,8 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
                     // The peer closed: its writes have all completed or failed at
                     // its side; take what is left in the CQ, then go.
                     for wc in qp.drain()? {
-                        if wc.status == WC_SUCCESS && wc.opcode == WC_RECV_IMM {
-                            let tag = Tag::from_wire(u32::from_be(wc.imm));
-                            let _ = shared.placement.placed(tag, u64::from(wc.byte_len), Instant::now());
+                        if wc.status == WC_SUCCESS && wc.opcode == WC_RECV {
+                            count_notes(shared, &ring, &wc, Instant::now(), &peer.node);
                         }
                     }
                     return Ok(());
@@ -788,12 +921,19 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
 
 /// One work request, validated.
 #[derive(Debug, Clone, Copy)]
-struct Wr {
-    lkey: u32,
-    laddr: u64,
-    rkey: u32,
-    raddr: u64,
-    len: u32,
+enum Wr {
+    /// An `RDMA_WRITE` of local bytes into the peer's MR.
+    Write { lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u32 },
+    /// A SEND of `notes[first..first + count]` of the batch.
+    Notes { first: usize, count: usize },
+}
+
+/// A batch checked and cut into work requests.
+struct Planned {
+    wrs: Vec<Wr>,
+    notes: Vec<WriteNote>,
+    /// The local regions the writes read.
+    sources: Vec<Arc<RegionMr>>,
 }
 
 /// A batch whose work requests are not all complete.
@@ -815,8 +955,14 @@ struct InFlight {
 #[derive(Debug)]
 pub struct VerbsConnection {
     // Field order is drop order: destroy the QP (ending the NIC's reads of
-    // source memory) before the in-flight batches release their sources.
+    // source memory and of the note ring) before the in-flight batches
+    // release their sources and the ring goes.
     qp: Qp,
+    notes: NoteRing,
+    /// Note SENDs posted so far; the next one uses slot `sent % slots`.
+    /// The ring has one slot per send-queue entry and completions are
+    /// reaped in order, so a slot is free again when it comes round.
+    notes_sent: u64,
     in_flight: BTreeMap<u64, InFlight>,
     /// Batches whose post failed midway, kept until the QP is gone.
     zombies: BTreeMap<u64, InFlight>,
@@ -839,6 +985,7 @@ impl VerbsConnection {
         stream.set_write_timeout(t).map_err(TransportError::io("handshake socket"))?;
         let _ = stream.set_nodelay(true);
         let mut qp = Qp::new(&shared, shared.limits.send_depth, 1)?;
+        let notes = NoteRing::new(&shared, shared.limits.send_depth)?;
         write_frame(&mut stream, Kind::Hello, &shared.hello(&qp).encode())?;
         let remote = read_hello(&mut stream)?;
         let pv = peer_verbs(&remote)?;
@@ -846,6 +993,8 @@ impl VerbsConnection {
         let remote_regions = remote.regions.iter().map(|d| (d.key, *d)).collect();
         Ok(VerbsConnection {
             qp,
+            notes,
+            notes_sent: 0,
             in_flight: BTreeMap::new(),
             zombies: BTreeMap::new(),
             done: VecDeque::new(),
@@ -859,8 +1008,9 @@ impl VerbsConnection {
         })
     }
 
-    /// Checks every write and turns it into work requests; posts nothing.
-    fn plan(&self, batch: &Batch) -> Result<(Vec<Wr>, Vec<Arc<RegionMr>>), TransportError> {
+    /// Checks every write and turns it into work requests (the writes,
+    /// then the note SENDs naming them); posts nothing.
+    fn plan(&self, batch: &Batch) -> Result<Planned, TransportError> {
         if batch.writes.is_empty() {
             return Err(TransportError::Refused("empty batch: nothing to write (refused locally, nothing posted)".into()));
         }
@@ -876,6 +1026,12 @@ impl VerbsConnection {
                 ))
             })?;
             let dst = dst.expect("checked by check_write");
+            let Some(rkey) = dst.rkey else {
+                return Err(TransportError::Refused(format!(
+                    "write {i}: peer {}'s hello gives no rkey for key {:#010x}; nothing posted",
+                    self.remote.node, w.dst_key
+                )));
+            };
             let src = mrs.get(&w.src_key).filter(|_| self.shared.registry.get(w.src_key).is_some()).ok_or_else(|| {
                 TransportError::Source(format!(
                     "write {i}: local key {:#010x} is not registered with VerbsEndpoint::register (or was revoked); nothing posted",
@@ -899,28 +1055,64 @@ impl VerbsConnection {
             let mut done = 0u64;
             while done < w.len {
                 let n = (w.len - done).min(MAX_WR_BYTES);
-                wrs.push(Wr { lkey: src.mr.lkey(), laddr: laddr + done, rkey: dst.key, raddr: raddr + done, len: n as u32 });
+                wrs.push(Wr::Write { lkey: src.mr.lkey(), laddr: laddr + done, rkey, raddr: raddr + done, len: n as u32 });
                 done += n;
             }
         }
-        Ok((wrs, sources))
+        let notes: Vec<WriteNote> =
+            batch.writes.iter().map(|w| WriteNote { tag: batch.tag, key: w.dst_key, offset: w.dst_offset, len: w.len }).collect();
+        for first in (0..notes.len()).step_by(NOTES_PER_SEND) {
+            wrs.push(Wr::Notes { first, count: (notes.len() - first).min(NOTES_PER_SEND) });
+        }
+        Ok(Planned { wrs, notes, sources })
     }
 
-    /// Posts `wrs` as signaled `RDMA_WRITE_WITH_IMM` work requests with
-    /// `wr_id = batch` and immediate `imm` (network order).
+    /// Posts `wrs` as signaled work requests with `wr_id = batch`: writes
+    /// as `RDMA_WRITE`, notes (from `notes`) as SENDs out of the note ring.
     ///
     /// # Safety
-    /// Every `(lkey, laddr, len)` must lie in a live MR of this endpoint's
-    /// PD, and that MR and its memory must stay registered and mapped until
-    /// the completion of each work request has been polled (or the QP
-    /// destroyed). The caller keeps them alive in the batch's [`InFlight`].
-    unsafe fn post_writes(&mut self, batch: u64, imm: u32, wrs: &[Wr]) -> Result<(), TransportError> {
+    /// Every write's `(lkey, laddr, len)` must lie in a live MR of this
+    /// endpoint's PD, and that MR and its memory must stay registered and
+    /// mapped until the completion of each work request has been polled
+    /// (or the QP destroyed). The caller keeps them alive in the batch's
+    /// [`InFlight`].
+    unsafe fn post_writes(&mut self, batch: u64, wrs: &[Wr], notes: &[WriteNote]) -> Result<(), TransportError> {
+        // Fill the ring slots first: the guard borrows the QP.
+        let mut sends = Vec::new();
+        for w in wrs {
+            if let Wr::Notes { first, count } = *w {
+                let slot = (self.notes_sent % u64::from(self.notes.slots)) as u32;
+                self.notes_sent += 1;
+                let mut b = vec![0u8; count * NOTE_LEN];
+                for (n, c) in notes[first..first + count].iter().zip(b.chunks_exact_mut(NOTE_LEN)) {
+                    n.encode(c);
+                }
+                self.notes.mem.write(u64::from(slot) * NOTE_BUF as u64, &b)?;
+                sends.push((self.notes.addr(slot), b.len() as u32));
+            }
+        }
+        let lkey = self.notes.mr.lkey();
+        let mut sends = sends.into_iter();
         let mut guard = self.qp.qp.start_post_send();
         for w in wrs {
-            let h = guard.construct_wr(batch, WorkRequestFlags::Signaled).setup_write_imm(w.rkey, w.raddr, imm);
-            // SAFETY: the caller guarantees the local range stays registered
-            // and mapped until this work request's completion is polled.
-            unsafe { h.setup_sge(w.lkey, w.laddr, w.len) };
+            match *w {
+                Wr::Write { lkey, laddr, rkey, raddr, len } => {
+                    let h = guard.construct_wr(batch, WorkRequestFlags::Signaled).setup_write(rkey, raddr);
+                    // SAFETY: the caller guarantees the local range stays
+                    // registered and mapped until this work request's
+                    // completion is polled.
+                    unsafe { h.setup_sge(lkey, laddr, len) };
+                }
+                Wr::Notes { .. } => {
+                    let (addr, len) = sends.next().expect("a ring slot per note send");
+                    let h = guard.construct_wr(batch, WorkRequestFlags::Signaled).setup_send();
+                    // SAFETY: the slot lies in the ring's MR, which lives as
+                    // long as this connection (dropped after the QP), and is
+                    // not rewritten before this send completed (see
+                    // `notes_sent`).
+                    unsafe { h.setup_sge(lkey, addr, len) };
+                }
+            }
         }
         guard.post().map_err(|e| {
             let hint = match os_code(&e) {
@@ -928,7 +1120,7 @@ impl VerbsConnection {
                 Some(c) if c == nix::errno::Errno::EINVAL as i32 => "; a work request was rejected (QP not in RTS, or too many SGEs)",
                 _ => "",
             };
-            verbs_err("ibv_post_send", format!("{} RDMA_WRITE_WITH_IMM work requests: {}{hint}", wrs.len(), chain(&e)))
+            verbs_err("ibv_post_send", format!("{} RDMA_WRITE/SEND work requests: {}{hint}", wrs.len(), chain(&e)))
         })
     }
 
@@ -968,7 +1160,7 @@ impl VerbsConnection {
                     Some(_) => false,
                 };
                 if replace {
-                    b.error = Some(verbs_err("RDMA_WRITE_WITH_IMM completion", wc_error(wc)));
+                    b.error = Some(verbs_err("RDMA_WRITE/SEND completion", wc_error(wc)));
                 }
             }
         }
@@ -1027,10 +1219,9 @@ impl Connection for VerbsConnection {
                 format!("connection to {} is unusable, its queue pair failed earlier ({why}); reconnect", self.remote.node),
             ));
         }
-        let (wrs, sources) = self.plan(&batch)?;
+        let Planned { wrs, notes, sources } = self.plan(&batch)?;
         let id = self.next_batch;
         self.next_batch += 1;
-        let imm = batch.tag.to_wire().to_be();
         let start = Instant::now();
         self.in_flight.insert(
             id,
@@ -1056,7 +1247,7 @@ impl Connection for VerbsConnection {
             // and the batch's `InFlight` (inserted above, removed only after
             // every work request of it completed, or moved to `zombies`, which
             // live as long as the QP) holds those MRs and their memory.
-            let r = unsafe { self.post_writes(id, imm, &wrs[at..at + n]) };
+            let r = unsafe { self.post_writes(id, &wrs[at..at + n], &notes) };
             post_time += t.elapsed();
             match r {
                 Ok(()) => {

@@ -510,3 +510,70 @@ fn conformance_pair() -> Option<crate::conformance::Pair> {
 mod contract {
     crate::conformance_tests!(optional super::conformance_pair);
 }
+
+/// A second device as a rail of `ep`: `KVWIRE_RDMA_DEVICE2` (default
+/// `rxe1`, what `scripts/softroce-vm -n two` makes). Skipped without one,
+/// unless `KVWIRE_REQUIRE_RDMA_RAILS=1`.
+fn second_rail(ep: &VerbsEndpoint) -> Option<VerbsEndpoint> {
+    let dev = std::env::var("KVWIRE_RDMA_DEVICE2").unwrap_or_else(|_| "rxe1".into());
+    match ep.rail(Some(&dev), 1, None, "127.0.0.1:0") {
+        Ok(r) => Some(r),
+        Err(TransportError::NoDevice(msg)) => {
+            if std::env::var("KVWIRE_REQUIRE_RDMA_RAILS").as_deref() == Ok("1") {
+                panic!("KVWIRE_REQUIRE_RDMA_RAILS=1 but there is no second RDMA device: {msg}");
+            }
+            eprintln!("SKIPPED: no second RDMA device (run scripts/softroce-vm -n two): {msg}");
+            None
+        }
+        Err(e) => panic!("opening the second RDMA device failed: {e}"),
+    }
+}
+
+#[test]
+fn verbs_rails_share_keys_and_count_a_range_written_twice_once() {
+    let Some((src, dst_ep)) = pair(limits("src")) else { return };
+    let Some(src1) = second_rail(&src) else { return };
+    let dst1 = second_rail(&dst_ep).expect("second rail of the destination");
+    assert_ne!(src.info().device, src1.info().device, "the rail is another device");
+    let len = 256 * 1024u64;
+    let (smem, sbytes) = source(len, 21);
+    let sreg = src.register_all(smem).expect("register source");
+    src1.attach(&sreg).expect("attach source to rail 1");
+    let mut dst = Dst::new(&dst_ep, len);
+    let dreg = dst_ep.registry().get(dst.key).expect("destination region");
+    dst1.attach(&dreg).expect("attach destination to rail 1");
+    // One key on both rails, each rail's own rkey.
+    let d0 = dst_ep.desc(dst.key).expect("rail 0 descriptor");
+    let d1 = dst1.desc(dst.key).expect("rail 1 descriptor");
+    assert_eq!((d0.key, d1.key), (dst.key, dst.key));
+    assert_eq!((d0.addr, d0.len), (d1.addr, d1.len));
+    assert!(d1.rkey.is_some() && d0.rkey.is_some());
+
+    let tag = Tag { slot: 4, layer: 2 };
+    dst_ep.placement().expect(tag, len).expect("expect");
+    let mut c0 = src.connect(&dst_ep.local_addr()).expect("connect rail 0");
+    let mut c1 = src1.connect(&dst1.local_addr()).expect("connect rail 1");
+    assert!(c1.remote().regions.iter().any(|d| d.key == dst.key && d.rkey == d1.rkey), "rail 1's hello: shared key, own rkey");
+    // Rail 0 carries the first half; then rail 1 carries everything, as
+    // when a slice is sent again after its first rail failed midway.
+    let w = |from: u64, n: u64| WriteOp { src_key: sreg.key, src_offset: from, dst_key: dst.key, dst_offset: from, len: n };
+    c0.post(Batch { tag, writes: vec![w(0, len / 2)] }).expect("post on rail 0");
+    ok(&wait_completions(c0.as_mut(), 1)[0]);
+    let start = Instant::now();
+    while dst_ep.placement().placed_bytes(tag) < len / 2 {
+        assert!(start.elapsed() < WAIT, "rail 0's note never counted");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert!(dst_ep.placement().flags().ready(tag).is_none(), "half a layer must not publish");
+    c1.post(Batch { tag, writes: vec![w(0, len / 4), w(len / 4, len - len / 4)] }).expect("post on rail 1");
+    ok(&wait_completions(c1.as_mut(), 1)[0]);
+    dst_ep.placement().wait(tag, WAIT).expect("layer flag");
+    assert_eq!(dst_ep.placement().placed_bytes(tag), len, "each byte counted once, whichever rails carried it");
+    dst.apply(&sbytes, &w(0, len));
+    dst.check("two rails, a range written twice");
+
+    // Revoking through the shared registry and on the rail fences rail 1 too.
+    assert!(dst_ep.revoke(dst.key));
+    dst1.revoke(dst.key);
+    assert!(dst1.desc(dst.key).is_none(), "the rail deregistered its MR");
+}
