@@ -28,21 +28,44 @@ pub struct PeerConfig {
     pub address: String,
 }
 
-/// One more data rail (tcp): a listener on another NIC's address. The
-/// `[transport]` listener is always the first rail.
+/// One more data rail, of the `[transport]` kind: for tcp a listener on
+/// another NIC's address, for verbs another RDMA device. The `[transport]`
+/// endpoint is always the first rail, `rail0`.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RailConfig {
     /// Rail name, in reports and metrics.
     pub name: String,
-    /// Data listener on this rail's address (port 0 picks one).
+    /// tcp: data listener on this rail's address (port 0 picks one).
+    #[serde(default)]
     pub tcp_listen: String,
+    /// verbs: the RDMA device (e.g. `mlx5_1`, `rxe1`).
+    #[serde(default)]
+    pub verbs_device: Option<String>,
+    /// verbs: its port.
+    #[serde(default = "default_verbs_port")]
+    pub verbs_port: u8,
+    /// verbs: GID index (default: its IPv4-mapped RoCE v2 GID).
+    #[serde(default)]
+    pub verbs_gid_index: Option<u32>,
+    /// verbs: the rail's handshake listener (port 0 picks one).
+    #[serde(default = "default_verbs_listen")]
+    pub verbs_listen: String,
     /// Address told to peers for this rail, when it differs from the bound one.
     #[serde(default)]
     pub tcp_advertise: Option<String>,
-    /// The netdev or RDMA device this rail uses, for locality (sysfs).
+    /// The netdev or RDMA device this rail uses, for locality (sysfs);
+    /// verbs rails default to their RDMA device.
     #[serde(default)]
     pub device: Option<String>,
+}
+
+fn default_verbs_port() -> u8 {
+    1
+}
+
+fn default_verbs_listen() -> String {
+    "127.0.0.1:0".into()
 }
 
 /// Data-plane settings.
@@ -76,7 +99,7 @@ pub struct TransportConfig {
     /// breaks no TCP connection by itself).
     pub rail_stall_ms: u64,
     /// The netdev or RDMA device of the `[transport]` rail (`rail0`), for
-    /// locality (sysfs).
+    /// locality (sysfs); with verbs and `[[rails]]`, the verbs device.
     pub device: Option<String>,
     /// A topology file overriding what sysfs says (see `kvwire topology`):
     /// a device it names that does not exist stops the daemon.
@@ -304,13 +327,26 @@ impl Config {
         }
         let mut rails = std::collections::HashSet::from(["rail0"]);
         for (i, r) in self.rails.iter().enumerate() {
-            if self.transport.kind != TransportKind::Tcp {
-                return Err(invalid(&format!("rails[{i}]"), "extra rails are supported for transport.kind = \"tcp\" only"));
-            }
             if r.name.is_empty() || !rails.insert(&r.name) {
                 return Err(invalid(&format!("rails[{i}].name"), format!("`{}` is empty or taken (the [transport] rail is `rail0`)", r.name)));
             }
-            addr(&format!("rails[{i}].tcp_listen"), &r.tcp_listen)?;
+            // Like [transport]'s keys, a rail's keys of another kind are
+            // not read (one example file serves both kinds).
+            match self.transport.kind {
+                TransportKind::Tcp => addr(&format!("rails[{i}].tcp_listen"), &r.tcp_listen)?,
+                TransportKind::Verbs => {
+                    if r.verbs_device.as_deref().is_none_or(str::is_empty) {
+                        return Err(invalid(&format!("rails[{i}].verbs_device"), "a verbs rail names its RDMA device (see `ibv_devices`)"));
+                    }
+                    if r.verbs_port == 0 {
+                        return Err(invalid(&format!("rails[{i}].verbs_port"), "ports are numbered from 1"));
+                    }
+                    addr(&format!("rails[{i}].verbs_listen"), &r.verbs_listen)?;
+                }
+                TransportKind::Shm => {
+                    return Err(invalid(&format!("rails[{i}]"), "extra rails are supported for transport.kind = \"tcp\" and \"verbs\", not shm"));
+                }
+            }
         }
         if !(4096..=1 << 30).contains(&self.transport.slice_bytes) {
             return Err(invalid("transport.slice_bytes", "between 4096 and 1073741824"));

@@ -18,7 +18,7 @@ use kvwire_core::CacheFormat;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
-use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, WriteOp};
+use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::net::{TcpListener, TcpStream};
@@ -132,9 +132,10 @@ pub struct Daemon {
     peer_addr: String,
     // Hop histograms per peer daemon, next to the daemon-wide ones.
     peer_hops: Mutex<BTreeMap<String, Arc<Hops>>>,
-    // Every data rail, `ep`'s first. Extra rails are tcp listeners sharing
-    // `ep`'s registry and placement, so a key is valid on each of them and
-    // a layer's bytes count the same whichever rails carried them.
+    // Every data rail, `ep`'s first. Extra rails are endpoints of the same
+    // transport (tcp listeners, verbs devices) sharing `ep`'s registry and
+    // placement, so a key is valid on each of them and a layer's bytes
+    // count the same whichever rails carried them.
     rails: Vec<RailEp>,
     // What sysfs (or the topology file) says, when a rail names a device.
     topology: Option<kvwire_core::topology::HostTopology>,
@@ -148,9 +149,11 @@ struct RailEp {
     advertise: String,
     // Its device, for locality (None: unknown).
     device: Option<String>,
-    // Held for its listener: writes arriving on it are placed through the
-    // shared registry and placement.
-    _ep: Option<Arc<dyn Endpoint>>,
+    // Extra rails' endpoints (None for rail0, which is `ep`): writes
+    // arriving on one are placed through the shared registry and
+    // placement, and a source connects through it to the peer's rail of
+    // the same number.
+    ep: Option<Arc<dyn Endpoint>>,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -237,6 +240,8 @@ impl Daemon {
         // host adds its own keys for the same regions (`Slot::keys`), so the
         // data plane holds several times that.
         let keys = cfg.limits.max_regions.saturating_mul(4);
+        // Kept to open the other devices as its rails.
+        let mut verbs: Option<Arc<VerbsEndpoint>> = None;
         let ep: Arc<dyn Endpoint> = match t.kind {
             TransportKind::Tcp => {
                 let reg = Arc::new(Registry::new(keys));
@@ -255,7 +260,9 @@ impl Daemon {
                     layers: MAX_TRANSFER_LAYERS,
                     ..VerbsLimits::default()
                 };
-                Arc::new(VerbsEndpoint::new(t.verbs_device.as_deref(), t.verbs_port, t.verbs_gid_index, limits)?)
+                let v = Arc::new(VerbsEndpoint::new(t.verbs_device.as_deref(), t.verbs_port, t.verbs_gid_index, limits)?);
+                verbs = Some(v.clone());
+                v
             }
         };
         let mut rails = vec![RailEp {
@@ -264,15 +271,29 @@ impl Daemon {
                 (Some(a), TransportKind::Tcp) => a.clone(),
                 _ => ep.local_addr(),
             },
-            device: t.device.clone(),
-            _ep: None,
+            // With several verbs rails, each one's device is its RDMA
+            // device unless named otherwise (one rail needs no locality).
+            device: t.device.clone().or_else(|| verbs.as_ref().filter(|_| !cfg.rails.is_empty()).map(|v| v.info().device.clone())),
+            ep: None,
         }];
         for r in &cfg.rails {
-            let listen = r.tcp_listen.parse().map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
-            let extra = TcpEndpoint::bind(&cfg.node, listen, ep.registry().clone(), ep.placement().clone(), TcpLimits::default())
-                .map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
+            let (extra, device): (Arc<dyn Endpoint>, Option<String>) = match &verbs {
+                Some(v) => {
+                    let rail = v
+                        .rail(r.verbs_device.as_deref(), r.verbs_port, r.verbs_gid_index, &r.verbs_listen)
+                        .map_err(|e| anyhow::anyhow!("rails `{}` verbs_device {}: {e}", r.name, r.verbs_device.as_deref().unwrap_or("?")))?;
+                    let device = r.device.clone().unwrap_or_else(|| rail.info().device.clone());
+                    (Arc::new(rail), Some(device))
+                }
+                None => {
+                    let listen = r.tcp_listen.parse().map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
+                    let extra = TcpEndpoint::bind(&cfg.node, listen, ep.registry().clone(), ep.placement().clone(), TcpLimits::default())
+                        .map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
+                    (extra, r.device.clone())
+                }
+            };
             let advertise = r.tcp_advertise.clone().unwrap_or_else(|| extra.local_addr());
-            rails.push(RailEp { name: r.name.clone(), advertise, device: r.device.clone(), _ep: Some(extra) });
+            rails.push(RailEp { name: r.name.clone(), advertise, device, ep: Some(extra) });
         }
         // Locality: only when a rail names its device. A device or file that
         // does not match this host stops the daemon, named.
@@ -466,7 +487,7 @@ impl Daemon {
             for rank in gone {
                 if let Some(rc) = g.ranks.remove(&rank) {
                     for r in rc.regions.values() {
-                        self.ep.revoke(r.key);
+                        self.revoke_key(r.key);
                     }
                     st.memory -= rc.mem.len();
                     st.regions -= rc.regions.len();
@@ -630,13 +651,13 @@ impl Daemon {
         let mut windows = BTreeMap::new();
         let mut offset = 0;
         for (id, len) in &regions {
-            match self.ep.register(mem.clone(), offset, *len) {
+            match self.register_region(mem.clone(), offset, *len) {
                 Ok(region) => {
                     windows.insert(*id, region);
                 }
                 Err(e) => {
                     for w in windows.values() {
-                        self.ep.revoke(w.key);
+                        self.revoke_key(w.key);
                     }
                     return err(Code::BadRegion, format!("register {id:?}: {e}"));
                 }
@@ -673,7 +694,7 @@ impl Daemon {
         }
         let rc = g.ranks.remove(&rank).expect("checked");
         for r in rc.regions.values() {
-            self.ep.revoke(r.key);
+            self.revoke_key(r.key);
         }
         st.memory -= rc.mem.len();
         st.regions -= rc.regions.len();
@@ -755,7 +776,7 @@ impl Daemon {
         // Under the state lock: the slot cannot be taken again before its
         // keys are gone and its flags failed.
         for key in std::mem::take(&mut s.keys) {
-            self.ep.revoke(key);
+            self.revoke_key(key);
         }
         if state != TransferState::Done {
             self.fail_flags(id.slot);
@@ -1031,7 +1052,7 @@ impl Daemon {
                     let bytes = staging::pack(seg, st, &format, codec, |o, l| staging::read(&r.mem, r.offset + o, l)).ok_or("cannot read a packed source run")?;
                     mem.write(st.offset, &bytes).map_err(|e| e.to_string())?;
                 }
-                self.ep.register(mem, 0, stage_total).map_err(|e| e.to_string())
+                self.register_region(mem, 0, stage_total).map_err(|e| e.to_string())
             })();
             match packed {
                 Ok(r) => Some(r),
@@ -1058,7 +1079,7 @@ impl Daemon {
             }
             let (Some(sr), Some(&(dk, _))) = (src_keys.get(&(seg.src_rank, seg.src_region)), dst_keys.get(&(seg.dst_rank, seg.dst_region))) else {
                 if let Some(stage) = &src_stage {
-                    self.ep.revoke(stage.key);
+                    self.revoke_key(stage.key);
                 }
                 link.end(&PeerMsg::Abort { slot: accept.slot, reason: "region missing".into() });
                 return fail(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", seg.src_rank, seg.dst_rank, seg.dst_region));
@@ -1101,7 +1122,7 @@ impl Daemon {
             let _g = span.enter();
             let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &link);
             if let Some(stage) = &src_stage {
-                d.ep.revoke(stage.key);
+                d.revoke_key(stage.key);
             }
             match result {
                 Ok((bytes, writes)) => {
@@ -1129,6 +1150,29 @@ impl Daemon {
             return fail(Code::TransferFailed, format!("cannot start the transfer thread: {e}"));
         }
         reply
+    }
+
+    /// Registers a window on the data plane and with every rail's device.
+    /// Nothing stays registered when one of them refuses.
+    fn register_region(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
+        let region = self.ep.register(mem, offset, len)?;
+        for r in self.rails.iter().filter_map(|r| r.ep.as_ref()) {
+            if let Err(e) = r.attach(&region) {
+                self.revoke_key(region.key);
+                return Err(e);
+            }
+        }
+        Ok(region)
+    }
+
+    /// Revokes `key` on the data plane and on every rail, so no rail can
+    /// still place a late write into it. Returns whether it was registered.
+    fn revoke_key(&self, key: u32) -> bool {
+        let was = self.ep.revoke(key);
+        for r in self.rails.iter().filter_map(|r| r.ep.as_ref()) {
+            r.revoke(key);
+        }
+        was
     }
 
     /// Per rank of `g`, the rails closest to its memory, where some are
@@ -1208,7 +1252,13 @@ impl Daemon {
             }
             link.lost()
         };
-        let connect = |addr: &str| self.ep.connect(addr);
+        // The peer's rail i from our rail i (the same fabric, for verbs: a
+        // QP can only reach what its own device reaches); with fewer rails
+        // here, ours are reused in turn.
+        let connect = |i: usize, rail: &RailAddr| {
+            let local = &self.rails[i % self.rails.len()];
+            local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr)
+        };
         // This transfer's share of each rail's in-flight gauge: what it
         // still holds when it ends comes off the gauge, and only that (other
         // transfers may be using the same rails).
@@ -1407,14 +1457,14 @@ impl Daemon {
         let mut keys = Vec::new();
         for (rank, rc) in &g.ranks {
             for (region, r) in &rc.regions {
-                match self.ep.register(r.mem.clone(), r.offset, r.len) {
+                match self.register_region(r.mem.clone(), r.offset, r.len) {
                     Ok(w) => {
                         keys.push(w.key);
                         regions.push(PeerRegion { rank: *rank, region: *region, key: w.key, len: w.len });
                     }
                     Err(e) => {
                         for k in keys {
-                            self.ep.revoke(k);
+                            self.revoke_key(k);
                         }
                         return refused(format!("{} cannot register the transfer's regions: {e}", self.cfg.node));
                     }
@@ -1504,7 +1554,7 @@ impl Daemon {
         let stage = if stage_total > 0 {
             let made = HostMem::new("kvwire-stage", stage_total)
                 .map_err(|e| e.to_string())
-                .and_then(|m| self.ep.register(Arc::new(m), 0, stage_total).map_err(|e| e.to_string()));
+                .and_then(|m| self.register_region(Arc::new(m), 0, stage_total).map_err(|e| e.to_string()));
             match made {
                 Ok(r) => Some(r),
                 Err(err) => return refuse(self, format!("staging: {err}")),
@@ -1623,7 +1673,7 @@ impl Daemon {
     /// Revokes a transfer's staging buffer: late writes to it fail.
     fn drop_stage(&self, stage: &Option<Arc<Region>>) {
         if let Some(r) = stage {
-            self.ep.revoke(r.key);
+            self.revoke_key(r.key);
         }
     }
 

@@ -81,8 +81,9 @@ pub enum RailEvent<'a> {
     Failed(u64, &'a str),
 }
 
-/// Opens a data connection to a rail's address.
-pub type Connect<'a> = dyn Fn(&str) -> Result<Box<dyn Connection>, TransportError> + Sync + 'a;
+/// Opens a data connection to the destination's rail number `i` (the
+/// index in `rails`), from the local rail that serves it.
+pub type Connect<'a> = dyn Fn(usize, &RailAddr) -> Result<Box<dyn Connection>, TransportError> + Sync + 'a;
 
 /// How to run the slices.
 #[derive(Debug, Clone)]
@@ -303,7 +304,7 @@ fn lane(
         use_.failed = Some(why);
         use_.retransmitted_bytes += resent;
     };
-    let mut conn: Box<dyn Connection> = match connect(&rail.addr) {
+    let mut conn: Box<dyn Connection> = match connect(me, rail) {
         Ok(c) => c,
         Err(e) => {
             fail(format!("unreachable: {e}"), &mut HashMap::new(), &mut use_);

@@ -209,6 +209,14 @@ pub trait Endpoint: Send + Sync {
         self.registry().revoke(key)
     }
 
+    /// Makes `region`, registered on the endpoint whose registry this one
+    /// shares (a rail), usable here too. Nothing to do for transports that
+    /// address memory through the shared registry alone; verbs registers
+    /// the region with this rail's device.
+    fn attach(&self, _region: &Arc<Region>) -> Result<(), TransportError> {
+        Ok(())
+    }
+
     /// Whether a connection keeps serving after one of its writes was
     /// refused (TCP and shm do; an RC queue pair goes to the error state).
     fn survives_refused_write(&self) -> bool {

@@ -70,7 +70,16 @@ fn assert_refused(text: &str, needles: &[&str]) {
 fn config_keys() -> BTreeSet<String> {
     let mut c = Config::default();
     c.peers.push(kvwired::config::PeerConfig { name: "p".into(), address: "127.0.0.1:1".into() });
-    c.rails.push(kvwired::config::RailConfig { name: "r".into(), tcp_listen: "127.0.0.1:0".into(), tcp_advertise: None, device: None });
+    c.rails.push(kvwired::config::RailConfig {
+        name: "r".into(),
+        tcp_listen: "127.0.0.1:0".into(),
+        tcp_advertise: None,
+        verbs_device: None,
+        verbs_port: 1,
+        verbs_gid_index: None,
+        verbs_listen: "127.0.0.1:0".into(),
+        device: None,
+    });
     let dbg = format!("{c:#?}");
     let mut keys = BTreeSet::new();
     let mut stack: Vec<(usize, String)> = Vec::new();
@@ -223,7 +232,13 @@ fn bad_values_are_refused_naming_the_key() {
     assert_refused(&minimal(&dir, "", &rail("rail0", "127.0.0.1:0")), &["rails[0].name", "rail0"]);
     assert_refused(&minimal(&dir, "", &(rail("r1", "127.0.0.1:0") + &rail("r1", "127.0.0.1:0"))), &["rails[1].name", "r1"]);
     assert_refused(&minimal(&dir, "", &rail("r1", "eth1")), &["rails[0].tcp_listen"]);
-    assert_refused(&minimal(&dir, "", &format!("[transport]\nkind = \"shm\"\n{}", rail("r1", "127.0.0.1:0"))), &["rails[0]", "tcp"]);
+    assert_refused(&minimal(&dir, "", &format!("[transport]\nkind = \"shm\"\n{}", rail("r1", "127.0.0.1:0"))), &["rails[0]", "not shm"]);
+    // A verbs rail names its device.
+    let verbs = "[transport]\nkind = \"verbs\"\n";
+    assert_refused(&minimal(&dir, "", &format!("{verbs}[[rails]]\nname = \"r1\"\n")), &["rails[0].verbs_device", "ibv_devices"]);
+    assert_refused(&minimal(&dir, "", &format!("{verbs}{}", rail("r1", "127.0.0.1:0"))), &["rails[0].verbs_device"]);
+    assert_refused(&minimal(&dir, "", &format!("{verbs}[[rails]]\nname = \"r1\"\nverbs_device = \"rxe1\"\nverbs_port = 0\n")), &["rails[0].verbs_port"]);
+    assert_refused(&minimal(&dir, "", &format!("{verbs}[[rails]]\nname = \"r1\"\nverbs_device = \"rxe1\"\nverbs_listen = \"x\"\n")), &["rails[0].verbs_listen"]);
     assert_refused(&minimal(&dir, "", "[transport]\nslice_bytes = 100\n"), &["transport.slice_bytes", "4096"]);
     assert_refused(&minimal(&dir, "", "[transport]\nrail_stall_ms = 0\n"), &["transport.rail_stall_ms"]);
     assert_refused(

@@ -504,6 +504,10 @@ impl Endpoint for VerbsEndpoint {
         VerbsEndpoint::revoke(self, key)
     }
 
+    fn attach(&self, region: &Arc<Region>) -> Result<(), TransportError> {
+        VerbsEndpoint::attach(self, region)
+    }
+
     /// A refused remote write moves the RC queue pair to the error state;
     /// writes refused locally (checked against the peer's descriptors
     /// before posting) leave it serving.
@@ -740,6 +744,7 @@ const WC_REM_ACCESS: u32 = WorkCompletionStatus::RemoteAccessError as u32;
 const WC_FLUSH: u32 = WorkCompletionStatus::WorkRequestFlushedError as u32;
 const WC_RETRY_EXC: u32 = WorkCompletionStatus::RetryCounterExceededError as u32;
 const WC_RNR_RETRY_EXC: u32 = WorkCompletionStatus::ResponderNotReadyRetryCounterExceededError as u32;
+const WC_LOC_QP_OP: u32 = WorkCompletionStatus::LocalQueuePairOperationError as u32;
 const WC_LOC_PROT: u32 = WorkCompletionStatus::LocalProtectionError as u32;
 const WC_LOC_LEN: u32 = WorkCompletionStatus::LocalLengthError as u32;
 const WC_REM_INV_REQ: u32 = WorkCompletionStatus::RemoteInvalidRequestError as u32;
@@ -755,6 +760,8 @@ fn wc_error(wc: &Wc) -> String {
         WC_RETRY_EXC => "transport retry counter exceeded: no acknowledgement from the peer (peer gone, its QP \
                          destroyed, or unreachable with this GID/netdev)",
         WC_RNR_RETRY_EXC => "receiver not ready: the destination had no receive posted for a write note",
+        WC_LOC_QP_OP => "local QP operation error: the device could not send the work request (its netdev is down, \
+                         or has no route to the peer's GID)",
         WC_LOC_PROT => "local protection error: the source range is not covered by a local MR (source region deregistered?)",
         WC_LOC_LEN => "local length error: the work request is longer than the device allows",
         WC_REM_INV_REQ => "remote invalid request: the destination rejected the request (length beyond its limit, or RDMA write not enabled on its QP)",
