@@ -279,7 +279,7 @@ pub struct Point {
 }
 
 /// The hops in transfer order; a hop not listed here sorts after them, by name.
-pub const HOP_ORDER: [&str; 8] = ["pack", "stage", "post", "wire", "place", "unpack", "verify", "notify"];
+pub const HOP_ORDER: [&str; 9] = ["pack", "stage", "post", "wire", "place", "device_complete", "unpack", "verify", "notify"];
 
 fn hop_rank(name: &str) -> (usize, &str) {
     (HOP_ORDER.iter().position(|h| *h == name).unwrap_or(HOP_ORDER.len()), name)

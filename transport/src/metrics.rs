@@ -17,6 +17,10 @@ pub enum Hop {
     Wire,
     /// Remote completion seen → bytes counted as placed.
     Place,
+    /// The destination's host → device copy: from the placed bytes to the
+    /// CUDA event that says the device copy completed. `layer_ready` for a
+    /// device-resident cache may be published only after it.
+    DeviceComplete,
     /// Scatter into the destination layout.
     Unpack,
     /// Checksum.
@@ -27,7 +31,10 @@ pub enum Hop {
 
 impl Hop {
     /// Every hop, in path order.
-    pub const ALL: [Hop; 8] = [Hop::Pack, Hop::Stage, Hop::Post, Hop::Wire, Hop::Place, Hop::Unpack, Hop::Verify, Hop::Notify];
+    pub const ALL: [Hop; Hop::COUNT] = [Hop::Pack, Hop::Stage, Hop::Post, Hop::Wire, Hop::Place, Hop::DeviceComplete, Hop::Unpack, Hop::Verify, Hop::Notify];
+
+    /// Number of hops.
+    pub const COUNT: usize = 9;
 
     /// Lower-case name used in reports and metrics.
     pub fn name(self) -> &'static str {
@@ -37,12 +44,22 @@ impl Hop {
             Hop::Post => "post",
             Hop::Wire => "wire",
             Hop::Place => "place",
+            Hop::DeviceComplete => "device_complete",
             Hop::Unpack => "unpack",
             Hop::Verify => "verify",
             Hop::Notify => "notify",
         }
     }
 }
+
+// `Hops` indexes its array by discriminant: `ALL` must list every hop in declaration order.
+const _: () = {
+    let mut i = 0;
+    while i < Hop::COUNT {
+        assert!(Hop::ALL[i] as usize == i);
+        i += 1;
+    }
+};
 
 /// Summary of one hop's histogram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +88,7 @@ struct HopData {
 /// One histogram per hop.
 #[derive(Debug)]
 pub struct Hops {
-    hops: [Mutex<HopData>; 8],
+    hops: [Mutex<HopData>; Hop::COUNT],
 }
 
 impl Default for Hops {

@@ -307,6 +307,28 @@ fn hop_roofs_are_bytes_over_time_in_transfer_order() {
 }
 
 #[test]
+fn staged_hops_sort_in_path_order_in_rust_and_in_the_page() {
+    // The path order is the transport's own.
+    let path: Vec<&str> = kvwire_transport::metrics::Hop::ALL.iter().map(|h| h.name()).collect();
+    assert_eq!(report::HOP_ORDER.to_vec(), path);
+    // A device-resident cache without GPUDirect adds `stage` on the source
+    // and `device_complete` on the destination.
+    let mib64 = 67_108_864u64;
+    let mut p = fixture_points().remove(0);
+    p["hops"]["stage"] = hop(40, 20_000_000, 5 * mib64);
+    p["hops"]["device_complete"] = hop(20, 200_000_000, 5 * mib64);
+    let c = report::parse_campaign(&serde_json::to_string(&p).unwrap()).unwrap();
+    let names: Vec<String> = c.points[0].roofs().into_iter().map(|r| r.hop).collect();
+    assert_eq!(names, ["stage", "post", "wire", "place", "device_complete"]);
+    // 5 × 64 MiB took 200 ms host → device and 100 ms on the wire: the H2D copy bounds it.
+    assert_eq!(c.points[0].lowest_roof().unwrap().hop, "device_complete");
+    let dir = TempDir::new("order");
+    let page = report_page(&write_fixture(&dir, &fixture_points(), &[]), &dir);
+    let js = format!("var HOP_ORDER = [{}];", path.iter().map(|h| format!("\"{h}\"")).collect::<Vec<_>>().join(", "));
+    assert!(page.contains(&js), "the page's hop order is not {js}");
+}
+
+#[test]
 fn parse_campaign_errors_are_comparable() {
     assert_eq!(report::parse_campaign("\n\n"), Err(CampaignError::NoPoints { lines: 0 }));
     let e = report::parse_campaign("{\"kind\":\"point\"}\n\"x\"\n").unwrap_err();

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-const HOPS: [&str; 8] = ["pack", "stage", "post", "wire", "place", "unpack", "verify", "notify"];
+const HOPS: [&str; 9] = ["pack", "stage", "post", "wire", "place", "device_complete", "unpack", "verify", "notify"];
 
 struct Daemon {
     child: Child,

@@ -14,9 +14,9 @@
 //! completed. Only then may `layer_ready(L)` be published for a
 //! device-resident cache.
 //!
-//! Both record their hop: `stage` (D2H enqueue → event seen complete) and
-//! `device_complete` (a layer's first H2D enqueue → its last event seen
-//! complete), the latter into [`DEVICE_COMPLETE_HOP`].
+//! Both record their hop: [`Hop::Stage`] (D2H enqueue → event seen
+//! complete) and [`Hop::DeviceComplete`] (a layer's first H2D enqueue → its
+//! last event seen complete).
 
 use super::{Device, DeviceError, DeviceMem, Event, Stream};
 use crate::mem::HostMem;
@@ -24,11 +24,6 @@ use crate::metrics::{Hop, Hops};
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// The histogram `device_complete` durations go into. [`Hop`] has no
-/// `DeviceComplete` yet; `place` is the nearest (bytes placed into the
-/// destination memory, which for a device-resident cache is device memory).
-pub const DEVICE_COMPLETE_HOP: Hop = Hop::Place;
 
 /// How long one blocking wait inside the pump lasts before it polls the
 /// other side again.
@@ -400,7 +395,7 @@ impl<S: Stream> StageIn<S> {
         Ok(StageIn { stream, layers, state, pending: VecDeque::new(), next: 0, hops: None, failed: None })
     }
 
-    /// Records `device_complete` into `hops` (as [`DEVICE_COMPLETE_HOP`]).
+    /// Records `device_complete` into `hops`.
     pub fn with_hops(mut self, hops: Arc<Hops>) -> Self {
         self.hops = Some(hops);
         self
@@ -466,7 +461,7 @@ impl<S: Stream> StageIn<S> {
                 st.complete = true;
                 let took = st.first.map(|t| t.elapsed()).unwrap_or_default();
                 if let Some(h) = &self.hops {
-                    h.record(DEVICE_COMPLETE_HOP, took, l.len);
+                    h.record(Hop::DeviceComplete, took, l.len);
                 }
                 out.push(StageInEvent::DeviceComplete { layer: l.layer, took });
             }

@@ -8,7 +8,7 @@
 //! asserts a duration.
 
 use kvwire_transport::device::host::{DeviceTrace, HostDevice};
-use kvwire_transport::device::stage::{LayerDst, SourceRange, StageIn, StageInEvent, StageOut, StageOutEvent, StagedChunk, StagingRing, WireHandle, DEVICE_COMPLETE_HOP};
+use kvwire_transport::device::stage::{LayerDst, SourceRange, StageIn, StageInEvent, StageOut, StageOutEvent, StagedChunk, StagingRing, WireHandle};
 use kvwire_transport::device::{probe_cuda, Device, DeviceError, Event, Stream};
 use kvwire_transport::{Hop, Hops, HostMem};
 use std::sync::mpsc;
@@ -335,8 +335,9 @@ fn stage_in_reports_device_complete_only_after_every_copy_of_the_layer_landed() 
         }
     }
     assert_eq!(complete, vec![1, 0]);
-    assert_eq!(hops.summary(DEVICE_COMPLETE_HOP).count, 2);
-    assert_eq!(hops.summary(DEVICE_COMPLETE_HOP).bytes, 2 * layer_len);
+    assert_eq!(hops.summary(Hop::DeviceComplete).count, 2);
+    assert_eq!(hops.summary(Hop::DeviceComplete).bytes, 2 * layer_len);
+    assert_eq!(hops.summary(Hop::Place).count, 0, "device_complete has its own histogram, not place's");
     // Every copy ended (in the stand-in's own trace) before its layer was reported.
     let ends = log.entries().iter().filter(|e| matches!(e, Entry::Dev(DeviceTrace::CopyEnd { failed: false, .. }))).count();
     assert_eq!(ends, 6);
