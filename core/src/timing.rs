@@ -12,8 +12,15 @@
 //! The stage with the largest total bounds the transfer. A measured time
 //! between the two bounds gives the overlap achieved:
 //! `(sequential − measured) / (sequential − pipelined)`.
+//!
+//! [`staged`] models a device-resident cache moved without GPUDirect: the
+//! bytes are cut into staging-ring chunks and each chunk crosses a chain of
+//! hops (`stage` device → host, `wire`, `device_complete` host → device),
+//! each at its own rate. Its pipelined figure replays that chain chunk by
+//! chunk, so the ring's depth and a short last chunk count.
 
 use serde::Serialize;
+use std::collections::VecDeque;
 
 /// One stage's busy time over the whole transfer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -103,4 +110,129 @@ pub fn layerwise(compute: &[u64], transfer: &[u64]) -> LayerOverlap {
     let transfer_ns: u64 = transfer.iter().sum();
     let tail_ns = transfer_end.saturating_sub(compute_end);
     LayerOverlap { transfer_ns, overlapped_ns: transfer_ns.saturating_sub(tail_ns), tail_ns }
+}
+
+/// One hop of a chunked path, as a rate: a chunk of `n` bytes takes
+/// `per_chunk_ns + n / bytes_per_sec` (rounded up to whole ns).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HopRate {
+    /// Hop name (`stage`, `wire`, `device_complete`, …).
+    pub hop: String,
+    /// Bytes per second (1 GB/s = 1e9).
+    pub bytes_per_sec: u64,
+    /// Fixed cost of every chunk (copy launch, post), ns.
+    pub per_chunk_ns: u64,
+}
+
+impl HopRate {
+    /// The rate a measured stage achieved (bytes over busy time), with no
+    /// fixed per-chunk cost; None when the stage moved nothing. Samples
+    /// that overlap (copies queued behind each other on one stream) add up
+    /// to more than the busy time, so such a hop reads slower than it is.
+    pub fn from_stage(s: &Stage) -> Option<HopRate> {
+        if s.bytes == 0 || s.total_ns == 0 {
+            return None;
+        }
+        let bps = u128::from(s.bytes) * 1_000_000_000 / u128::from(s.total_ns);
+        Some(HopRate { hop: s.hop.clone(), bytes_per_sec: u64::try_from(bps).unwrap_or(u64::MAX).max(1), per_chunk_ns: 0 })
+    }
+
+    /// Time for one chunk of `len` bytes, ns.
+    pub fn chunk_ns(&self, len: u64) -> u64 {
+        let ns = (u128::from(len) * 1_000_000_000).div_ceil(u128::from(self.bytes_per_sec));
+        u64::try_from(ns).unwrap_or(u64::MAX).saturating_add(self.per_chunk_ns)
+    }
+}
+
+/// The staging rings between consecutive hops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Ring {
+    /// Bytes per chunk (and per slot).
+    pub chunk: u64,
+    /// Slots in each ring. A chunk takes a slot when the hop before the
+    /// ring starts on it and frees it once the hop after the ring finished
+    /// with it (the source's slot waits for the wire completion, the
+    /// destination's for the host → device copy).
+    pub slots: u32,
+}
+
+/// Why [`staged`] refused its input.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum StagedError {
+    /// The ring's chunk size is 0.
+    #[error("staging chunk of 0 bytes")]
+    ZeroChunk,
+    /// The ring has no slot: nothing could ever be staged.
+    #[error("staging ring of 0 slots")]
+    ZeroSlots,
+    /// A hop moves 0 bytes per second: it would never finish.
+    #[error("hop `{0}` has a rate of 0 bytes/s")]
+    ZeroRate(String),
+}
+
+/// A staged transfer's per-hop totals and its [`Prediction`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct StagedPrediction {
+    /// Each hop's busy time over the whole transfer, in path order.
+    pub stages: Vec<Stage>,
+    /// Sequential sum, pipelined schedule and bounding hop.
+    pub prediction: Prediction,
+}
+
+/// Predicts `bytes` cut into `ring.chunk`-byte chunks through `hops`, in
+/// order, after `setup_ns`.
+///
+/// - sequential: setup + every hop's total (each hop moves everything
+///   before the next starts);
+/// - pipelined: the end of the last chunk's last hop when every hop works
+///   on one chunk at a time, in order, as early as the hop before it and a
+///   free ring slot allow. With enough slots this is fill/drain plus
+///   `(chunks − 1) ×` the slowest hop's chunk time, as in [`predict`]; with
+///   one slot a chunk's hop waits for the previous chunk's next hop.
+///
+/// Costs O(chunks × hops).
+pub fn staged(hops: &[HopRate], ring: Ring, bytes: u64, setup_ns: u64) -> Result<StagedPrediction, StagedError> {
+    if ring.chunk == 0 {
+        return Err(StagedError::ZeroChunk);
+    }
+    if ring.slots == 0 {
+        return Err(StagedError::ZeroSlots);
+    }
+    if let Some(h) = hops.iter().find(|h| h.bytes_per_sec == 0) {
+        return Err(StagedError::ZeroRate(h.hop.clone()));
+    }
+    let chunks = bytes.div_ceil(ring.chunk);
+    let slots = ring.slots as usize;
+    let m = hops.len();
+    let mut totals = vec![0u64; m];
+    // Finish times of the last `slots` chunks, newest at the back.
+    let mut recent: VecDeque<Vec<u64>> = VecDeque::with_capacity(slots + 1);
+    let mut end = 0u64;
+    for i in 0..chunks {
+        let len = (bytes - i * ring.chunk).min(ring.chunk);
+        let mut done = vec![0u64; m];
+        for (j, h) in hops.iter().enumerate() {
+            let mut start = if j > 0 { done[j - 1] } else { 0 };
+            if let Some(prev) = recent.back() {
+                start = start.max(prev[j]);
+            }
+            // The ring after hop j holds `slots` chunks: chunk i − slots must have left hop j + 1.
+            if j + 1 < m && recent.len() == slots {
+                start = start.max(recent[0][j + 1]);
+            }
+            let t = h.chunk_ns(len);
+            done[j] = start.saturating_add(t);
+            totals[j] = totals[j].saturating_add(t);
+        }
+        end = done.last().copied().unwrap_or(0);
+        if recent.len() == slots {
+            recent.pop_front();
+        }
+        recent.push_back(done);
+    }
+    let stages: Vec<Stage> = hops.iter().zip(&totals).map(|(h, &total_ns)| Stage { hop: h.hop.clone(), total_ns, bytes }).collect();
+    let sequential_ns = totals.iter().fold(setup_ns, |a, &t| a.saturating_add(t));
+    let bounding = stages.iter().filter(|s| s.total_ns > 0).max_by_key(|s| s.total_ns).map(|s| s.hop.clone());
+    let prediction = Prediction { chunks, setup_ns, sequential_ns, pipelined_ns: setup_ns.saturating_add(end), bounding, measured_ns: None, overlap: None };
+    Ok(StagedPrediction { stages, prediction })
 }

@@ -1,6 +1,6 @@
 //! Timing model: hand-computed bounds.
 
-use kvwire_core::timing::{predict, Stage};
+use kvwire_core::timing::{predict, staged, HopRate, Ring, Stage, StagedError};
 
 fn stage(hop: &str, ms: u64) -> Stage {
     Stage { hop: hop.into(), total_ns: ms * 1_000_000, bytes: 1_000_000_000 }
@@ -43,4 +43,81 @@ fn layerwise_overlap_by_hand() {
     // compute ends 2, 4, 6; transfers end 2+5=7, 12, 17 -> tail 11.
     let o = layerwise(&[2, 2, 2], &[5, 5, 5]);
     assert_eq!((o.transfer_ns, o.overlapped_ns, o.tail_ns), (15, 4, 11));
+}
+
+fn rate(hop: &str, gb_per_s_x10: u64, per_chunk_ns: u64) -> HopRate {
+    HopRate { hop: hop.into(), bytes_per_sec: gb_per_s_x10 * 100_000_000, per_chunk_ns }
+}
+
+/// D2H at 25 GB/s + 2 µs launch, wire at 12.5 GB/s + 1 µs post, H2D at 20 GB/s + 2 µs launch.
+fn gpu_path() -> Vec<HopRate> {
+    vec![rate("stage", 250, 2_000), rate("wire", 125, 1_000), rate("device_complete", 200, 2_000)]
+}
+
+#[test]
+fn staged_gpu_pipeline_by_hand() {
+    // 8 chunks of 1 MB: per chunk 40+2, 80+1, 50+2 µs.
+    let ring = Ring { chunk: 1_000_000, slots: 2 };
+    let s = staged(&gpu_path(), ring, 8_000_000, 10_000).unwrap();
+    let totals: Vec<(&str, u64, u64)> = s.stages.iter().map(|st| (st.hop.as_str(), st.total_ns, st.bytes)).collect();
+    assert_eq!(totals, vec![("stage", 8 * 42_000, 8_000_000), ("wire", 8 * 81_000, 8_000_000), ("device_complete", 8 * 52_000, 8_000_000)]);
+    let p = &s.prediction;
+    assert_eq!(p.chunks, 8);
+    assert_eq!(p.sequential_ns, 10_000 + 8 * (42_000 + 81_000 + 52_000));
+    // Two slots per ring keep the wire busy: one chunk through all three,
+    // then 7 more at the wire's 81 µs.
+    assert_eq!(p.pipelined_ns, 10_000 + (42_000 + 81_000 + 52_000) + 7 * 81_000);
+    assert_eq!(p.bounding.as_deref(), Some("wire"));
+    // Equal chunks and enough slots: the per-layer model gives the same bound.
+    assert_eq!(predict(&s.stages, 8, 10_000).pipelined_ns, p.pipelined_ns);
+}
+
+#[test]
+fn staged_with_one_slot_waits_for_the_next_hop() {
+    // One slot per ring: chunk i's wire waits for chunk i−1's H2D to free the
+    // destination slot, and its D2H (42 µs) hides under that H2D (52 µs).
+    // The cycle is wire + H2D = 133 µs per chunk.
+    let ring = Ring { chunk: 1_000_000, slots: 1 };
+    let p = staged(&gpu_path(), ring, 8_000_000, 10_000).unwrap().prediction;
+    assert_eq!(p.sequential_ns, 10_000 + 8 * 175_000);
+    assert_eq!(p.pipelined_ns, 10_000 + 175_000 + 7 * (81_000 + 52_000));
+    assert_eq!(p.bounding.as_deref(), Some("wire"));
+}
+
+#[test]
+fn staged_short_last_chunk_by_hand() {
+    // 2.5 MB in 1 MB chunks, no fixed costs. Timeline in µs:
+    //   chunk 0: stage 0–40,  wire 40–120,  h2d 120–170
+    //   chunk 1: stage 40–80, wire 120–200, h2d 200–250
+    //   chunk 2 (0.5 MB): stage 80–100, wire 200–240, h2d 250–275
+    let hops = [rate("stage", 250, 0), rate("wire", 125, 0), rate("device_complete", 200, 0)];
+    let s = staged(&hops, Ring { chunk: 1_000_000, slots: 4 }, 2_500_000, 0).unwrap();
+    assert_eq!(s.prediction.chunks, 3);
+    assert_eq!(s.stages.iter().map(|st| st.total_ns).collect::<Vec<_>>(), vec![100_000, 200_000, 125_000]);
+    assert_eq!(s.prediction.sequential_ns, 425_000);
+    assert_eq!(s.prediction.pipelined_ns, 275_000);
+}
+
+#[test]
+fn hop_rate_from_a_measured_stage() {
+    // 100 MB in 4 ms of busy time: 25 GB/s, so a 1 MB chunk takes 40 µs.
+    let r = HopRate::from_stage(&Stage { hop: "stage".into(), total_ns: 4_000_000, bytes: 100_000_000 }).unwrap();
+    assert_eq!((r.hop.as_str(), r.bytes_per_sec, r.per_chunk_ns), ("stage", 25_000_000_000, 0));
+    assert_eq!(r.chunk_ns(1_000_000), 40_000);
+    assert_eq!(HopRate::from_stage(&Stage { hop: "wire".into(), total_ns: 0, bytes: 5 }), None);
+    // Partial nanoseconds round up.
+    assert_eq!(HopRate { hop: "x".into(), bytes_per_sec: 3, per_chunk_ns: 7 }.chunk_ns(1), 333_333_334 + 7);
+}
+
+#[test]
+fn staged_refuses_what_could_never_finish() {
+    let ring = Ring { chunk: 1 << 20, slots: 2 };
+    assert_eq!(staged(&gpu_path(), Ring { chunk: 0, ..ring }, 10, 0).unwrap_err(), StagedError::ZeroChunk);
+    assert_eq!(staged(&gpu_path(), Ring { slots: 0, ..ring }, 10, 0).unwrap_err(), StagedError::ZeroSlots);
+    let mut hops = gpu_path();
+    hops[1].bytes_per_sec = 0;
+    assert_eq!(staged(&hops, ring, 10, 0).unwrap_err(), StagedError::ZeroRate("wire".into()));
+    // Nothing to move: setup only, no bounding hop.
+    let p = staged(&gpu_path(), ring, 0, 5).unwrap().prediction;
+    assert_eq!((p.chunks, p.sequential_ns, p.pipelined_ns, p.bounding), (0, 5, 5, None));
 }
