@@ -1,12 +1,13 @@
 //! Peer data-plane frames: `Header::decode` over arbitrary bytes with an
 //! arbitrary write limit, `Hello::decode` of the payload, and `check_write`
-//! of what a write header asks for.
+//! of what a write header asks for; and a verbs write-note message
+//! (`WriteNote::decode_all`), checked as the destination checks each note.
 //!
 //! Input: 8 bytes little-endian `max_write` (the receiver's limit, also used
 //! as the region length), then the frame as it arrives: 40-byte header, payload.
 #![no_main]
 
-use kvwire_core::protocol::{check_write, Header, Hello, Kind, Tag, HEADER_LEN, MAX_HELLO};
+use kvwire_core::protocol::{check_write, Header, Hello, Kind, Tag, WriteNote, HEADER_LEN, MAX_HELLO, NOTE_LEN};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -19,6 +20,7 @@ fuzz_target!(|data: &[u8]| {
         Err(_) => {
             // A hello payload alone (the handshake's body) is outside bytes too.
             let _ = Hello::decode(frame, "tcp");
+            notes(frame, limit);
             return;
         }
     };
@@ -63,3 +65,21 @@ fuzz_target!(|data: &[u8]| {
         Kind::Ack => {}
     }
 });
+
+/// A received note buffer: whole notes only, each re-encoding to its bytes,
+/// and checked against a region of `region_len` bytes.
+fn notes(b: &[u8], region_len: u64) {
+    let Ok(notes) = WriteNote::decode_all(b) else {
+        assert!(b.len() % NOTE_LEN != 0, "whole notes refused");
+        return;
+    };
+    assert_eq!(notes.len() * NOTE_LEN, b.len());
+    for (n, raw) in notes.iter().zip(b.chunks_exact(NOTE_LEN)) {
+        let mut again = [0u8; NOTE_LEN];
+        n.encode(&mut again);
+        assert_eq!(&again[..], raw, "note round trip");
+        if let Ok(r) = check_write(n.key, Some(region_len), n.offset, n.len) {
+            assert!(n.len > 0 && r.end <= region_len, "note range {r:?} past region of {region_len}");
+        }
+    }
+}
