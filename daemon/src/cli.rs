@@ -582,7 +582,7 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "{:<8} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
+        "{:<15} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
         "hop", "count", "p50", "p99", "mean", "from", "bytes", "bandwidth"
     );
     let opt = |v: Option<f64>| v.map(seconds).unwrap_or_else(|| "-".into());
@@ -593,7 +593,7 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
         };
         let _ = writeln!(
             out,
-            "{:<8} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
+            "{:<15} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
             h.hop,
             h.count,
             opt(h.p50_seconds),
