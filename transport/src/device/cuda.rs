@@ -29,6 +29,11 @@ const SYMBOLS: &[&str] = &[
     "cuCtxSetCurrent",
     "cuMemAlloc_v2",
     "cuMemFree_v2",
+    "cuMemGetAddressRange_v2",
+    "cuMemGetHandleForAddressRange",
+    "cuIpcGetMemHandle",
+    "cuIpcOpenMemHandle_v2",
+    "cuIpcCloseMemHandle",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemcpyDtoHAsync_v2",
@@ -122,7 +127,8 @@ impl Drop for Ctx {
     }
 }
 
-/// One CUDA device (its primary context).
+/// One CUDA device (its primary context). A clone is the same device.
+#[derive(Clone)]
 pub struct CudaDevice {
     ctx: Arc<Ctx>,
 }
@@ -155,18 +161,85 @@ impl CudaDevice {
         ctx.bind()?;
         Ok(CudaDevice { ctx })
     }
+
+    /// Opens another process's allocation from its CUDA IPC handle (the 64
+    /// bytes [`export`] returns) on this device, for `len` bytes from its
+    /// start; closed with cuIpcCloseMemHandle on drop. `len` may not exceed
+    /// the allocation.
+    pub fn import_ipc(&self, handle: &[u8], len: u64) -> Result<Arc<CudaMem>, DeviceError> {
+        let mut raw = sys::CUipcMemHandle { reserved: [0; sys::CU_IPC_HANDLE_SIZE as usize] };
+        if handle.len() != raw.reserved.len() {
+            return Err(DeviceError::Invalid(format!("CUDA IPC handle has {} bytes, expected {}", handle.len(), raw.reserved.len())));
+        }
+        if len == 0 {
+            return Err(DeviceError::Invalid("cannot import 0 bytes of device memory".into()));
+        }
+        for (r, b) in raw.reserved.iter_mut().zip(handle) {
+            *r = std::ffi::c_char::from_ne_bytes([*b]);
+        }
+        self.ctx.bind()?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        let flags = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
+        // SAFETY: ptr is writable; the handle is passed by value; this device's context is current.
+        check("cuIpcOpenMemHandle", unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, raw, flags) })?;
+        // From here on, dropping `mem` closes the mapping.
+        let mem = CudaMem { ptr, len, ctx: self.ctx.clone(), imported: true };
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: both out-pointers are writable; ptr was just mapped in this context.
+        check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
+        let avail = (base + size as u64).saturating_sub(ptr);
+        if len > avail {
+            return Err(DeviceError::Invalid(format!("handle says {len} bytes but the imported allocation has {avail}")));
+        }
+        Ok(Arc::new(mem))
+    }
 }
 
-/// Device memory from cuMemAlloc, freed on drop.
+/// What a client hands its daemon for `mem`: the allocation's dmabuf fd (for
+/// GPUDirect registration; None when the driver refuses it, e.g. without
+/// dmabuf support, or a length that is not a multiple of the host page
+/// size) and its 64-byte CUDA IPC handle (for [`CudaDevice::import_ipc`]).
+pub fn export(mem: &CudaMem) -> Result<(Option<std::fs::File>, Vec<u8>), DeviceError> {
+    if mem.imported {
+        return Err(DeviceError::Invalid("memory imported from another process cannot be exported again".into()));
+    }
+    mem.ctx.bind()?;
+    let mut raw = sys::CUipcMemHandle { reserved: [0; sys::CU_IPC_HANDLE_SIZE as usize] };
+    // SAFETY: raw is writable; ptr is the base of a live cuMemAlloc allocation in this context.
+    check("cuIpcGetMemHandle", unsafe { sys::cuIpcGetMemHandle(&mut raw, mem.ptr) })?;
+    let ipc = raw.reserved.iter().map(|c| c.to_ne_bytes()[0]).collect();
+    let mut fd: std::ffi::c_int = -1;
+    let kind = sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD;
+    // SAFETY: for DMA_BUF_FD the handle is an int, which fd is; the range is the whole live allocation.
+    let dmabuf = match unsafe { sys::cuMemGetHandleForAddressRange((&mut fd as *mut std::ffi::c_int).cast(), mem.ptr, mem.len as usize, kind, 0) } {
+        // SAFETY: on success the driver returns a new fd that nothing else owns.
+        sys::CUresult::CUDA_SUCCESS => Some(unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) }),
+        e => {
+            // Optional: without it the daemon stages through host memory.
+            tracing::info!(len = mem.len, error = %describe(DriverError(e)), "no dmabuf for device memory; GPUDirect registration unavailable");
+            None
+        }
+    };
+    Ok((dmabuf, ipc))
+}
+
+/// Device memory from cuMemAlloc, freed on drop; or another process's,
+/// opened with cuIpcOpenMemHandle and closed on drop.
 pub struct CudaMem {
     ptr: sys::CUdeviceptr,
     len: u64,
     ctx: Arc<Ctx>,
+    imported: bool,
 }
 
 impl std::fmt::Debug for CudaMem {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaMem").field("ptr", &format_args!("{:#x}", self.ptr)).field("len", &self.len).field("ordinal", &self.ctx.ordinal).finish()
+        f.debug_struct("CudaMem")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("ordinal", &self.ctx.ordinal)
+            .field("imported", &self.imported)
+            .finish()
     }
 }
 
@@ -191,12 +264,13 @@ impl DeviceMem for CudaMem {
 
 impl Drop for CudaMem {
     fn drop(&mut self) {
-        // SAFETY: ptr came from cuMemAlloc in this context and is freed once;
-        // every stream that copied from or into it held an Arc to it until
-        // its copies completed, so no copy is outstanding.
+        // SAFETY: ptr came from cuMemAlloc or cuIpcOpenMemHandle in this
+        // context and is released once, by its matching call; every stream
+        // that copied from or into it held an Arc to it until its copies
+        // completed, so no copy is outstanding.
         unsafe {
             if self.ctx.bind().is_ok() {
-                let _ = sys::cuMemFree_v2(self.ptr);
+                let _ = if self.imported { sys::cuIpcCloseMemHandle(self.ptr) } else { sys::cuMemFree_v2(self.ptr) };
             }
         }
     }
@@ -404,7 +478,7 @@ impl Device for CudaDevice {
         self.ctx.bind()?;
         // SAFETY: allocates in the current (this device's) context; freed in CudaMem::drop.
         let ptr = unsafe { cudarc::driver::result::malloc_sync(len as usize) }.map_err(call("cuMemAlloc"))?;
-        Ok(Arc::new(CudaMem { ptr, len, ctx: self.ctx.clone() }))
+        Ok(Arc::new(CudaMem { ptr, len, ctx: self.ctx.clone(), imported: false }))
     }
 
     fn stream(&self) -> Result<CudaStream, DeviceError> {

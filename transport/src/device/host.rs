@@ -75,7 +75,9 @@ struct Shared {
     tracer: Option<Tracer>,
 }
 
-/// A stand-in device. See the module docs.
+/// A stand-in device. See the module docs. A clone is the same device: it
+/// shares the copy count and the injected failure.
+#[derive(Clone)]
 pub struct HostDevice {
     ordinal: u32,
     shared: Arc<Shared>,
@@ -114,6 +116,12 @@ impl HostDevice {
     /// Reports what the workers do to `tracer`.
     pub fn with_tracer(self, tracer: Tracer) -> HostDevice {
         HostDevice::build(self.ordinal, self.shared.delay, self.shared.fail_copy, Some(tracer))
+    }
+
+    /// Makes existing host memory (a memfd another process handed over) this
+    /// device's memory, as a daemon imports a client's allocation.
+    pub fn import_mem(&self, mem: HostMem) -> Arc<HostDeviceMem> {
+        Arc::new(HostDeviceMem { mem, ordinal: self.ordinal })
     }
 }
 
