@@ -23,12 +23,17 @@
 //! [`stage::StageOut`] and [`stage::StageIn`] are the staging schedulers of
 //! the source (`stage`: device → pinned host, then the wire) and of the
 //! destination (host → device, ending at `device_complete`).
+//!
+//! [`bound::Backend`] picks a backend at run time and imports a client's
+//! allocation (a [`bound::DeviceHandle`]) as an object-safe
+//! [`bound::BoundMem`], for a daemon that holds ranks of several clients.
 
 use crate::mem::{HostMem, MemError};
 use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub mod bound;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod host;

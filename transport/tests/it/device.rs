@@ -1,5 +1,6 @@
 //! Device staging: the schedulers against the host stand-in (slow copies,
-//! a slow loopback wire, injected copy failures), the no-driver path, and —
+//! a slow loopback wire, injected copy failures), a client's allocation
+//! imported into a run-time [`Backend`] (the stand-in), the no-driver path, and —
 //! with `--features cuda` and `KVWIRE_GPU=1` — the same round trip on a real
 //! GPU (scripts/gpu-check).
 //!
@@ -7,9 +8,11 @@
 //! workers, the loopback wire and the scheduler all append to; no test
 //! asserts a duration.
 
+use kvwire_transport::device::bound::{Backend, BoundMem, DeviceHandle};
 use kvwire_transport::device::host::{DeviceTrace, HostDevice};
 use kvwire_transport::device::stage::{LayerDst, SourceRange, StageIn, StageInEvent, StageOut, StageOutEvent, StagedChunk, StagingRing, WireHandle};
 use kvwire_transport::device::{probe_cuda, Device, DeviceError, Event, Stream};
+use kvwire_transport::mem::MemError;
 use kvwire_transport::{Hop, Hops, HostMem};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
@@ -511,4 +514,212 @@ mod gpu {
         );
         println!("H2D staged (chunk {} MiB): {:.2} GB/s; cuMemcpyHtoD: {:.2} GB/s; ratio {:.2}", chunk >> 20, gb / rt.in_s, gb / h2d_sync, h2d_sync / rt.in_s);
     }
+}
+
+/// A client's allocation as the stand-in plays it: a memfd holding
+/// `pattern(9, i)`, and the handle that passes a duplicate of its fd.
+fn client_alloc(len: u64) -> (HostMem, DeviceHandle) {
+    let mem = HostMem::new("client-device", len).unwrap();
+    mem.write(0, &layer_bytes(9, len)).unwrap();
+    let fd = std::fs::File::from(mem.fd().try_clone_to_owned().unwrap());
+    (mem, DeviceHandle { ordinal: 0, len, fd: Some(fd), ipc: None })
+}
+
+fn contents(mem: &HostMem) -> Vec<u8> {
+    let mut v = vec![0u8; mem.len() as usize];
+    mem.read(0, &mut v).unwrap();
+    v
+}
+
+fn bound_contents(b: &dyn BoundMem) -> Vec<u8> {
+    let mut v = vec![0u8; b.len() as usize];
+    b.read(0, &mut v).unwrap();
+    v
+}
+
+/// Applies `runs` = (device offset, host offset, len) to plain vectors: the reference model.
+fn apply(runs: &[(u64, u64, u64)], dev: &mut [u8], host: &mut [u8], d2h: bool) {
+    for &(d, h, n) in runs {
+        let (d, h, n) = (d as usize, h as usize, n as usize);
+        if d2h {
+            host[h..h + n].copy_from_slice(&dev[d..d + n]);
+        } else {
+            dev[d..d + n].copy_from_slice(&host[h..h + n]);
+        }
+    }
+}
+
+#[test]
+fn bound_mem_moves_exactly_the_scattered_runs_both_ways() {
+    let backend = Backend::open("host", 0).unwrap();
+    assert_eq!(backend.kind(), "host");
+    let (client, h) = client_alloc(65_536);
+    let bound = backend.import(h).unwrap();
+    assert_eq!((bound.len(), bound.ordinal(), bound.pci_bus_id()), (65_536, 0, None));
+    let mirror = Arc::new(HostMem::new("mirror", 32_768).unwrap());
+    let _pin = backend.pin(&mirror).unwrap();
+    let mut dev = layer_bytes(9, 65_536);
+    let mut host = vec![0u8; 32_768];
+
+    // The last run ends exactly at the end of the allocation.
+    let out = [(100, 0, 1000), (40_000, 5000, 3000), (7, 20_000, 1), (65_000, 30_000, 536)];
+    bound.d2h(&out, &mirror).unwrap().wait(WAIT).unwrap();
+    apply(&out, &mut dev, &mut host, true);
+    assert!(contents(&mirror) == host, "host mirror differs from the runs copied out");
+
+    let back = [(50_000, 0, 1000), (1, 5000, 3000), (60_000, 20_000, 1)];
+    let ev = bound.h2d(&back, &mirror).unwrap();
+    ev.wait(WAIT).unwrap();
+    assert!(ev.query().unwrap());
+    apply(&back, &mut dev, &mut host, false);
+    // Through the daemon's mapping, and through the client's own: the same pages.
+    assert!(bound_contents(&*bound) == dev, "device bytes differ from the runs copied in");
+    assert!(contents(&client) == dev, "the client does not see the bytes copied into its allocation");
+}
+
+#[test]
+fn bound_mem_refuses_an_out_of_bounds_run_before_enqueuing_any() {
+    let backend = Backend::open("host", 0).unwrap();
+    let (_client, h) = client_alloc(65_536);
+    let bound = backend.import(h).unwrap();
+    let mirror = Arc::new(HostMem::new("mirror", 4096).unwrap());
+
+    // Each list starts with a valid run: had it been enqueued, it would run before the next event.
+    let dev_oob = DeviceError::OutOfBounds { offset: 65_500, len: 100, size: 65_536 };
+    assert_eq!(bound.d2h(&[(0, 0, 100), (65_500, 200, 100)], &mirror).unwrap_err(), dev_oob);
+    let host_oob = DeviceError::Mem(MemError::OutOfBounds { offset: 4000, len: 100, size: 4096 });
+    assert_eq!(bound.d2h(&[(0, 0, 100), (200, 4000, 100)], &mirror).unwrap_err(), host_oob);
+    let wrap = DeviceError::OutOfBounds { offset: u64::MAX, len: 2, size: 65_536 };
+    assert_eq!(bound.d2h(&[(0, 0, 100), (u64::MAX, 0, 2)], &mirror).unwrap_err(), wrap);
+    bound.d2h(&[(1000, 1000, 10)], &mirror).unwrap().wait(WAIT).unwrap();
+    let mut want = vec![0u8; 4096];
+    want[1000..1010].copy_from_slice(&layer_bytes(9, 1010)[1000..]);
+    assert!(contents(&mirror) == want, "a refused d2h moved bytes");
+
+    let src = Arc::new(HostMem::new("src", 4096).unwrap());
+    src.write(0, &[0xab; 4096]).unwrap();
+    let dev_oob = DeviceError::OutOfBounds { offset: 65_536, len: 1, size: 65_536 };
+    assert_eq!(bound.h2d(&[(0, 0, 100), (65_536, 0, 1)], &src).unwrap_err(), dev_oob);
+    let host_oob = DeviceError::Mem(MemError::OutOfBounds { offset: 4090, len: 10, size: 4096 });
+    assert_eq!(bound.h2d(&[(0, 0, 100), (100, 4090, 10)], &src).unwrap_err(), host_oob);
+    bound.h2d(&[(2000, 0, 1)], &src).unwrap().wait(WAIT).unwrap();
+    let mut want = layer_bytes(9, 65_536);
+    want[2000] = 0xab;
+    assert!(bound_contents(&*bound) == want, "a refused h2d moved bytes");
+
+    // Device → host into a mirror this process maps read-only.
+    let ro = HostMem::new("ro", 4096).unwrap();
+    let ro = Arc::new(HostMem::from_file_read_only(std::fs::File::from(ro.fd().try_clone_to_owned().unwrap())).unwrap());
+    assert_eq!(bound.d2h(&[(0, 0, 1)], &ro).unwrap_err(), DeviceError::Mem(MemError::ReadOnly));
+}
+
+#[test]
+fn bound_import_refuses_a_handle_that_does_not_fit() {
+    let backend = Backend::open("host", 0).unwrap();
+    let invalid = |h: DeviceHandle| match backend.import(h) {
+        Err(DeviceError::Invalid(m)) => m,
+        other => panic!("expected an invalid handle, got {other:?}"),
+    };
+
+    let (_c, mut h) = client_alloc(4096);
+    h.len = 8192;
+    assert_eq!(invalid(h), "handle says 8192 bytes but its memfd has 4096");
+    let (_c, mut h) = client_alloc(4096);
+    h.fd = None;
+    assert_eq!(invalid(h), "the host stand-in needs the memfd that plays the device memory, and the handle has no fd");
+    let (_c, mut h) = client_alloc(4096);
+    h.ordinal = 1;
+    assert_eq!(invalid(h), "handle is for device 1 but this host backend is device 0");
+    let (_c, h) = client_alloc(4096);
+    let other = Backend::open("host", 3).unwrap();
+    assert_eq!(other.import(h).unwrap_err(), DeviceError::Invalid("handle is for device 0 but this host backend is device 3".into()));
+    let (_c, mut h) = client_alloc(4096);
+    h.len = 0;
+    assert_eq!(invalid(h), "handle has a length of 0 bytes");
+
+    // A file that cannot be sealed against shrinking is not mapped.
+    let h = DeviceHandle { ordinal: 0, len: 4096, fd: Some(std::fs::File::open("/dev/null").unwrap()), ipc: None };
+    assert!(matches!(backend.import(h), Err(DeviceError::Mem(MemError::Unsealed { .. }))));
+}
+
+#[test]
+fn backend_open_names_what_is_missing() {
+    match probe_cuda() {
+        Ok(()) => eprintln!("SKIPPED the no-driver half of backend_open_names_what_is_missing: a CUDA driver is present"),
+        // The same reason the probe gives: NotBuilt without the feature, NoDriver without a driver.
+        Err(e) => assert_eq!(Backend::open("cuda", 0).unwrap_err(), e),
+    }
+    let e = Backend::open("tpu", 0).unwrap_err();
+    assert_eq!(e, DeviceError::Invalid("unknown device backend \"tpu\": expected \"host\" or \"cuda\"".into()));
+}
+
+/// Holds the stand-in's copies at their start until opened.
+#[derive(Debug, Clone, Default)]
+struct Gate(Arc<(Mutex<bool>, Condvar)>);
+
+impl Gate {
+    fn open(&self) {
+        *self.0 .0.lock().unwrap() = true;
+        self.0 .1.notify_all();
+    }
+    fn pass(&self) {
+        let g = self.0 .0.lock().unwrap();
+        drop(self.0 .1.wait_while(g, |open| !*open).unwrap());
+    }
+}
+
+/// Opens the gate on drop, so a failing test does not leave a worker (and the stream's drop) blocked.
+struct OpenOnDrop(Gate);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open();
+    }
+}
+
+#[test]
+fn bound_event_completes_only_after_every_copy_ran() {
+    let (log, gate) = (Log::default(), Gate::default());
+    let (l, g) = (log.clone(), gate.clone());
+    let tracer: kvwire_transport::device::host::Tracer = Arc::new(move |t| {
+        l.push(Entry::Dev(t));
+        if matches!(t, DeviceTrace::CopyStart { .. }) {
+            g.pass();
+        }
+    });
+    let backend = Backend::Host(HostDevice::new(0).with_tracer(tracer));
+    let (_client, h) = client_alloc(8192);
+    let bound = backend.import(h).unwrap();
+    let mirror = Arc::new(HostMem::new("mirror", 8192).unwrap());
+    let _open = OpenOnDrop(gate.clone());
+
+    let runs = [(0, 4096, 100), (5000, 0, 2000), (8191, 8191, 1)];
+    let ev = bound.d2h(&runs, &mirror).unwrap();
+    // The worker is held at the start of the first copy.
+    assert!(!ev.query().unwrap());
+    assert!(matches!(ev.wait(Duration::from_millis(20)), Err(DeviceError::Timeout { .. })));
+    assert!(contents(&mirror).iter().all(|&b| b == 0), "bytes moved before the copies ran");
+    gate.open();
+    ev.wait(WAIT).unwrap();
+    let (mut dev, mut host) = (layer_bytes(9, 8192), vec![0u8; 8192]);
+    apply(&runs, &mut dev, &mut host, true);
+    assert!(contents(&mirror) == host);
+    let done = log.pos(Entry::Dev(DeviceTrace::EventComplete));
+    for id in 0..3 {
+        assert!(log.pos(Entry::Dev(DeviceTrace::CopyEnd { id, failed: false })) < done, "copy {id} ended after the event: {:?}", log.entries());
+    }
+}
+
+#[test]
+fn bound_event_reports_a_failed_copy_never_completion() {
+    let backend = Backend::Host(HostDevice::new(0).fail_copy(1));
+    let (_client, h) = client_alloc(8192);
+    let bound = backend.import(h).unwrap();
+    let mirror = Arc::new(HostMem::new("mirror", 8192).unwrap());
+    let ev = bound.d2h(&[(0, 0, 10), (10, 10, 10), (20, 20, 10)], &mirror).unwrap();
+    let e = ev.wait(WAIT).unwrap_err();
+    assert_eq!(e, DeviceError::CopyFailed { op: "copy_d2h", len: 10, message: "injected failure of copy 1".into() });
+    assert_eq!(ev.query().unwrap_err(), e);
+    // Poisoned: a later event on the same stream reports it too.
+    assert_eq!(bound.d2h(&[(0, 0, 1)], &mirror).unwrap().wait(WAIT).unwrap_err(), e);
 }
