@@ -81,6 +81,16 @@ impl Client {
         }
     }
 
+    /// Registers one rank's cache held in device memory; `fd` travels with
+    /// it: the stand-in backend's memfd, or a CUDA allocation's dmabuf fd.
+    pub fn register_device(&self, r: RegisterDeviceCache, fd: Option<std::os::fd::BorrowedFd<'_>>) -> Result<(u32, u64, bool), ClientError> {
+        let fds: Vec<_> = fd.iter().map(|f| f.as_raw_fd()).collect();
+        match self.call(&Request::RegisterDeviceCache(r), &fds)? {
+            Reply::Registered { regions, bytes, complete } => Ok((regions, bytes, complete)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
     /// Prepares to receive; returns the slot whose flags to wait on.
     pub fn prepare(&self, p: PrepareReceive) -> Result<u16, ClientError> {
         match self.call(&Request::PrepareReceive(p), &[])? {

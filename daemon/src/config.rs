@@ -207,6 +207,30 @@ pub struct Config {
     pub limits: Limits,
     /// Discovery through etcd (off by default: static peers only).
     pub discovery: DiscoveryConfig,
+    /// Device-resident caches (GPU memory).
+    pub device: DeviceConfig,
+}
+
+/// How device-resident caches are reached.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeviceConfig {
+    /// `none` (clients register host memory only), `cuda` (clients hand
+    /// over GPU allocations; staged through pinned host memory), or `host`
+    /// (a stand-in whose "device memory" is host memory with asynchronous
+    /// copies, for tests and demos without a GPU).
+    pub backend: String,
+    /// The device ordinal this daemon serves.
+    pub ordinal: u32,
+    /// Longest wait for one layer's device copies (D2H at the source, H2D
+    /// at the destination) before the transfer fails.
+    pub copy_timeout_secs: u64,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        DeviceConfig { backend: "none".into(), ordinal: 0, copy_timeout_secs: 30 }
+    }
 }
 
 impl Default for Config {
@@ -223,6 +247,7 @@ impl Default for Config {
             rails: Vec::new(),
             limits: Limits::default(),
             discovery: DiscoveryConfig::default(),
+            device: DeviceConfig::default(),
         }
     }
 }
@@ -350,6 +375,12 @@ impl Config {
         }
         if !(4096..=1 << 30).contains(&self.transport.slice_bytes) {
             return Err(invalid("transport.slice_bytes", "between 4096 and 1073741824"));
+        }
+        if !["none", "host", "cuda"].contains(&self.device.backend.as_str()) {
+            return Err(invalid("device.backend", format!("`{}`: expected none, cuda or host", self.device.backend)));
+        }
+        if self.device.copy_timeout_secs == 0 {
+            return Err(invalid("device.copy_timeout_secs", "must be > 0"));
         }
         if self.transport.rail_stall_ms == 0 {
             return Err(invalid("transport.rail_stall_ms", "must be > 0"));

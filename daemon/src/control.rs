@@ -57,6 +57,25 @@ pub struct RegisterCache {
     pub identity: CacheIdentity,
 }
 
+/// Registers one rank's cache that lives in device (GPU) memory. The
+/// daemon opens the allocation through its `[device]` backend and stages
+/// it through a host mirror of its own. With the `host` stand-in backend a
+/// memfd playing the device memory travels with the message; with `cuda`
+/// the allocation's dmabuf fd may (the IPC handle is what the daemon opens).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterDeviceCache {
+    /// The cache, as for host memory.
+    pub cache: RegisterCache,
+    /// Device ordinal of the allocation.
+    pub ordinal: u32,
+    /// Bytes of the allocation (at least what the rank's regions need).
+    pub len: u64,
+    /// CUDA IPC handle of the allocation (64 bytes), for `cuda`.
+    #[serde(default)]
+    pub ipc: Option<Vec<u8>>,
+}
+
 /// Prepares a destination group to receive a request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -130,6 +149,8 @@ pub enum Request {
     },
     /// Register one rank's cache (memfd attached).
     RegisterCache(RegisterCache),
+    /// Register one rank's cache in device memory (see [`RegisterDeviceCache`]).
+    RegisterDeviceCache(RegisterDeviceCache),
     /// Unregister a rank's cache: its regions are revoked.
     ReleaseCache {
         /// Group.

@@ -17,6 +17,7 @@ use kvwire_core::shard::{LayoutSpec, RegionId, ShardMap};
 use kvwire_core::CacheFormat;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+use kvwire_transport::device::bound::{Backend, BoundMem, DeviceHandle};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap};
@@ -34,6 +35,15 @@ struct RankCache {
     regions: BTreeMap<RegionId, Arc<Region>>,
     mem: Arc<HostMem>,
     client: u64,
+    // A device-resident rank: `mem` is this daemon's host mirror of it.
+    device: Option<DeviceRank>,
+}
+
+/// A rank whose cache lives in device memory, staged through `mem`.
+struct DeviceRank {
+    // Field order: unpin the mirror before the allocation is let go.
+    _pin: Box<dyn std::any::Any + Send + Sync>,
+    dev: Arc<dyn BoundMem>,
 }
 
 struct Group {
@@ -56,6 +66,11 @@ impl Group {
     /// them alive even if their client goes away meanwhile.
     fn regions(&self) -> HashMap<(u32, RegionId), Arc<Region>> {
         self.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect()
+    }
+
+    /// The device-resident ranks and their allocations.
+    fn devices(&self) -> HashMap<u32, Arc<dyn BoundMem>> {
+        self.ranks.iter().filter_map(|(rank, rc)| rc.device.as_ref().map(|d| (*rank, d.dev.clone()))).collect()
     }
 }
 
@@ -139,6 +154,8 @@ pub struct Daemon {
     rails: Vec<RailEp>,
     // What sysfs (or the topology file) says, when a rail names a device.
     topology: Option<kvwire_core::topology::HostTopology>,
+    // `[device]`: how device-resident caches are opened and copied.
+    device: Option<Backend>,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -311,6 +328,10 @@ impl Daemon {
         } else {
             None
         };
+        let device = match cfg.device.backend.as_str() {
+            "none" => None,
+            kind => Some(Backend::open(kind, cfg.device.ordinal).map_err(|e| anyhow::anyhow!("device.backend `{kind}`: {e}"))?),
+        };
         let peer_listener = TcpListener::bind(&cfg.peer_listen).map_err(|e| anyhow::anyhow!("peer_listen {}: {e}", cfg.peer_listen))?;
         let peer_addr = peer_listener.local_addr()?.to_string();
         let _ = std::fs::remove_file(&cfg.control_socket);
@@ -338,6 +359,7 @@ impl Daemon {
             peer_hops: Mutex::new(BTreeMap::new()),
             rails,
             topology,
+            device,
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();
@@ -500,7 +522,7 @@ impl Daemon {
     }
 
     fn handle(self: &Arc<Self>, client: u64, req: Request, fds: Vec<std::os::fd::OwnedFd>) -> (Reply, bool) {
-        if !matches!(req, Request::RegisterCache(_)) && !fds.is_empty() {
+        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_)) && !fds.is_empty() {
             return (err(Code::Malformed, "this request carries no file descriptors"), false);
         }
         match req {
@@ -510,6 +532,7 @@ impl Daemon {
                 (r, true)
             }
             Request::RegisterCache(r) => (self.register(client, r, fds), false),
+            Request::RegisterDeviceCache(r) => (self.register_device(client, r, fds), false),
             Request::ReleaseCache { group, rank } => (self.release(client, &group, rank), false),
             Request::PrepareReceive(p) => (self.prepare(client, p), false),
             Request::Submit(s) => (self.submit(client, s), false),
@@ -579,6 +602,47 @@ impl Daemon {
         if fds.len() != 1 {
             return err(Code::Malformed, format!("register_cache needs exactly one memfd, got {}", fds.len()));
         }
+        let fd = fds.remove(0);
+        self.register_rank(client, r, move |rank, n, total| {
+            let mem = HostMem::from_file(File::from(fd)).map_err(|e| format!("memfd: {e}"))?;
+            if mem.len() < total {
+                return Err(format!("memfd holds {} bytes but rank {rank}'s {n} regions need {total}", mem.len()));
+            }
+            Ok((Arc::new(mem), None))
+        })
+    }
+
+    /// A rank in device memory: opened through the `[device]` backend and
+    /// mirrored in pinned host memory that the data plane registers.
+    fn register_device(&self, client: u64, r: RegisterDeviceCache, fds: Vec<std::os::fd::OwnedFd>) -> Reply {
+        let Some(backend) = &self.device else {
+            return err(Code::BadRegion, "this daemon has no device backend: set [device] backend = \"cuda\" (or \"host\", the stand-in)");
+        };
+        if fds.len() > 1 {
+            return err(Code::Malformed, format!("register_device_cache takes at most one fd, got {}", fds.len()));
+        }
+        let (ordinal, len, ipc) = (r.ordinal, r.len, r.ipc.clone());
+        let fd = fds.into_iter().next().map(File::from);
+        self.register_rank(client, r.cache, move |rank, _, total| {
+            if len < total {
+                return Err(format!("device allocation of {len} bytes but rank {rank}'s regions need {total}"));
+            }
+            let dev = backend.import(DeviceHandle { ordinal, len, fd, ipc }).map_err(|e| format!("device allocation: {e}"))?;
+            let mirror = HostMem::new("kvwire-device-mirror", total).map(Arc::new).map_err(|e| format!("host mirror: {e}"))?;
+            let pin = backend.pin(&mirror).map_err(|e| format!("pinning the host mirror: {e}"))?;
+            Ok((mirror, Some(DeviceRank { _pin: pin, dev })))
+        })
+    }
+
+    /// Checks a rank's registration, takes its memory from `memory(rank,
+    /// regions, bytes)` (an error there is a bad region), and registers
+    /// its regions.
+    fn register_rank(
+        &self,
+        client: u64,
+        r: RegisterCache,
+        memory: impl FnOnce(u32, usize, u64) -> Result<(Arc<HostMem>, Option<DeviceRank>), String>,
+    ) -> Reply {
         let model = match &r.model {
             ModelSource::Builtin(n) => layout::builtin(n),
             ModelSource::HfConfig(t) => layout::from_hf_config(&r.group, t),
@@ -611,16 +675,10 @@ impl Daemon {
         }
         let regions = side.regions(&model, r.rank);
         let total: u64 = regions.iter().map(|(_, l)| l).sum();
-        let mem = match HostMem::from_file(File::from(fds.remove(0))) {
-            Ok(m) => Arc::new(m),
-            Err(e) => return err(Code::BadRegion, format!("memfd: {e}")),
+        let (mem, device) = match memory(r.rank, regions.len(), total) {
+            Ok(x) => x,
+            Err(e) => return err(Code::BadRegion, e),
         };
-        if mem.len() < total {
-            return err(
-                Code::BadRegion,
-                format!("memfd holds {} bytes but rank {}'s {} regions need {total}", mem.len(), r.rank, regions.len()),
-            );
-        }
         let mut st = self.state.lock().expect("state lock");
         if st.memory + mem.len() > self.cfg.limits.max_memory_bytes {
             return err(Code::Limit, format!("limits.max_memory_bytes {} would be exceeded", self.cfg.limits.max_memory_bytes));
@@ -677,7 +735,7 @@ impl Daemon {
             shard: side.shard.clone(),
             ranks: BTreeMap::new(),
         });
-        g.ranks.insert(r.rank, RankCache { regions: windows, mem, client });
+        g.ranks.insert(r.rank, RankCache { regions: windows, mem, client, device });
         tracing::info!(group = r.group, rank = r.rank, regions = n, bytes = total, "rank registered");
         if let Some(d) = self.discovery.get() { d.changed() }
         Reply::Registered { regions: n as u32, bytes: total, complete: g.complete() }
@@ -864,7 +922,7 @@ impl Daemon {
             Err(r) => return *r,
         };
         // Snapshot what planning needs; the regions stay registered (Arc) while we use them.
-        let (model, format, layout, layout_text, identity, num_blocks, src_keys) = {
+        let (model, format, layout, layout_text, identity, num_blocks, src_keys, src_devices) = {
             let st = self.state.lock().expect("state lock");
             let g = match group_access(&st, client, &s.group) {
                 Ok(g) => g,
@@ -873,7 +931,7 @@ impl Daemon {
             if !g.complete() {
                 return err(Code::IncompleteGroup, format!("group `{}` has {} of {} ranks registered", s.group, g.ranks.len(), g.shard.ranks.len()));
             }
-            (g.model.clone(), g.format, g.layout.clone(), g.layout_text.clone(), g.identity.clone(), g.num_blocks, g.regions())
+            (g.model.clone(), g.format, g.layout.clone(), g.layout_text.clone(), g.identity.clone(), g.num_blocks, g.regions(), g.devices())
         };
         let src = match Side::with_table(&model, &layout, format, s.tokens, s.block_table.clone(), num_blocks) {
             Ok(x) => x,
@@ -959,6 +1017,15 @@ impl Daemon {
                 return fail(Code::BadRequest, e);
             }
         };
+        // A device-resident source is copied into its host mirror first:
+        // the manifest's checksums, packing and the wire all read the mirror.
+        if !src_devices.is_empty() {
+            let staged_out = self.device_copies(id, Direction::ToHost, &plan, &src_keys, &src_devices, 0..n_layers);
+            if let Err(e) = staged_out {
+                let _ = write_msg(&mut pc, &PeerMsg::Abort { slot: accept.slot, reason: format!("device staging: {e}") });
+                return fail(Code::TransferFailed, format!("device → host staging: {e}"));
+            }
+        }
         let dim_of = |region: RegionId| {
             model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
         };
@@ -1150,6 +1217,71 @@ impl Daemon {
             return fail(Code::TransferFailed, format!("cannot start the transfer thread: {e}"));
         }
         reply
+    }
+
+    /// Copies what `plan` moves of `layers` between device-resident ranks
+    /// and their host mirrors: the source side of each segment to the
+    /// host (`stage`), or its destination side to the device
+    /// (`device_complete`). Each rank's layers are enqueued in order on its
+    /// stream, then awaited by event; a layer's hop time is the time its
+    /// copies held the stream (from its enqueue or the previous layer's
+    /// completion, whichever is later, to its own completion).
+    fn device_copies(
+        &self,
+        id: SlotId,
+        dir: Direction,
+        plan: &plan::Plan,
+        regions: &HashMap<(u32, RegionId), Arc<Region>>,
+        devices: &HashMap<u32, Arc<dyn BoundMem>>,
+        layers: std::ops::Range<usize>,
+    ) -> Result<(), String> {
+        let timeout = Duration::from_secs(self.cfg.device.copy_timeout_secs);
+        let mut pending = Vec::new();
+        for layer in layers {
+            for (&rank, dev) in devices {
+                let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+                let mut mirror = None;
+                for seg in &plan.segments {
+                    let (seg_rank, region) = match dir {
+                        Direction::ToHost => (seg.src_rank, seg.src_region),
+                        Direction::ToDevice => (seg.dst_rank, seg.dst_region),
+                    };
+                    if seg_rank != rank || region.layer as usize != layer {
+                        continue;
+                    }
+                    let r = regions.get(&(rank, region)).ok_or_else(|| format!("rank {rank} has no region {region:?}"))?;
+                    mirror.get_or_insert_with(|| r.mem.clone());
+                    for (so, dof) in seg.runs() {
+                        let at = r.offset + if dir == Direction::ToHost { so } else { dof };
+                        // The mirror holds the allocation's bytes at the same offsets.
+                        runs.push((at, at, seg.len));
+                    }
+                }
+                let Some(mirror) = mirror else { continue };
+                let runs = merge_runs(runs);
+                let bytes = runs.iter().map(|r| r.2).sum::<u64>();
+                let enqueued = Instant::now();
+                let ev = match dir {
+                    Direction::ToHost => dev.d2h(&runs, &mirror),
+                    Direction::ToDevice => dev.h2d(&runs, &mirror),
+                }
+                .map_err(|e| format!("rank {rank} layer {layer}: {e}"))?;
+                pending.push((rank, layer, enqueued, bytes, ev));
+            }
+        }
+        let hop = match dir {
+            Direction::ToHost => Hop::Stage,
+            Direction::ToDevice => Hop::DeviceComplete,
+        };
+        let mut free_at: HashMap<u32, Instant> = HashMap::new();
+        for (rank, layer, enqueued, bytes, ev) in pending {
+            ev.wait(timeout).map_err(|e| format!("rank {rank} layer {layer}: {e}"))?;
+            let done = Instant::now();
+            let from = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued));
+            self.slot_hop(id, hop, done.saturating_duration_since(from), bytes);
+            free_at.insert(rank, done);
+        }
+        Ok(())
     }
 
     /// Registers a window on the data plane and with every rail's device.
@@ -1511,9 +1643,9 @@ impl Daemon {
             };
             let recv = sl.recv.clone().expect("destination slots hold their receive");
             let Some(g) = st.groups.get(&recv.group) else { return PeerMsg::Refused { reason: format!("group `{}` is gone", recv.group) } };
-            (recv, g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions())
+            (recv, g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions(), g.devices())
         };
-        let (recv, model, format, layout, num_blocks, identity, regions) = prepared;
+        let (recv, model, format, layout, num_blocks, identity, regions, devices) = prepared;
         let manifest = match Manifest::from_json(e.manifest.as_bytes()) {
             Ok(m) => m,
             Err(err) => return refuse(self, format!("manifest: {err}")),
@@ -1655,6 +1787,16 @@ impl Daemon {
                         return;
                     }
                 }
+                // A device-resident cache is usable only once this layer's
+                // host → device copies completed (their event, not their enqueue).
+                if !devices.is_empty() {
+                    if let Err(err) = d.device_copies(id, Direction::ToDevice, &plan, &regions, &devices, layer..layer + 1) {
+                        d.finish(id, TransferState::Failed, Some(format!("host → device copy: {err}")));
+                        d.drop_stage(&stage);
+                        return;
+                    }
+                    d.slot_mark(id, format!("device_complete({layer})"));
+                }
                 d.publish(id, tag.layer);
                 d.slot_mark(id, format!("layer_ready({layer})"));
             }
@@ -1726,4 +1868,25 @@ fn slot_access(st: &State, client: u64, slot: u16) -> Result<(), Box<Reply>> {
         Some(s) if s.owner == client || group_access(st, client, &s.group).is_ok() => Ok(()),
         Some(s) => Err(Box::new(err(Code::PermissionDenied, format!("slot {slot} is a transfer of group `{}`, which this client holds no rank of", s.group)))),
     }
+}
+
+/// Which way [`Daemon::device_copies`] copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    ToHost,
+    ToDevice,
+}
+
+/// Sorts copy runs (device offset, host offset, len) and joins the ones
+/// that continue each other on both sides: fewer, larger copies.
+fn merge_runs(mut runs: Vec<(u64, u64, u64)>) -> Vec<(u64, u64, u64)> {
+    runs.sort_unstable();
+    let mut out: Vec<(u64, u64, u64)> = Vec::with_capacity(runs.len());
+    for r in runs {
+        match out.last_mut() {
+            Some(last) if last.0 + last.2 == r.0 && last.1 + last.2 == r.1 => last.2 += r.2,
+            _ => out.push(r),
+        }
+    }
+    out
 }

@@ -43,6 +43,11 @@ pub struct Scenario {
     pub codec: Option<String>,
     /// Prompt seed: different prompts for quality sweeps.
     pub seed: u64,
+    /// Both caches live in "device memory" of the daemons' `host` stand-in
+    /// backend (`[device] backend = "host"`): registered with
+    /// `register_device`, staged device → host at the source and host →
+    /// device at the destination. The decode side reads its device memory.
+    pub device: bool,
 }
 
 impl Scenario {
@@ -59,6 +64,7 @@ impl Scenario {
             name: name.into(),
             codec: None,
             seed: 0x2545_F491_4F6C_DD1D,
+            device: false,
         }
     }
 }
@@ -230,7 +236,17 @@ fn read_rank(model: &ModelSpec, side: &Side, rank: u32, mem: &HostMem) -> BTreeM
     out
 }
 
-fn register_group(c: &Client, group: &str, model_toml: &str, layout: &str, side: &Side, mems: &[HostMem], id: &CacheIdentity) -> Result<(), ScenarioError> {
+#[allow(clippy::too_many_arguments)]
+fn register_group(
+    c: &Client,
+    group: &str,
+    model_toml: &str,
+    layout: &str,
+    side: &Side,
+    mems: &[HostMem],
+    id: &CacheIdentity,
+    device: bool,
+) -> Result<(), ScenarioError> {
     for (rank, mem) in mems.iter().enumerate() {
         let r = RegisterCache {
             group: group.into(),
@@ -241,7 +257,12 @@ fn register_group(c: &Client, group: &str, model_toml: &str, layout: &str, side:
             num_blocks: side.num_blocks,
             identity: id.clone(),
         };
-        c.register(r, mem).map_err(step("register"))?;
+        if device {
+            let d = RegisterDeviceCache { cache: r, ordinal: 0, len: mem.len(), ipc: None };
+            c.register_device(d, Some(mem.fd())).map_err(step("register_device"))?;
+        } else {
+            c.register(r, mem).map_err(step("register"))?;
+        }
     }
     Ok(())
 }
@@ -269,7 +290,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     let mut sid = identity(&w, adapter.as_ref(), &cfg);
     (sc.src_identity)(&mut sid);
     let src_group = format!("{}-prefill", sc.name);
-    register_group(a, &src_group, &toml, &sc.src_layout, &src, &src_mems, &sid)?;
+    register_group(a, &src_group, &toml, &sc.src_layout, &src, &src_mems, &sid, sc.device)?;
 
     // Decode side: its own layout; a prefix it computed itself, if any.
     let dst = side(&model, &sc.dst_layout, sc.tokens)?;
@@ -288,7 +309,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     let mut did = identity(&w, adapter.as_ref(), &cfg);
     (sc.dst_identity)(&mut did);
     let dst_group = format!("{}-decode", sc.name);
-    register_group(b, &dst_group, &toml, &sc.dst_layout, &dst, &dst_mems, &did)?;
+    register_group(b, &dst_group, &toml, &sc.dst_layout, &dst, &dst_mems, &did, sc.device)?;
 
     let request = format!("{}-req", sc.name);
     let slot = b

@@ -288,9 +288,51 @@ fn malformed_control_messages_get_errors_and_the_daemon_keeps_serving() {
     assert!(matches!(&e, ClientError::Daemon { code: 103, .. }) && e.to_string().contains("need"), "{e}");
     let e = c.register(RegisterCache { layout: "tp=3".into(), ..r.clone() }, &mem).unwrap_err();
     assert!(e.to_string().contains("tp=3"), "{e}");
+    // Device memory on a daemon without a device backend: refused, naming the setting.
+    let e = c.register_device(RegisterDeviceCache { cache: r.clone(), ordinal: 0, len: 64, ipc: None }, Some(mem.fd())).unwrap_err();
+    assert!(matches!(&e, ClientError::Daemon { code: 103, .. }) && e.to_string().contains("[device] backend"), "{e}");
     let e = c.register(RegisterCache { model: ModelSource::Builtin("nope".into()), ..r }, &mem).unwrap_err();
     assert!(matches!(&e, ClientError::Daemon { code: 101, .. }), "{e}");
     assert!(Client::connect(&b.sock, "y").is_ok());
+}
+
+#[test]
+fn bad_device_registrations_are_refused_by_name_and_nothing_is_kept() {
+    let dir = tmpdir("device-bad");
+    let b = start_with(&dir, "b", "a-secret-of-at-least-16-bytes", &[], "[device]\nbackend = \"host\"\n");
+    let c = Client::connect(&b.sock, "x").unwrap();
+    let s = side(SRC, 32);
+    let need: u64 = s.regions(&model(), 0).iter().map(|(_, l)| l).sum();
+    let r = RegisterCache {
+        group: "g".into(),
+        model: ModelSource::Toml(MODEL.into()),
+        format: "bf16".into(),
+        layout: SRC.into(),
+        rank: 0,
+        num_blocks: s.num_blocks,
+        identity: identity(),
+    };
+    let dev = HostMem::new("device", need).unwrap();
+    let reg = |len: u64, ordinal: u32, fd: bool| {
+        c.register_device(RegisterDeviceCache { cache: r.clone(), ordinal, len, ipc: None }, fd.then(|| dev.fd()))
+    };
+    // Less than the rank's regions need, a device this daemon does not
+    // serve, a stand-in allocation whose fd is missing or of another size.
+    let e = reg(need - 1, 0, true).unwrap_err();
+    assert!(e.to_string().contains("regions need"), "{e}");
+    let e = reg(need, 1, true).unwrap_err();
+    assert!(e.to_string().contains("device 1"), "{e}");
+    let e = reg(need, 0, false).unwrap_err();
+    assert!(e.to_string().contains("fd"), "{e}");
+    let e = reg(need + 4096, 0, true).unwrap_err();
+    assert!(e.to_string().contains("device allocation"), "{e}");
+    // None of it was kept: the good registration still goes through.
+    let (regions, bytes, _) = reg(need, 0, true).unwrap();
+    assert_eq!(bytes, need);
+    assert!(regions > 0);
+    // A backend the daemon does not know stops it, named.
+    let cfg = kvwired::config::Config { device: kvwired::config::DeviceConfig { backend: "tpu".into(), ..Default::default() }, ..Default::default() };
+    assert!(cfg.validate().unwrap_err().to_string().contains("device.backend"));
 }
 
 fn denied(r: Result<impl std::fmt::Debug, ClientError>, what: &str) {

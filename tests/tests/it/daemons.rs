@@ -491,3 +491,38 @@ fn a_converting_codec_over_a_fast_link_is_named_the_bottleneck() {
     assert!(b.starts_with("pack") || b.starts_with("unpack"), "{t:?}");
     assert_between_bounds(&t);
 }
+
+#[test]
+fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
+    let _shared = crate::shared();
+    // Both daemons serve device memory through the stand-in backend: the
+    // caches are registered as device allocations, copied device → host at
+    // the source and host → device at the destination, where each layer is
+    // published only after its copies' event completed.
+    let d = dir("device");
+    let dev = "[device]\nbackend = \"host\"\n";
+    let b = start_daemon(&d, "decode-host", SECRET, &[], dev);
+    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    let p = Pair { _b: b, _a: a, ca, cb };
+    for (name, prefix) in [("device", 0), ("device-prefix", 40)] {
+        let mut sc = Scenario::new(name);
+        sc.device = true;
+        sc.prefix = prefix;
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        let hop = |st: &kvwired::control::TransferStatus, name: &str| {
+            st.hops.iter().find(|h| h.hop == name).map(|h| h.bytes).unwrap_or_else(|| panic!("no `{name}` hop in {:?}", st.hops))
+        };
+        // Every byte the plan reads was staged to the host, every byte it
+        // writes went back to the device.
+        assert_eq!(hop(&o.source, "stage"), o.source.bytes, "{name}: {:?}", o.source.hops);
+        assert_eq!(hop(&o.destination, "device_complete"), o.destination.bytes, "{name}: {:?}", o.destination.hops);
+        // device_complete(L) precedes layer_ready(L) on the destination's clock.
+        let at = |m: &str| o.destination.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("no mark {m}"));
+        for l in 0..4 {
+            assert!(at(&format!("device_complete({l})")) <= at(&format!("layer_ready({l})")), "{name}: layer {l}: {:?}", o.destination.marks);
+        }
+    }
+}
