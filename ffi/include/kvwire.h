@@ -317,6 +317,39 @@ kvw_result kvw_register_cache(const struct kvw_client *client,
                               uint64_t *out_bytes,
                               bool *out_complete);
 
+// Registers rank `rank` of cache group `group` held in device (GPU)
+// memory: `len` bytes on device `ordinal`, handed over by its CUDA IPC
+// handle (`ipc_handle`, `ipc_len` = 64 bytes, from `cuIpcGetMemHandle`)
+// and, when the driver exports one, its dmabuf `fd` (-1 for none). The
+// daemon must run a `[device]` backend; it stages the cache through pinned
+// host memory of its own. With the daemon's `host` stand-in backend, `fd`
+// is a memfd playing the device memory and there is no IPC handle
+// (`ipc_handle` NULL, `ipc_len` 0). The other arguments and the outputs
+// are those of [`kvw_register_cache`]. `fd` and the handle stay the
+// caller's; keep the allocation alive until [`kvw_release_cache`]. A
+// daemon without a device backend answers `KVW_BAD_REGION` (103) naming
+// the setting.
+//
+// # Safety
+// As [`kvw_register_cache`]; `ipc_handle` readable for `ipc_len` bytes
+// (NULL allowed when `ipc_len` is 0); `fd` -1 or an open descriptor.
+kvw_result kvw_register_device_cache(const struct kvw_client *client,
+                                     const char *group,
+                                     const char *model_json,
+                                     const char *format,
+                                     const char *layout,
+                                     uint32_t rank,
+                                     uint32_t num_blocks,
+                                     const char *identity_json,
+                                     uint32_t ordinal,
+                                     uint64_t len,
+                                     int fd,
+                                     const uint8_t *ipc_handle,
+                                     size_t ipc_len,
+                                     uint32_t *out_regions,
+                                     uint64_t *out_bytes,
+                                     bool *out_complete);
+
 // Prepares destination group `group` to receive request `request` into
 // the blocks `block_table[0..n]` (block ids in position order, shared by
 // every rank of the group), `tokens` long, of which the first

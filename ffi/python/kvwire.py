@@ -118,6 +118,11 @@ _client_node = _sig("kvw_client_node", _u32, _vp, ctypes.c_char_p, _sz, _P(_sz))
 _register = _sig(
     "kvw_register_cache", _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _vp, _P(_u32), _P(_u64), _P(ctypes.c_bool)
 )
+_register_device = _sig(
+    "kvw_register_device_cache",
+    _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _u32, _u64, ctypes.c_int, _P(ctypes.c_uint8), _sz,
+    _P(_u32), _P(_u64), _P(ctypes.c_bool),
+)
 _prepare = _sig("kvw_prepare_receive", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _u64, _P(_u16))
 _submit = _sig("kvw_submit", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
 _wait = _sig("kvw_wait", _u32, _vp, _u16, _u32, _u32, _u64, _P(_u64))
@@ -285,6 +290,33 @@ class Client(_Handle):
             num_blocks,
             _json(identity),
             mem.handle,
+            ctypes.byref(regions),
+            ctypes.byref(nbytes),
+            ctypes.byref(complete),
+        )
+        return regions.value, nbytes.value, complete.value
+
+    def register_device_cache(self, group, model, fmt, layout, rank, num_blocks, identity, ordinal, length, fd=-1, ipc=b""):
+        """Registers one rank's cache held in device memory: ``length`` bytes
+        on device ``ordinal``, by CUDA IPC handle ``ipc`` (64 bytes) and,
+        when there is one, dmabuf ``fd``; returns ``(regions, bytes,
+        complete)``. The daemon needs a ``[device]`` backend."""
+        regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
+        handle = (ctypes.c_uint8 * len(ipc)).from_buffer_copy(ipc) if ipc else None
+        self._call(
+            _register_device,
+            _b(group),
+            _json(model),
+            _b(fmt),
+            _b(layout),
+            rank,
+            num_blocks,
+            _json(identity),
+            ordinal,
+            length,
+            fd,
+            handle,
+            len(ipc),
             ctypes.byref(regions),
             ctypes.byref(nbytes),
             ctypes.byref(complete),

@@ -218,6 +218,11 @@ def test_bad_layout_is_102_with_the_daemons_message(d):
         e = expect_error(kvwire.KVW_BAD_REGION, c.register_cache, "py-bad", MODEL, "bf16", "tp=1", 0, 1000, IDENTITY, m)
         assert "need" in e.message, e.message
         expect_error(kvwire.KVW_INVALID_JSON, c.register_cache, "py-bad", MODEL, "bf16", "tp=1", 0, 4, {"tenant": "x"}, m)
+        # Device memory on a daemon without a [device] backend names the setting.
+        e = expect_error(
+            kvwire.KVW_BAD_REGION, c.register_device_cache, "py-dev", MODEL, "bf16", "tp=1", 0, 4, IDENTITY, 0, 1 << 16, -1, bytes(64)
+        )
+        assert "[device] backend" in e.message, e.message
 
 
 def test_transfer_every_layer_and_every_byte(d):

@@ -11,7 +11,13 @@ use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::timing::{layerwise, predict, LayerOverlap, Prediction, Stage};
 use kvwire_core::{CacheFormat, Geometry, ModelSpec};
+#[cfg(feature = "cuda")]
+use kvwire_transport::device::cuda::{CudaDevice, CudaMem};
+#[cfg(feature = "cuda")]
+use kvwire_transport::device::{Device, DeviceMem};
 use kvwire_transport::HostMem;
+#[cfg(feature = "cuda")]
+use std::sync::Arc;
 use kvwired::client::{Client, ClientError};
 use kvwired::control::*;
 use std::collections::BTreeMap;
@@ -43,11 +49,76 @@ pub struct Scenario {
     pub codec: Option<String>,
     /// Prompt seed: different prompts for quality sweeps.
     pub seed: u64,
-    /// Both caches live in "device memory" of the daemons' `host` stand-in
-    /// backend (`[device] backend = "host"`): registered with
-    /// `register_device`, staged device → host at the source and host →
-    /// device at the destination. The decode side reads its device memory.
-    pub device: bool,
+    /// Where both caches live.
+    pub memory: Memory,
+}
+
+/// Where a scenario's caches live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Memory {
+    /// memfds registered with `register`.
+    Host,
+    /// "Device memory" of the daemons' stand-in backend (`[device] backend
+    /// = "host"`): memfds registered with `register_device`, staged device
+    /// → host at the source and host → device at the destination. The
+    /// decode side reads its device memory.
+    StandIn,
+    /// CUDA memory on device 0 (`[device] backend = "cuda"`), handed over
+    /// by IPC handle; read back with cuMemcpyDtoH.
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+/// One rank's cache memory, wherever it lives; kept until the scenario ends.
+enum RankMem {
+    Host(HostMem),
+    #[cfg(feature = "cuda")]
+    Cuda { dev: CudaDevice, mem: Arc<CudaMem> },
+}
+
+impl RankMem {
+    fn new(memory: Memory, image: &[u8]) -> Result<RankMem, ScenarioError> {
+        let setup = |e: String| ScenarioError::Setup(e);
+        match memory {
+            Memory::Host | Memory::StandIn => {
+                let mem = HostMem::new("kvwire-e2e-rank", image.len() as u64).map_err(|e| setup(e.to_string()))?;
+                mem.write(0, image).map_err(|e| setup(e.to_string()))?;
+                Ok(RankMem::Host(mem))
+            }
+            #[cfg(feature = "cuda")]
+            Memory::Cuda => {
+                let dev = CudaDevice::open(0).map_err(|e| setup(format!("CUDA device 0: {e}")))?;
+                let mem = dev.alloc(image.len() as u64).map_err(|e| setup(e.to_string()))?;
+                dev.write(&mem, 0, image).map_err(|e| setup(e.to_string()))?;
+                Ok(RankMem::Cuda { dev, mem })
+            }
+        }
+    }
+
+    fn register(&self, c: &Client, memory: Memory, r: RegisterCache) -> Result<(), ScenarioError> {
+        match (self, memory) {
+            (RankMem::Host(mem), Memory::Host) => c.register(r, mem).map(|_| ()).map_err(step("register")),
+            (RankMem::Host(mem), _) => {
+                let d = RegisterDeviceCache { cache: r, ordinal: 0, len: mem.len(), ipc: None };
+                c.register_device(d, Some(mem.fd())).map(|_| ()).map_err(step("register_device"))
+            }
+            #[cfg(feature = "cuda")]
+            (RankMem::Cuda { mem, .. }, _) => {
+                let (dmabuf, ipc) = kvwire_transport::device::cuda::export(mem).map_err(|e| ScenarioError::Setup(e.to_string()))?;
+                let d = RegisterDeviceCache { cache: r, ordinal: 0, len: mem.len(), ipc: Some(ipc) };
+                use std::os::fd::AsFd;
+                c.register_device(d, dmabuf.as_ref().map(|f| f.as_fd())).map(|_| ()).map_err(step("register_device"))
+            }
+        }
+    }
+
+    fn read(&self, off: u64, out: &mut [u8]) {
+        match self {
+            RankMem::Host(mem) => mem.read(off, out).expect("read rank memory"),
+            #[cfg(feature = "cuda")]
+            RankMem::Cuda { dev, mem } => dev.read(mem, off, out).expect("cuMemcpyDtoH of rank memory"),
+        }
+    }
 }
 
 impl Scenario {
@@ -64,7 +135,7 @@ impl Scenario {
             name: name.into(),
             codec: None,
             seed: 0x2545_F491_4F6C_DD1D,
-            device: false,
+            memory: Memory::Host,
         }
     }
 }
@@ -116,7 +187,9 @@ pub fn timing(o: &Outcome, layers: u64) -> (Vec<(&'static str, Stage)>, Predicti
         }
     }
     let posting = o.source.marks.iter().find(|m| m.name == "posting").map_or(0, |m| m.at_ns);
-    let before: u64 = o.source.hops.iter().filter(|h| h.hop == "pack" || h.hop == "verify").map(|h| h.ns).sum();
+    // Busy before the first post, hence not setup: packing, checksums, and a
+    // device-resident source's device → host copies.
+    let before: u64 = o.source.hops.iter().filter(|h| ["pack", "verify", "stage"].contains(&h.hop.as_str())).map(|h| h.ns).sum();
     // `wire` runs from the post to the completion, so `post` lies inside it:
     // listed, but not a stage of its own in the model.
     let plain: Vec<Stage> = stages
@@ -209,27 +282,27 @@ fn side(model: &ModelSpec, layout: &str, tokens: u64) -> Result<Side, ScenarioEr
     Side::new(model, &l, CacheFormat::parse("fp32").expect("fp32"), tokens).map_err(|e| ScenarioError::Setup(e.to_string()))
 }
 
-/// One memfd per rank holding `regions` back to back, in layout order.
-fn rank_mem(model: &ModelSpec, side: &Side, rank: u32, regions: Option<&BTreeMap<RegionId, Vec<u8>>>) -> HostMem {
+/// One rank's memory holding `regions` back to back, in layout order.
+fn rank_mem(memory: Memory, model: &ModelSpec, side: &Side, rank: u32, regions: Option<&BTreeMap<RegionId, Vec<u8>>>) -> Result<RankMem, ScenarioError> {
     let list = side.regions(model, rank);
     let total: u64 = list.iter().map(|(_, l)| l).sum();
-    let mem = HostMem::new("kvwire-e2e-rank", total).expect("memfd");
+    let mut image = vec![0u8; total as usize];
     if let Some(r) = regions {
-        let mut off = 0;
+        let mut off = 0usize;
         for (id, len) in &list {
-            mem.write(off, &r[id]).expect("fill rank memory");
-            off += len;
+            image[off..off + *len as usize].copy_from_slice(&r[id]);
+            off += *len as usize;
         }
     }
-    mem
+    RankMem::new(memory, &image)
 }
 
-fn read_rank(model: &ModelSpec, side: &Side, rank: u32, mem: &HostMem) -> BTreeMap<RegionId, Vec<u8>> {
+fn read_rank(model: &ModelSpec, side: &Side, rank: u32, mem: &RankMem) -> BTreeMap<RegionId, Vec<u8>> {
     let mut out = BTreeMap::new();
     let mut off = 0;
     for (id, len) in side.regions(model, rank) {
         let mut buf = vec![0u8; len as usize];
-        mem.read(off, &mut buf).expect("read rank memory");
+        mem.read(off, &mut buf);
         out.insert(id, buf);
         off += len;
     }
@@ -243,9 +316,9 @@ fn register_group(
     model_toml: &str,
     layout: &str,
     side: &Side,
-    mems: &[HostMem],
+    mems: &[RankMem],
     id: &CacheIdentity,
-    device: bool,
+    memory: Memory,
 ) -> Result<(), ScenarioError> {
     for (rank, mem) in mems.iter().enumerate() {
         let r = RegisterCache {
@@ -257,12 +330,7 @@ fn register_group(
             num_blocks: side.num_blocks,
             identity: id.clone(),
         };
-        if device {
-            let d = RegisterDeviceCache { cache: r, ordinal: 0, len: mem.len(), ipc: None };
-            c.register_device(d, Some(mem.fd())).map_err(step("register_device"))?;
-        } else {
-            c.register(r, mem).map_err(step("register"))?;
-        }
+        mem.register(c, memory, r)?;
     }
     Ok(())
 }
@@ -285,17 +353,18 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
 
     // Prefill side: scatter each rank's shard, register.
     let src = side(&model, &sc.src_layout, sc.tokens)?;
-    let src_mems: Vec<HostMem> =
-        (0..src.shard.ranks.len() as u32).map(|r| rank_mem(&model, &src, r, Some(&tinylm::scatter(&cache, &model, &src, r)))).collect();
+    let src_mems = (0..src.shard.ranks.len() as u32)
+        .map(|r| rank_mem(sc.memory, &model, &src, r, Some(&tinylm::scatter(&cache, &model, &src, r))))
+        .collect::<Result<Vec<_>, _>>()?;
     let mut sid = identity(&w, adapter.as_ref(), &cfg);
     (sc.src_identity)(&mut sid);
     let src_group = format!("{}-prefill", sc.name);
-    register_group(a, &src_group, &toml, &sc.src_layout, &src, &src_mems, &sid, sc.device)?;
+    register_group(a, &src_group, &toml, &sc.src_layout, &src, &src_mems, &sid, sc.memory)?;
 
     // Decode side: its own layout; a prefix it computed itself, if any.
     let dst = side(&model, &sc.dst_layout, sc.tokens)?;
     let held: Option<KvCache> = (sc.prefix > 0).then(|| tinylm::prefill(&w, adapter.as_ref(), &tokens[..sc.prefix as usize]).0);
-    let dst_mems: Vec<HostMem> = (0..dst.shard.ranks.len() as u32)
+    let dst_mems = (0..dst.shard.ranks.len() as u32)
         .map(|r| {
             let regions = held.as_ref().map(|h| {
                 let short = side(&model, &sc.dst_layout, sc.prefix).expect("prefix side");
@@ -303,13 +372,13 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
                 let short = Side { block_table: dst.block_table.clone(), num_blocks: dst.num_blocks, ..short };
                 tinylm::scatter(h, &model, &short, r)
             });
-            rank_mem(&model, &dst, r, regions.as_ref())
+            rank_mem(sc.memory, &model, &dst, r, regions.as_ref())
         })
-        .collect();
+        .collect::<Result<Vec<_>, _>>()?;
     let mut did = identity(&w, adapter.as_ref(), &cfg);
     (sc.dst_identity)(&mut did);
     let dst_group = format!("{}-decode", sc.name);
-    register_group(b, &dst_group, &toml, &sc.dst_layout, &dst, &dst_mems, &did, sc.device)?;
+    register_group(b, &dst_group, &toml, &sc.dst_layout, &dst, &dst_mems, &did, sc.memory)?;
 
     let request = format!("{}-req", sc.name);
     let slot = b

@@ -244,6 +244,17 @@ static void test_transfer(const char *sock_a, const char *sock_b, const char *pe
                          &complete);
   CHECK(r == KVW_NULL_ARGUMENT, "NULL mem: got %u", r);
 
+  /* Device memory on a daemon without a [device] backend: 103, naming the
+   * setting; a handle length without a handle is refused locally. */
+  r = kvw_register_device_cache(a, "prefill-dev", MODEL, "bf16", SRC_LAYOUT, 0, SRC_BLOCKS, IDENTITY, 0, src_bytes, -1,
+                                NULL, 0, &regions, &bytes, &complete);
+  CHECK(r == KVW_BAD_REGION, "device cache without a device backend: got %u", r);
+  CHECK(strstr(client_error(a), "[device] backend") != NULL, "message names the setting: %s", client_error(a));
+  r = kvw_register_device_cache(a, "prefill-dev", MODEL, "bf16", SRC_LAYOUT, 0, SRC_BLOCKS, IDENTITY, 0, src_bytes, -1,
+                                NULL, 64, &regions, &bytes, &complete);
+  CHECK(r == KVW_NULL_ARGUMENT, "NULL ipc handle with a length: got %u", r);
+  CHECK(regions == 99 && bytes == 99 && complete, "out-parameters untouched on failure");
+
   /* Register both sides. */
   r = kvw_register_cache(a, "prefill", MODEL, "bf16", SRC_LAYOUT, 0, SRC_BLOCKS, IDENTITY, src, &regions, &bytes,
                          &complete);

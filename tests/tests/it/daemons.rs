@@ -508,7 +508,7 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
     let p = Pair { _b: b, _a: a, ca, cb };
     for (name, prefix) in [("device", 0), ("device-prefix", 40)] {
         let mut sc = Scenario::new(name);
-        sc.device = true;
+        sc.memory = scenario::Memory::StandIn;
         sc.prefix = prefix;
         let o = run(&p, &sc).unwrap();
         assert_bitwise(&o);
@@ -524,5 +524,155 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
         for l in 0..4 {
             assert!(at(&format!("device_complete({l})")) <= at(&format!("layer_ready({l})")), "{name}: layer {l}: {:?}", o.destination.marks);
         }
+    }
+}
+
+/// The real GPU (scripts/gpu-check): with `--features cuda`, `KVWIRE_GPU=1`
+/// and a kvwired built with `--features cuda`, caches in CUDA memory move
+/// through two daemons over tcp on loopback (the staging path): tinylm's
+/// logits, then a 256 MiB cache compared byte for byte, with the daemons'
+/// D2H (`stage`) and H2D (`device_complete`) GB/s printed next to
+/// cuMemcpyDtoH/HtoD of the same size in the same run.
+#[test]
+fn gpu_caches_move_through_two_daemons_and_decode_bitwise() {
+    const NAME: &str = "gpu_caches_move_through_two_daemons_and_decode_bitwise";
+    if std::env::var("KVWIRE_GPU").as_deref() != Ok("1") {
+        eprintln!("SKIPPED {NAME}: KVWIRE_GPU=1 is not set (scripts/gpu-check sets it)");
+        return;
+    }
+    #[cfg(not(feature = "cuda"))]
+    panic!("KVWIRE_GPU=1 but {NAME} was built without `--features cuda`");
+    #[cfg(feature = "cuda")]
+    gpu::run();
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use kvwire_core::reuse::CacheIdentity;
+    use kvwire_transport::device::cuda::{export, CudaDevice};
+    use kvwire_transport::device::Device;
+    use kvwire_transport::HostMem;
+    use kvwired::control::*;
+    use std::os::fd::AsFd;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    const LAYERS: u64 = 8;
+    const HEADS: u64 = 8;
+    const DIM: u64 = 128;
+    const BLOCKS: u32 = 256;
+
+    fn gbps(bytes: u64, ns: u64) -> f64 {
+        bytes as f64 / ns.max(1) as f64
+    }
+
+    fn hop(st: &TransferStatus, name: &str) -> (u64, u64) {
+        st.hops.iter().find(|h| h.hop == name).map(|h| (h.bytes, h.ns)).unwrap_or_else(|| panic!("no `{name}` hop in {:?}", st.hops))
+    }
+
+    pub fn run() {
+        let d = dir("gpu");
+        // The daemons must be able to open CUDA: built with `--features cuda`.
+        let dev_cfg = "[device]\nbackend = \"cuda\"\n";
+        let b = start_daemon(&d, "decode-host", SECRET, &[], dev_cfg);
+        let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], dev_cfg);
+        let ca = Client::connect(&a.socket, "prefill").unwrap();
+        let cb = Client::connect(&b.socket, "decode").unwrap();
+        let p = Pair { _b: b, _a: a, ca, cb };
+
+        // 1. tinylm, remapped TP4 NHD/16 → TP2 HND/32, caches in GPU memory.
+        let mut sc = Scenario::new("gpu-tinylm");
+        sc.memory = scenario::Memory::Cuda;
+        let o = super::run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        println!("tinylm through two daemons, caches in GPU memory: logits bitwise identical ({} bytes moved)", o.source.bytes);
+
+        // 2. 256 MiB, identity table: bytes compared, copy bandwidth.
+        let dev = CudaDevice::open(0).expect("CUDA device 0");
+        let spec = format!("name = \"gpu\"\ndtype = \"fp32\"\n[[layers]]\nrepeat = {LAYERS}\nattention = \"dense\"\nkv_heads = {HEADS}\nhead_dim = {DIM}\n");
+        let bytes = LAYERS * 2 * u64::from(BLOCKS) * 16 * HEADS * DIM * 4;
+        let pattern: Vec<u8> = (0..bytes).map(|i| (i.wrapping_mul(0x9E37_79B9) >> 13) as u8).collect();
+        let src = dev.alloc(bytes).unwrap();
+        dev.write(&src, 0, &pattern).unwrap();
+        let dst = dev.alloc(bytes).unwrap();
+        dev.write(&dst, 0, &vec![0u8; bytes as usize]).unwrap();
+        let identity = CacheIdentity {
+            model_digest: "gpu".into(),
+            adapter_digest: String::new(),
+            format: "fp32/v1".into(),
+            tenant: "t".into(),
+            rope: "theta=10000".into(),
+            position_offset: 0,
+        };
+        for (c, group, mem) in [(&p.ca, "gsrc", &src), (&p.cb, "gdst", &dst)] {
+            let (dmabuf, ipc) = export(mem).unwrap();
+            println!("{group}: dmabuf export {}", if dmabuf.is_some() { "available" } else { "refused by the driver" });
+            let r = RegisterCache {
+                group: group.into(),
+                model: ModelSource::Toml(spec.clone()),
+                format: "fp32".into(),
+                layout: "tp=1,block=16".into(),
+                rank: 0,
+                num_blocks: BLOCKS,
+                identity: identity.clone(),
+            };
+            c.register_device(RegisterDeviceCache { cache: r, ordinal: 0, len: bytes, ipc: Some(ipc) }, dmabuf.as_ref().map(|f| f.as_fd())).unwrap();
+        }
+        let tokens = u64::from(BLOCKS) * 16;
+        let table: Vec<u32> = (0..BLOCKS).collect();
+        let dslot = p
+            .cb
+            .prepare(PrepareReceive { group: "gdst".into(), request: "big".into(), block_table: table.clone(), tokens, prefix_tokens: 0 })
+            .unwrap();
+        let t = Instant::now();
+        let (sslot, _, moved, _) = p
+            .ca
+            .submit(Submit {
+                request: "big-src".into(),
+                group: "gsrc".into(),
+                block_table: table,
+                tokens,
+                peer: "decode-host".into(),
+                dst_group: "gdst".into(),
+                dst_request: "big".into(),
+                codec: None,
+            })
+            .unwrap();
+        assert_eq!(moved, bytes);
+        p.cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(120)).unwrap();
+        p.ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(30)).unwrap();
+        let took = t.elapsed();
+        let mut got = vec![0u8; bytes as usize];
+        dev.read(&dst, 0, &mut got).unwrap();
+        assert!(got == pattern, "the destination GPU memory differs from the source");
+        let (ss, ds) = (p.ca.status(sslot).unwrap(), p.cb.status(dslot).unwrap());
+        let (d2h_b, d2h_ns) = hop(&ss, "stage");
+        let (h2d_b, h2d_ns) = hop(&ds, "device_complete");
+        assert_eq!((d2h_b, h2d_b), (bytes, bytes));
+
+        // Baseline: synchronous cuMemcpyDtoH/HtoD of the same size into pinned memory, same run.
+        let host = Arc::new(HostMem::new("baseline", bytes).unwrap());
+        let _pin = dev.pin(&host).unwrap();
+        dev.copy_d2h_sync(&src, 0, &host, 0, bytes).unwrap(); // warm-up
+        let t = Instant::now();
+        dev.copy_d2h_sync(&src, 0, &host, 0, bytes).unwrap();
+        let d2h_sync = t.elapsed().as_nanos() as u64;
+        let t = Instant::now();
+        dev.copy_h2d_sync(&host, 0, &dst, 0, bytes).unwrap();
+        let h2d_sync = t.elapsed().as_nanos() as u64;
+        println!("{} MiB through two daemons (tcp loopback, staging path) in {took:?}, bytes identical", bytes >> 20);
+        println!(
+            "D2H daemon stage: {:.2} GB/s; cuMemcpyDtoH: {:.2} GB/s; ratio {:.2}",
+            gbps(d2h_b, d2h_ns),
+            gbps(bytes, d2h_sync),
+            gbps(d2h_b, d2h_ns) / gbps(bytes, d2h_sync)
+        );
+        println!(
+            "H2D daemon device_complete: {:.2} GB/s; cuMemcpyHtoD: {:.2} GB/s; ratio {:.2}",
+            gbps(h2d_b, h2d_ns),
+            gbps(bytes, h2d_sync),
+            gbps(h2d_b, h2d_ns) / gbps(bytes, h2d_sync)
+        );
     }
 }
