@@ -1314,10 +1314,19 @@ impl Daemon {
         let devices: Vec<&str> = self.rails.iter().map(|r| r.device.as_deref().unwrap_or("")).collect();
         let mut out = Vec::new();
         for (rank, rc) in &g.ranks {
-            // The client's pages are in this mapping only once touched here:
-            // a read maps the page the client placed (shared memfd).
-            let _ = rc.mem.read(0, &mut [0u8; 1]);
-            let mem = kvwire_core::topology::MemPlace::Host { numa: crate::topology::numa_node_of(rc.mem.as_ptr()) };
+            // GPU memory goes by its device's PCI address (the rail on its
+            // PCIe switch first); host memory, or a device whose address is
+            // unknown, by the NUMA node of the pages the NIC reads.
+            let gpu = rc.device.as_ref().and_then(|d| d.dev.pci_bus_id()).and_then(|p| p.parse().ok());
+            let mem = match gpu {
+                Some(pci) => kvwire_core::topology::MemPlace::Gpu { pci },
+                None => {
+                    // The client's pages are in this mapping only once touched here:
+                    // a read maps the page the client placed (shared memfd).
+                    let _ = rc.mem.read(0, &mut [0u8; 1]);
+                    kvwire_core::topology::MemPlace::Host { numa: crate::topology::numa_node_of(rc.mem.as_ptr()) }
+                }
+            };
             let ranked = kvwire_core::topology::rank(topo, &mem, &devices);
             let Some(&(_, best)) = ranked.first() else { continue };
             let rails: Vec<String> = ranked.iter().filter(|(_, l)| *l == best).map(|(i, _)| self.rails[*i].name.clone()).collect();

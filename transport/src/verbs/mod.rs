@@ -666,9 +666,9 @@ impl Qp {
         let mut guard = self.qp.start_post_recv();
         let mut n = 0;
         for slot in slots {
-            // SAFETY: the slot lies inside the ring's MR; the ring outlives
-            // the QP (declared after it in `serve`), so the NIC never writes
-            // into freed memory.
+            // SAFETY: the slot lies inside the ring's MR; `serve` declares
+            // the ring before the QP, so it is dropped after the QP and the
+            // NIC never writes into freed memory.
             unsafe { guard.construct_wr(u64::from(slot)).setup_sge(ring.mr.lkey(), ring.addr(slot), NOTE_BUF as u32) };
             n += 1;
         }
