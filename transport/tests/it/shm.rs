@@ -3,7 +3,7 @@
 //! handshakes, peers vanishing).
 
 use crate::conformance::{self, complete, source, tag, w, Pair, Window};
-use kvwire_core::protocol::{Header, HelloError, Kind, Tag, HEADER_LEN};
+use kvwire_core::protocol::{Header, HelloError, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION as V};
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits, TRAILER_LEN};
 use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, Hops, Placement, Registry, TransportError, WriteOp};
 use std::io::{Read, Write};
@@ -54,7 +54,7 @@ fn hello_json(version: u32, transport: &str, node: &str) -> Vec<u8> {
 fn raw_client(path: &str) -> UnixStream {
     let mut s = UnixStream::connect(path).unwrap();
     s.set_read_timeout(Some(WAIT)).unwrap();
-    let hello = hello_json(1, "shm", "raw");
+    let hello = hello_json(V, "shm", "raw");
     s.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
     s.write_all(&hello).unwrap();
     assert_eq!(read_frame(&mut s).0.kind, Kind::Hello);
@@ -310,7 +310,7 @@ fn version_mismatch_is_refused_by_name_at_the_destination() {
     let (h, why) = read_frame(&mut raw);
     assert_eq!(h.kind, Kind::Nack);
     let why = String::from_utf8(why).unwrap();
-    assert!(why.contains("version 99") && why.contains("speaks 1"), "{why}");
+    assert!(why.contains("version 99") && why.contains(&format!("speaks {V}")), "{why}");
     closed_by_peer(raw);
     // Still serving.
     conformance::one_segment(&mut pair_to(&dst));
@@ -370,14 +370,14 @@ mod tempdir {
 #[test]
 fn version_mismatch_is_refused_by_name_at_the_initiator() {
     let src = endpoint("src");
-    let (addr, fake, _dir) = fake_destination(hello_json(2, "shm", "future-peer"), None, |s| drop(closed_by_peer(s)));
+    let (addr, fake, _dir) = fake_destination(hello_json(V + 1, "shm", "future-peer"), None, |s| drop(closed_by_peer(s)));
     let e = src.connect(&addr).err().expect("connect must fail");
-    assert_eq!(e, TransportError::Hello(HelloError::Version { node: "future-peer".into(), theirs: 2, ours: 1 }));
+    assert_eq!(e, TransportError::Hello(HelloError::Version { node: "future-peer".into(), theirs: V + 1, ours: V }));
     let text = e.to_string();
-    assert!(text.contains("version 2") && text.contains("speaks 1"), "{text}");
+    assert!(text.contains(&format!("version {}", V + 1)) && text.contains(&format!("speaks {V}")), "{text}");
     fake.join().unwrap();
 
-    let (addr, fake, _dir) = fake_destination(hello_json(1, "tcp", "tcp-peer"), None, |s| drop(closed_by_peer(s)));
+    let (addr, fake, _dir) = fake_destination(hello_json(V, "tcp", "tcp-peer"), None, |s| drop(closed_by_peer(s)));
     let e = src.connect(&addr).err().expect("connect must fail");
     assert!(matches!(e, TransportError::Hello(HelloError::Transport { .. })), "{e}");
     assert!(e.to_string().contains("`tcp`") && e.to_string().contains("`shm`"), "{e}");
@@ -386,7 +386,7 @@ fn version_mismatch_is_refused_by_name_at_the_initiator() {
     // A destination that accepts our hello's format but refuses it anyway.
     let why = b"no room for another peer";
     let nack = hdr(Kind::Nack, 0, 0, 0, why.len() as u64);
-    let (addr, fake, _dir) = fake_destination(hello_json(1, "shm", "full"), Some(nack), move |mut s| {
+    let (addr, fake, _dir) = fake_destination(hello_json(V, "shm", "full"), Some(nack), move |mut s| {
         s.write_all(why).unwrap();
         drop(closed_by_peer(s));
     });
@@ -400,7 +400,7 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     let src = endpoint("src");
     let (go, wait) = std::sync::mpsc::channel::<()>();
     // Reads the first write request (and its fd), then vanishes on cue.
-    let (addr, fake, _dir) = fake_destination(hello_json(1, "shm", "fake"), Some(hdr(Kind::Ack, 0, 0, 0, 0)), move |mut s| {
+    let (addr, fake, _dir) = fake_destination(hello_json(V, "shm", "fake"), Some(hdr(Kind::Ack, 0, 0, 0, 0)), move |mut s| {
         let mut first = vec![0u8; HEADER_LEN + TRAILER_LEN as usize];
         s.read_exact(&mut first).unwrap();
         wait.recv_timeout(WAIT).unwrap();

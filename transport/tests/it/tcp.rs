@@ -1,7 +1,7 @@
 //! TCP emulation: the conformance suite on loopback, plus TCP-only cases.
 
 use crate::conformance::{self, Pair};
-use kvwire_core::protocol::{Header, Kind, Tag, HEADER_LEN};
+use kvwire_core::protocol::{Header, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION as V};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::{Endpoint, FlagTable, Hops, Placement, Registry};
 use std::io::{Read, Write};
@@ -60,7 +60,7 @@ fn version_mismatch_is_refused_by_name() {
     let mut why = vec![0u8; reply.len as usize];
     raw.read_exact(&mut why).unwrap();
     let why = String::from_utf8(why).unwrap();
-    assert!(why.contains("version 99") && why.contains("speaks 1"), "{why}");
+    assert!(why.contains("version 99") && why.contains(&format!("speaks {V}")), "{why}");
 }
 
 #[test]
@@ -77,10 +77,10 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
         let h = Header::decode(&b, 0).unwrap();
         let mut payload = vec![0u8; h.len as usize];
         s.read_exact(&mut payload).unwrap();
-        let hello = br#"{"version":1,"transport":"tcp","node":"fake","regions":[],"verbs":null}"#;
+        let hello = format!(r#"{{"version":{V},"transport":"tcp","node":"fake","regions":[],"verbs":null}}"#).into_bytes();
         let h = Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: hello.len() as u64 };
         s.write_all(&h.encode()).unwrap();
-        s.write_all(hello).unwrap();
+        s.write_all(&hello).unwrap();
         let mut some = vec![0u8; 1000];
         s.read_exact(&mut some).unwrap();
     });
