@@ -1,7 +1,9 @@
 //! The demo's client side: prefill and decode clients of two running
 //! kvwired daemons. Prints the inventory, the plan summary, each layer's
 //! readiness, the per-hop table with the hop that bounded the transfer, and
-//! the logit comparison. Exit 1 when the logits differ.
+//! the logit comparison. Exit 1 when the logits differ. With `--device`
+//! both caches are device-resident on the daemons' stand-in backend, and
+//! the staged pipeline (device → host → wire → device) is modelled too.
 
 use kvwire_e2e::scenario::{self, Scenario};
 use kvwired::client::Client;
@@ -15,7 +17,7 @@ fn arg(args: &[String], key: &str) -> Option<String> {
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().collect();
     let (Some(a), Some(b)) = (arg(&args, "--a"), arg(&args, "--b")) else {
-        eprintln!("usage: kvwire-demo --a SOCKET --b SOCKET [--peer NAME] [--tokens N] [--src LAYOUT] [--dst LAYOUT]");
+        eprintln!("usage: kvwire-demo --a SOCKET --b SOCKET [--peer NAME] [--tokens N] [--src LAYOUT] [--dst LAYOUT] [--device]");
         return ExitCode::from(2);
     };
     let peer = arg(&args, "--peer").unwrap_or_else(|| "decode-host".into());
@@ -28,6 +30,10 @@ fn main() -> ExitCode {
     }
     if let Some(l) = arg(&args, "--dst") {
         sc.dst_layout = l;
+    }
+    let device = args.iter().any(|a| a == "--device");
+    if device {
+        sc.memory = scenario::Memory::StandIn;
     }
     let ca = match Client::connect(&PathBuf::from(&a), "demo-prefill") {
         Ok(c) => c,
@@ -65,11 +71,11 @@ fn main() -> ExitCode {
     println!();
     let (stages, p) = scenario::timing(&out, 4);
     println!("per-hop busy time of this transfer (each side on its own daemon's clock; occupancy = busy / end to end):");
-    println!("  {:<12} {:<8} {:>10} {:>12} {:>10} {:>10}", "side", "hop", "busy ms", "bytes", "GB/s", "occupancy");
+    println!("  {:<12} {:<15} {:>10} {:>12} {:>10} {:>10}", "side", "hop", "busy ms", "bytes", "GB/s", "occupancy");
     let e2e = out.end_to_end.as_nanos().max(1) as f64;
     for (side, st) in &stages {
         let occ = st.total_ns as f64 / e2e * 100.0;
-        println!("  {side:<12} {:<8} {:>10.3} {:>12} {:>10.3} {:>9.0}%", st.hop, st.total_ns as f64 / 1e6, st.bytes, st.gbps(), occ);
+        println!("  {side:<12} {:<15} {:>10.3} {:>12} {:>10.3} {:>9.0}%", st.hop, st.total_ns as f64 / 1e6, st.bytes, st.gbps(), occ);
     }
     let ms = |ns: u64| ns as f64 / 1e6;
     println!("timing model over {} layer chunks, setup {:.3} ms:", p.chunks, ms(p.setup_ns));
@@ -88,6 +94,9 @@ fn main() -> ExitCode {
         ms(lo.transfer_ns),
         ms(lo.tail_ns)
     );
+    if device {
+        staged_model(&stages, out.source.bytes, p.setup_ns);
+    }
     println!("rails of this transfer (source side; GB/s = bytes / busy):");
     for r in &out.source.rails {
         let gbps = if r.busy_ns > 0 { r.bytes as f64 / r.busy_ns as f64 } else { 0.0 };
@@ -102,5 +111,32 @@ fn main() -> ExitCode {
     } else {
         println!("logits: DIFFER from the local computation, max abs diff {}", out.max_abs_diff());
         ExitCode::from(1)
+    }
+}
+
+/// The measured stage, wire and device_complete rates through a staging
+/// ring of layer-sized chunks and two slots: what pipelining the device
+/// copies with the wire would give, next to doing them in turn.
+fn staged_model(stages: &[(&'static str, kvwire_core::timing::Stage)], bytes: u64, setup_ns: u64) {
+    use kvwire_core::timing::{staged, HopRate, Ring};
+    let rate = |side: &str, hop: &str| stages.iter().find(|(s, st)| *s == side && st.hop == hop).and_then(|(_, st)| HopRate::from_stage(st));
+    let hops: Option<Vec<HopRate>> = [("source", "stage"), ("source", "wire"), ("destination", "device_complete")].iter().map(|(s, h)| rate(s, h)).collect();
+    let Some(hops) = hops else {
+        println!("staged model: a device hop moved nothing");
+        return;
+    };
+    let ring = Ring { chunk: bytes.div_ceil(4).max(1), slots: 2 };
+    match staged(&hops, ring, bytes, setup_ns) {
+        Ok(m) => {
+            let ms = |ns: u64| ns as f64 / 1e6;
+            let p = &m.prediction;
+            println!("staged model (device -> host -> wire -> device, {} chunks of {} bytes, {} ring slots):", p.chunks, ring.chunk, ring.slots);
+            println!("  one after another      {:>9.3} ms", ms(p.sequential_ns));
+            println!("  pipelined              {:>9.3} ms", ms(p.pipelined_ns));
+            if let Some(b) = &p.bounding {
+                println!("  bounding hop: {b}");
+            }
+        }
+        Err(e) => println!("staged model: {e}"),
     }
 }
