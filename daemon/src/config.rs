@@ -225,11 +225,17 @@ pub struct DeviceConfig {
     /// Longest wait for one layer's device copies (D2H at the source, H2D
     /// at the destination) before the transfer fails.
     pub copy_timeout_secs: u64,
+    /// `host` stand-in only (tests): every copy sleeps this long first, as
+    /// a slow device would.
+    pub standin_delay_ms: u64,
+    /// `host` stand-in only (tests): the N-th copy (from 0) of this
+    /// daemon's stand-in device fails, as a broken device would.
+    pub standin_fail_copy: Option<u64>,
 }
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        DeviceConfig { backend: "none".into(), ordinal: 0, copy_timeout_secs: 30 }
+        DeviceConfig { backend: "none".into(), ordinal: 0, copy_timeout_secs: 30, standin_delay_ms: 0, standin_fail_copy: None }
     }
 }
 

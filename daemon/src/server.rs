@@ -18,6 +18,7 @@ use kvwire_core::CacheFormat;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::device::bound::{Backend, BoundMem, DeviceHandle};
+use kvwire_transport::device::host::HostDevice;
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, HostMem, Hops, Placement, Region, Registry, Tag, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap};
@@ -328,8 +329,16 @@ impl Daemon {
         } else {
             None
         };
-        let device = match cfg.device.backend.as_str() {
+        let dc = &cfg.device;
+        let device = match dc.backend.as_str() {
             "none" => None,
+            "host" => {
+                let mut d = HostDevice::new(dc.ordinal).with_delay(Duration::from_millis(dc.standin_delay_ms));
+                if let Some(n) = dc.standin_fail_copy {
+                    d = d.fail_copy(n);
+                }
+                Some(Backend::Host(d))
+            }
             kind => Some(Backend::open(kind, cfg.device.ordinal).map_err(|e| anyhow::anyhow!("device.backend `{kind}`: {e}"))?),
         };
         let peer_listener = TcpListener::bind(&cfg.peer_listen).map_err(|e| anyhow::anyhow!("peer_listen {}: {e}", cfg.peer_listen))?;

@@ -7,6 +7,7 @@ use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
 use kvwire_e2e::scenario::{self, start_daemon, DaemonProc, Scenario, ScenarioError};
 use kvwire_e2e::tinylm;
 use kvwired::client::Client;
+use kvwired::control::FlagName;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -674,5 +675,47 @@ mod gpu {
             gbps(bytes, h2d_sync),
             gbps(h2d_b, h2d_ns) / gbps(bytes, h2d_sync)
         );
+    }
+}
+
+#[test]
+fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
+    let _shared = crate::shared();
+    let d = dir("device-fail");
+    let dev = "[device]\nbackend = \"host\"\n";
+    // The destination's first host → device copy fails (layer 0's).
+    let b = start_daemon(&d, "decode-host", SECRET, &[], &format!("{dev}standin_fail_copy = 0\n"));
+    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    let p = Pair { _b: b, _a: a, ca, cb };
+    let mut sc = Scenario::new("h2d-fails");
+    sc.memory = scenario::Memory::StandIn;
+    match run(&p, &sc) {
+        Err(ScenarioError::Daemon { step, source }) => assert!(step.starts_with("wait"), "{step}: {source}"),
+        Err(e) => panic!("unexpected: {e}"),
+        Ok(_) => panic!("a transfer whose host → device copy failed completed"),
+    }
+    let slot = (0..4).find(|&s| p.cb.status(s).is_ok()).expect("the destination's slot");
+    let st = p.cb.status(slot).unwrap();
+    let err = st.error.clone().unwrap_or_default();
+    assert!(err.contains("host → device copy") && err.contains("layer 0"), "{err}");
+    // The bytes all arrived in the host mirror, yet no layer is usable on the device.
+    for l in 0..4 {
+        assert!(!p.cb.ready(slot, FlagName::LayerReady(l)), "layer_ready({l}) published after a failed device copy");
+    }
+    assert!(!p.cb.ready(slot, FlagName::DecoderUsable));
+
+    // A source whose device → host copy fails refuses the transfer by name.
+    let a2 = start_daemon(&d, "prefill-two", SECRET, &[("decode-host", &p._b.peer)], &format!("{dev}standin_fail_copy = 0\n"));
+    let ca2 = Client::connect(&a2.socket, "prefill-two").unwrap();
+    let mut sc = Scenario::new("d2h-fails");
+    sc.memory = scenario::Memory::StandIn;
+    match scenario::run(&ca2, &p.cb, "decode-host", &sc) {
+        Err(ScenarioError::Daemon { step: "submit", source }) => {
+            assert!(source.to_string().contains("device → host staging"), "{source}")
+        }
+        Err(e) => panic!("unexpected: {e}"),
+        Ok(_) => panic!("a transfer whose device → host copy failed completed"),
     }
 }
