@@ -14,13 +14,19 @@
 //!   batch once every write in it completed locally — the `source_released`
 //!   boundary for the source ranges it read.
 //!
-//! A refused write (unknown or revoked key, out of bounds, zero length)
-//! fails its batch with a clear error and touches no destination byte.
+//! Every backend's destination accepts a write through [`accept`], one
+//! path: key, bounds, tag, room, place, then count the range once. A
+//! refused write (unknown or revoked key, out of bounds, zero length, a
+//! tag outside the flag table, more bytes than its layer declared) fails
+//! its batch with the [`accept::Refusal`]'s text and counts no byte; where
+//! the destination places the bytes itself (tcp, shm) it touches none.
 
 #![warn(missing_docs)]
 
+pub mod accept;
 pub mod device;
 pub mod flags;
+mod hello;
 pub mod mem;
 pub mod metrics;
 pub mod placement;

@@ -5,12 +5,12 @@
 //! The initiator hands the memfd of each local source region it writes
 //! from to the destination once per connection (SCM_RIGHTS), and then
 //! sends, per write, a small request naming the source window and the
-//! destination (key, offset). The destination checks the key and bounds
-//! against *its* registry at copy time — so a revoked key is refused
-//! exactly — checks the source window, copies straight from the shared
-//! source mapping into the registered region ([`HostMem::copy_to`]; no
-//! data byte travels through the socket), counts the bytes with
-//! [`Placement::placed`] and acks. The initiator's [`Connection::poll`]
+//! destination (key, offset). The destination accepts it through the
+//! shared path ([`crate::accept`]): key, bounds, tag and room against
+//! *its* registry at copy time — so a revoked key is refused exactly —
+//! then checks the source window, copies straight from the shared source
+//! mapping into the registered region ([`HostMem::copy_to`]; no data byte
+//! travels through the socket), counts the range once and acks. The initiator's [`Connection::poll`]
 //! turns the acks of a batch into its [`Completion`] (`source_released`):
 //! once every write of the batch was answered, the destination has
 //! finished reading its source ranges.
@@ -47,9 +47,9 @@
 //! | 24 | src_offset | u64 | offset of the write in the source window |
 //! | 32 | write_len  | u64 | bytes to copy |
 //!
-//! The destination answers every write, in order, with `Ack` (`seq`,
-//! `offset` = bytes placed, len 0) or `Nack` (`seq`, payload: the reason,
-//! at most 4096 bytes). A malformed message, an unexpected kind, a
+//! The destination answers every write, in order, with `Ack` (`tag`, `key`
+//! and `seq` echoed, `offset` = bytes placed, len 0) or `Nack` (the same
+//! echo, payload: the [`crate::accept::Refusal`]'s text, at most 4096 bytes). A malformed message, an unexpected kind, a
 //! missing or surplus file descriptor, or a connection past its limits
 //! closes that connection only (with a `tracing::warn!`); the endpoint
 //! keeps serving the others.
@@ -65,8 +65,10 @@ use crate::mem::HostMem;
 use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
+use crate::accept::{self, Admitted, Incoming, Refusal};
+use crate::hello;
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{self, FrameError, Header, Hello, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION};
+use kvwire_core::protocol::{FrameError, Header, Hello, Kind, Tag, HEADER_LEN};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fs::File;
@@ -84,8 +86,6 @@ use std::time::{Duration, Instant};
 pub const TRANSPORT: &str = "shm";
 /// Bytes of the trailer that follows a `Write` header (see the module docs).
 pub const TRAILER_LEN: u64 = 40;
-/// Largest `Nack` payload (what [`Header::decode`] accepts).
-const MAX_NACK: usize = 4096;
 /// Most file descriptors one `sendmsg` may carry (Linux `SCM_MAX_FD`).
 const SCM_MAX_FD: usize = 253;
 /// Read buffer of a destination connection.
@@ -137,33 +137,13 @@ pub struct ShmEndpoint {
 
 static NEXT_SOCKET: AtomicU64 = AtomicU64::new(0);
 
-fn frame(h: Header, payload: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(HEADER_LEN + payload.len());
-    v.extend_from_slice(&h.encode());
-    v.extend_from_slice(payload);
-    v
-}
-
-fn header(kind: Kind, tag: Tag, key: u32, seq: u64, offset: u64, len: u64) -> Header {
-    Header { kind, tag, key, seq, offset, len }
-}
-
 fn hello_of(node: &str, registry: &Registry) -> Hello {
     // Addresses mean nothing to another process; keep them private.
     let regions = registry.descs().into_iter().map(|mut d| {
         d.addr = 0;
         d
     });
-    Hello { version: PROTOCOL_VERSION, transport: TRANSPORT.into(), node: node.into(), regions: regions.collect(), verbs: None }
-}
-
-/// A nack payload: the reason, cut to what a header may carry.
-fn nack_text(reason: &str) -> &[u8] {
-    let mut end = reason.len().min(MAX_NACK);
-    while !reason.is_char_boundary(end) {
-        end -= 1;
-    }
-    &reason.as_bytes()[..end]
+    hello::ours(TRANSPORT, node, regions.collect(), None)
 }
 
 impl ShmEndpoint {
@@ -415,7 +395,7 @@ impl FdReader {
     }
 
     /// The next `n` bytes (`n` ≤ the buffer).
-    fn read_exact(&mut self, n: usize) -> Result<&[u8], ReadEnd> {
+    fn next_bytes(&mut self, n: usize) -> Result<&[u8], ReadEnd> {
         while self.buffered() < n {
             if self.fill()? == 0 {
                 return Err(ReadEnd::Eof { got: self.buffered() });
@@ -424,6 +404,23 @@ impl FdReader {
         let s = self.start;
         self.start += n;
         Ok(&self.buf[s..s + n])
+    }
+}
+
+/// Buffered reads for the shared frame reader (the handshake).
+impl Read for FdReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if self.buffered() == 0 {
+            match self.fill() {
+                Ok(_) => {}
+                Err(ReadEnd::Eof { .. }) => return Ok(0),
+                Err(ReadEnd::Failed(why)) => return Err(std::io::Error::other(why)),
+            }
+        }
+        let n = out.len().min(self.buffered());
+        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.start += n;
+        Ok(n)
     }
 }
 
@@ -440,31 +437,19 @@ fn serve_conn(stream: UnixStream, serve: &Serve) -> Result<String, Closing> {
     let mut rd = FdReader::new(stream);
 
     // Handshake: our hello, theirs, then our verdict.
-    let ours = hello_of(&serve.node, &serve.registry).encode();
-    send_now(&mut out, header(Kind::Hello, Tag { slot: 0, layer: 0 }, 0, 0, 0, ours.len() as u64), &ours)
-        .map_err(|e| closing(&node, format!("send hello: {e}")))?;
-    let h = read_header(&mut rd, 0).map_err(|e| closing(&node, format!("handshake: {e}")))?;
-    if h.kind != Kind::Hello {
-        return Err(closing(&node, format!("handshake: expected a Hello frame, got {:?}", h.kind)));
-    }
-    // `len` ≤ MAX_HELLO (checked by decode); read it in buffer-sized pieces.
-    let mut payload = Vec::with_capacity(h.len as usize);
-    let mut left = h.len as usize;
-    while left > 0 {
-        let n = left.min(READ_BUF);
-        payload.extend_from_slice(rd.read_exact(n).map_err(|e| closing(&node, format!("handshake: {}", read_end(e, "hello payload"))))?);
-        left -= n;
-    }
-    let theirs = match Hello::decode(&payload, TRANSPORT) {
+    let ours = hello::control(Kind::Hello, &hello_of(&serve.node, &serve.registry).encode());
+    hello::send(&mut out, &ours, "send hello").map_err(|e| closing(&node, e.to_string()))?;
+    let theirs = match hello::read_hello(&mut rd, TRANSPORT) {
         Ok(h) => h,
-        Err(e) => {
+        Err(TransportError::Hello(e)) => {
             let reason = e.to_string();
-            let _ = send_now(&mut out, header(Kind::Nack, Tag { slot: 0, layer: 0 }, 0, 0, 0, nack_text(&reason).len() as u64), nack_text(&reason));
+            let _ = hello::send_refusal(&mut out, &reason);
             return Err(closing(&node, format!("handshake refused: {reason}")));
         }
+        Err(e) => return Err(closing(&node, format!("handshake: {e}"))),
     };
     node = theirs.node;
-    send_now(&mut out, header(Kind::Ack, Tag { slot: 0, layer: 0 }, 0, 0, 0, 0), &[]).map_err(|e| closing(&node, format!("send hello ack: {e}")))?;
+    hello::send(&mut out, &hello::control(Kind::Ack, &[]), "send hello ack").map_err(|e| closing(&node, e.to_string()))?;
     let _ = rd.sock.set_read_timeout(None);
     let _ = out.get_ref().set_write_timeout(None);
 
@@ -486,12 +471,12 @@ fn serve_conn(stream: UnixStream, serve: &Serve) -> Result<String, Closing> {
         if h.kind != Kind::Write || h.len != TRAILER_LEN {
             return Err(closing(&node, format!("expected a Write frame with a {TRAILER_LEN}-byte trailer, got {:?} with {} bytes", h.kind, h.len)));
         }
-        let t = rd.read_exact(TRAILER_LEN as usize).map_err(|e| closing(&node, read_end(e, "write trailer")))?;
+        let t = rd.next_bytes(TRAILER_LEN as usize).map_err(|e| closing(&node, read_end(e, "write trailer")))?;
         let u32_at = |i: usize| u32::from_le_bytes(t[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(t[i..i + 8].try_into().expect("8 bytes"));
         let (src_key, share, win_offset, win_len, src_offset, len) = (u32_at(0), u32_at(4), u64_at(8), u64_at(16), u64_at(24), u64_at(32));
 
-        let mut refused: Option<String> = None;
+        let mut refused: Option<Refusal> = None;
         match share {
             0 => {}
             1 => {
@@ -506,48 +491,41 @@ fn serve_conn(stream: UnixStream, serve: &Serve) -> Result<String, Closing> {
                         Ok(()) => {
                             sources.insert(src_key, Source { mem, offset: win_offset, len: win_len });
                         }
-                        Err(e) => refused = Some(format!("source region {src_key:#010x}: window {e}")),
+                        Err(e) => refused = Some(Refusal::SourceUnusable { key: src_key, reason: format!("window {e}") }),
                     },
-                    Err(e) => refused = Some(format!("source region {src_key:#010x}: cannot map the shared file: {e}")),
+                    Err(e) => refused = Some(Refusal::SourceUnusable { key: src_key, reason: format!("cannot map the shared file: {e}") }),
                 }
             }
             s => return Err(closing(&node, format!("write {}: share field {s} is neither 0 nor 1", h.seq))),
         }
 
+        let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len };
         let result = match refused {
             Some(r) => Err(r),
-            None => place(serve, &sources, h, src_key, src_offset, len),
+            None => place(serve, &sources, w, src_key, src_offset),
         };
-        let written = match result {
-            Ok(()) => out.write_all(&header(Kind::Ack, h.tag, h.key, h.seq, len, 0).encode()),
-            Err(reason) => {
-                tracing::debug!(peer = %node, seq = h.seq, %reason, "shm write refused");
-                let text = nack_text(&reason);
-                out.write_all(&frame(header(Kind::Nack, h.tag, h.key, h.seq, 0, text.len() as u64), text))
-            }
-        };
-        written.map_err(|e| closing(&node, format!("send answer: {e}")))?;
+        if let Err(why) = &result {
+            accept::log_refusal(TRANSPORT, &node, w, why);
+        }
+        let answer = hello::answer(h.tag, h.key, h.seq, result.as_ref().map(|_| len));
+        out.write_all(&answer).map_err(|e| closing(&node, format!("send answer: {e}")))?;
     }
 }
 
-/// Validates one write against this endpoint's registry and the shared
-/// source, copies it and counts it. Touches no byte unless every check passed.
-fn place(serve: &Serve, sources: &HashMap<u32, Source>, h: Header, src_key: u32, src_offset: u64, len: u64) -> Result<(), String> {
-    let placement = &serve.placement;
-    if !placement.flags().contains(h.tag) {
-        return Err(format!("slot {} layer {} is outside the destination's flag table", h.tag.slot, h.tag.layer));
-    }
-    let region = serve.registry.get(h.key);
-    let range = protocol::check_write(h.key, region.as_ref().map(|r| r.len), h.offset, len).map_err(|e| e.to_string())?;
-    placement.check_room(h.tag, len).map_err(|e| e.to_string())?;
-    let region = region.ok_or_else(|| format!("unknown or revoked remote key {:#010x}", h.key))?;
-    let src = sources.get(&src_key).ok_or_else(|| format!("source region {src_key:#010x} was never shared on this connection"))?;
-    match src_offset.checked_add(len) {
-        Some(end) if end <= src.len => {}
-        _ => return Err(format!("source read of {len} bytes at offset {src_offset} exceeds source region {src_key:#010x} of {} bytes", src.len)),
-    }
-    src.mem.copy_to(src.offset + src_offset, &region.mem, region.offset + range.start, len).map_err(|e| format!("copy: {e}"))?;
-    placement.placed(h.tag, len, Instant::now()).map_err(|e| format!("bytes placed, but: {e}"))
+/// Accepts one write: the shared checks, then a copy from the shared
+/// source (step 5 of [`accept`]), then the count.
+fn place(serve: &Serve, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64) -> Result<u64, Refusal> {
+    accept::accept(&serve.registry, &serve.placement, w, |a: &Admitted| {
+        let src = sources.get(&src_key).ok_or(Refusal::SourceNotShared(src_key))?;
+        match src_offset.checked_add(w.len) {
+            Some(end) if end <= src.len => {}
+            _ => return Err(Refusal::SourceOutOfBounds { key: src_key, offset: src_offset, len: w.len, region_len: src.len }),
+        }
+        src.mem
+            .copy_to(src.offset + src_offset, &a.region().mem, a.mem_offset(), w.len)
+            .map_err(|e| Refusal::SourceUnusable { key: src_key, reason: format!("copy: {e}") })?;
+        Ok(Instant::now())
+    })
 }
 
 /// A header read that failed: the stream ended or the header was bad.
@@ -575,14 +553,8 @@ fn read_end(e: ReadEnd, what: &str) -> String {
 }
 
 fn read_header(rd: &mut FdReader, max_write: u64) -> Result<Header, Either> {
-    let b = rd.read_exact(HEADER_LEN).map_err(Either::End)?;
+    let b = rd.next_bytes(HEADER_LEN).map_err(Either::End)?;
     Header::decode(b, max_write).map_err(Either::Frame)
-}
-
-fn send_now(out: &mut std::io::BufWriter<UnixStream>, h: Header, payload: &[u8]) -> std::io::Result<()> {
-    out.write_all(&h.encode())?;
-    out.write_all(payload)?;
-    out.flush()
 }
 
 /// What the initiator's reader thread saw.
@@ -623,35 +595,19 @@ pub struct ShmConnection {
     reader: Option<JoinHandle<()>>,
 }
 
-fn read_frame(s: &mut UnixStream, max_write: u64) -> Result<(Header, Vec<u8>), String> {
-    let mut b = [0u8; HEADER_LEN];
-    s.read_exact(&mut b).map_err(|e| if e.kind() == std::io::ErrorKind::UnexpectedEof { "peer closed".to_string() } else { e.to_string() })?;
-    let h = Header::decode(&b, max_write).map_err(|e| e.to_string())?;
-    let mut payload = vec![0u8; h.len as usize];
-    s.read_exact(&mut payload).map_err(|e| format!("truncated {:?} payload: {e}", h.kind))?;
-    Ok((h, payload))
-}
-
 impl ShmConnection {
     fn connect(peer: &str, node: &str, registry: Arc<Registry>, hops: Arc<Hops>, timeout: Duration) -> Result<ShmConnection, TransportError> {
         let mut stream = UnixStream::connect(peer).map_err(TransportError::io("connect to shm peer"))?;
         stream.set_read_timeout(Some(timeout)).map_err(TransportError::io("set shm handshake timeout"))?;
         stream.set_write_timeout(Some(timeout)).map_err(TransportError::io("set shm handshake timeout"))?;
-        let ours = hello_of(node, &registry).encode();
-        stream
-            .write_all(&frame(header(Kind::Hello, Tag { slot: 0, layer: 0 }, 0, 0, 0, ours.len() as u64), &ours))
-            .map_err(TransportError::io("send shm hello"))?;
-        let handshake = |reason: String| TransportError::Io { op: "shm handshake", kind: std::io::ErrorKind::InvalidData, message: reason };
-        let (h, payload) = read_frame(&mut stream, 0).map_err(handshake)?;
-        if h.kind != Kind::Hello {
-            return Err(handshake(format!("expected a Hello frame from {peer}, got {:?}", h.kind)));
-        }
-        let remote = Hello::decode(&payload, TRANSPORT)?;
-        let (h, payload) = read_frame(&mut stream, 0).map_err(handshake)?;
+        let ours = hello::control(Kind::Hello, &hello_of(node, &registry).encode());
+        hello::send(&mut stream, &ours, "send shm hello")?;
+        let remote = hello::read_hello(&mut stream, TRANSPORT)?;
+        let (h, payload) = hello::read_frame(&mut stream, 0, "receive hello ack")?;
         match h.kind {
             Kind::Ack => {}
-            Kind::Nack => return Err(TransportError::Refused(format!("peer {} refused the handshake: {}", remote.node, String::from_utf8_lossy(&payload)))),
-            k => return Err(handshake(format!("expected the hello's Ack from {peer}, got {k:?}"))),
+            Kind::Nack => return Err(hello::refused(&payload)),
+            k => return Err(TransportError::Refused(format!("expected the hello's Ack from {peer}, got {k:?}"))),
         }
         stream.set_read_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
         stream.set_write_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
@@ -660,7 +616,7 @@ impl ShmConnection {
         let reader = std::thread::Builder::new()
             .name("kvwire-shm-acks".into())
             .spawn(move || loop {
-                let ev = match read_frame(&mut rd, 0) {
+                let ev = match hello::read_frame(&mut rd, 0, "receive answer").map_err(|e| e.to_string()) {
                     Ok((h, _)) if h.kind == Kind::Ack => Event::Answer { seq: h.seq, refused: None, at: Instant::now() },
                     Ok((h, p)) if h.kind == Kind::Nack => {
                         Event::Answer { seq: h.seq, refused: Some(String::from_utf8_lossy(&p).into_owned()), at: Instant::now() }
@@ -818,7 +774,8 @@ impl Connection for ShmConnection {
             let piece = pieces.last_mut().expect("one piece");
             let seq = self.next_seq;
             self.next_seq += 1;
-            piece.0.extend_from_slice(&header(Kind::Write, batch.tag, w.dst_key, seq, w.dst_offset, TRAILER_LEN).encode());
+            let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset, len: TRAILER_LEN };
+            piece.0.extend_from_slice(&h.encode());
             piece.0.extend_from_slice(&w.src_key.to_le_bytes());
             piece.0.extend_from_slice(&u32::from(share).to_le_bytes());
             let (win_offset, win_len) = if share { (region.offset, region.len) } else { (0, 0) };

@@ -11,8 +11,10 @@
 use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
+use crate::accept::{self, Admitted, Incoming, Refusal};
+use crate::hello;
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{check_write, Header, Hello, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION};
+use kvwire_core::protocol::{Header, Hello, Kind, Tag, HEADER_LEN};
 use std::collections::{HashMap, VecDeque};
 use std::io::{BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
@@ -93,31 +95,13 @@ impl Drop for TcpEndpoint {
 }
 
 fn hello(node: &str, registry: &Registry) -> Hello {
-    Hello { version: PROTOCOL_VERSION, transport: "tcp".into(), node: node.into(), regions: registry.descs(), verbs: None }
-}
-
-fn send_hello(s: &mut impl Write, h: &Hello) -> Result<(), TransportError> {
-    let payload = h.encode();
-    let header = Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: payload.len() as u64 };
-    s.write_all(&header.encode()).map_err(TransportError::io("send hello"))?;
-    s.write_all(&payload).map_err(TransportError::io("send hello"))?;
-    s.flush().map_err(TransportError::io("send hello"))
+    hello::ours("tcp", node, registry.descs(), None)
 }
 
 fn read_header(s: &mut impl Read, max_frame: u64, op: &'static str) -> Result<Header, TransportError> {
     let mut b = [0u8; HEADER_LEN];
     s.read_exact(&mut b).map_err(TransportError::io(op))?;
     Ok(Header::decode(&b, max_frame)?)
-}
-
-fn recv_hello(s: &mut impl Read) -> Result<Hello, TransportError> {
-    let h = read_header(s, 0, "receive hello")?;
-    if h.kind != Kind::Hello {
-        return Err(TransportError::Refused(format!("expected a hello frame first, got {:?}", h.kind)));
-    }
-    let mut payload = vec![0u8; h.len as usize];
-    s.read_exact(&mut payload).map_err(TransportError::io("receive hello"))?;
-    Ok(Hello::decode(&payload, "tcp")?)
 }
 
 fn accept_loop(
@@ -150,13 +134,13 @@ fn accept_loop(
 fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Placement, limits: TcpLimits) -> Result<(), TransportError> {
     stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
     stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
-    let peer_hello = recv_hello(&mut stream);
+    let peer_hello = hello::read_hello(&mut stream, "tcp");
     if let Err(TransportError::Hello(e)) = &peer_hello {
         // Tell the peer why before hanging up: its error then names the cause.
-        let _ = send_nack(&mut stream, 0, &e.to_string());
+        let _ = hello::send_refusal(&mut stream, &e.to_string());
     }
     let peer = peer_hello?;
-    send_hello(&mut stream, &hello(node, registry))?;
+    hello::send_hello(&mut stream, &hello(node, registry))?;
     stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
     tracing::debug!(peer = peer.node, "tcp peer connected");
     let mut reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
@@ -171,34 +155,47 @@ fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Pla
         if h.kind != Kind::Write {
             return Err(TransportError::Refused(format!("unexpected {:?} frame from initiator", h.kind)));
         }
-        let region = registry.get(h.key);
-        let checked = check_write(h.key, region.as_ref().map(|r| r.len), h.offset, h.len)
-            .map_err(|e| e.to_string())
-            .and_then(|range| placement.check_room_range(h.tag, h.key, h.offset, h.len).map(|()| range).map_err(|e| e.to_string()));
-        match checked {
-            Ok(range) => {
-                let region = region.expect("check_write refuses keys with no region");
-                let at = region.offset + range.start;
-                // SAFETY: `at..at+len` lies inside the region's live mapping
-                // (checked against the registry just above; the region Arc
-                // keeps the mapping alive). The bytes are not counted as
-                // placed yet, so no reader may look at them (flags are the
-                // only licence to read); a plan sends two writes to one byte
-                // only when a slice is re-sent after a rail failed, and then
-                // with the same bytes. The slice lives only for this read.
-                let dst = unsafe { std::slice::from_raw_parts_mut(region.mem.as_ptr().add(at as usize), h.len as usize) };
-                reader.read_exact(dst).map_err(TransportError::io("receive write payload"))?;
-                let seen = Instant::now();
-                match placement.placed_range(h.tag, h.key, h.offset, h.len, seen) {
-                    Ok(_) => send_ack(&mut acks, h.seq, h.len)?,
-                    Err(e) => send_nack(&mut acks, h.seq, &e.to_string())?,
+        let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len };
+        let mut payload_read = false;
+        let result = accept::accept(registry, placement, w, |a: &Admitted| {
+            payload_read = true;
+            // SAFETY: `mem_offset()..+len` lies inside the region's live
+            // mapping (admit checked it against the registry; the region
+            // Arc keeps the mapping alive). The bytes are not counted as
+            // placed yet, so no reader may look at them (flags are the
+            // only licence to read); a plan sends two writes to one byte
+            // only when a slice is re-sent after a rail failed, and then
+            // with the same bytes. The slice lives only for this read.
+            let dst = unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add(a.mem_offset() as usize), h.len as usize) };
+            reader.read_exact(dst).map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
+            Ok(Instant::now())
+        });
+        let answer = match result {
+            Ok(placed) => hello::answer(h.tag, h.key, h.seq, Ok(placed)),
+            Err(Served::Closed(e)) => return Err(e),
+            Err(Served::Refused(why)) => {
+                accept::log_refusal("tcp", &peer.node, w, &why);
+                if !payload_read {
+                    drain(&mut reader, h.len, &mut discard)?;
                 }
+                hello::answer(h.tag, h.key, h.seq, Err(&why))
             }
-            Err(why) => {
-                drain(&mut reader, h.len, &mut discard)?;
-                send_nack(&mut acks, h.seq, &why)?;
-            }
-        }
+        };
+        hello::send(&mut acks, &answer, "send answer")?;
+    }
+}
+
+/// How serving one write frame ended, when not placed and counted.
+enum Served {
+    /// The write was refused; the connection goes on.
+    Refused(Refusal),
+    /// The connection is unusable.
+    Closed(TransportError),
+}
+
+impl From<Refusal> for Served {
+    fn from(r: Refusal) -> Served {
+        Served::Refused(r)
     }
 }
 
@@ -209,20 +206,6 @@ fn drain(r: &mut impl Read, mut len: u64, buf: &mut [u8]) -> Result<(), Transpor
         len -= n as u64;
     }
     Ok(())
-}
-
-fn send_ack(w: &mut BufWriter<TcpStream>, seq: u64, placed: u64) -> Result<(), TransportError> {
-    let h = Header { kind: Kind::Ack, tag: Tag { slot: 0, layer: 0 }, key: 0, seq, offset: placed, len: 0 };
-    w.write_all(&h.encode()).map_err(TransportError::io("send ack"))?;
-    w.flush().map_err(TransportError::io("send ack"))
-}
-
-fn send_nack(w: &mut impl Write, seq: u64, why: &str) -> Result<(), TransportError> {
-    let why = &why.as_bytes()[..why.len().min(4096)];
-    let h = Header { kind: Kind::Nack, tag: Tag { slot: 0, layer: 0 }, key: 0, seq, offset: 0, len: why.len() as u64 };
-    w.write_all(&h.encode()).map_err(TransportError::io("send nack"))?;
-    w.write_all(why).map_err(TransportError::io("send nack"))?;
-    w.flush().map_err(TransportError::io("send nack"))
 }
 
 impl Endpoint for TcpEndpoint {
@@ -289,37 +272,18 @@ impl TcpConnection {
         let mut stream = TcpStream::connect(peer).map_err(TransportError::io("connect"))?;
         stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
         stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
-        send_hello(&mut stream, &hello(node, &registry))?;
-        let remote = match read_header(&mut stream, 0, "receive hello") {
-            Ok(h) if h.kind == Kind::Nack => {
-                let mut why = vec![0u8; h.len as usize];
-                stream.read_exact(&mut why).map_err(TransportError::io("receive refusal"))?;
-                return Err(TransportError::Refused(String::from_utf8_lossy(&why).into_owned()));
-            }
-            Ok(h) if h.kind == Kind::Hello => {
-                let mut payload = vec![0u8; h.len as usize];
-                stream.read_exact(&mut payload).map_err(TransportError::io("receive hello"))?;
-                Hello::decode(&payload, "tcp")?
-            }
-            Ok(h) => return Err(TransportError::Refused(format!("expected a hello, got {:?}", h.kind))),
-            Err(e) => return Err(e),
-        };
+        hello::send_hello(&mut stream, &hello(node, &registry))?;
+        let remote = hello::read_hello(&mut stream, "tcp")?;
         stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
         let (tx, events) = mpsc::channel();
         let mut reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
         std::thread::Builder::new()
             .name("kvwire-tcp-acks".into())
             .spawn(move || loop {
-                let ev = match read_header(&mut reader, 0, "receive ack") {
-                    Ok(h) if h.kind == Kind::Ack => Event::Ack(h.seq),
-                    Ok(h) if h.kind == Kind::Nack => {
-                        let mut why = vec![0u8; h.len as usize];
-                        match reader.read_exact(&mut why) {
-                            Ok(()) => Event::Nack(h.seq, String::from_utf8_lossy(&why).into_owned()),
-                            Err(e) => Event::Closed(TransportError::io("receive nack")(e)),
-                        }
-                    }
-                    Ok(h) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
+                let ev = match hello::read_frame(&mut reader, 0, "receive answer") {
+                    Ok((h, _)) if h.kind == Kind::Ack => Event::Ack(h.seq),
+                    Ok((h, why)) if h.kind == Kind::Nack => Event::Nack(h.seq, String::from_utf8_lossy(&why).into_owned()),
+                    Ok((h, _)) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
                     Err(e) => Event::Closed(e),
                 };
                 let last = matches!(ev, Event::Closed(_));

@@ -46,8 +46,10 @@ use crate::mem::HostMem;
 use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::{Region, Registry};
+use crate::accept::{self, Admitted, Incoming, Refusal};
+use crate::hello;
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{self, Header, Hello, Kind, RegionDesc, Tag, VerbsAddr, WriteNote, HEADER_LEN, NOTE_LEN, PROTOCOL_VERSION};
+use kvwire_core::protocol::{self, Hello, RegionDesc, Tag, VerbsAddr, WriteNote, NOTE_LEN};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{
     BasicCompletionQueue, PollCompletionQueueError, WorkCompletionOperationType, WorkCompletionStatus,
@@ -62,7 +64,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::io::{Read, Write};
+use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -456,13 +458,8 @@ impl Shared {
     }
 
     fn hello(&self, qp: &Qp) -> Hello {
-        Hello {
-            version: PROTOCOL_VERSION,
-            transport: TRANSPORT.into(),
-            node: self.limits.node.clone(),
-            regions: self.descs(),
-            verbs: Some(VerbsAddr { qpn: qp.qp.qp_number(), psn: qp.psn, gid: self.info.gid, lid: self.info.lid, mtu: self.info.mtu }),
-        }
+        let qp = VerbsAddr { qpn: qp.qp.qp_number(), psn: qp.psn, gid: self.info.gid, lid: self.info.lid, mtu: self.info.mtu };
+        hello::ours(TRANSPORT, &self.limits.node, self.descs(), Some(qp))
     }
 }
 
@@ -517,27 +514,6 @@ impl Endpoint for VerbsEndpoint {
 }
 
 // ------------------------------------------------------------------ handshake
-
-fn write_frame(stream: &mut TcpStream, kind: Kind, payload: &[u8]) -> Result<(), TransportError> {
-    let h = Header { kind, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: payload.len() as u64 };
-    stream.write_all(&h.encode()).map_err(TransportError::io("send handshake"))?;
-    stream.write_all(payload).map_err(TransportError::io("send handshake"))?;
-    stream.flush().map_err(TransportError::io("send handshake"))
-}
-
-/// Reads the peer's hello; a `Nack` (the peer refused ours) becomes an error.
-fn read_hello(stream: &mut TcpStream) -> Result<Hello, TransportError> {
-    let mut hb = [0u8; HEADER_LEN];
-    stream.read_exact(&mut hb).map_err(TransportError::io("receive handshake"))?;
-    let h = Header::decode(&hb, 0)?;
-    let mut payload = vec![0u8; h.len as usize];
-    stream.read_exact(&mut payload).map_err(TransportError::io("receive handshake"))?;
-    match h.kind {
-        Kind::Hello => Ok(Hello::decode(&payload, TRANSPORT)?),
-        Kind::Nack => Err(TransportError::Refused(format!("peer refused the handshake: {}", String::from_utf8_lossy(&payload)))),
-        k => Err(TransportError::Refused(format!("expected a Hello frame in the handshake, got {k:?}"))),
-    }
-}
 
 fn peer_verbs(hello: &Hello) -> Result<VerbsAddr, TransportError> {
     let v = hello.verbs.ok_or_else(|| {
@@ -806,27 +782,18 @@ fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     }
 }
 
-/// Counts the ranges a received note buffer names. A note naming a key
-/// that is not registered here, or bytes outside it, is refused with a
-/// warning and counts nothing (the NIC would have refused such a write).
-fn count_notes(shared: &Shared, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) {
-    let notes = match ring.read(wc.wr_id, wc.byte_len) {
-        Ok(n) => n,
-        Err(e) => {
-            tracing::warn!(peer, error = %e, "malformed write notes; ignored");
-            return;
-        }
-    };
-    for n in notes {
-        let region = shared.registry.get(n.key);
-        if let Err(e) = protocol::check_write(n.key, region.map(|r| r.len), n.offset, n.len) {
-            tracing::warn!(peer, error = %e, "write note refused; counted nothing");
-            continue;
-        }
-        if let Err(e) = shared.placement.placed_range(n.tag, n.key, n.offset, n.len, seen_at) {
-            tracing::warn!(peer, error = %e, "placement refused a counted write");
+/// Counts the ranges a received note buffer names, each through the
+/// shared acceptance path (the NIC placed the bytes already). A refused
+/// note counts nothing. A malformed note message ends the connection,
+/// as a malformed frame does on every backend.
+fn count_notes(shared: &Shared, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
+    for n in ring.read(wc.wr_id, wc.byte_len)? {
+        let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len };
+        if let Err(why) = accept::accept(&shared.registry, &shared.placement, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
+            accept::log_refusal(TRANSPORT, peer, w, &why);
         }
     }
+    Ok(())
 }
 
 /// One accepted connection: handshake, then count the ranges of received
@@ -842,12 +809,12 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
     let ring = match NoteRing::new(shared, shared.limits.recv_depth) {
         Ok(r) => r,
         Err(e) => {
-            let _ = write_frame(&mut stream, Kind::Nack, e.to_string().as_bytes());
+            let _ = hello::send_refusal(&mut stream, &e.to_string());
             return Err(e);
         }
     };
     let setup = (|| {
-        let peer = read_hello(&mut stream)?;
+        let peer = hello::read_hello(&mut stream, TRANSPORT)?;
         let pv = peer_verbs(&peer)?;
         let mut qp = Qp::new(shared, 1, ring.slots)?;
         qp.post_recvs(&ring, 0..ring.slots)?;
@@ -858,11 +825,11 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
     let (peer, mut qp) = match setup {
         Ok(x) => x,
         Err(e) => {
-            let _ = write_frame(&mut stream, Kind::Nack, e.to_string().as_bytes());
+            let _ = hello::send_refusal(&mut stream, &e.to_string());
             return Err(e);
         }
     };
-    write_frame(&mut stream, Kind::Hello, &shared.hello(&qp).encode())?;
+    hello::send_hello(&mut stream, &shared.hello(&qp))?;
     stream.set_nonblocking(true).map_err(TransportError::io("connection socket"))?;
     let mut idle = 0u32;
     let mut last_check = Instant::now();
@@ -880,7 +847,7 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
                 continue;
             }
             if wc.opcode == WC_RECV {
-                count_notes(shared, &ring, wc, seen_at, &peer.node);
+                count_notes(shared, &ring, wc, seen_at, &peer.node)?;
             } else {
                 tracing::warn!(peer = %peer.node, opcode = wc.opcode, "unexpected receive completion (not a write note); ignored");
             }
@@ -911,7 +878,7 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
                     // its side; take what is left in the CQ, then go.
                     for wc in qp.drain()? {
                         if wc.status == WC_SUCCESS && wc.opcode == WC_RECV {
-                            count_notes(shared, &ring, &wc, Instant::now(), &peer.node);
+                            count_notes(shared, &ring, &wc, Instant::now(), &peer.node)?;
                         }
                     }
                     return Ok(());
@@ -993,8 +960,8 @@ impl VerbsConnection {
         let _ = stream.set_nodelay(true);
         let mut qp = Qp::new(&shared, shared.limits.send_depth, 1)?;
         let notes = NoteRing::new(&shared, shared.limits.send_depth)?;
-        write_frame(&mut stream, Kind::Hello, &shared.hello(&qp).encode())?;
-        let remote = read_hello(&mut stream)?;
+        hello::send_hello(&mut stream, &shared.hello(&qp))?;
+        let remote = hello::read_hello(&mut stream, TRANSPORT)?;
         let pv = peer_verbs(&remote)?;
         qp.connect(&shared, &pv)?;
         let remote_regions = remote.regions.iter().map(|d| (d.key, *d)).collect();
@@ -1026,9 +993,12 @@ impl VerbsConnection {
         let mut sources: Vec<Arc<RegionMr>> = Vec::new();
         for (i, w) in batch.writes.iter().enumerate() {
             let dst = self.remote_regions.get(&w.dst_key);
+            // The destination's own refusal texts, checked here since a
+            // refused one-sided write could not be told back.
             protocol::check_write(w.dst_key, dst.map(|d| d.len), w.dst_offset, w.len).map_err(|e| {
                 TransportError::Refused(format!(
-                    "write {i}: {e} (checked locally against peer {}'s hello; nothing posted)",
+                    "write {i}: {} (checked locally against peer {}'s hello; nothing posted)",
+                    Refusal::from(e),
                     self.remote.node
                 ))
             })?;

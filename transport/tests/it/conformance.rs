@@ -2,7 +2,8 @@
 //! instantiates it with `conformance_tests!(make_pair)`, where `make_pair()`
 //! returns a fresh (source, destination) pair of endpoints.
 
-use kvwire_transport::{Batch, Completion, Connection, Endpoint, HostMem, Region, Tag, TransportError, WriteOp};
+use kvwire_transport::accept::Refusal;
+use kvwire_transport::{Batch, Completion, Connection, Endpoint, HostMem, Placement, Region, Tag, TransportError, WriteOp};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -251,6 +252,108 @@ pub fn overrun_never_publishes(p: &mut Pair) {
     assert!(p.dst.placement().flags().ready(tag(7, 0)).is_none());
 }
 
+/// Waits until `tag` has `bytes` counted (a verbs destination counts
+/// when a note arrives, after the source's completion); then checks it
+/// stays there.
+pub fn wait_placed(pl: &Placement, t: Tag, bytes: u64) {
+    let start = Instant::now();
+    while pl.placed_bytes(t) < bytes {
+        assert!(start.elapsed() < WAIT, "only {} of {bytes} bytes counted", pl.placed_bytes(t));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(pl.placed_bytes(t), bytes, "counted more than the distinct bytes written");
+}
+
+/// Writes `op` under `t` and waits for its batch; Ok when it was placed.
+fn post_one(p: &mut Pair, op: WriteOp, t: Tag) -> Result<(), TransportError> {
+    let id = p.conn().post(Batch { tag: t, writes: vec![op] })?;
+    let c = complete(p.conn(), 1);
+    assert_eq!(c[0].batch, id);
+    c[0].result.clone()
+}
+
+/// The one counting rule: a range that lands twice (a slice re-sent on
+/// another rail) counts once, whether repeated whole or overlapping, and
+/// repeating it after the layer published changes nothing.
+pub fn a_range_written_twice_counts_once(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 8192);
+    let (src, data) = source(&*p.src, 8192, 13);
+    let pl = p.dst.placement().clone();
+    let t = tag(8, 0);
+    pl.expect(t, 8192).unwrap();
+    post_one(p, w(&src, 0, &dst.region, 0, 4096), t).unwrap();
+    wait_placed(&pl, t, 4096);
+    // The same range again, and one overlapping its second half: 2048 new bytes.
+    p.conn().post(Batch { tag: t, writes: vec![w(&src, 0, &dst.region, 0, 4096), w(&src, 2048, &dst.region, 2048, 4096)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    wait_placed(&pl, t, 6144);
+    assert!(pl.flags().ready(t).is_none(), "6144 distinct bytes of 8192 must not publish");
+    post_one(p, w(&src, 4096, &dst.region, 4096, 4096), t).unwrap();
+    pl.wait(t, WAIT).unwrap();
+    wait_placed(&pl, t, 8192);
+    // After the flag: a whole re-send is still accepted and adds nothing.
+    post_one(p, w(&src, 0, &dst.region, 0, 8192), t).unwrap();
+    let fence = tag(8, 1);
+    pl.expect(fence, 16).unwrap();
+    post_one(p, w(&src, 0, &dst.region, 0, 16), fence).unwrap();
+    pl.wait(fence, WAIT).unwrap();
+    assert_eq!(pl.placed_bytes(t), 8192);
+    assert_eq!(dst.bytes(), data);
+    dst.assert_guards();
+}
+
+/// Unknown key, out of bounds, zero length and a tag outside the flag
+/// table are refused by the shared acceptance path on every backend: the
+/// reason the source gets is the destination's [`Refusal`] text (verbs
+/// checks key and bounds before posting, with the same texts, and cannot
+/// hear back about a tag: its note is refused at the destination), no
+/// byte is counted, and the connection serves the next write.
+pub fn refusals_are_the_shared_ones(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 4096);
+    let (src, _) = source(&*p.src, 4096, 14);
+    let pl = p.dst.placement().clone();
+    let key = dst.region.key;
+    let no_tag = tag(u16::MAX, u16::MAX);
+    let cases = [
+        (WriteOp { dst_key: 0xDEAD_BEEF, ..w(&src, 0, &dst.region, 0, 16) }, tag(10, 0), Refusal::UnknownKey(0xDEAD_BEEF)),
+        (w(&src, 0, &dst.region, 4090, 16), tag(10, 1), Refusal::OutOfBounds { key, offset: 4090, len: 16, region_len: 4096 }),
+        (w(&src, 0, &dst.region, 0, 0), tag(10, 2), Refusal::ZeroLength),
+        (w(&src, 0, &dst.region, 0, 16), no_tag, Refusal::UnknownTag { slot: u16::MAX, layer: u16::MAX }),
+    ];
+    for (i, (op, t, want)) in cases.into_iter().enumerate() {
+        let before = dst.bytes();
+        let answered = match p.conn().post(Batch { tag: t, writes: vec![op] }) {
+            Err(TransportError::Refused(text)) => {
+                assert!(text.contains(&want.to_string()), "refused before sending, not as {want:?}: {text}");
+                true
+            }
+            Err(e) => panic!("{want:?}: {e}"),
+            Ok(_) => match complete(p.conn(), 1).remove(0).result {
+                Err(e) => {
+                    assert_eq!(e, TransportError::Refused(want.to_string()));
+                    true
+                }
+                Ok(()) => {
+                    assert_eq!(p.dst.transport(), "verbs", "only a one-sided write may complete unrefused: {want:?}");
+                    assert_eq!(want, Refusal::UnknownTag { slot: u16::MAX, layer: u16::MAX });
+                    false
+                }
+            },
+        };
+        if answered {
+            assert_eq!(dst.bytes(), before, "{want:?}: a refused write touched the destination");
+        }
+        // A later good write on the same connection is counted, so the
+        // destination has handled the refused one by then: it counted nothing.
+        let fence = tag(11, i as u16);
+        pl.expect(fence, 64).unwrap();
+        post_one(p, w(&src, 0, &dst.region, 1024, 64), fence).unwrap();
+        pl.wait(fence, WAIT).unwrap();
+        assert_eq!(pl.placed_bytes(t), 0, "{want:?}: counted");
+    }
+    dst.assert_guards();
+}
+
 /// Instantiates every conformance case for a backend. `optional` backends
 /// need a device: their `make()` returns `Option<Pair>`, `None` (having said
 /// why) when there is none.
@@ -265,7 +368,7 @@ macro_rules! conformance_tests {
     (@each $make:tt) => {
         $crate::conformance_tests!(@case $make, one_segment, scatter, layers_publish_only_after_their_last_byte,
             source_released_after_local_completion, bad_writes_fail_alone, local_source_checked_before_sending,
-            overrun_never_publishes);
+            overrun_never_publishes, a_range_written_twice_counts_once, refusals_are_the_shared_ones);
     };
     (@case $make:tt, $($case:ident),*) => {
         $(

@@ -1,6 +1,7 @@
 //! kvwire-transport integration tests: the shared conformance suite, run
 //! against every backend, plus each backend's own cases.
 
+mod accept;
 mod conformance;
 mod device;
 mod mem;
