@@ -1,4 +1,17 @@
-//! Shared set-up for kvwire's benchmarks.
+//! kvwire's benchmarks, behind `kvwire bench …` and `kvwire report`: the
+//! transport baselines ([`baseline`]), the latency campaign ([`campaign`])
+//! with its HTML report ([`report`]) and SVG plots ([`svg`]), the layouts
+//! sweep through two real kvwired processes ([`layouts`]), and the shared
+//! set-up of the criterion benches ([`PlanCase`]). The soak and the rails
+//! bench are this crate's binaries.
+
+#![warn(missing_docs)]
+
+pub mod baseline;
+pub mod campaign;
+pub mod layouts;
+pub mod report;
+pub mod svg;
 
 use kvwire_core::layout::builtin;
 use kvwire_core::plan::{build, CostModel, Plan, PlanInput, Side};
@@ -42,4 +55,30 @@ impl PlanCase {
         })
         .expect("plan")
     }
+}
+
+/// How a bench command failed. The `kvwire` CLI owns the exit codes: it
+/// maps `BadInput` to 2 and `Failed` to 1.
+#[derive(Debug)]
+pub enum Error {
+    /// The arguments or input files were wrong.
+    BadInput(anyhow::Error),
+    /// The measurement that was asked for failed.
+    Failed(anyhow::Error),
+}
+
+/// Parses a size like `4096`, `64K`, `64M` or `1G` (binary multiples).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim().trim_end_matches("iB").trim_end_matches('B');
+    let (num, mult) = match t.chars().last() {
+        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
+        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
+        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
+        _ => (t, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .filter(|&n| n > 0)
+        .ok_or_else(|| format!("`{s}` is not a positive size like 4096, 64K, 64M or 1G"))
 }

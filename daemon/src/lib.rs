@@ -1,22 +1,12 @@
-//! kvwired: the per-host daemon, and the pieces the `kvwire` CLI shares with it.
+//! kvwired: the per-host daemon. The control protocol it serves is in
+//! kvwire-client, the `kvwire` CLI in kvwire-cli, the benches in kvwire-bench.
 
 #![warn(missing_docs)]
 
-pub mod bench;
-pub mod campaign;
-pub mod cli;
-pub mod client;
 pub mod config;
-pub mod control;
 pub mod discovery;
-pub mod layouts;
 pub mod metrics;
 pub mod peer;
-pub mod promtext;
-pub mod report;
 pub mod server;
 pub mod staging;
 pub mod stripe;
-pub mod svg;
-pub mod topology;
-pub mod wire;

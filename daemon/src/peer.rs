@@ -11,7 +11,7 @@
 //! and sends `Expect` (bytes per layer); bytes flow on the data plane;
 //! `Abort` fails the destination's flags when the source gives up.
 
-use crate::wire::{read_msg, write_msg, WireError};
+use kvwire_client::wire::{read_msg, write_msg, WireError};
 use hmac::{Hmac, Mac};
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::RegionId;

@@ -2,10 +2,10 @@
 //! the control socket, the peer listener, and the threads that move bytes.
 
 use crate::config::{Config, PeerConfig, TransportKind};
-use crate::control::*;
+use kvwire_client::control::*;
 use crate::metrics::Metrics;
 use crate::peer::{self, Accept, Expect, Offer, PeerMsg, PeerRegion, RailAddr, RankRails};
-use crate::wire::{self, read_msg, write_msg, WireError};
+use kvwire_client::wire::{self, read_msg, write_msg, WireError};
 use kvwire_core::layout::{self, ModelSpec};
 use crate::staging;
 use crate::stripe;
@@ -249,6 +249,11 @@ fn flags_placement() -> anyhow::Result<Arc<Placement>> {
 }
 
 impl Daemon {
+    /// This daemon's node name, from its config.
+    pub fn node(&self) -> &str {
+        &self.cfg.node
+    }
+
     /// Starts the data plane and binds every listener; threads serve until [`Daemon::shutdown`].
     pub fn start(cfg: Config) -> anyhow::Result<Arc<Daemon>> {
         cfg.validate()?;
@@ -316,7 +321,7 @@ impl Daemon {
         // Locality: only when a rail names its device. A device or file that
         // does not match this host stops the daemon, named.
         let topology = if rails.iter().any(|r| r.device.is_some()) || t.topology_file.is_some() {
-            let topo = crate::topology::discover(std::path::Path::new("/"), t.topology_file.as_deref())?;
+            let topo = kvwire_transport::topology::discover(std::path::Path::new("/"), t.topology_file.as_deref())?;
             for r in &rails {
                 if let Some(dev) = &r.device {
                     if topo.rail_device(dev).is_none() {
@@ -1333,7 +1338,7 @@ impl Daemon {
                     // The client's pages are in this mapping only once touched here:
                     // a read maps the page the client placed (shared memfd).
                     let _ = rc.mem.read(0, &mut [0u8; 1]);
-                    kvwire_core::topology::MemPlace::Host { numa: crate::topology::numa_node_of(rc.mem.as_ptr()) }
+                    kvwire_core::topology::MemPlace::Host { numa: kvwire_transport::topology::numa_node_of(rc.mem.as_ptr()) }
                 }
             };
             let ranked = kvwire_core::topology::rank(topo, &mem, &devices);

@@ -22,7 +22,7 @@
 //! however many copies land. A refused write (revoked key, overrun) is not a
 //! rail failure: it fails the transfer. So does losing every rail.
 
-use crate::control::RailUse;
+use kvwire_client::control::RailUse;
 use crate::peer::RailAddr;
 use kvwire_transport::{Batch, BatchId, Connection, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap, VecDeque};

@@ -32,8 +32,8 @@ use kvwire_core::shard::LayoutSpec;
 use kvwire_core::CacheFormat;
 use kvwire_transport::flags::WaitError;
 use kvwire_transport::HostMem;
-use kvwired::client::{Client, ClientError};
-use kvwired::control::{
+use kvwire_client::client::{Client, ClientError};
+use kvwire_client::control::{
     FlagName, ModelSource, PrepareReceive, RegisterCache, RegisterDeviceCache, Submit, TransferState, FLAG_SLOTS, MAX_TRANSFER_LAYERS,
 };
 use std::cell::RefCell;
@@ -1148,7 +1148,7 @@ mod tests {
         let texts: std::collections::HashSet<_> = ALL_RESULTS.iter().map(|r| strerror(*r as u32)).collect();
         assert_eq!(texts.len(), ALL_RESULTS.len());
         assert_eq!(strerror(12345), "unknown kvwire result code");
-        use kvwired::control::Code;
+        use kvwire_client::control::Code;
         for (code, want) in [
             (Code::Malformed, KVW_MALFORMED),
             (Code::BadLayout, KVW_BAD_LAYOUT),

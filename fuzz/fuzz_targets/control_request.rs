@@ -9,8 +9,8 @@
 use kvwire_core::format::CacheFormat;
 use kvwire_core::layout::{builtin, from_hf_config, from_toml_spec};
 use kvwire_core::shard::LayoutSpec;
-use kvwired::control::{ModelSource, Request};
-use kvwired::wire::{frame, parse, read_msg};
+use kvwire_client::control::{ModelSource, Request};
+use kvwire_client::wire::{frame, parse, read_msg};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -7,7 +7,7 @@ use kvwire_core::format::CacheFormat;
 use kvwire_core::manifest::Manifest;
 use kvwire_core::shard::LayoutSpec;
 use kvwired::peer::PeerMsg;
-use kvwired::wire::{frame, parse};
+use kvwire_client::wire::{frame, parse};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

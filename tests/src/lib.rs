@@ -8,6 +8,5 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod netns;
 pub mod scenario;
 pub mod tinylm;

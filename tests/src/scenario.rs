@@ -18,12 +18,9 @@ use kvwire_transport::device::{Device, DeviceMem};
 use kvwire_transport::HostMem;
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
-use kvwired::client::{Client, ClientError};
-use kvwired::control::*;
+use kvwire_client::client::{Client, ClientError};
+use kvwire_client::control::*;
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// What to run.
@@ -436,97 +433,4 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         end_to_end,
         prefill,
     })
-}
-
-/// A kvwired process started for a test or the demo; killed on drop.
-#[derive(Debug)]
-pub struct DaemonProc {
-    child: Child,
-    /// Control socket.
-    pub socket: PathBuf,
-    /// Peer-control address.
-    pub peer: String,
-    /// Data-plane address.
-    pub data: String,
-}
-
-impl DaemonProc {
-    /// The daemon's process id (for /proc figures and signals).
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-}
-
-impl Drop for DaemonProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// The `kvwired` binary next to the running executable (target/<profile>/).
-pub fn kvwired_bin() -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let mut dir = exe.parent().expect("exe dir").to_path_buf();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    let bin = dir.join("kvwired");
-    assert!(bin.exists(), "{} not found: build it first (cargo build -p kvwired)", bin.display());
-    bin
-}
-
-/// Starts `kvwired` with a config written into `dir`; `extra` is appended to it.
-pub fn start_daemon(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], extra: &str) -> DaemonProc {
-    start_daemon_in(None, "127.0.0.1", dir, node, secret, peers, extra)
-}
-
-/// [`start_daemon`] inside network namespace `netns` (via `ip netns exec`),
-/// listening on `ip` for peers and data.
-pub fn start_daemon_in(
-    netns: Option<&str>,
-    ip: &str,
-    dir: &Path,
-    node: &str,
-    secret: &str,
-    peers: &[(&str, &str)],
-    extra: &str,
-) -> DaemonProc {
-    let secret_file = dir.join(format!("{node}.secret"));
-    std::fs::write(&secret_file, secret).expect("write secret");
-    let socket = dir.join(format!("{node}.sock"));
-    let mut cfg = format!(
-        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"{ip}:0\"\nsecret_file = \"{}\"\n",
-        socket.display(),
-        secret_file.display()
-    );
-    for (name, addr) in peers {
-        cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
-    }
-    // Top-level keys of `extra` first; tables after, [transport] may be extended.
-    let (top, tables) = match extra.find('[') {
-        Some(i) => extra.split_at(i),
-        None => (extra, ""),
-    };
-    cfg = format!("{top}\n{cfg}");
-    if ip != "127.0.0.1" && !tables.contains("[transport]") {
-        cfg.push_str(&format!("[transport]\ntcp_listen = \"{ip}:0\"\n"));
-    }
-    cfg.push_str(tables);
-    let path = dir.join(format!("{node}.toml"));
-    std::fs::write(&path, cfg).expect("write config");
-    let mut cmd = match netns {
-        Some(ns) => {
-            let mut c = Command::new("ip");
-            c.args(["netns", "exec", ns]).arg(kvwired_bin());
-            c
-        }
-        None => Command::new(kvwired_bin()),
-    };
-    let mut child = cmd.arg("--config").arg(&path).stdout(Stdio::piped()).spawn().expect("spawn kvwired");
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("read ready line");
-    assert!(line.starts_with("kvwired ready"), "kvwired {node} did not start: {line:?}");
-    let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
-    DaemonProc { peer: field("peer="), data: field("data="), child, socket }
 }

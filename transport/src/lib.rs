@@ -33,6 +33,7 @@ pub mod placement;
 pub mod registry;
 pub mod shm;
 pub mod tcp;
+pub mod topology;
 pub mod verbs;
 
 pub use flags::FlagTable;

@@ -76,7 +76,7 @@ fn run(args: Args) -> anyhow::Result<()> {
     }
     let d = kvwired::server::Daemon::start(cfg)?;
     // Report where we listen, so scripts can wait for readiness.
-    println!("kvwired ready node={} peer={} data={}", d_node(&d), d.peer_addr(), d.data_addr());
+    println!("kvwired ready node={} peer={} data={}", d.node(), d.peer_addr(), d.data_addr());
     use std::io::Write as _;
     let _ = std::io::stdout().flush();
     let mut signals = nix::sys::signal::SigSet::empty();
@@ -87,8 +87,4 @@ fn run(args: Args) -> anyhow::Result<()> {
     tracing::info!(?sig, "shutting down");
     d.shutdown();
     Ok(())
-}
-
-fn d_node(d: &kvwired::server::Daemon) -> String {
-    format!("{d:?}").trim_start_matches("Daemon { node: \"").trim_end_matches("\" }").to_string()
 }

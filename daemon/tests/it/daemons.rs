@@ -8,8 +8,8 @@ use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::LayoutSpec;
 use kvwire_core::{verify, CacheFormat};
 use kvwire_transport::HostMem;
-use kvwired::client::{Client, ClientError};
-use kvwired::control::*;
+use kvwire_client::client::{Client, ClientError};
+use kvwire_client::control::*;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -410,7 +410,7 @@ fn a_client_touches_only_the_groups_and_transfers_it_registered() {
 #[test]
 fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
     use kvwired::peer::{connect_auth, PeerMsg};
-    use kvwired::wire::{read_msg, write_msg};
+    use kvwire_client::wire::{read_msg, write_msg};
     let dir = tmpdir("peerscope");
     let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
     let cb = Client::connect(&b.sock, "decode").unwrap();

@@ -5,8 +5,8 @@
 
 use crate::daemons::{identity_of, model, read_back, register, side, submit_to, tmpdir, Daemon, DST, SRC, WAIT};
 use kvwire_core::verify;
-use kvwired::client::{Client, ClientError};
-use kvwired::control::*;
+use kvwire_client::client::{Client, ClientError};
+use kvwire_client::control::*;
 use serde_json::{json, Value};
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};

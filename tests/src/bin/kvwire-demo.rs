@@ -6,7 +6,7 @@
 //! the staged pipeline (device → host → wire → device) is modelled too.
 
 use kvwire_e2e::scenario::{self, Scenario};
-use kvwired::client::Client;
+use kvwire_client::client::Client;
 use std::path::PathBuf;
 use std::process::ExitCode;
 

@@ -4,10 +4,11 @@
 //! are refused before any flag.
 
 use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
-use kvwire_e2e::scenario::{self, start_daemon, DaemonProc, Scenario, ScenarioError};
+use kvwire_e2e::scenario::{self, Scenario, ScenarioError};
+use kvwire_testkit::{start_daemon, DaemonProc};
 use kvwire_e2e::tinylm;
-use kvwired::client::Client;
-use kvwired::control::FlagName;
+use kvwire_client::client::Client;
+use kvwire_client::control::FlagName;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -209,16 +210,16 @@ fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
 #[test]
 fn daemons_on_two_hosts_in_network_namespaces() {
     let _shared = crate::shared();
-    use kvwire_e2e::netns;
+    use kvwire_testkit::netns;
     if !netns::available() {
         eprintln!("SKIPPED daemons_on_two_hosts_in_network_namespaces: needs root and iproute2");
         return;
     }
     let link = netns::Link::new("dmn").expect("namespaces");
     let d = dir("netns");
-    let b = scenario::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
+    let b = kvwire_testkit::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
     assert!(b.peer.starts_with(&link.a.ip), "{}", b.peer);
-    let a = scenario::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let a = kvwire_testkit::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a };
     assert_bitwise(&run(&p, &Scenario::new("netns")).unwrap());
 }
@@ -254,7 +255,7 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
     let _shared = crate::shared();
     use kvwire_core::reuse::CacheIdentity;
     use kvwire_transport::HostMem;
-    use kvwired::control::*;
+    use kvwire_client::control::*;
     let d = dir("dying");
     let b = start_daemon(&d, "decode-host", SECRET, &[], "");
     let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
@@ -441,8 +442,8 @@ fn fp8_codec_through_daemons_reports_compressed_bytes_and_stays_in_tolerance() {
 }
 
 /// Daemons on two namespace hosts; `shape` limits the source host's egress.
-fn netns_pair(tag: &str, shape: Option<&str>, extra: &str) -> Option<(kvwire_e2e::netns::Link, Pair)> {
-    use kvwire_e2e::netns;
+fn netns_pair(tag: &str, shape: Option<&str>, extra: &str) -> Option<(kvwire_testkit::netns::Link, Pair)> {
+    use kvwire_testkit::netns;
     if !netns::available() {
         eprintln!("SKIPPED {tag}: needs root and iproute2");
         return None;
@@ -452,8 +453,8 @@ fn netns_pair(tag: &str, shape: Option<&str>, extra: &str) -> Option<(kvwire_e2e
         link.b.shape(rate).expect("tc shaping");
     }
     let d = dir(tag);
-    let b = scenario::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], extra);
-    let a = scenario::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
+    let b = kvwire_testkit::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], extra);
+    let a = kvwire_testkit::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
     let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a };
     Some((link, p))
 }
@@ -513,7 +514,7 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
         sc.prefix = prefix;
         let o = run(&p, &sc).unwrap();
         assert_bitwise(&o);
-        let hop = |st: &kvwired::control::TransferStatus, name: &str| {
+        let hop = |st: &kvwire_client::control::TransferStatus, name: &str| {
             st.hops.iter().find(|h| h.hop == name).map(|h| h.bytes).unwrap_or_else(|| panic!("no `{name}` hop in {:?}", st.hops))
         };
         // Every byte the plan reads was staged to the host, every byte it
@@ -554,7 +555,7 @@ mod gpu {
     use kvwire_transport::device::cuda::{export, CudaDevice};
     use kvwire_transport::device::Device;
     use kvwire_transport::HostMem;
-    use kvwired::control::*;
+    use kvwire_client::control::*;
     use std::os::fd::AsFd;
     use std::sync::Arc;
     use std::time::{Duration, Instant};

@@ -7,12 +7,13 @@
 
 use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
 use kvwire_core::reuse::CacheIdentity;
-use kvwire_e2e::netns::{self, Host, Link};
-use kvwire_e2e::scenario::{self, start_daemon, start_daemon_in, DaemonProc, Scenario};
+use kvwire_testkit::netns::{self, Host, Link};
+use kvwire_e2e::scenario::{self, Scenario};
+use kvwire_testkit::{start_daemon, start_daemon_in, DaemonProc};
 use kvwire_transport::flags::WaitError;
 use kvwire_transport::HostMem;
-use kvwired::client::{Client, ClientError};
-use kvwired::control::*;
+use kvwire_client::client::{Client, ClientError};
+use kvwire_client::control::*;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -841,7 +842,7 @@ fn a_rail_device_that_does_not_exist_stops_the_daemon_by_name() {
         ),
     )
     .unwrap();
-    let out = std::process::Command::new(scenario::kvwired_bin()).arg("--config").arg(&cfg).output().unwrap();
+    let out = std::process::Command::new(kvwire_testkit::kvwired_bin()).arg("--config").arg(&cfg).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "kvwired started with a rail on a missing device");
     assert!(err.contains("no-such-nic9") && err.contains("rail0") && err.contains("lo"), "{err}");

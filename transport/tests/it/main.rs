@@ -5,9 +5,8 @@ mod accept;
 mod conformance;
 mod device;
 mod mem;
-#[path = "../../../tests/src/netns.rs"]
-#[allow(dead_code)] // shared with kvwire-e2e, which uses all of it
-mod netns;
 mod shm;
 mod tcp;
 mod verbs;
+
+use kvwire_testkit::netns;

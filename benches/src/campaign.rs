@@ -40,7 +40,7 @@
 //! `{"kind":"skipped",…}` object per transport that could not run), and
 //! three SVG plots drawn by [`crate::svg`].
 
-use crate::cli::{parse_size, Failure};
+use crate::{parse_size, Error};
 use crate::svg::{Anchor, Frame, Scale, Stroke, Svg, PALETTE};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
@@ -583,7 +583,7 @@ fn measure(t: Transport, size: u64, c: u32, s: &Settings) -> anyhow::Result<Poin
         }
         Transport::Shm => {}
         Transport::Verbs => {
-            let r = crate::bench::transport("verbs", size, s.iterations).context("ib_write_bw baseline (needs perftest)")?;
+            let r = crate::baseline::transport("verbs", size, s.iterations).context("ib_write_bw baseline (needs perftest)")?;
             baselines.push(Baseline { name: "ib_write_bw".into(), gbps: r.baseline_gbps });
         }
     }
@@ -680,14 +680,14 @@ fn socket_baseline(size: u64, c: u32, iters: u32) -> anyhow::Result<f64> {
 // ------------------------------------------------------------------ run
 
 /// Runs the campaign and renders it into `out`.
-pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Failure> {
-    let s = a.settings().map_err(Failure::BadInput)?;
-    std::fs::create_dir_all(&s.out).with_context(|| format!("--out {}: cannot create the directory", s.out.display())).map_err(Failure::BadInput)?;
+pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Error> {
+    let s = a.settings().map_err(Error::BadInput)?;
+    std::fs::create_dir_all(&s.out).with_context(|| format!("--out {}: cannot create the directory", s.out.display())).map_err(Error::BadInput)?;
     let jsonl_path = s.out.join("campaign.jsonl");
-    let mut jsonl = std::fs::File::create(&jsonl_path).with_context(|| format!("--out: cannot write {}", jsonl_path.display())).map_err(Failure::BadInput)?;
-    let mut line = |v: &dyn erased::Line, out: &mut String| -> Result<(), Failure> {
+    let mut jsonl = std::fs::File::create(&jsonl_path).with_context(|| format!("--out: cannot write {}", jsonl_path.display())).map_err(Error::BadInput)?;
+    let mut line = |v: &dyn erased::Line, out: &mut String| -> Result<(), Error> {
         let text = v.to_line();
-        writeln!(jsonl, "{text}").and_then(|()| jsonl.flush()).with_context(|| format!("write {}", jsonl_path.display())).map_err(Failure::Failed)?;
+        writeln!(jsonl, "{text}").and_then(|()| jsonl.flush()).with_context(|| format!("write {}", jsonl_path.display())).map_err(Error::Failed)?;
         if s.json {
             out.push_str(&text);
             out.push('\n');
@@ -712,7 +712,7 @@ pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Failure> {
                     done += n;
                     continue;
                 }
-                Err(e) => return Err(Failure::Failed(anyhow!(e).context("verbs endpoint"))),
+                Err(e) => return Err(Error::Failed(anyhow!(e).context("verbs endpoint"))),
             }
         }
         for &size in &s.sizes {
@@ -723,7 +723,7 @@ pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Failure> {
                 }
                 let p = measure(t, size, c, &s)
                     .with_context(|| format!("{} {} bytes, concurrency {c}", t.name(), size))
-                    .map_err(Failure::Failed)?;
+                    .map_err(Error::Failed)?;
                 line(&p, out)?;
                 points.push(p);
             }
@@ -736,7 +736,7 @@ pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Failure> {
     ];
     for (name, doc) in &plots {
         let p = s.out.join(name);
-        std::fs::write(&p, doc).with_context(|| format!("write {}", p.display())).map_err(Failure::Failed)?;
+        std::fs::write(&p, doc).with_context(|| format!("write {}", p.display())).map_err(Error::Failed)?;
     }
     if !s.json {
         render_table(&s, &points, &skipped, out);

@@ -52,7 +52,7 @@ impl Drop for TempFile {
     }
 }
 
-const LLAMA_8B: &str = include_str!("../../../config/models/llama-3.1-8b.json");
+const LLAMA_8B: &str = include_str!("../../../../config/models/llama-3.1-8b.json");
 
 /// The llama-3.1-8b config with `key` removed or replaced.
 fn llama_config_with(key: &str, value: Option<Value>) -> TempFile {

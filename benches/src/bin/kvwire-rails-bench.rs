@@ -11,11 +11,11 @@
 //! namespaces cannot be made (not root). Needs root and iproute2.
 
 use kvwire_core::reuse::CacheIdentity;
-use kvwire_e2e::netns::{self, Link};
-use kvwire_e2e::scenario::{start_daemon_in, DaemonProc};
+use kvwire_testkit::netns::{self, Link};
+use kvwire_testkit::{start_daemon_in, DaemonProc};
 use kvwire_transport::HostMem;
-use kvwired::client::Client;
-use kvwired::control::*;
+use kvwire_client::client::Client;
+use kvwire_client::control::*;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 

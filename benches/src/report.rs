@@ -9,7 +9,7 @@
 //! transfer simulator: every roof is a measured per-hop bandwidth
 //! (`bytes / sum_ns`), and the achieved rate is the campaign's `gbps_avg`.
 
-use crate::cli::Failure;
+use crate::Error;
 use anyhow::{anyhow, Context};
 use clap::Args;
 use serde::{Deserialize, Serialize};
@@ -156,8 +156,8 @@ pub fn num(v: f64) -> String {
 }
 
 /// `kvwire roofline`: validate, compute, render.
-pub fn roofline_cmd(a: RooflineArgs, out: &mut String) -> Result<(), Failure> {
-    let bad = |e: RooflineError| Failure::BadInput(e.into());
+pub fn roofline_cmd(a: RooflineArgs, out: &mut String) -> Result<(), Error> {
+    let bad = |e: RooflineError| Error::BadInput(e.into());
     let i = positive("--intensity", &a.intensity).map_err(bad)?;
     let b = positive("--bandwidth", &a.bandwidth).map_err(bad)?;
     let p = a.peak.as_deref().map(|t| positive("--peak", t)).transpose().map_err(bad)?;
@@ -820,25 +820,25 @@ fn check_out(path: &Path) -> anyhow::Result<()> {
 }
 
 /// `kvwire report --html --out FILE [--from CAMPAIGN.jsonl]`.
-pub fn report_cmd(a: ReportArgs, out: &mut String) -> Result<(), Failure> {
+pub fn report_cmd(a: ReportArgs, out: &mut String) -> Result<(), Error> {
     if !a.html {
-        return Err(Failure::BadInput(anyhow!("say which format to write: --html (the only one so far)")));
+        return Err(Error::BadInput(anyhow!("say which format to write: --html (the only one so far)")));
     }
-    check_out(&a.out).map_err(Failure::BadInput)?;
+    check_out(&a.out).map_err(Error::BadInput)?;
     let (campaign, source) = match &a.from {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read --from {}", path.display()))
-                .map_err(Failure::BadInput)?;
-            let c = parse_campaign(&text).with_context(|| format!("campaign file {}", path.display())).map_err(Failure::BadInput)?;
+                .map_err(Error::BadInput)?;
+            let c = parse_campaign(&text).with_context(|| format!("campaign file {}", path.display())).map_err(Error::BadInput)?;
             (c, path.display().to_string())
         }
         None => {
             let dir = a.out.with_extension("campaign");
-            let (text, table) = default_campaign(&dir).map_err(Failure::Failed)?;
+            let (text, table) = default_campaign(&dir).map_err(Error::Failed)?;
             out.push_str(&table);
             let jsonl = dir.join("campaign.jsonl");
-            let c = parse_campaign(&text).with_context(|| format!("the default campaign's {}", jsonl.display())).map_err(Failure::Failed)?;
+            let c = parse_campaign(&text).with_context(|| format!("the default campaign's {}", jsonl.display())).map_err(Error::Failed)?;
             (c, jsonl.display().to_string())
         }
     };
@@ -846,7 +846,7 @@ pub fn report_cmd(a: ReportArgs, out: &mut String) -> Result<(), Failure> {
     let tmp = a.out.with_extension("html.tmp");
     if let Err(e) = std::fs::write(&tmp, &page).and_then(|()| std::fs::rename(&tmp, &a.out)) {
         let _ = std::fs::remove_file(&tmp);
-        return Err(Failure::Failed(anyhow!(e).context(format!("cannot write --out {}", a.out.display()))));
+        return Err(Error::Failed(anyhow!(e).context(format!("cannot write --out {}", a.out.display()))));
     }
     let _ = writeln!(out, "wrote {} ({} points, {} bytes) from {source}", a.out.display(), campaign.points.len(), page.len());
     Ok(())

@@ -4,7 +4,7 @@
 //! table prints each point's GB/s, and which escapes what it inserts.
 //! (scripts/report-check drives the page itself in headless Chromium.)
 
-use kvwired::report::{self, CampaignError};
+use kvwire_bench::report::{self, CampaignError};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};

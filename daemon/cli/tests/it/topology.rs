@@ -1,9 +1,9 @@
 //! Topology from sysfs: the fixtures of a DGX-H100-like host and a soft-RoCE
-//! VM (daemon/tests/fixtures/sysfs, see its README), this machine's own `/`,
+//! VM (daemon/cli/tests/fixtures/sysfs, see its README), this machine's own `/`,
 //! the topology file's override and its loud refusal, and `move_pages(2)`.
 
 use kvwire_core::topology::{rank, DeviceKind, HostTopology, Locality, MemPlace, PciAddr, TopologyFileError};
-use kvwired::topology::{load_topology_file, numa_node_of, read_sysfs, TopologyError};
+use kvwire_transport::topology::{load_topology_file, numa_node_of, read_sysfs, TopologyError};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 

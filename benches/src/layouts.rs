@@ -4,11 +4,11 @@
 //! transport), timed from submit until `decoder_usable` is seen, next to a
 //! raw socket streaming the same payload in the same run.
 
-use crate::cli::Failure;
-use crate::client::Client;
-use crate::config::{Config, PeerConfig, TransportKind};
-use crate::control::*;
-use crate::server::Daemon;
+use crate::Error;
+use kvwire_client::control::*;
+use kvwire_client::Client;
+use kvwire_testkit::{try_start_daemon_in, DaemonProc, TempDir};
+use std::io::Read as _;
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use kvwire_core::layout::{self, ModelSpec};
@@ -21,7 +21,6 @@ use kvwire_transport::HostMem;
 use serde::Serialize;
 use std::fmt::Write as _;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Arguments of `kvwire bench layouts`.
@@ -92,8 +91,8 @@ pub struct LayoutPoint {
     pub bounding: Option<String>,
 }
 
-fn bad(flag: &str, why: impl std::fmt::Display) -> Failure {
-    Failure::BadInput(anyhow!("--{flag}: {why}"))
+fn bad(flag: &str, why: impl std::fmt::Display) -> Error {
+    Error::BadInput(anyhow!("--{flag}: {why}"))
 }
 
 fn identity(format: &CacheFormat) -> CacheIdentity {
@@ -107,36 +106,31 @@ fn identity(format: &CacheFormat) -> CacheIdentity {
     }
 }
 
+/// Two kvwired processes on loopback, `bench-a` (source) peered with
+/// `bench-b`; both killed, and their directory removed, on drop.
 struct Pair {
-    dir: PathBuf,
-    a: Arc<Daemon>,
-    b: Arc<Daemon>,
+    a: DaemonProc,
+    b: DaemonProc,
+    _dir: TempDir,
 }
 
-impl Drop for Pair {
-    fn drop(&mut self) {
-        self.a.shutdown();
-        self.b.shutdown();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn daemons(kind: TransportKind) -> anyhow::Result<Pair> {
-    let dir = std::env::temp_dir().join(format!("kvwire-layouts-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let secret = dir.join("secret");
-    std::fs::write(&secret, crate::peer::nonce().iter().map(|b| format!("{b:02x}")).collect::<String>())?;
-    let cfg = |node: &str| {
-        let mut c = Config { node: node.into(), control_socket: dir.join(format!("{node}.sock")), secret_file: Some(secret.clone()), ..Config::default() };
-        c.peer_listen = "127.0.0.1:0".into();
-        c.transport.kind = kind;
-        c
+fn daemons(transport: &str) -> anyhow::Result<Pair> {
+    let dir = TempDir::try_new("layouts").map_err(|e| anyhow!(e))?;
+    let secret = random_secret()?;
+    let extra = format!("[transport]\nkind = \"{transport}\"\n");
+    let start = |node: &str, peers: &[(&str, &str)]| {
+        try_start_daemon_in(None, "127.0.0.1", dir.path(), node, &secret, peers, &extra).map_err(|e| anyhow!(e))
     };
-    let b = Daemon::start(cfg("bench-b"))?;
-    let mut ca = cfg("bench-a");
-    ca.peers.push(PeerConfig { name: "bench-b".into(), address: b.peer_addr().into() });
-    let a = Daemon::start(ca)?;
-    Ok(Pair { dir, a, b })
+    let b = start("bench-b", &[])?;
+    let a = start("bench-a", &[("bench-b", &b.peer)])?;
+    Ok(Pair { a, b, _dir: dir })
+}
+
+/// A fresh cluster secret for the bench's own pair of daemons.
+fn random_secret() -> anyhow::Result<String> {
+    let mut b = [0u8; 16];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).context("read /dev/urandom")?;
+    Ok(b.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn register(c: &Client, group: &str, model: &str, format: &CacheFormat, layout: &str, side: &Side, m: &ModelSpec) -> anyhow::Result<Vec<HostMem>> {
@@ -162,12 +156,11 @@ fn register(c: &Client, group: &str, model: &str, format: &CacheFormat, layout: 
 }
 
 /// Runs the sweep.
-pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Failure> {
+pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
     let model = layout::builtin(&a.model).map_err(|e| bad("model", e))?;
     let format = CacheFormat::parse(&a.format).map_err(|e| bad("format", e))?;
     let kind = match a.transport.as_str() {
-        "tcp" => TransportKind::Tcp,
-        "shm" => TransportKind::Shm,
+        k @ ("tcp" | "shm") => k,
         other => return Err(bad("transport", format!("`{other}`: expected tcp or shm"))),
     };
     if a.iterations == 0 {
@@ -183,11 +176,11 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Failure> {
         LayoutSpec::parse(d).map_err(|e| bad("pairs", e))?;
         pairs.push((s.to_string(), d.to_string()));
     }
-    let points = sweep(&a, &model, &format, kind, &pairs).map_err(Failure::Failed)?;
-    std::fs::create_dir_all(&a.out).map_err(|e| Failure::Failed(anyhow!("--out {}: {e}", a.out.display())))?;
+    let points = sweep(&a, &model, &format, kind, &pairs).map_err(Error::Failed)?;
+    std::fs::create_dir_all(&a.out).map_err(|e| Error::Failed(anyhow!("--out {}: {e}", a.out.display())))?;
     let jsonl: String = points.iter().map(|p| serde_json::to_string(p).expect("points serialize") + "\n").collect();
     let path = a.out.join("layouts.jsonl");
-    std::fs::write(&path, &jsonl).map_err(|e| Failure::Failed(anyhow!("{}: {e}", path.display())))?;
+    std::fs::write(&path, &jsonl).map_err(|e| Error::Failed(anyhow!("{}: {e}", path.display())))?;
     if a.json {
         out.push_str(&jsonl);
         return Ok(());
@@ -219,10 +212,10 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Failure> {
     Ok(())
 }
 
-fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: TransportKind, pairs: &[(String, String)]) -> anyhow::Result<Vec<LayoutPoint>> {
+fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: &str, pairs: &[(String, String)]) -> anyhow::Result<Vec<LayoutPoint>> {
     let d = daemons(kind).context("starting two daemons")?;
-    let ca = Client::connect(&d.a_socket(), "bench-prefill")?;
-    let cb = Client::connect(&d.b_socket(), "bench-decode")?;
+    let ca = Client::connect(&d.a.socket, "bench-prefill")?;
+    let cb = Client::connect(&d.b.socket, "bench-decode")?;
     let mut points = Vec::new();
     for (pi, (src_l, dst_l)) in pairs.iter().enumerate() {
         for &tokens in &a.tokens {
@@ -269,7 +262,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 .collect();
             let bounding = predict(&stages, model.layers.len() as u64, 0).bounding;
             let payload = s.bytes;
-            let base = crate::bench::tcp_baseline(payload.max(1), a.iterations)?;
+            let base = crate::baseline::tcp_baseline(payload.max(1), a.iterations)?;
             let base_ns = base.iter().min().map_or(1, |d| d.as_nanos() as u64).max(1);
             let gbps = payload as f64 / best_ns as f64;
             let baseline_gbps = payload as f64 / base_ns as f64;
@@ -301,12 +294,3 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
     Ok(points)
 }
 
-impl Pair {
-    fn a_socket(&self) -> PathBuf {
-        self.dir.join("bench-a.sock")
-    }
-
-    fn b_socket(&self) -> PathBuf {
-        self.dir.join("bench-b.sock")
-    }
-}

@@ -1,6 +1,13 @@
 //! The `kvwire` command line: raw arguments (clap) → validated settings → run → render.
+//! It owns [`Failure`] and the exit codes; the benches and reports come from
+//! kvwire-bench, the stats from kvwire-client, and none of it links the daemon.
 
-use crate::promtext;
+#![warn(missing_docs)]
+
+mod topology;
+
+use kvwire_bench::parse_size;
+use kvwire_client::promtext;
 use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
 use kvwire_core::layout::{self, Inventory};
@@ -37,9 +44,9 @@ enum Command {
     /// endpoint (`--metrics`) or its control socket (`--socket`).
     Stats(StatsArgs),
     /// The roofline: attainable rate min(P, I × B), and which roof binds.
-    Roofline(crate::report::RooflineArgs),
+    Roofline(kvwire_bench::report::RooflineArgs),
     /// One self-contained HTML page from a campaign: table, plots and the ceiling lab.
-    Report(crate::report::ReportArgs),
+    Report(kvwire_bench::report::ReportArgs),
     /// This host's RDMA devices, netdevs and GPUs (NUMA node, PCI path), and
     /// for each GPU and NUMA node the rails in preference order.
     Topology(crate::topology::TopologyArgs),
@@ -64,9 +71,9 @@ enum BenchCommand {
     /// One-sided write throughput of a transport against its baseline.
     Transport(BenchTransportArgs),
     /// A sweep over transports, sizes and concurrency: table, JSONL and SVG plots.
-    Campaign(crate::campaign::CampaignArgs),
+    Campaign(kvwire_bench::campaign::CampaignArgs),
     /// A sweep over real models' token counts and layout pairs, through two daemons.
-    Layouts(crate::layouts::LayoutsArgs),
+    Layouts(kvwire_bench::layouts::LayoutsArgs),
 }
 
 #[derive(Debug, Args)]
@@ -83,22 +90,6 @@ struct BenchTransportArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-}
-
-/// `64M` → 67108864.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim().trim_end_matches("iB").trim_end_matches('B');
-    let (num, mult) = match t.chars().last() {
-        Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
-        Some('M' | 'm') => (&t[..t.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&t[..t.len() - 1], 1 << 30),
-        _ => (t, 1),
-    };
-    num.parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(mult))
-        .filter(|&n| n > 0)
-        .ok_or_else(|| format!("`{s}` is not a positive size like 4096, 64K, 64M or 1G"))
 }
 
 #[derive(Debug, Args)]
@@ -180,6 +171,15 @@ impl Failure {
     }
 }
 
+impl From<kvwire_bench::Error> for Failure {
+    fn from(e: kvwire_bench::Error) -> Failure {
+        match e {
+            kvwire_bench::Error::BadInput(e) => Failure::BadInput(e),
+            kvwire_bench::Error::Failed(e) => Failure::Failed(e),
+        }
+    }
+}
+
 fn bad<E: Into<anyhow::Error>>(e: E) -> Failure {
     Failure::BadInput(e.into())
 }
@@ -228,7 +228,7 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
             Ok(())
         }
         Command::Bench(BenchCommand::Transport(a)) => {
-            let r = crate::bench::transport(&a.transport, a.size, a.iterations).map_err(Failure::Failed)?;
+            let r = kvwire_bench::baseline::transport(&a.transport, a.size, a.iterations).map_err(Failure::Failed)?;
             if a.json {
                 out.push_str(&serde_json::to_string_pretty(&r).expect("bench result serializes"));
                 out.push('\n');
@@ -241,11 +241,11 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
             }
             Ok(())
         }
-        Command::Bench(BenchCommand::Campaign(a)) => crate::campaign::run(a, out),
-        Command::Bench(BenchCommand::Layouts(a)) => crate::layouts::run(a, out),
+        Command::Bench(BenchCommand::Campaign(a)) => kvwire_bench::campaign::run(a, out).map_err(Failure::from),
+        Command::Bench(BenchCommand::Layouts(a)) => kvwire_bench::layouts::run(a, out).map_err(Failure::from),
         Command::Stats(a) => stats(a, out),
-        Command::Roofline(a) => crate::report::roofline_cmd(a, out),
-        Command::Report(a) => crate::report::report_cmd(a, out),
+        Command::Roofline(a) => kvwire_bench::report::roofline_cmd(a, out).map_err(Failure::from),
+        Command::Report(a) => kvwire_bench::report::report_cmd(a, out).map_err(Failure::from),
         Command::Topology(a) => crate::topology::topology_cmd(a, out),
         Command::Formats => {
             for f in kvwire_core::format::FORMATS {
@@ -420,7 +420,7 @@ fn stats(a: StatsArgs, out: &mut String) -> Result<(), Failure> {
     let (source, text) = match (&a.metrics, &a.socket) {
         (Some(addr), _) => (format!("http://{addr}/metrics"), fetch_metrics(addr)?),
         (None, Some(path)) => {
-            let c = crate::client::Client::connect(path, "kvwire-stats")
+            let c = kvwire_client::Client::connect(path, "kvwire-stats")
                 .with_context(|| format!("cannot connect to kvwired's control socket {}", path.display()))
                 .map_err(Failure::Failed)?;
             let text = c.stats().with_context(|| format!("stats from control socket {}", path.display())).map_err(Failure::Failed)?;

@@ -1,0 +1,201 @@
+//! kvwire's test support, shared by every crate's tests, the demo and the
+//! benches: temporary directories, free ports, the workspace's binaries,
+//! kvwired processes, and network-namespace hosts ([`netns`]).
+//!
+//! It depends on none of kvwire's crates, so any of them can use it as a
+//! dev-dependency without a cycle.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod netns;
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+
+/// A fresh directory under the temp dir, removed on drop.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// Creates `kvwire-TAG-PID-NANOS` under the temp dir (unique per call).
+    pub fn new(tag: &str) -> TempDir {
+        TempDir::try_new(tag).expect("create a temporary directory")
+    }
+
+    /// [`TempDir::new`], with the failure as text.
+    pub fn try_new(tag: &str) -> Result<TempDir, String> {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        let p = std::env::temp_dir().join(format!("kvwire-{tag}-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+        Ok(TempDir(p))
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+
+    /// The directory as text (panics on a non-UTF-8 temp dir).
+    pub fn as_str(&self) -> &str {
+        self.0.to_str().expect("temp dir is UTF-8")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A loopback TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("bind 127.0.0.1:0").port()
+}
+
+/// `127.0.0.1:PORT` with a port that was free a moment ago.
+pub fn free_addr() -> String {
+    format!("127.0.0.1:{}", free_port())
+}
+
+/// The workspace binary `name` next to the running executable
+/// (target/<profile>/), or why it is not there.
+pub fn find_bin(name: &str) -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current exe: {e}"))?;
+    let mut dir = exe.parent().ok_or("the executable has no directory")?.to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let bin = dir.join(name);
+    if bin.exists() {
+        Ok(bin)
+    } else {
+        Err(format!("{} not found: build it first (cargo build --bins)", bin.display()))
+    }
+}
+
+/// [`find_bin`], panicking when it is missing (tests).
+pub fn bin(name: &str) -> PathBuf {
+    find_bin(name).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The `kvwired` binary next to the running executable.
+pub fn kvwired_bin() -> PathBuf {
+    bin("kvwired")
+}
+
+/// Runs the `kvwire` CLI with `args` and collects its output.
+pub fn kvwire(args: &[&str]) -> Output {
+    Command::new(bin("kvwire")).args(args).output().expect("run kvwire")
+}
+
+/// A kvwired process started for a test, a bench or the demo; killed on drop.
+#[derive(Debug)]
+pub struct DaemonProc {
+    child: Child,
+    /// Its node name.
+    pub node: String,
+    /// Control socket.
+    pub socket: PathBuf,
+    /// Peer-control address.
+    pub peer: String,
+    /// Data-plane address.
+    pub data: String,
+}
+
+impl DaemonProc {
+    /// The daemon's process id (for /proc figures and signals).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The process itself (to signal it or wait for its exit).
+    pub fn child(&mut self) -> &mut Child {
+        &mut self.child
+    }
+}
+
+impl Drop for DaemonProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `kvwired` with a config written into `dir`; `extra` is added to it
+/// (its top-level keys first, its tables last).
+pub fn start_daemon(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], extra: &str) -> DaemonProc {
+    start_daemon_in(None, "127.0.0.1", dir, node, secret, peers, extra)
+}
+
+/// [`start_daemon`] inside network namespace `netns` (via `ip netns exec`),
+/// listening on `ip` for peers and data.
+pub fn start_daemon_in(
+    netns: Option<&str>,
+    ip: &str,
+    dir: &Path,
+    node: &str,
+    secret: &str,
+    peers: &[(&str, &str)],
+    extra: &str,
+) -> DaemonProc {
+    try_start_daemon_in(netns, ip, dir, node, secret, peers, extra).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// [`start_daemon_in`], with the failure as text instead of a panic.
+pub fn try_start_daemon_in(
+    netns: Option<&str>,
+    ip: &str,
+    dir: &Path,
+    node: &str,
+    secret: &str,
+    peers: &[(&str, &str)],
+    extra: &str,
+) -> Result<DaemonProc, String> {
+    let secret_file = dir.join(format!("{node}.secret"));
+    std::fs::write(&secret_file, secret).map_err(|e| format!("write {}: {e}", secret_file.display()))?;
+    let socket = dir.join(format!("{node}.sock"));
+    let mut cfg = format!(
+        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"{ip}:0\"\nsecret_file = \"{}\"\n",
+        socket.display(),
+        secret_file.display()
+    );
+    for (name, addr) in peers {
+        cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
+    }
+    // Top-level keys of `extra` first; tables after, [transport] may be extended.
+    let (top, tables) = match extra.find('[') {
+        Some(i) => extra.split_at(i),
+        None => (extra, ""),
+    };
+    cfg = format!("{top}\n{cfg}");
+    if ip != "127.0.0.1" && !tables.contains("[transport]") {
+        cfg.push_str(&format!("[transport]\ntcp_listen = \"{ip}:0\"\n"));
+    }
+    cfg.push_str(tables);
+    let path = dir.join(format!("{node}.toml"));
+    std::fs::write(&path, cfg).map_err(|e| format!("write {}: {e}", path.display()))?;
+    let kvwired = find_bin("kvwired")?;
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns]).arg(kvwired);
+            c
+        }
+        None => Command::new(kvwired),
+    };
+    let mut child = cmd.arg("--config").arg(&path).stdout(Stdio::piped()).spawn().map_err(|e| format!("spawn kvwired: {e}"))?;
+    let mut line = String::new();
+    let mut out = BufReader::new(child.stdout.take().expect("stdout is piped"));
+    let _ = out.read_line(&mut line);
+    if !line.starts_with("kvwired ready") {
+        let _ = out.read_to_string(&mut line);
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(format!("kvwired {node} did not start: {line:?}"));
+    }
+    let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
+    Ok(DaemonProc { peer: field("peer="), data: field("data="), node: node.into(), child, socket })
+}
