@@ -27,6 +27,7 @@ pub mod accept;
 pub mod device;
 pub mod flags;
 mod hello;
+mod ledger;
 pub mod mem;
 pub mod metrics;
 pub mod placement;
@@ -176,6 +177,22 @@ pub trait Connection: Send {
     /// reordered or timed-out segments). Transports that cannot see their
     /// retransmissions report 0.
     fn retransmitted_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Bytes of framing this connection sent for its writes so far:
+    /// everything it put on the link besides payload, counted as it went
+    /// out — TCP frame headers, shm write requests (header and trailer),
+    /// verbs write notes. The handshake is not counted. Cumulative, so a
+    /// caller takes the difference around a transfer.
+    fn framing_bytes(&self) -> u64 {
+        0
+    }
+
+    /// Bytes the peer sent back in answer to this connection's writes so
+    /// far (`Ack` headers, `Nack` headers and reasons); 0 where writes are
+    /// not answered (verbs). Cumulative.
+    fn answer_bytes(&self) -> u64 {
         0
     }
 

@@ -67,10 +67,11 @@ use crate::placement::Placement;
 use crate::registry::Registry;
 use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::hello;
+use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{FrameError, Header, Hello, Kind, Tag, HEADER_LEN};
+use kvwire_core::protocol::{FrameError, Header, Hello, Kind, HEADER_LEN};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fs::File;
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -560,20 +561,11 @@ fn read_header(rd: &mut FdReader, max_write: u64) -> Result<Header, Either> {
 /// What the initiator's reader thread saw.
 #[derive(Debug)]
 enum Event {
-    /// Write `seq` placed (or refused with the reason), answered at `at`.
-    Answer { seq: u64, refused: Option<String>, at: Instant },
+    /// Write `seq` placed (or refused with the reason), answered at `at`
+    /// in `bytes` on the link.
+    Answer { seq: u64, refused: Option<String>, at: Instant, bytes: u64 },
     /// The connection ended.
     Closed { reason: String },
-}
-
-/// A batch waiting for its answers.
-#[derive(Debug)]
-struct Outstanding {
-    tag: Tag,
-    bytes: u64,
-    left: usize,
-    error: Option<TransportError>,
-    posted_at: Instant,
 }
 
 /// The initiating side of an shm connection.
@@ -586,13 +578,32 @@ pub struct ShmConnection {
     /// Source keys whose memfd the peer already holds.
     shared: HashSet<u32>,
     next_seq: u64,
-    next_batch: u64,
-    seqs: HashMap<u64, BatchId>,
-    batches: BTreeMap<BatchId, Outstanding>,
-    ready: Vec<Completion>,
+    ledger: Ledger,
     events: mpsc::Receiver<Event>,
     closed: Option<String>,
     reader: Option<JoinHandle<()>>,
+    framing: u64,
+    answers: u64,
+}
+
+/// Reads the destination's answers until the connection ends.
+fn read_answers(mut rd: UnixStream, tx: mpsc::Sender<Event>) {
+    loop {
+        let ev = match hello::read_frame(&mut rd, 0, "receive answer") {
+            Ok((h, p)) if matches!(h.kind, Kind::Ack | Kind::Nack) => Event::Answer {
+                seq: h.seq,
+                refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&p).into_owned()),
+                at: Instant::now(),
+                bytes: (HEADER_LEN + p.len()) as u64,
+            },
+            Ok((h, _)) => Event::Closed { reason: format!("unexpected {:?} frame", h.kind) },
+            Err(e) => Event::Closed { reason: e.to_string() },
+        };
+        let closed = matches!(ev, Event::Closed { .. });
+        if tx.send(ev).is_err() || closed {
+            return;
+        }
+    }
 }
 
 impl ShmConnection {
@@ -611,80 +622,52 @@ impl ShmConnection {
         }
         stream.set_read_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
         stream.set_write_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
-        let mut rd = stream.try_clone().map_err(TransportError::io("clone shm socket"))?;
+        let rd = stream.try_clone().map_err(TransportError::io("clone shm socket"))?;
         let (tx, events) = mpsc::channel();
         let reader = std::thread::Builder::new()
             .name("kvwire-shm-acks".into())
-            .spawn(move || loop {
-                let ev = match hello::read_frame(&mut rd, 0, "receive answer").map_err(|e| e.to_string()) {
-                    Ok((h, _)) if h.kind == Kind::Ack => Event::Answer { seq: h.seq, refused: None, at: Instant::now() },
-                    Ok((h, p)) if h.kind == Kind::Nack => {
-                        Event::Answer { seq: h.seq, refused: Some(String::from_utf8_lossy(&p).into_owned()), at: Instant::now() }
-                    }
-                    Ok((h, _)) => Event::Closed { reason: format!("unexpected {:?} frame", h.kind) },
-                    Err(reason) => Event::Closed { reason },
-                };
-                let closed = matches!(ev, Event::Closed { .. });
-                if tx.send(ev).is_err() || closed {
-                    return;
-                }
-            })
+            .spawn(move || read_answers(rd, tx))
             .map_err(TransportError::io("spawn shm ack reader"))?;
         Ok(ShmConnection {
             stream,
             remote,
             registry,
+            ledger: Ledger::new(hops.clone(), 0),
             hops,
             shared: HashSet::new(),
             next_seq: 0,
-            next_batch: 0,
-            seqs: HashMap::new(),
-            batches: BTreeMap::new(),
-            ready: Vec::new(),
             events,
             closed: None,
             reader: Some(reader),
+            framing: 0,
+            answers: 0,
         })
     }
 
     fn on_event(&mut self, ev: Event) {
         match ev {
-            Event::Answer { seq, refused, at } => {
-                let Some(id) = self.seqs.remove(&seq) else {
+            Event::Answer { seq, refused, at, bytes } => {
+                self.answers += bytes;
+                if let Err(UnknownPart(seq)) = self.ledger.answer(seq, refused.map_or(Ok(()), |r| Err(TransportError::Refused(r))), at) {
                     self.close(format!("peer answered write {seq}, which is not outstanding"));
-                    return;
-                };
-                let Some(b) = self.batches.get_mut(&id) else { return };
-                b.left -= 1;
-                if let (Some(r), None) = (refused, &b.error) {
-                    b.error = Some(TransportError::Refused(r));
-                }
-                if b.left == 0 {
-                    let b = self.batches.remove(&id).expect("batch present");
-                    if b.error.is_none() {
-                        self.hops.record(Hop::Wire, at.saturating_duration_since(b.posted_at), b.bytes);
-                    }
-                    self.ready.push(Completion { batch: id, tag: b.tag, bytes: b.bytes, result: b.error.map_or(Ok(()), Err) });
                 }
             }
             Event::Closed { reason } => self.close(reason),
         }
     }
 
-    /// Fails every outstanding batch: the peer is gone.
+    /// Fails every outstanding batch: the peer is gone, or the stream
+    /// lost sync.
     fn close(&mut self, reason: String) {
         if self.closed.is_some() {
             return;
         }
-        let pending = self.batches.len();
+        let pending = self.ledger.waiting();
         if pending > 0 {
             tracing::warn!(peer = %self.remote.node, %reason, pending, "shm connection closed with batches outstanding");
         }
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        self.seqs.clear();
-        for (id, b) in std::mem::take(&mut self.batches) {
-            self.ready.push(Completion { batch: id, tag: b.tag, bytes: b.bytes, result: Err(TransportError::PeerClosed { pending }) });
-        }
+        self.ledger.close(|pending| TransportError::PeerClosed { pending });
         self.closed = Some(reason);
     }
 
@@ -699,6 +682,55 @@ impl ShmConnection {
                 }
             }
         }
+    }
+
+    /// Checks every source first: a refused post sends nothing.
+    fn sources(&self, batch: &Batch) -> Result<Vec<Arc<crate::Region>>, TransportError> {
+        let mut srcs = Vec::with_capacity(batch.writes.len());
+        for w in &batch.writes {
+            let region = self.registry.get(w.src_key).ok_or_else(|| TransportError::Source(format!("no local region has key {:#010x}", w.src_key)))?;
+            match w.src_offset.checked_add(w.len) {
+                Some(end) if end <= region.len => {}
+                _ => {
+                    return Err(TransportError::Source(format!(
+                        "read of {} bytes at offset {} exceeds local region {:#010x} of {} bytes",
+                        w.len, w.src_offset, w.src_key, region.len
+                    )))
+                }
+            }
+            srcs.push(region);
+        }
+        Ok(srcs)
+    }
+
+    /// The write requests of `batch` (parts of `id`), in pieces that each
+    /// carry at most SCM_MAX_FD memfds, and the source keys they share.
+    fn requests(&mut self, id: BatchId, batch: &Batch, srcs: &[Arc<crate::Region>]) -> (Vec<(Vec<u8>, Vec<RawFd>)>, HashSet<u32>) {
+        let mut newly = HashSet::new();
+        let mut pieces: Vec<(Vec<u8>, Vec<RawFd>)> = vec![(Vec::new(), Vec::new())];
+        for (w, region) in batch.writes.iter().zip(srcs) {
+            let share = !self.shared.contains(&w.src_key) && newly.insert(w.src_key);
+            if share && pieces.last().is_some_and(|p| p.1.len() == SCM_MAX_FD) {
+                pieces.push((Vec::new(), Vec::new()));
+            }
+            let piece = pieces.last_mut().expect("one piece");
+            let seq = self.next_seq;
+            self.next_seq += 1;
+            let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset, len: TRAILER_LEN };
+            piece.0.extend_from_slice(&h.encode());
+            piece.0.extend_from_slice(&w.src_key.to_le_bytes());
+            piece.0.extend_from_slice(&u32::from(share).to_le_bytes());
+            let (win_offset, win_len) = if share { (region.offset, region.len) } else { (0, 0) };
+            piece.0.extend_from_slice(&win_offset.to_le_bytes());
+            piece.0.extend_from_slice(&win_len.to_le_bytes());
+            piece.0.extend_from_slice(&w.src_offset.to_le_bytes());
+            piece.0.extend_from_slice(&w.len.to_le_bytes());
+            if share {
+                piece.1.push(region.mem.fd().as_raw_fd());
+            }
+            self.ledger.part(id, seq);
+        }
+        (pieces, newly)
     }
 
     /// Sends `buf` with `fds` attached to its first byte.
@@ -736,74 +768,24 @@ impl Connection for ShmConnection {
         let started = Instant::now();
         self.drain();
         if self.closed.is_some() {
-            return Err(TransportError::PeerClosed { pending: self.batches.len() });
+            return Err(TransportError::PeerClosed { pending: self.ledger.waiting() });
         }
-        // Check every source first: a refused post sends nothing.
-        let mut srcs = Vec::with_capacity(batch.writes.len());
-        for w in &batch.writes {
-            let region = self.registry.get(w.src_key).ok_or_else(|| TransportError::Source(format!("no local region has key {:#010x}", w.src_key)))?;
-            match w.src_offset.checked_add(w.len) {
-                Some(end) if end <= region.len => {}
-                _ => {
-                    return Err(TransportError::Source(format!(
-                        "read of {} bytes at offset {} exceeds local region {:#010x} of {} bytes",
-                        w.len, w.src_offset, w.src_key, region.len
-                    )))
-                }
-            }
-            srcs.push(region);
-        }
-        let id = BatchId(self.next_batch);
-        self.next_batch += 1;
+        let srcs = self.sources(&batch)?;
         let bytes = batch.bytes();
-        if batch.writes.is_empty() {
-            self.ready.push(Completion { batch: id, tag: batch.tag, bytes: 0, result: Ok(()) });
-            self.hops.record(Hop::Post, started.elapsed(), 0);
-            return Ok(id);
-        }
-
-        // Requests, in pieces that each carry at most SCM_MAX_FD memfds.
-        let mut newly = HashSet::new();
-        let mut pieces: Vec<(Vec<u8>, Vec<RawFd>)> = vec![(Vec::new(), Vec::new())];
-        let first_seq = self.next_seq;
-        for (w, region) in batch.writes.iter().zip(&srcs) {
-            let share = !self.shared.contains(&w.src_key) && newly.insert(w.src_key);
-            if share && pieces.last().is_some_and(|p| p.1.len() == SCM_MAX_FD) {
-                pieces.push((Vec::new(), Vec::new()));
-            }
-            let piece = pieces.last_mut().expect("one piece");
-            let seq = self.next_seq;
-            self.next_seq += 1;
-            let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset, len: TRAILER_LEN };
-            piece.0.extend_from_slice(&h.encode());
-            piece.0.extend_from_slice(&w.src_key.to_le_bytes());
-            piece.0.extend_from_slice(&u32::from(share).to_le_bytes());
-            let (win_offset, win_len) = if share { (region.offset, region.len) } else { (0, 0) };
-            piece.0.extend_from_slice(&win_offset.to_le_bytes());
-            piece.0.extend_from_slice(&win_len.to_le_bytes());
-            piece.0.extend_from_slice(&w.src_offset.to_le_bytes());
-            piece.0.extend_from_slice(&w.len.to_le_bytes());
-            if share {
-                piece.1.push(region.mem.fd().as_raw_fd());
-            }
-        }
-        for seq in first_seq..self.next_seq {
-            self.seqs.insert(seq, id);
-        }
-        self.batches.insert(id, Outstanding { tag: batch.tag, bytes, left: batch.writes.len(), error: None, posted_at: started });
+        let id = self.ledger.begin(batch.tag, bytes, started, ());
+        let (pieces, newly) = self.requests(id, &batch, &srcs);
         // `srcs` keeps every shared memfd open until sent.
         for (buf, fds) in &pieces {
             if let Err(e) = self.send(buf, fds) {
                 // The peer is gone (a blocking Unix socket fails no other way):
                 // it reads none of this batch's sources any more.
-                for seq in first_seq..self.next_seq {
-                    self.seqs.remove(&seq);
-                }
-                self.batches.remove(&id);
+                self.ledger.withdraw(id);
                 self.close(e.to_string());
                 return Err(e);
             }
+            self.framing += buf.len() as u64;
         }
+        self.ledger.seal(id, None);
         self.shared.extend(newly);
         self.hops.record(Hop::Post, started.elapsed(), bytes);
         Ok(id)
@@ -813,8 +795,8 @@ impl Connection for ShmConnection {
         let deadline = Instant::now() + timeout;
         loop {
             self.drain();
-            if !self.ready.is_empty() || self.batches.is_empty() {
-                return Ok(std::mem::take(&mut self.ready));
+            if self.ledger.has_done() || self.ledger.waiting() == 0 {
+                return Ok(self.ledger.take_done());
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
@@ -830,6 +812,16 @@ impl Connection for ShmConnection {
 
     /// Batches posted whose completion [`Connection::poll`] has not yet returned.
     fn pending(&self) -> usize {
-        self.batches.len() + self.ready.len()
+        self.ledger.pending()
+    }
+
+    /// A header and a trailer per write request.
+    fn framing_bytes(&self) -> u64 {
+        self.framing
+    }
+
+    /// An `Ack` header per write; a `Nack` header and its reason.
+    fn answer_bytes(&self) -> u64 {
+        self.answers
     }
 }

@@ -13,9 +13,9 @@ use crate::placement::Placement;
 use crate::registry::Registry;
 use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::hello;
+use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{Header, Hello, Kind, Tag, HEADER_LEN};
-use std::collections::{HashMap, VecDeque};
+use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN};
 use std::io::{BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -232,17 +232,10 @@ impl Endpoint for TcpEndpoint {
 
 /// What the ack reader thread reports.
 enum Event {
-    Ack(u64),
-    Nack(u64, String),
+    /// Write `seq` answered at `at` (refused with the reason), the answer
+    /// taking `bytes` on the link.
+    Answer { seq: u64, refused: Option<String>, at: Instant, bytes: u64 },
     Closed(TransportError),
-}
-
-struct Pending {
-    tag: Tag,
-    bytes: u64,
-    frames_left: usize,
-    failed: Option<TransportError>,
-    posted: Instant,
 }
 
 /// An initiating TCP connection.
@@ -254,16 +247,35 @@ pub struct TcpConnection {
     max_frame: u64,
     events: Receiver<Event>,
     next_seq: u64,
-    next_batch: u64,
-    seq_to_batch: HashMap<u64, u64>,
-    pending: HashMap<u64, Pending>,
-    order: VecDeque<u64>,
+    ledger: Ledger,
     closed: Option<TransportError>,
+    framing: u64,
+    answers: u64,
 }
 
 impl std::fmt::Debug for TcpConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TcpConnection").field("remote", &self.remote.node).field("pending", &self.pending.len()).finish()
+        f.debug_struct("TcpConnection").field("remote", &self.remote.node).field("pending", &self.ledger.pending()).finish()
+    }
+}
+
+/// Reads the destination's answers until the connection ends.
+fn read_answers(mut reader: TcpStream, tx: mpsc::Sender<Event>) {
+    loop {
+        let ev = match hello::read_frame(&mut reader, 0, "receive answer") {
+            Ok((h, why)) if matches!(h.kind, Kind::Ack | Kind::Nack) => Event::Answer {
+                seq: h.seq,
+                refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&why).into_owned()),
+                at: Instant::now(),
+                bytes: (HEADER_LEN + why.len()) as u64,
+            },
+            Ok((h, _)) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
+            Err(e) => Event::Closed(e),
+        };
+        let last = matches!(ev, Event::Closed(_));
+        if tx.send(ev).is_err() || last {
+            return;
+        }
     }
 }
 
@@ -276,95 +288,53 @@ impl TcpConnection {
         let remote = hello::read_hello(&mut stream, "tcp")?;
         stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
         let (tx, events) = mpsc::channel();
-        let mut reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
+        let reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
         std::thread::Builder::new()
             .name("kvwire-tcp-acks".into())
-            .spawn(move || loop {
-                let ev = match hello::read_frame(&mut reader, 0, "receive answer") {
-                    Ok((h, _)) if h.kind == Kind::Ack => Event::Ack(h.seq),
-                    Ok((h, why)) if h.kind == Kind::Nack => Event::Nack(h.seq, String::from_utf8_lossy(&why).into_owned()),
-                    Ok((h, _)) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
-                    Err(e) => Event::Closed(e),
-                };
-                let last = matches!(ev, Event::Closed(_));
-                if tx.send(ev).is_err() || last {
-                    return;
-                }
-            })
+            .spawn(move || read_answers(reader, tx))
             .map_err(TransportError::io("spawn ack thread"))?;
         Ok(TcpConnection {
             remote,
             stream,
+            ledger: Ledger::new(hops.clone(), 1),
             registry,
             hops,
             max_frame: limits.max_frame,
             events,
             next_seq: 1,
-            next_batch: 1,
-            seq_to_batch: HashMap::new(),
-            pending: HashMap::new(),
-            order: VecDeque::new(),
             closed: None,
+            framing: 0,
+            answers: 0,
         })
     }
 
     fn apply(&mut self, ev: Event) {
         match ev {
-            Event::Ack(seq) | Event::Nack(seq, _) if !self.seq_to_batch.contains_key(&seq) => {
-                tracing::warn!(seq, "ack for an unknown write");
-            }
-            Event::Ack(seq) => {
-                let b = self.seq_to_batch.remove(&seq).expect("checked");
-                if let Some(p) = self.pending.get_mut(&b) {
-                    p.frames_left -= 1;
+            Event::Answer { seq, refused, at, bytes } => {
+                self.answers += bytes;
+                if let Err(UnknownPart(seq)) = self.ledger.answer(seq, refused.map_or(Ok(()), |r| Err(TransportError::Refused(r))), at) {
+                    self.close(TransportError::Refused(format!("destination answered write {seq}, which is not outstanding")));
                 }
             }
-            Event::Nack(seq, why) => {
-                let b = self.seq_to_batch.remove(&seq).expect("checked");
-                if let Some(p) = self.pending.get_mut(&b) {
-                    p.frames_left -= 1;
-                    p.failed.get_or_insert(TransportError::Refused(why));
-                }
-            }
-            Event::Closed(e) => {
-                let pending = self.pending.values().filter(|p| p.frames_left > 0).count();
-                tracing::warn!(error = %e, pending, "destination closed the connection");
-                self.closed = Some(TransportError::PeerClosed { pending });
-                for p in self.pending.values_mut() {
-                    if p.frames_left > 0 {
-                        p.frames_left = 0;
-                        p.failed.get_or_insert(TransportError::PeerClosed { pending });
-                    }
-                }
-                self.seq_to_batch.clear();
-            }
+            Event::Closed(e) => self.close(e),
         }
     }
 
-    fn harvest(&mut self, out: &mut Vec<Completion>) {
-        let done: Vec<u64> = self.order.iter().copied().filter(|b| self.pending.get(b).is_some_and(|p| p.frames_left == 0)).collect();
-        for b in done {
-            self.order.retain(|x| *x != b);
-            let p = self.pending.remove(&b).expect("listed");
-            if p.failed.is_none() {
-                self.hops.record(Hop::Wire, p.posted.elapsed(), p.bytes);
-            }
-            out.push(Completion { batch: BatchId(b), tag: p.tag, bytes: p.bytes, result: p.failed.map_or(Ok(()), Err) });
+    /// Fails every outstanding batch: the peer is gone, or the stream
+    /// lost sync (then the socket is shut so the peer sees it too).
+    fn close(&mut self, why: TransportError) {
+        if self.closed.is_some() {
+            return;
         }
-    }
-}
-
-impl Connection for TcpConnection {
-    fn remote(&self) -> &Hello {
-        &self.remote
+        let pending = self.ledger.waiting();
+        tracing::warn!(error = %why, pending, "destination closed the connection");
+        let _ = self.stream.shutdown(Shutdown::Both);
+        self.closed = Some(TransportError::PeerClosed { pending });
+        self.ledger.close(|pending| TransportError::PeerClosed { pending });
     }
 
-    fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
-        if let Some(e) = &self.closed {
-            return Err(e.clone());
-        }
-        let start = Instant::now();
-        // Check every source window first, so a bad batch sends nothing.
+    /// Checks every source window first, so a bad batch sends nothing.
+    fn sources(&self, batch: &Batch) -> Result<Vec<Arc<crate::Region>>, TransportError> {
         let mut sources = Vec::with_capacity(batch.writes.len());
         for w in &batch.writes {
             let region = self.registry.get(w.src_key).ok_or_else(|| {
@@ -381,11 +351,13 @@ impl Connection for TcpConnection {
             }
             sources.push(region);
         }
-        let id = self.next_batch;
-        self.next_batch += 1;
-        let mut frames = 0;
+        Ok(sources)
+    }
+
+    /// Streams the frames of `batch` (already checked) as parts of `id`.
+    fn send_frames(&mut self, id: BatchId, batch: &Batch, sources: &[Arc<crate::Region>]) -> std::io::Result<()> {
         let mut out = BufWriter::with_capacity(64 << 10, &self.stream);
-        for (w, region) in batch.writes.iter().zip(&sources) {
+        for (w, region) in batch.writes.iter().zip(sources) {
             // Zero-length writes still go out: the destination refuses them by name.
             let mut done = 0;
             loop {
@@ -395,70 +367,87 @@ impl Connection for TcpConnection {
                 let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset + done, len: n };
                 let at = region.offset + w.src_offset + done;
                 // SAFETY: `at..at+n` is inside the source region's live
-                // mapping (checked above; `sources` holds the region), and
-                // the caller must not modify a posted source range before
-                // its completion (the `source_released` contract).
+                // mapping (checked by `sources`; the caller holds the
+                // regions), and the caller must not modify a posted source
+                // range before its completion (the `source_released` contract).
                 let data = unsafe { std::slice::from_raw_parts(region.mem.as_ptr().add(at as usize), n as usize) };
-                let sent = out.write_all(&h.encode()).and_then(|()| out.write_all(data));
-                if let Err(e) = sent {
-                    // Whatever was already sent is accounted by acks; the rest never will be.
-                    drop(out);
-                    self.closed = Some(TransportError::io("send write")(e));
-                    return Err(self.closed.clone().expect("just set"));
-                }
-                self.seq_to_batch.insert(seq, id);
-                frames += 1;
+                out.write_all(&h.encode())?;
+                out.write_all(data)?;
+                self.framing += HEADER_LEN as u64;
+                self.ledger.part(id, seq);
                 done += n;
                 if done >= w.len {
                     break;
                 }
             }
         }
-        if let Err(e) = out.flush() {
-            drop(out);
+        out.flush()
+    }
+}
+
+impl Connection for TcpConnection {
+    fn remote(&self) -> &Hello {
+        &self.remote
+    }
+
+    fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
+        if let Some(e) = &self.closed {
+            return Err(e.clone());
+        }
+        let start = Instant::now();
+        let sources = self.sources(&batch)?;
+        let id = self.ledger.begin(batch.tag, batch.bytes(), start, ());
+        if let Err(e) = self.send_frames(id, &batch, &sources) {
+            // Whatever was already sent is answered; the rest never will be.
+            self.ledger.withdraw(id);
             self.closed = Some(TransportError::io("send write")(e));
             return Err(self.closed.clone().expect("just set"));
         }
-        drop(out);
-        self.pending.insert(id, Pending { tag: batch.tag, bytes: batch.bytes(), frames_left: frames, failed: None, posted: start });
-        self.order.push_back(id);
+        self.ledger.seal(id, None);
         self.hops.record(Hop::Post, start.elapsed(), batch.bytes());
-        Ok(BatchId(id))
+        Ok(id)
     }
 
     fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {
-        let mut out = Vec::new();
         let deadline = Instant::now() + timeout;
         loop {
             while let Ok(ev) = self.events.try_recv() {
                 self.apply(ev);
             }
-            self.harvest(&mut out);
-            if !out.is_empty() || self.pending.is_empty() {
-                return Ok(out);
+            if self.ledger.has_done() || self.ledger.waiting() == 0 {
+                return Ok(self.ledger.take_done());
             }
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return Ok(out);
+                return Ok(Vec::new());
             }
             match self.events.recv_timeout(left) {
                 Ok(ev) => self.apply(ev),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
-                    if self.closed.is_none() {
-                        self.apply(Event::Closed(TransportError::PeerClosed { pending: self.pending.len() }));
-                    }
+                    let pending = self.ledger.waiting();
+                    self.close(TransportError::PeerClosed { pending });
                 }
             }
         }
     }
 
     fn pending(&self) -> usize {
-        self.pending.len()
+        self.ledger.pending()
     }
 
     fn retransmitted_bytes(&self) -> u64 {
         tcp_bytes_retrans(&self.stream).unwrap_or(0)
+    }
+
+    /// A header per write frame.
+    fn framing_bytes(&self) -> u64 {
+        self.framing
+    }
+
+    /// An `Ack` header per frame; a `Nack` header and its reason.
+    fn answer_bytes(&self) -> u64 {
+        self.answers
     }
 
     fn interrupter(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
@@ -490,7 +479,7 @@ fn tcp_bytes_retrans(s: &TcpStream) -> Option<u64> {
 
 impl Drop for TcpConnection {
     fn drop(&mut self) {
-        if self.pending.values().any(|p| p.frames_left > 0) {
+        if self.ledger.waiting() > 0 {
             // Abandoned with writes outstanding (a failed rail): reset, so
             // the kernel drops what it still holds instead of delivering it
             // later, after the writes were re-sent elsewhere.

@@ -48,8 +48,9 @@ use crate::placement::Placement;
 use crate::registry::{Region, Registry};
 use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::hello;
+use crate::ledger::Ledger;
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{self, Hello, RegionDesc, Tag, VerbsAddr, WriteNote, NOTE_LEN};
+use kvwire_core::protocol::{self, Hello, RegionDesc, VerbsAddr, WriteNote, NOTE_LEN};
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{
     BasicCompletionQueue, PollCompletionQueueError, WorkCompletionOperationType, WorkCompletionStatus,
@@ -63,7 +64,7 @@ use sideway::ibverbs::queue_pair::{
     WorkRequestFlags,
 };
 use sideway::ibverbs::AccessFlags;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::HashMap;
 use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -902,27 +903,22 @@ enum Wr {
     Notes { first: usize, count: usize },
 }
 
+impl Wr {
+    /// Bytes of write notes this work request sends.
+    fn note_bytes(&self) -> u64 {
+        match *self {
+            Wr::Write { .. } => 0,
+            Wr::Notes { count, .. } => (count * NOTE_LEN) as u64,
+        }
+    }
+}
+
 /// A batch checked and cut into work requests.
 struct Planned {
     wrs: Vec<Wr>,
     notes: Vec<WriteNote>,
     /// The local regions the writes read.
     sources: Vec<Arc<RegionMr>>,
-}
-
-/// A batch whose work requests are not all complete.
-#[derive(Debug)]
-struct InFlight {
-    tag: Tag,
-    bytes: u64,
-    posted_at: Instant,
-    /// Work requests posted and not yet completed.
-    remaining: u64,
-    /// All of the batch's work requests were handed to the QP.
-    all_posted: bool,
-    error: Option<TransportError>,
-    /// Keeps the source regions registered and mapped until completion.
-    _sources: Vec<Arc<RegionMr>>,
 }
 
 /// A connection initiating writes into one peer's regions.
@@ -937,15 +933,15 @@ pub struct VerbsConnection {
     /// The ring has one slot per send-queue entry and completions are
     /// reaped in order, so a slot is free again when it comes round.
     notes_sent: u64,
-    in_flight: BTreeMap<u64, InFlight>,
-    /// Batches whose post failed midway, kept until the QP is gone.
-    zombies: BTreeMap<u64, InFlight>,
-    done: VecDeque<Completion>,
+    /// Posted batches; each keeps its source MRs registered and mapped
+    /// until its work requests completed.
+    ledger: Ledger<Vec<Arc<RegionMr>>>,
     outstanding_wrs: u32,
+    /// Note bytes posted (the framing of RDMA writes).
+    framing: u64,
     broken: Option<String>,
     remote: Hello,
     remote_regions: HashMap<u32, RegionDesc>,
-    next_batch: u64,
     /// The handshake socket: while it is open, the peer keeps its QP.
     _stream: TcpStream,
     shared: Arc<Shared>,
@@ -969,14 +965,12 @@ impl VerbsConnection {
             qp,
             notes,
             notes_sent: 0,
-            in_flight: BTreeMap::new(),
-            zombies: BTreeMap::new(),
-            done: VecDeque::new(),
+            ledger: Ledger::new(shared.placement.hops().clone(), 1),
             outstanding_wrs: 0,
+            framing: 0,
             broken: None,
             remote,
             remote_regions,
-            next_batch: 1,
             _stream: stream,
             shared,
         })
@@ -1052,7 +1046,7 @@ impl VerbsConnection {
     /// endpoint's PD, and that MR and its memory must stay registered and
     /// mapped until the completion of each work request has been polled
     /// (or the QP destroyed). The caller keeps them alive in the batch's
-    /// [`InFlight`].
+    /// ledger entry.
     unsafe fn post_writes(&mut self, batch: u64, wrs: &[Wr], notes: &[WriteNote]) -> Result<(), TransportError> {
         // Fill the ring slots first: the guard borrows the QP.
         let mut sends = Vec::new();
@@ -1119,36 +1113,11 @@ impl VerbsConnection {
                     self.broken = Some(msg);
                 }
             }
-            let b = match self.in_flight.get_mut(&wc.wr_id) {
-                Some(b) => b,
-                None => match self.zombies.get_mut(&wc.wr_id) {
-                    Some(z) => {
-                        z.remaining = z.remaining.saturating_sub(1);
-                        continue;
-                    }
-                    None => continue,
-                },
-            };
-            b.remaining = b.remaining.saturating_sub(1);
-            if wc.status != WC_SUCCESS {
-                let replace = match &b.error {
-                    None => true,
-                    Some(TransportError::Verbs { message, .. }) => message.starts_with("flushed") && wc.status != WC_FLUSH,
-                    Some(_) => false,
-                };
-                if replace {
-                    b.error = Some(verbs_err("RDMA_WRITE/SEND completion", wc_error(wc)));
-                }
-            }
+            let result = if wc.status == WC_SUCCESS { Ok(()) } else { Err(verbs_err("RDMA_WRITE/SEND completion", wc_error(wc))) };
+            // A flush only echoes an earlier failure: a real cause replaces it.
+            let echo = |old: &TransportError| wc.status != WC_FLUSH && matches!(old, TransportError::Verbs { message, .. } if message.starts_with("flushed"));
+            self.ledger.part_done(BatchId(wc.wr_id), result, echo, Instant::now());
         }
-        let finished: Vec<u64> = self.in_flight.iter().filter(|(_, b)| b.all_posted && b.remaining == 0).map(|(&id, _)| id).collect();
-        for id in finished {
-            let b = self.in_flight.remove(&id).expect("finished batch");
-            let hops = self.shared.placement.hops();
-            hops.record(Hop::Wire, b.posted_at.elapsed(), b.bytes);
-            self.done.push_back(Completion { batch: BatchId(id), tag: b.tag, bytes: b.bytes, result: b.error.map_or(Ok(()), Err) });
-        }
-        self.zombies.retain(|_, z| z.remaining > 0);
         Ok(wcs.len())
     }
 
@@ -1197,13 +1166,8 @@ impl Connection for VerbsConnection {
             ));
         }
         let Planned { wrs, notes, sources } = self.plan(&batch)?;
-        let id = self.next_batch;
-        self.next_batch += 1;
         let start = Instant::now();
-        self.in_flight.insert(
-            id,
-            InFlight { tag: batch.tag, bytes: batch.bytes(), posted_at: start, remaining: 0, all_posted: false, error: None, _sources: sources },
-        );
+        let id = self.ledger.begin(batch.tag, batch.bytes(), start, sources);
         let depth = self.shared.limits.send_depth.max(1);
         let deadline = start + Duration::from_secs(60);
         let mut post_time = Duration::ZERO;
@@ -1221,15 +1185,16 @@ impl Connection for VerbsConnection {
             }
             let t = Instant::now();
             // SAFETY: `plan` found every local range inside a registered MR,
-            // and the batch's `InFlight` (inserted above, removed only after
-            // every work request of it completed, or moved to `zombies`, which
-            // live as long as the QP) holds those MRs and their memory.
-            let r = unsafe { self.post_writes(id, &wrs[at..at + n], &notes) };
+            // and the batch's ledger entry (opened above, dropped only after
+            // every work request of it completed; the ledger is dropped after
+            // the QP) holds those MRs and their memory.
+            let r = unsafe { self.post_writes(id.0, &wrs[at..at + n], &notes) };
             post_time += t.elapsed();
             match r {
                 Ok(()) => {
                     self.outstanding_wrs += n as u32;
-                    self.in_flight.get_mut(&id).expect("in-flight batch").remaining += n as u64;
+                    self.ledger.parts(id, n as u64);
+                    self.framing += wrs[at..at + n].iter().map(Wr::note_bytes).sum::<u64>();
                     at += n;
                 }
                 Err(e) => {
@@ -1244,26 +1209,23 @@ impl Connection for VerbsConnection {
         self.shared.placement.hops().record(Hop::Post, post_time, batch.bytes());
         match failure {
             None => {
-                self.in_flight.get_mut(&id).expect("in-flight batch").all_posted = true;
-                Ok(BatchId(id))
+                self.ledger.seal(id, None);
+                Ok(id)
             }
             Some(e) if at == 0 && self.broken.is_none() => {
                 // Nothing of this batch reached the QP.
-                self.in_flight.remove(&id);
+                self.ledger.withdraw(id);
                 Err(e)
             }
+            // Part of it is posted: report through a failed completion, once
+            // the posted part has completed (or at once, if the QP is gone).
+            Some(e) if self.broken.is_some() => {
+                self.ledger.fail_now(id, e);
+                Ok(id)
+            }
             Some(e) => {
-                // Part of it is posted: report through a failed completion, once
-                // the posted part has completed (or at once, if the QP is gone).
-                let b = self.in_flight.get_mut(&id).expect("in-flight batch");
-                b.all_posted = true;
-                b.error.get_or_insert(e);
-                if self.broken.is_some() {
-                    let b = self.in_flight.remove(&id).expect("in-flight batch");
-                    self.done.push_back(Completion { batch: BatchId(id), tag: b.tag, bytes: b.bytes, result: Err(b.error.clone().expect("error set")) });
-                    self.zombies.insert(id, b);
-                }
-                Ok(BatchId(id))
+                self.ledger.seal(id, Some(e));
+                Ok(id)
             }
         }
     }
@@ -1272,11 +1234,11 @@ impl Connection for VerbsConnection {
         let deadline = Instant::now() + timeout;
         let mut idle = 0u32;
         loop {
-            if self.done.is_empty() && !self.in_flight.is_empty() {
+            if !self.ledger.has_done() && self.ledger.waiting() > 0 {
                 self.reap()?;
             }
-            if !self.done.is_empty() || self.in_flight.is_empty() || Instant::now() >= deadline {
-                return Ok(self.done.drain(..).collect());
+            if self.ledger.has_done() || self.ledger.waiting() == 0 || Instant::now() >= deadline {
+                return Ok(self.ledger.take_done());
             }
             idle += 1;
             backoff(idle);
@@ -1284,6 +1246,12 @@ impl Connection for VerbsConnection {
     }
 
     fn pending(&self) -> usize {
-        self.in_flight.len() + self.done.len()
+        self.ledger.pending()
+    }
+
+    /// The write notes: [`NOTE_LEN`] bytes per write, SENT after the
+    /// batch's RDMA writes. (The NIC's own headers are not counted.)
+    fn framing_bytes(&self) -> u64 {
+        self.framing
     }
 }

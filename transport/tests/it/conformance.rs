@@ -354,6 +354,27 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
     dst.assert_guards();
 }
 
+/// What a connection reports as its framing is what its protocol puts on
+/// the link per write (module docs): a 40-byte header per TCP frame, a
+/// 40-byte header and 40-byte trailer per shm request, a 24-byte note per
+/// verbs write; each TCP and shm write is answered by a 40-byte `Ack`.
+pub fn framing_bytes_are_what_the_connection_sent(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 4096);
+    let (src, _) = source(&*p.src, 4096, 15);
+    let (framing0, answers0) = (p.conn().framing_bytes(), p.conn().answer_bytes());
+    let writes = (0..3).map(|i| w(&src, i * 1000, &dst.region, i * 1000, 1000)).collect();
+    p.conn().post(Batch { tag: tag(12, 0), writes }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    let (per_write, per_answer) = match p.dst.transport() {
+        "tcp" => (40, 40),
+        "shm" => (40 + 40, 40),
+        "verbs" => (24, 0),
+        t => panic!("no framing figures for {t}"),
+    };
+    assert_eq!(p.conn().framing_bytes() - framing0, 3 * per_write);
+    assert_eq!(p.conn().answer_bytes() - answers0, 3 * per_answer);
+}
+
 /// Instantiates every conformance case for a backend. `optional` backends
 /// need a device: their `make()` returns `Option<Pair>`, `None` (having said
 /// why) when there is none.
@@ -368,7 +389,8 @@ macro_rules! conformance_tests {
     (@each $make:tt) => {
         $crate::conformance_tests!(@case $make, one_segment, scatter, layers_publish_only_after_their_last_byte,
             source_released_after_local_completion, bad_writes_fail_alone, local_source_checked_before_sending,
-            overrun_never_publishes, a_range_written_twice_counts_once, refusals_are_the_shared_ones);
+            overrun_never_publishes, a_range_written_twice_counts_once, refusals_are_the_shared_ones,
+            framing_bytes_are_what_the_connection_sent);
     };
     (@case $make:tt, $($case:ident),*) => {
         $(

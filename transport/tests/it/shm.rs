@@ -425,6 +425,27 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
 }
 
 #[test]
+fn an_answer_for_no_outstanding_write_closes_the_connection() {
+    let src = endpoint("src");
+    // Acks a write that was never requested, as a peer out of sync would.
+    let (addr, fake, _dir) = fake_destination(hello_json(V, "shm", "fake"), Some(hdr(Kind::Ack, 0, 0, 0, 0)), move |mut s| {
+        let mut first = vec![0u8; HEADER_LEN + TRAILER_LEN as usize];
+        s.read_exact(&mut first).unwrap();
+        let seq = Header::decode(&first, TRAILER_LEN).unwrap().seq;
+        s.write_all(&hdr(Kind::Ack, 0, seq + 1000, 0, 0).encode()).unwrap();
+        drop(closed_by_peer(s));
+    });
+    let mut conn = src.connect(&addr).unwrap();
+    let (region, _) = source(&*src, 64, 1);
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 };
+    conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).unwrap();
+    let c = complete(&mut *conn, 1);
+    assert_eq!(c[0].result, Err(TransportError::PeerClosed { pending: 1 }));
+    assert!(conn.post(Batch { tag: Tag { slot: 1, layer: 1 }, writes: vec![write] }).is_err(), "closed");
+    fake.join().unwrap();
+}
+
+#[test]
 fn initiator_vanishing_mid_layer_publishes_no_flag() {
     let dst_ep = endpoint("dst");
     let src_ep = endpoint("src");

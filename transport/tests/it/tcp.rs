@@ -96,6 +96,40 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     }
 }
 
+#[test]
+fn an_answer_for_no_outstanding_write_closes_the_connection() {
+    use kvwire_transport::{Batch, TransportError};
+    let src = endpoint("src");
+    // A fake destination that handshakes, then acks a write never sent.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut b = [0u8; HEADER_LEN];
+        s.read_exact(&mut b).unwrap();
+        let mut payload = vec![0u8; Header::decode(&b, 0).unwrap().len as usize];
+        s.read_exact(&mut payload).unwrap();
+        let hello = format!(r#"{{"version":{V},"transport":"tcp","node":"fake","regions":[],"verbs":null}}"#).into_bytes();
+        let h = Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: hello.len() as u64 };
+        s.write_all(&h.encode()).unwrap();
+        s.write_all(&hello).unwrap();
+        // Wait for the write frame's header, then answer another seq.
+        s.read_exact(&mut b).unwrap();
+        let write = Header::decode(&b, u64::MAX).unwrap();
+        s.write_all(&Header { kind: Kind::Ack, seq: write.seq + 1000, len: 0, ..write }.encode()).unwrap();
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink);
+    });
+    let mut conn = src.connect(&addr.to_string()).unwrap();
+    let (region, _) = conformance::source(&*src, 64, 1);
+    let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 };
+    conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).unwrap();
+    let c = conformance::complete(&mut *conn, 1);
+    assert_eq!(c[0].result, Err(TransportError::PeerClosed { pending: 1 }));
+    assert!(conn.post(Batch { tag: Tag { slot: 1, layer: 1 }, writes: vec![write] }).is_err(), "closed");
+    fake.join().unwrap();
+}
+
 /// Two "hosts" in network namespaces joined by a veth pair: the TCP path
 /// across a real (virtual) link, not loopback. Needs root and iproute2.
 #[test]
