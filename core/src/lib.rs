@@ -14,6 +14,8 @@ pub mod manifest;
 pub mod plan;
 pub mod protocol;
 pub mod reuse;
+pub mod schedule;
+pub mod session;
 pub mod shard;
 pub mod timing;
 pub mod topology;

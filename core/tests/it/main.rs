@@ -5,5 +5,7 @@ mod inventory;
 mod manifest;
 mod plan;
 mod protocol;
+mod schedule;
+mod session;
 mod timing;
 mod topology;

@@ -1,0 +1,197 @@
+//! The per-transfer schedule: which bytes go out in which layer's batch,
+//! through staging or straight into place, and how many bytes each layer's
+//! flag waits for.
+//!
+//! Both sides of a transfer call [`Schedule::new`] on the same plan, so the
+//! source's batches and the destination's expected counts come from one
+//! function and cannot drift apart. A staged segment (the plan's packed
+//! segments, and with a codec every segment) takes the same offset in the
+//! source's staging buffer and in the destination's.
+
+use crate::codec::{self, Codec};
+use crate::plan::{Mode, Plan, Segment};
+use crate::shard::RegionId;
+use crate::{CacheFormat, ModelSpec};
+
+/// Why a plan cannot be scheduled.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ScheduleError {
+    /// The codec cannot convert this cache format.
+    #[error("codec: {0}")]
+    Codec(String),
+    /// A segment names a tensor its layer does not have.
+    #[error("segment {seg}: layer {layer} has no {tensor} tensor")]
+    NoTensor {
+        /// Index into the plan's segments.
+        seg: usize,
+        /// Its destination layer.
+        layer: u32,
+        /// The tensor named.
+        tensor: String,
+    },
+    /// With a codec, runs must be whole rows.
+    #[error("segment {seg}: runs of {len} bytes are not whole rows of {row}")]
+    PartialRows {
+        /// Index into the plan's segments.
+        seg: usize,
+        /// Run length.
+        len: u64,
+        /// Row bytes of its tensor.
+        row: u64,
+    },
+    /// A segment's destination layer is outside the model.
+    #[error("segment {seg}: layer {layer} is outside the model's {layers} layers")]
+    NoLayer {
+        /// Index into the plan's segments.
+        seg: usize,
+        /// Its destination layer.
+        layer: u32,
+        /// Layers in the model.
+        layers: usize,
+    },
+}
+
+/// One staged segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Staged {
+    /// Index into `plan.segments`.
+    pub seg: usize,
+    /// Offset in the staging buffers.
+    pub offset: u64,
+    /// Bytes it occupies there (encoded size with a codec).
+    pub size: u64,
+    /// Elements per row of its tensor.
+    pub dim: u32,
+}
+
+/// One layer's share of a transfer.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayerSchedule {
+    /// Segments written straight into place (indices into `plan.segments`).
+    pub direct: Vec<usize>,
+    /// Segments that go through staging, in staging order.
+    pub staged: Vec<Staged>,
+    /// Bytes this layer's writes carry: what its flag waits for.
+    pub wire_bytes: u64,
+}
+
+/// Where one write of a layer's batch reads and lands, before keys are known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteTarget {
+    /// A run of a direct segment: source (rank, region, offset) to
+    /// destination (rank, region, offset).
+    Direct {
+        /// Source rank and region.
+        src: (u32, RegionId),
+        /// Offset in the source region.
+        src_offset: u64,
+        /// Destination rank and region.
+        dst: (u32, RegionId),
+        /// Offset in the destination region.
+        dst_offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+    /// A staged segment: the same offset in both staging buffers.
+    Staged {
+        /// Offset in both staging buffers.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+    },
+}
+
+/// The whole transfer's schedule.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    /// Per destination layer, in layer order.
+    pub layers: Vec<LayerSchedule>,
+    /// Every staged segment, in staging order.
+    pub staged: Vec<Staged>,
+    /// Bytes of each staging buffer.
+    pub stage_bytes: u64,
+}
+
+impl Schedule {
+    /// The schedule of `plan`: with `codec`, every segment is staged
+    /// (converted rows); else only the packed ones.
+    pub fn new(model: &ModelSpec, format: &CacheFormat, plan: &Plan, codec: Option<Codec>) -> Result<Schedule, ScheduleError> {
+        if let Some(c) = codec {
+            c.element_bytes(format).map_err(|e| ScheduleError::Codec(e.to_string()))?;
+        }
+        let n = model.layers.len();
+        let mut layers = vec![LayerSchedule::default(); n];
+        let mut staged = Vec::new();
+        let mut offset = 0;
+        for (i, s) in plan.segments.iter().enumerate() {
+            let layer = s.dst_region.layer as usize;
+            let ls = layers.get_mut(layer).ok_or(ScheduleError::NoLayer { seg: i, layer: s.dst_region.layer, layers: n })?;
+            if codec.is_none() && s.mode != Mode::Packed {
+                ls.direct.push(i);
+                ls.wire_bytes += s.bytes();
+                continue;
+            }
+            let dim = model.layers[layer].tensors().iter().find(|t| t.tensor == s.dst_region.tensor).map(|t| t.dim).ok_or_else(|| {
+                ScheduleError::NoTensor { seg: i, layer: s.dst_region.layer, tensor: format!("{:?}", s.dst_region.tensor) }
+            })?;
+            let size = match codec {
+                Some(c) => {
+                    let row = format.row_bytes(dim);
+                    if s.len % row != 0 {
+                        return Err(ScheduleError::PartialRows { seg: i, len: s.len, row });
+                    }
+                    s.len / row * s.count * c.encoded_row(dim)
+                }
+                None => s.bytes(),
+            };
+            let st = Staged { seg: i, offset, size, dim };
+            ls.staged.push(st);
+            ls.wire_bytes += size;
+            staged.push(st);
+            offset += size;
+        }
+        Ok(Schedule { layers, staged, stage_bytes: offset })
+    }
+
+    /// Bytes every layer's writes carry together.
+    pub fn wire_bytes(&self) -> u64 {
+        self.layers.iter().map(|l| l.wire_bytes).sum()
+    }
+
+    /// The writes of `layer`, in order: its direct segments' runs, then its
+    /// staged segments. Their lengths add up to the layer's `wire_bytes`.
+    pub fn writes<'a>(&'a self, plan: &'a Plan, layer: usize) -> impl Iterator<Item = WriteTarget> + 'a {
+        let ls = &self.layers[layer];
+        let direct = ls.direct.iter().flat_map(move |&i| {
+            let s = &plan.segments[i];
+            s.runs().map(move |(so, dof)| WriteTarget::Direct {
+                src: (s.src_rank, s.src_region),
+                src_offset: so,
+                dst: (s.dst_rank, s.dst_region),
+                dst_offset: dof,
+                len: s.len,
+            })
+        });
+        direct.chain(ls.staged.iter().map(|st| WriteTarget::Staged { offset: st.offset, len: st.size }))
+    }
+}
+
+/// Gathers (and encodes) a segment's runs from `read(offset, len)`.
+pub fn pack(s: &Segment, st: &Staged, format: &CacheFormat, codec: Option<Codec>, mut read: impl FnMut(u64, u64) -> Option<Vec<u8>>) -> Option<Vec<u8>> {
+    let mut raw = Vec::with_capacity(s.bytes() as usize);
+    for (so, _) in s.runs() {
+        raw.extend_from_slice(&read(so, s.len)?);
+    }
+    Some(match codec {
+        Some(c) => codec::encode_rows(&raw, c.element_bytes(format).ok()?, st.dim as usize),
+        None => raw,
+    })
+}
+
+/// Decodes a staged segment's bytes back into its runs' bytes, in run order.
+pub fn unpack(bytes: &[u8], st: &Staged, format: &CacheFormat, codec: Option<Codec>) -> Option<Vec<u8>> {
+    Some(match codec {
+        Some(c) => codec::decode_rows(bytes, c.element_bytes(format).ok()?, st.dim as usize),
+        None => bytes.to_vec(),
+    })
+}

@@ -1,0 +1,170 @@
+//! The receiving side: one authenticated peer connection, carrying any
+//! number of transfers, each in its own slot.
+
+use super::msg::{Accept, Expect, Offer, PeerMsg};
+use super::{kind, SessionError, Timeouts};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// Where one slot of a destination session stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotPhase {
+    /// `Accept` sent; waiting for `Expect`.
+    Accepted,
+    /// `Staging` sent; bytes flow.
+    Receiving,
+}
+
+/// What the daemon must do with a message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DestinationStep {
+    /// Send this and carry on (pongs, refusals of stale messages, acks).
+    Reply(PeerMsg),
+    /// A new offer: check it, then answer with
+    /// [`DestinationSession::accept`] or [`DestinationSession::refuse`].
+    Offer(Box<Offer>),
+    /// The source's plan and manifest for an accepted slot: check them,
+    /// then answer with [`DestinationSession::staging`] or
+    /// [`DestinationSession::refuse_slot`].
+    Expect(Box<Expect>),
+    /// The source aborted the slot: fail it, then send the reply.
+    Aborted {
+        /// The slot.
+        slot: u16,
+        /// The source's reason.
+        reason: String,
+        /// The acknowledgement to send.
+        reply: PeerMsg,
+    },
+    /// The source finished writing into the slot; send the reply.
+    Done {
+        /// The slot.
+        slot: u16,
+        /// The acknowledgement to send.
+        reply: PeerMsg,
+    },
+}
+
+/// One peer connection's transfers, by slot.
+#[derive(Debug)]
+pub struct DestinationSession {
+    peer: String,
+    slots: BTreeMap<u16, SlotPhase>,
+    timeouts: Timeouts,
+    last_heard: Instant,
+}
+
+impl DestinationSession {
+    /// A session with the authenticated peer `peer`.
+    pub fn new(now: Instant, peer: &str, timeouts: Timeouts) -> DestinationSession {
+        DestinationSession { peer: peer.to_string(), slots: BTreeMap::new(), timeouts, last_heard: now }
+    }
+
+    /// The slot's phase, while it is this connection's.
+    pub fn slot(&self, slot: u16) -> Option<SlotPhase> {
+        self.slots.get(&slot).copied()
+    }
+
+    /// A message from the source.
+    pub fn handle(&mut self, now: Instant, m: PeerMsg) -> DestinationStep {
+        self.last_heard = now;
+        let stale = |what: &str, slot: u16| DestinationStep::Reply(PeerMsg::Refused { reason: format!("{what} for slot {slot}, which is not a transfer of this connection") });
+        match m {
+            PeerMsg::Offer(o) => DestinationStep::Offer(Box::new(o)),
+            PeerMsg::Expect(e) => match self.slots.get(&e.slot) {
+                Some(SlotPhase::Accepted) => DestinationStep::Expect(Box::new(e)),
+                Some(SlotPhase::Receiving) => DestinationStep::Reply(PeerMsg::Refused { reason: format!("slot {} already received its expect", e.slot) }),
+                None => stale("expect", e.slot),
+            },
+            PeerMsg::Abort { slot, reason } => match self.slots.remove(&slot) {
+                Some(_) => DestinationStep::Aborted { slot, reason, reply: PeerMsg::Ok },
+                None => stale("abort", slot),
+            },
+            PeerMsg::Done { slot } => match self.slots.get(&slot) {
+                Some(SlotPhase::Receiving) => {
+                    self.slots.remove(&slot);
+                    DestinationStep::Done { slot, reply: PeerMsg::Ok }
+                }
+                Some(SlotPhase::Accepted) => DestinationStep::Reply(PeerMsg::Refused { reason: format!("done for slot {slot}, which never received its expect") }),
+                None => stale("done", slot),
+            },
+            PeerMsg::Ping => DestinationStep::Reply(PeerMsg::Pong),
+            other => DestinationStep::Reply(PeerMsg::Refused { reason: format!("unexpected {}", kind(&other)) }),
+        }
+    }
+
+    /// The daemon accepted an offer into `a.slot`: returns the message to send.
+    pub fn accept(&mut self, a: Accept) -> PeerMsg {
+        self.slots.insert(a.slot, SlotPhase::Accepted);
+        PeerMsg::Accept(a)
+    }
+
+    /// The daemon refused an offer (no slot was taken).
+    pub fn refuse(&mut self, reason: String) -> PeerMsg {
+        PeerMsg::Refused { reason }
+    }
+
+    /// The daemon expects the slot's bytes: returns the `Staging` to send.
+    pub fn staging(&mut self, slot: u16, key: u32, len: u64) -> Result<PeerMsg, SessionError> {
+        match self.slots.get_mut(&slot) {
+            Some(p @ SlotPhase::Accepted) => {
+                *p = SlotPhase::Receiving;
+                Ok(PeerMsg::Staging { key, len })
+            }
+            Some(SlotPhase::Receiving) => Err(SessionError::OutOfOrder { step: "staging", phase: "receiving" }),
+            None => Err(SessionError::OutOfOrder { step: "staging", phase: "not a slot of this connection" }),
+        }
+    }
+
+    /// The daemon refused the slot's expect (it failed the slot).
+    pub fn refuse_slot(&mut self, slot: u16, reason: String) -> PeerMsg {
+        self.slots.remove(&slot);
+        PeerMsg::Refused { reason }
+    }
+
+    /// When the daemon must call [`DestinationSession::handle_timeout`]:
+    /// a receiving slot waits at most the peer timeout between messages (the
+    /// source pings), an accepted one a reply timeout, and an idle
+    /// connection the transfer timeout.
+    pub fn poll_timeout(&self) -> Instant {
+        self.last_heard + self.wait()
+    }
+
+    fn wait(&self) -> std::time::Duration {
+        if self.slots.values().any(|p| *p == SlotPhase::Receiving) {
+            self.timeouts.peer
+        } else if !self.slots.is_empty() {
+            self.timeouts.reply
+        } else {
+            self.timeouts.transfer
+        }
+    }
+
+    /// Nothing arrived until `now`: when past [`DestinationSession::poll_timeout`],
+    /// every slot of the connection fails with the returned reason and the
+    /// connection should close.
+    pub fn handle_timeout(&mut self, now: Instant) -> Option<(Vec<u16>, SessionError)> {
+        if now < self.poll_timeout() {
+            return None;
+        }
+        let phase = if self.slots.is_empty() { "idle" } else { "receiving" };
+        let e = SessionError::TimedOut { phase, waited: self.wait() };
+        Some((self.slots_ended(), e))
+    }
+
+    /// The connection ended (closed, broken, or timed out): the slots that
+    /// were still running, which the daemon fails. A source that ends its
+    /// connection without `Done` will write no more.
+    pub fn closed(&mut self) -> Vec<u16> {
+        self.slots_ended()
+    }
+
+    fn slots_ended(&mut self) -> Vec<u16> {
+        std::mem::take(&mut self.slots).into_keys().collect()
+    }
+
+    /// The authenticated peer's node name.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+}

@@ -1,0 +1,190 @@
+//! Daemon ↔ daemon messages, after the HMAC handshake that opens a peer
+//! connection (the daemon's `peer` module does the handshake's I/O).
+//!
+//! The source sends `Offer`; the destination answers `Accept` with its
+//! layout, block table, rails and region keys, or `Refused`. The source
+//! plans and sends `Expect` (its side of the plan and the manifest); the
+//! destination re-plans, checks, and answers `Staging`. Bytes flow on the
+//! data plane while the source pings; `Done` or `Abort` ends the transfer.
+
+use crate::reuse::CacheIdentity;
+use crate::shard::RegionId;
+use serde::{Deserialize, Serialize};
+
+/// Peer protocol version.
+pub const PEER_VERSION: u32 = 2;
+
+/// Messages on a peer connection.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "msg", rename_all = "snake_case")]
+pub enum PeerMsg {
+    /// Server's challenge.
+    Challenge {
+        /// Server node.
+        node: String,
+        /// Protocol version.
+        version: u32,
+        /// Server nonce (hex).
+        nonce: String,
+    },
+    /// Client's answer.
+    Auth {
+        /// Client node.
+        node: String,
+        /// Client nonce (hex).
+        nonce: String,
+        /// Client proof (hex).
+        mac: String,
+    },
+    /// Server's proof.
+    AuthOk {
+        /// Server proof (hex).
+        mac: String,
+    },
+    /// Refusal, with the reason.
+    Refused {
+        /// Why.
+        reason: String,
+    },
+    /// A source offers a transfer into a prepared request.
+    Offer(Offer),
+    /// The destination accepts and describes where bytes go.
+    Accept(Accept),
+    /// The source's side of the plan and the integrity manifest; the
+    /// destination recomputes the plan, checks the manifest, and only then
+    /// expects bytes.
+    Expect(Expect),
+    /// Generic success.
+    Ok,
+    /// The destination's staging buffer for packed or converted segments.
+    Staging {
+        /// Data-plane key (0 when nothing is staged).
+        key: u32,
+        /// Length.
+        len: u64,
+    },
+    /// The source gave up on a transfer.
+    Abort {
+        /// Destination slot.
+        slot: u16,
+        /// Why.
+        reason: String,
+    },
+    /// Liveness while a transfer runs; answered with `Pong`. A source that
+    /// stops sending these is gone for the destination after the peer timeout.
+    Ping,
+    /// The answer to `Ping`.
+    Pong,
+    /// Every write of the transfer into `slot` completed at the source, so
+    /// a connection closed after this is not a failure.
+    Done {
+        /// Destination slot.
+        slot: u16,
+    },
+}
+
+/// An offered transfer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Offer {
+    /// Destination group.
+    pub dst_group: String,
+    /// Destination request.
+    pub dst_request: String,
+    /// Source request (for logs).
+    pub src_request: String,
+    /// What the source cache holds.
+    pub identity: CacheIdentity,
+    /// Tokens in the request.
+    pub tokens: u64,
+    /// Transfer codec, if any.
+    #[serde(default)]
+    pub codec: Option<String>,
+}
+
+/// What the destination needs to recompute the plan and check it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// Destination slot.
+    pub slot: u16,
+    /// Source layout string.
+    pub src_layout: String,
+    /// Source blocks per region.
+    pub src_num_blocks: u32,
+    /// Source block table.
+    pub src_block_table: Vec<u32>,
+    /// The integrity manifest (JSON), checksums included unless the source turned them off.
+    pub manifest: String,
+    /// Transfer codec, if any (as offered).
+    #[serde(default)]
+    pub codec: Option<String>,
+}
+
+/// One destination region a source may write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerRegion {
+    /// Destination rank.
+    pub rank: u32,
+    /// Which region.
+    pub region: RegionId,
+    /// Data-plane key.
+    pub key: u32,
+    /// Length.
+    pub len: u64,
+}
+
+/// The destination's answer to an offer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Accept {
+    /// Destination slot (its flags, and the tag of every write).
+    pub slot: u16,
+    /// Destination layout string.
+    pub layout: String,
+    /// Its cache format id.
+    pub format: String,
+    /// Its blocks per region.
+    pub num_blocks: u32,
+    /// The request's block table.
+    pub block_table: Vec<u32>,
+    /// Prefix positions the destination holds (already checked against identity).
+    pub prefix_tokens: u64,
+    /// Data-plane address to connect to.
+    pub data_addr: String,
+    /// Data-plane transport (`tcp`, `shm`, `verbs`).
+    pub transport: String,
+    /// Every region of every destination rank.
+    pub regions: Vec<PeerRegion>,
+    /// Every data rail of the destination, `data_addr`'s first: the
+    /// source stripes slices across those it can reach.
+    #[serde(default)]
+    pub rails: Vec<RailAddr>,
+    /// Per destination rank, the rails closest to its memory, when some
+    /// rails are closer than others; slices for that rank use only these
+    /// while any of them is up.
+    #[serde(default)]
+    pub locality: Vec<RankRails>,
+}
+
+/// The rails a destination rank prefers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankRails {
+    /// Destination rank.
+    pub rank: u32,
+    /// Rail names, all of the best locality level.
+    pub rails: Vec<String>,
+    /// That level (`same-pcie-switch`, `same-numa`, ...).
+    pub level: String,
+}
+
+/// One data rail of a daemon.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RailAddr {
+    /// Rail name.
+    pub name: String,
+    /// Data-plane address on it.
+    pub addr: String,
+}

@@ -1,0 +1,228 @@
+//! The sending side of one transfer.
+
+use super::msg::{Accept, Expect, Offer, PeerMsg};
+use super::{kind, SessionError, Timeouts, MAX_RAILS};
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+/// Where a source session stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourcePhase {
+    /// `Offer` sent; waiting for `Accept`.
+    Offered,
+    /// Accepted; the daemon is planning and building the manifest.
+    Accepted,
+    /// `Expect` sent; waiting for `Staging`.
+    Expecting,
+    /// Writes are in flight.
+    Moving,
+    /// `Done` sent.
+    Done,
+    /// Ended without success; `Abort` was sent where the peer had a slot.
+    Failed,
+}
+
+impl SourcePhase {
+    fn name(self) -> &'static str {
+        match self {
+            SourcePhase::Offered => "waiting for accept",
+            SourcePhase::Accepted => "planning",
+            SourcePhase::Expecting => "waiting for staging",
+            SourcePhase::Moving => "moving bytes",
+            SourcePhase::Done => "done",
+            SourcePhase::Failed => "failed",
+        }
+    }
+}
+
+/// What a message from the destination means for the daemon.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SourceEvent {
+    /// The destination accepted: plan against it, then call
+    /// [`SourceSession::expect`].
+    Accepted(Box<Accept>),
+    /// The destination is ready: post the writes; staged ones go to `key`.
+    Staging {
+        /// The destination's staging key (0 when nothing is staged).
+        key: u32,
+    },
+    /// A ping was answered.
+    Alive,
+    /// The destination acknowledged the transfer's last word.
+    Closed,
+}
+
+/// One transfer's source side.
+#[derive(Debug)]
+pub struct SourceSession {
+    phase: SourcePhase,
+    transport: String,
+    peer_slot: Option<u16>,
+    stage_bytes: u64,
+    timeouts: Timeouts,
+    started: Instant,
+    waiting_since: Instant,
+    last_ping: Instant,
+    error: Option<SessionError>,
+}
+
+impl SourceSession {
+    /// Starts a transfer: returns the session and the `Offer` to send.
+    /// `transport` is this daemon's data-plane kind; the destination must
+    /// speak the same.
+    pub fn start(now: Instant, offer: Offer, transport: &str, timeouts: Timeouts) -> (SourceSession, PeerMsg) {
+        let s = SourceSession {
+            phase: SourcePhase::Offered,
+            transport: transport.to_string(),
+            peer_slot: None,
+            stage_bytes: 0,
+            timeouts,
+            started: now,
+            waiting_since: now,
+            last_ping: now,
+            error: None,
+        };
+        (s, PeerMsg::Offer(offer))
+    }
+
+    /// The phase.
+    pub fn phase(&self) -> SourcePhase {
+        self.phase
+    }
+
+    /// The destination's slot, once accepted.
+    pub fn peer_slot(&self) -> Option<u16> {
+        self.peer_slot
+    }
+
+    /// Why the session failed, once it has.
+    pub fn error(&self) -> Option<&SessionError> {
+        self.error.as_ref()
+    }
+
+    /// A message from the destination. An error ends the session: send the
+    /// `Abort` that [`SourceSession::abort`] returns, if any.
+    pub fn handle(&mut self, now: Instant, m: PeerMsg) -> Result<SourceEvent, SessionError> {
+        let ev = match (self.phase, m) {
+            (SourcePhase::Offered | SourcePhase::Expecting, PeerMsg::Refused { reason }) => Err(SessionError::Refused(reason)),
+            (SourcePhase::Offered, PeerMsg::Accept(a)) => self.accepted(Box::new(a)),
+            (SourcePhase::Expecting, PeerMsg::Staging { key, len }) if len == self.stage_bytes => {
+                self.phase = SourcePhase::Moving;
+                self.last_ping = now;
+                Ok(SourceEvent::Staging { key })
+            }
+            (SourcePhase::Expecting, PeerMsg::Staging { len, .. }) => Err(SessionError::StagingSize { got: len, want: self.stage_bytes }),
+            (SourcePhase::Moving, PeerMsg::Pong) => Ok(SourceEvent::Alive),
+            (SourcePhase::Done | SourcePhase::Failed, PeerMsg::Ok) => Ok(SourceEvent::Closed),
+            (phase, other) => Err(SessionError::Unexpected { phase: phase.name(), got: kind(&other) }),
+        };
+        self.waiting_since = now;
+        ev.map_err(|e| self.fail(e))
+    }
+
+    fn accepted(&mut self, a: Box<Accept>) -> Result<SourceEvent, SessionError> {
+        // The destination holds a slot from here on, valid accept or not:
+        // an abort must reach it.
+        self.peer_slot = Some(a.slot);
+        if a.transport != self.transport {
+            return Err(SessionError::BadAccept(format!("peer speaks `{}`, this daemon `{}`", a.transport, self.transport)));
+        }
+        if a.rails.len() > MAX_RAILS {
+            return Err(SessionError::BadAccept(format!("{} rails, at most {MAX_RAILS}", a.rails.len())));
+        }
+        let names: HashSet<&str> = a.rails.iter().map(|r| r.name.as_str()).collect();
+        if names.len() != a.rails.len() {
+            return Err(SessionError::BadAccept("two rails share a name".into()));
+        }
+        if let Some(p) = a.locality.iter().find(|p| p.rails.iter().any(|r| !names.contains(r.as_str()))) {
+            return Err(SessionError::BadAccept(format!("rank {}'s preferred rails name a rail the accept does not list", p.rank)));
+        }
+        self.phase = SourcePhase::Accepted;
+        Ok(SourceEvent::Accepted(a))
+    }
+
+    /// The daemon planned: returns the `Expect` to send. `stage_bytes` is
+    /// the schedule's staging size, which the destination's `Staging` must match.
+    pub fn expect(&mut self, now: Instant, e: Expect, stage_bytes: u64) -> Result<PeerMsg, SessionError> {
+        if self.phase != SourcePhase::Accepted {
+            return Err(SessionError::OutOfOrder { step: "expect", phase: self.phase.name() });
+        }
+        self.stage_bytes = stage_bytes;
+        self.phase = SourcePhase::Expecting;
+        self.waiting_since = now;
+        Ok(PeerMsg::Expect(e))
+    }
+
+    /// Every write completed: returns the `Done` to send.
+    pub fn moved(&mut self) -> Result<PeerMsg, SessionError> {
+        match (self.phase, self.peer_slot) {
+            (SourcePhase::Moving, Some(slot)) => {
+                self.phase = SourcePhase::Done;
+                Ok(PeerMsg::Done { slot })
+            }
+            (phase, _) => Err(SessionError::OutOfOrder { step: "moved", phase: phase.name() }),
+        }
+    }
+
+    /// The daemon gives up (or the session failed): returns the `Abort` to
+    /// send when the destination holds a slot for this transfer and was not
+    /// told yet. Only the first failure is kept.
+    pub fn abort(&mut self, reason: &str) -> Option<PeerMsg> {
+        let told = self.phase == SourcePhase::Failed && self.error.as_ref().is_some_and(|e| matches!(e, SessionError::Refused(_)));
+        if self.phase == SourcePhase::Done {
+            return None;
+        }
+        self.fail(SessionError::Local(reason.to_string()));
+        if told {
+            return None;
+        }
+        self.peer_slot.map(|slot| PeerMsg::Abort { slot, reason: reason.to_string() })
+    }
+
+    /// When the daemon must call [`SourceSession::handle_timeout`] (or send a
+    /// ping, while moving) at the latest.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let deadline = self.started + self.timeouts.transfer;
+        match self.phase {
+            SourcePhase::Offered | SourcePhase::Expecting => Some((self.waiting_since + self.timeouts.reply).min(deadline)),
+            SourcePhase::Accepted => Some(deadline),
+            SourcePhase::Moving => Some((self.last_ping + self.ping_every()).min(deadline)),
+            SourcePhase::Done | SourcePhase::Failed => None,
+        }
+    }
+
+    /// Time passed: a ping to send while moving, or the failure when a reply
+    /// or the whole transfer is late (then send [`SourceSession::abort`]'s message).
+    pub fn handle_timeout(&mut self, now: Instant) -> Result<Option<PeerMsg>, SessionError> {
+        if matches!(self.phase, SourcePhase::Done | SourcePhase::Failed) {
+            return Ok(None);
+        }
+        if now >= self.started + self.timeouts.transfer {
+            return Err(self.fail(SessionError::Deadline(self.timeouts.transfer)));
+        }
+        match self.phase {
+            SourcePhase::Offered | SourcePhase::Expecting if now >= self.waiting_since + self.timeouts.reply => {
+                let e = SessionError::TimedOut { phase: self.phase.name(), waited: self.timeouts.reply };
+                Err(self.fail(e))
+            }
+            SourcePhase::Moving if now >= self.last_ping + self.ping_every() => {
+                self.last_ping = now;
+                Ok(Some(PeerMsg::Ping))
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// About four pings per peer timeout, so one lost ping is not a loss.
+    fn ping_every(&self) -> Duration {
+        (self.timeouts.peer / 4).max(Duration::from_millis(50))
+    }
+
+    fn fail(&mut self, e: SessionError) -> SessionError {
+        if self.phase != SourcePhase::Failed {
+            self.phase = SourcePhase::Failed;
+            self.error = Some(e.clone());
+        }
+        e
+    }
+}

@@ -1,0 +1,73 @@
+//! The per-transfer schedule both sides compute: per-layer writes and the
+//! bytes each layer's flag waits for. Figures are derived by hand from
+//! llama-3.1-8b's shape (32 layers, 8 KV heads, head_dim 128, bf16).
+
+use kvwire_core::codec::Codec;
+use kvwire_core::layout::builtin;
+use kvwire_core::plan::{build, CostModel, Plan, PlanInput, Side};
+use kvwire_core::schedule::{Schedule, ScheduleError, WriteTarget};
+use kvwire_core::shard::LayoutSpec;
+use kvwire_core::{CacheFormat, ModelSpec};
+
+const ROW: u64 = 128 * 2;
+const PER_TOKEN_LAYER: u64 = 8 * 2 * ROW; // kv heads × (K, V) × row
+
+fn planned(model: &ModelSpec, format: CacheFormat, src: &str, dst: &str, tokens: u64) -> Plan {
+    let s = Side::new(model, &LayoutSpec::parse(src).unwrap(), format, tokens).unwrap();
+    let d = Side::new(model, &LayoutSpec::parse(dst).unwrap(), format, tokens).unwrap();
+    build(&PlanInput { model, tokens, prefix_tokens: 0, src: &s, dst: &d, cost: CostModel::default() }).unwrap()
+}
+
+fn write_len(w: &WriteTarget) -> u64 {
+    match *w {
+        WriteTarget::Direct { len, .. } | WriteTarget::Staged { len, .. } => len,
+    }
+}
+
+#[test]
+fn each_layer_waits_for_exactly_its_share_and_its_writes_carry_it() {
+    let m = builtin("llama-3.1-8b").unwrap();
+    let bf16 = CacheFormat::parse("bf16").unwrap();
+    let tokens = 40;
+    for (src, dst) in [("tp=1", "tp=1"), ("tp=8", "tp=2"), ("tp=8,block=16", "tp=2,layout=hnd,block=32")] {
+        let plan = planned(&m, bf16, src, dst, tokens);
+        let s = Schedule::new(&m, &bf16, &plan, None).unwrap();
+        assert_eq!(s.layers.len(), 32);
+        for (l, ls) in s.layers.iter().enumerate() {
+            assert_eq!(ls.wire_bytes, tokens * PER_TOKEN_LAYER, "{src} -> {dst} layer {l}");
+            assert_eq!(s.writes(&plan, l).map(|w| write_len(&w)).sum::<u64>(), ls.wire_bytes, "{src} -> {dst} layer {l}");
+        }
+        assert_eq!(s.wire_bytes(), 32 * tokens * PER_TOKEN_LAYER);
+        // Without a codec only packed segments are staged, back to back.
+        assert_eq!(s.stage_bytes, plan.counters.packed_bytes, "{src} -> {dst}");
+        let mut at = 0;
+        for st in &s.staged {
+            assert_eq!(st.offset, at);
+            at += st.size;
+        }
+    }
+}
+
+#[test]
+fn a_codec_stages_every_segment_at_its_encoded_size() {
+    let m = builtin("llama-3.1-8b").unwrap();
+    let bf16 = CacheFormat::parse("bf16").unwrap();
+    let tokens = 16;
+    let plan = planned(&m, bf16, "tp=1", "tp=1", tokens);
+    let s = Schedule::new(&m, &bf16, &plan, Some(Codec::Fp8E4m3Row)).unwrap();
+    assert_eq!(s.staged.len(), plan.segments.len());
+    // fp8 rows: 128 one-byte elements + one f32 scale, for every row moved.
+    let rows = 32 * tokens * 8 * 2;
+    assert_eq!(s.stage_bytes, rows * (128 + 4));
+    assert_eq!(s.wire_bytes(), s.stage_bytes);
+    assert!(s.layers.iter().all(|l| l.direct.is_empty() && l.wire_bytes == tokens * 8 * 2 * (128 + 4)));
+}
+
+#[test]
+fn a_codec_that_cannot_convert_the_format_is_an_error() {
+    let m = builtin("llama-3.1-8b").unwrap();
+    let fp8 = CacheFormat::parse("fp8_e4m3").unwrap();
+    let plan = planned(&m, fp8, "tp=1", "tp=1", 4);
+    let e = Schedule::new(&m, &fp8, &plan, Some(Codec::Fp8E4m3Row)).unwrap_err();
+    assert!(matches!(e, ScheduleError::Codec(ref t) if t.contains("converts fp32 or bf16")), "{e}");
+}

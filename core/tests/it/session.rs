@@ -1,0 +1,295 @@
+//! The peer session, stepped as a deterministic pair: a source session and a
+//! destination session exchange messages through a simulated link, with
+//! simulated time. The destination's "daemon" accepts every offer into
+//! slot 7 and stages 4096 bytes; each test changes one thing.
+
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, RailAddr, RankRails};
+use kvwire_core::session::{DestinationSession, DestinationStep, SessionError, SlotPhase, SourceEvent, SourcePhase, SourceSession, Timeouts, MAX_RAILS};
+use std::time::{Duration, Instant};
+
+const SLOT: u16 = 7;
+const STAGE: u64 = 4096;
+
+fn timeouts() -> Timeouts {
+    Timeouts { reply: Duration::from_secs(5), peer: Duration::from_secs(2), transfer: Duration::from_secs(60) }
+}
+
+fn offer() -> Offer {
+    Offer {
+        dst_group: "decode".into(),
+        dst_request: "r1".into(),
+        src_request: "s1".into(),
+        identity: CacheIdentity {
+            model_digest: "m".into(),
+            adapter_digest: String::new(),
+            format: "bf16/v1".into(),
+            tenant: "t".into(),
+            rope: "theta=10000".into(),
+            position_offset: 0,
+        },
+        tokens: 100,
+        codec: None,
+    }
+}
+
+fn accept() -> Accept {
+    Accept {
+        slot: SLOT,
+        layout: "tp=1".into(),
+        format: "bf16/v1".into(),
+        num_blocks: 8,
+        block_table: vec![0, 1],
+        prefix_tokens: 0,
+        data_addr: "127.0.0.1:1".into(),
+        transport: "tcp".into(),
+        regions: vec![],
+        rails: vec![RailAddr { name: "rail0".into(), addr: "127.0.0.1:1".into() }],
+        locality: vec![RankRails { rank: 0, rails: vec!["rail0".into()], level: "same-numa".into() }],
+    }
+}
+
+fn expect() -> Expect {
+    Expect { slot: SLOT, src_layout: "tp=2".into(), src_num_blocks: 8, src_block_table: vec![0, 1], manifest: "{}".into(), codec: None }
+}
+
+/// Both sides and the simulated clock.
+struct Pair {
+    now: Instant,
+    src: SourceSession,
+    dst: DestinationSession,
+    /// The source's next message, not yet delivered.
+    in_flight: Option<PeerMsg>,
+}
+
+impl Pair {
+    fn new() -> Pair {
+        let now = Instant::now();
+        let (src, first) = SourceSession::start(now, offer(), "tcp", timeouts());
+        Pair { now, src, dst: DestinationSession::new(now, "prefill", timeouts()), in_flight: Some(first) }
+    }
+
+    /// Delivers the source's message; the destination's default daemon
+    /// answers it; the answer goes back to the source.
+    fn step(&mut self, answer: impl FnOnce(&mut DestinationSession, DestinationStep) -> PeerMsg) -> Result<SourceEvent, SessionError> {
+        let m = self.in_flight.take().expect("a message to deliver");
+        let step = self.dst.handle(self.now, m);
+        let reply = answer(&mut self.dst, step);
+        self.src.handle(self.now, reply)
+    }
+
+    fn advance(&mut self, d: Duration) {
+        self.now += d;
+    }
+
+    /// Offer → accept → expect → staging, with the default daemon.
+    fn to_moving(&mut self) {
+        assert!(matches!(self.step(default_daemon), Ok(SourceEvent::Accepted(_))));
+        self.in_flight = Some(self.src.expect(self.now, expect(), STAGE).unwrap());
+        assert_eq!(self.step(default_daemon), Ok(SourceEvent::Staging { key: 42 }));
+    }
+}
+
+fn default_daemon(d: &mut DestinationSession, step: DestinationStep) -> PeerMsg {
+    match step {
+        DestinationStep::Offer(_) => d.accept(accept()),
+        DestinationStep::Expect(e) => d.staging(e.slot, 42, STAGE).unwrap(),
+        DestinationStep::Reply(m) | DestinationStep::Aborted { reply: m, .. } | DestinationStep::Done { reply: m, .. } => m,
+    }
+}
+
+#[test]
+fn a_transfer_runs_offer_to_done_on_both_sides() {
+    let mut p = Pair::new();
+    assert!(matches!(p.step(default_daemon), Ok(SourceEvent::Accepted(a)) if a.slot == SLOT));
+    assert_eq!((p.src.phase(), p.src.peer_slot(), p.dst.slot(SLOT)), (SourcePhase::Accepted, Some(SLOT), Some(SlotPhase::Accepted)));
+    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
+    assert_eq!(p.src.phase(), SourcePhase::Expecting);
+    assert_eq!(p.step(default_daemon), Ok(SourceEvent::Staging { key: 42 }));
+    assert_eq!((p.src.phase(), p.dst.slot(SLOT)), (SourcePhase::Moving, Some(SlotPhase::Receiving)));
+    // Pings every quarter of the peer timeout (2 s): none before 500 ms.
+    p.advance(Duration::from_millis(499));
+    assert_eq!(p.src.handle_timeout(p.now), Ok(None));
+    p.advance(Duration::from_millis(1));
+    p.in_flight = p.src.handle_timeout(p.now).unwrap();
+    assert_eq!(p.in_flight, Some(PeerMsg::Ping));
+    assert_eq!(p.step(default_daemon), Ok(SourceEvent::Alive));
+    p.in_flight = Some(p.src.moved().unwrap());
+    assert_eq!(p.in_flight, Some(PeerMsg::Done { slot: SLOT }));
+    let mut done = None;
+    assert_eq!(
+        p.step(|d, s| {
+            done = Some(s.clone());
+            default_daemon(d, s)
+        }),
+        Ok(SourceEvent::Closed)
+    );
+    assert_eq!(done, Some(DestinationStep::Done { slot: SLOT, reply: PeerMsg::Ok }));
+    assert_eq!((p.src.phase(), p.dst.slot(SLOT), p.src.abort("late")), (SourcePhase::Done, None, None));
+    assert_eq!(p.dst.closed(), Vec::<u16>::new());
+}
+
+#[test]
+fn a_refused_offer_fails_the_source_without_an_abort() {
+    let mut p = Pair::new();
+    let r = p.step(|d, _| d.refuse("request `r1` is not prepared".into()));
+    assert_eq!(r, Err(SessionError::Refused("request `r1` is not prepared".into())));
+    assert_eq!((p.src.phase(), p.dst.slot(SLOT)), (SourcePhase::Failed, None));
+    // The destination took no slot, so there is nothing to abort.
+    assert_eq!(p.src.abort("give up"), None);
+    assert_eq!(p.src.error(), Some(&SessionError::Refused("request `r1` is not prepared".into())));
+}
+
+#[test]
+fn a_refused_expect_is_not_aborted_again() {
+    let mut p = Pair::new();
+    p.step(default_daemon).unwrap();
+    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
+    let r = p.step(|d, s| match s {
+        DestinationStep::Expect(e) => d.refuse_slot(e.slot, "checksum list empty".into()),
+        other => panic!("{other:?}"),
+    });
+    assert_eq!(r, Err(SessionError::Refused("checksum list empty".into())));
+    assert_eq!(p.dst.slot(SLOT), None);
+    assert_eq!(p.src.abort("refused"), None);
+}
+
+#[test]
+fn a_staging_size_that_differs_from_the_schedule_aborts_the_slot() {
+    let mut p = Pair::new();
+    p.step(default_daemon).unwrap();
+    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
+    let r = p.step(|d, s| match s {
+        DestinationStep::Expect(e) => d.staging(e.slot, 42, STAGE + 1).unwrap(),
+        other => panic!("{other:?}"),
+    });
+    assert_eq!(r, Err(SessionError::StagingSize { got: STAGE + 1, want: STAGE }));
+    let abort = p.src.abort("staging size differs");
+    assert_eq!(abort, Some(PeerMsg::Abort { slot: SLOT, reason: "staging size differs".into() }));
+    p.in_flight = abort;
+    let mut seen = None;
+    assert_eq!(
+        p.step(|d, s| {
+            seen = Some(s.clone());
+            default_daemon(d, s)
+        }),
+        Ok(SourceEvent::Closed)
+    );
+    assert_eq!(seen, Some(DestinationStep::Aborted { slot: SLOT, reason: "staging size differs".into(), reply: PeerMsg::Ok }));
+    assert_eq!(p.dst.slot(SLOT), None);
+}
+
+#[test]
+fn accepts_that_break_a_rule_are_refused_by_name() {
+    let cases: Vec<(Accept, &str)> = vec![
+        (Accept { transport: "shm".into(), ..accept() }, "peer speaks `shm`, this daemon `tcp`"),
+        (
+            Accept { rails: (0..MAX_RAILS + 6).map(|i| RailAddr { name: format!("r{i}"), addr: "127.0.0.1:1".into() }).collect(), locality: vec![], ..accept() },
+            "70 rails, at most 64",
+        ),
+        (Accept { rails: vec![accept().rails[0].clone(), accept().rails[0].clone()], ..accept() }, "two rails share a name"),
+        (
+            Accept { locality: vec![RankRails { rank: 3, rails: vec!["nowhere".into()], level: "same-numa".into() }], ..accept() },
+            "rank 3's preferred rails name a rail the accept does not list",
+        ),
+    ];
+    for (a, why) in cases {
+        let mut p = Pair::new();
+        let r = p.step(move |d, _| d.accept(a));
+        assert_eq!(r, Err(SessionError::BadAccept(why.into())));
+        assert_eq!(p.src.phase(), SourcePhase::Failed);
+        // The destination did take a slot: it is told.
+        assert!(matches!(p.src.abort("bad accept"), Some(PeerMsg::Abort { slot: SLOT, .. })));
+    }
+}
+
+#[test]
+fn stale_and_out_of_order_messages_are_refused_without_touching_slots() {
+    let now = Instant::now();
+    let mut d = DestinationSession::new(now, "prefill", timeouts());
+    let refused = |s: DestinationStep, needle: &str| match s {
+        DestinationStep::Reply(PeerMsg::Refused { reason }) => assert!(reason.contains(needle), "{reason}"),
+        other => panic!("expected a refusal containing {needle:?}, got {other:?}"),
+    };
+    refused(d.handle(now, PeerMsg::Expect(expect())), "not a transfer of this connection");
+    refused(d.handle(now, PeerMsg::Done { slot: SLOT }), "not a transfer of this connection");
+    refused(d.handle(now, PeerMsg::Abort { slot: 0xFFFF, reason: "x".into() }), "not a transfer of this connection");
+    refused(d.handle(now, PeerMsg::Pong), "unexpected pong");
+    d.accept(accept());
+    refused(d.handle(now, PeerMsg::Done { slot: SLOT }), "never received its expect");
+    assert!(matches!(d.handle(now, PeerMsg::Expect(expect())), DestinationStep::Expect(_)));
+    d.staging(SLOT, 1, 1).unwrap();
+    refused(d.handle(now, PeerMsg::Expect(expect())), "already received its expect");
+    assert_eq!(d.staging(SLOT, 1, 1), Err(SessionError::OutOfOrder { step: "staging", phase: "receiving" }));
+    assert_eq!(d.slot(SLOT), Some(SlotPhase::Receiving));
+    assert_eq!(d.handle(now, PeerMsg::Ping), DestinationStep::Reply(PeerMsg::Pong));
+
+    // On the source: a message its phase does not take ends it.
+    let (mut s, _) = SourceSession::start(now, offer(), "tcp", timeouts());
+    assert_eq!(s.handle(now, PeerMsg::Pong), Err(SessionError::Unexpected { phase: "waiting for accept", got: "pong" }));
+    let (mut s, _) = SourceSession::start(now, offer(), "tcp", timeouts());
+    assert_eq!(s.moved(), Err(SessionError::OutOfOrder { step: "moved", phase: "waiting for accept" }));
+    assert_eq!(s.expect(now, expect(), 0), Err(SessionError::OutOfOrder { step: "expect", phase: "waiting for accept" }));
+}
+
+#[test]
+fn a_late_reply_times_the_source_out_and_aborts_the_slot() {
+    let mut p = Pair::new();
+    p.step(default_daemon).unwrap();
+    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
+    assert_eq!(p.src.poll_timeout(), Some(p.now + Duration::from_secs(5)));
+    p.advance(Duration::from_secs(5));
+    assert_eq!(p.src.handle_timeout(p.now), Err(SessionError::TimedOut { phase: "waiting for staging", waited: Duration::from_secs(5) }));
+    assert!(matches!(p.src.abort("timed out"), Some(PeerMsg::Abort { slot: SLOT, .. })));
+    assert_eq!(p.src.poll_timeout(), None);
+}
+
+#[test]
+fn the_transfer_deadline_ends_a_transfer_that_keeps_pinging() {
+    let mut p = Pair::new();
+    p.to_moving();
+    let mut pings = 0;
+    loop {
+        let at = p.src.poll_timeout().unwrap();
+        p.now = at;
+        match p.src.handle_timeout(p.now) {
+            Ok(Some(m)) => {
+                p.in_flight = Some(m);
+                assert_eq!(p.step(default_daemon), Ok(SourceEvent::Alive));
+                pings += 1;
+            }
+            Ok(None) => {}
+            Err(e) => {
+                assert_eq!(e, SessionError::Deadline(Duration::from_secs(60)));
+                break;
+            }
+        }
+    }
+    // 60 s at one ping per 500 ms, the last instant being the deadline itself.
+    assert_eq!(pings, 119);
+}
+
+#[test]
+fn a_silent_source_fails_every_receiving_slot_after_the_peer_timeout() {
+    let mut p = Pair::new();
+    p.to_moving();
+    let heard = p.now;
+    assert_eq!(p.dst.poll_timeout(), heard + Duration::from_secs(2));
+    assert_eq!(p.dst.handle_timeout(heard + Duration::from_millis(1999)), None);
+    let (slots, e) = p.dst.handle_timeout(heard + Duration::from_secs(2)).unwrap();
+    assert_eq!(slots, vec![SLOT]);
+    assert_eq!(e.to_string(), "silent for 2s while receiving");
+    assert_eq!(p.dst.slot(SLOT), None);
+}
+
+#[test]
+fn a_closed_connection_returns_the_slots_still_running() {
+    let mut p = Pair::new();
+    p.step(default_daemon).unwrap();
+    // Accepted but never expected: the reply timeout applies.
+    assert_eq!(p.dst.poll_timeout(), p.now + Duration::from_secs(5));
+    assert_eq!(p.dst.closed(), vec![SLOT]);
+    assert_eq!(p.dst.closed(), Vec::<u16>::new());
+    // An idle connection waits for the transfer timeout.
+    assert_eq!(p.dst.poll_timeout(), p.now + Duration::from_secs(60));
+}
