@@ -568,6 +568,9 @@ enum Event {
     Closed { reason: String },
 }
 
+/// Write requests and the memfds one `sendmsg` carries with them.
+type Piece = (Vec<u8>, Vec<RawFd>);
+
 /// The initiating side of an shm connection.
 #[derive(Debug)]
 pub struct ShmConnection {
@@ -705,9 +708,9 @@ impl ShmConnection {
 
     /// The write requests of `batch` (parts of `id`), in pieces that each
     /// carry at most SCM_MAX_FD memfds, and the source keys they share.
-    fn requests(&mut self, id: BatchId, batch: &Batch, srcs: &[Arc<crate::Region>]) -> (Vec<(Vec<u8>, Vec<RawFd>)>, HashSet<u32>) {
+    fn requests(&mut self, id: BatchId, batch: &Batch, srcs: &[Arc<crate::Region>]) -> (Vec<Piece>, HashSet<u32>) {
         let mut newly = HashSet::new();
-        let mut pieces: Vec<(Vec<u8>, Vec<RawFd>)> = vec![(Vec::new(), Vec::new())];
+        let mut pieces: Vec<Piece> = vec![(Vec::new(), Vec::new())];
         for (w, region) in batch.writes.iter().zip(srcs) {
             let share = !self.shared.contains(&w.src_key) && newly.insert(w.src_key);
             if share && pieces.last().is_some_and(|p| p.1.len() == SCM_MAX_FD) {
