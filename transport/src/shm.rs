@@ -17,13 +17,13 @@
 //!
 //! # Messages
 //!
-//! Every message is a [`protocol::Header`] (40 bytes, little-endian),
+//! Every message is a [`Header`] (40 bytes, little-endian),
 //! optionally followed by a payload of `len` bytes.
 //!
 //! Handshake (three messages, so `connect` returns only once the
 //! destination accepted):
 //! 1. both sides send `Hello` (payload: JSON [`Hello`], transport `shm`,
-//!    [`PROTOCOL_VERSION`]); each side checks the other's;
+//!    [`kvwire_core::protocol::PROTOCOL_VERSION`]); each side checks the other's;
 //! 2. the destination answers the initiator's hello with `Ack` (len 0), or
 //!    `Nack` (payload: why) and closes.
 //!

@@ -1,12 +1,13 @@
 //! TCP emulation of one-sided writes, for hosts without RDMA.
 //!
 //! The initiator streams `Write` frames (header + data read straight from
-//! its registered source region); the destination checks the remote key and
-//! bounds against its own registry *before* reading the payload into place,
-//! counts the bytes toward (slot, layer), and acks each frame. A refused
-//! frame's payload is drained and discarded, so the connection stays in
-//! sync and keeps serving later writes; a malformed header closes that
-//! connection only.
+//! its registered source region); the destination accepts each through the
+//! shared path ([`crate::accept`]): key, bounds, tag and room against its
+//! own registry *before* reading the payload into place, then counts the
+//! range once toward (slot, layer), and answers every frame (`Ack`, or
+//! `Nack` with the refusal's text). A refused frame's payload is drained
+//! and discarded, so the connection stays in sync and keeps serving later
+//! writes; a malformed header closes that connection only.
 
 use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;

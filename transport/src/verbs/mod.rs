@@ -44,6 +44,15 @@
 //! (queue pairs and completions), `notes` (write-note buffers), `passive`
 //! (the destination: counts noted ranges) and `active` (the source: posts
 //! writes and notes).
+//!
+//! [`WriteNote`]: kvwire_core::protocol::WriteNote
+//! [`HostMem`]: crate::HostMem
+//! [`Registry`]: crate::Registry
+//! [`Hello`]: crate::Hello
+//! [`Endpoint::connect`]: crate::Endpoint::connect
+//! [`Placement::placed_range`]: crate::Placement::placed_range
+//! [`Connection::post`]: crate::Connection::post
+//! [`Connection::poll`]: crate::Connection::poll
 
 mod active;
 mod endpoint;
