@@ -231,7 +231,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: &str, p
                 let req = format!("r{pi}-{tokens}-{it}");
                 let slot = cb.prepare(PrepareReceive { group: dg.clone(), request: req.clone(), block_table: dst.block_table.clone(), tokens, prefix_tokens: 0 })?;
                 let t = Instant::now();
-                let (sslot, _, _, _) = ca.submit(Submit {
+                let sslot = ca.submit(Submit {
                     request: req.clone(),
                     group: sg.clone(),
                     block_table: src.block_table.clone(),
@@ -240,7 +240,8 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: &str, p
                     dst_group: dg.clone(),
                     dst_request: req,
                     codec: None,
-                })?;
+                })?
+                .slot;
                 cb.wait(slot, FlagName::DecoderUsable, Duration::from_secs(300))?;
                 let ns = t.elapsed().as_nanos() as u64;
                 ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(300))?;

@@ -982,14 +982,14 @@ pub unsafe extern "C" fn kvw_submit(
             "dst_group": dst_group,
             "dst_request": dst_request,
         }))?;
-        let (slot, peer_slot, _, _) = {
+        let submitted = {
             let _call = lock(&c.call);
             c.client.submit(s)?
         };
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe {
-            *out_slot = slot;
-            *out_peer_slot = peer_slot;
+            *out_slot = submitted.slot;
+            *out_peer_slot = submitted.peer_slot;
         }
         Ok(())
     })

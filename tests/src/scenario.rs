@@ -18,7 +18,7 @@ use kvwire_transport::device::{Device, DeviceMem};
 use kvwire_transport::HostMem;
 #[cfg(feature = "cuda")]
 use std::sync::Arc;
-use kvwire_client::client::{Client, ClientError};
+use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -398,7 +398,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         dst_request: request,
         codec: sc.codec.clone(),
     });
-    let (sslot, peer_slot, _, _) = match submitted {
+    let Submitted { slot: sslot, peer_slot, .. } = match submitted {
         Ok(x) => x,
         Err(e) => {
             // A refused transfer must leave no flag behind.

@@ -80,7 +80,7 @@ fn transfer(src: &Client, dst: &Client, peer: &str, blocks: u32, request: &str) 
         .prepare(PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.clone(), tokens, prefix_tokens: 0 })
         .map_err(|e| format!("prepare: {e}"))?;
     let t = Instant::now();
-    let (sslot, ..) = src
+    let sslot = src
         .submit(Submit {
             request: request.into(),
             group: "src".into(),
@@ -91,7 +91,8 @@ fn transfer(src: &Client, dst: &Client, peer: &str, blocks: u32, request: &str) 
             dst_request: request.into(),
             codec: None,
         })
-        .map_err(|e| format!("submit: {e}"))?;
+        .map_err(|e| format!("submit: {e}"))?
+        .slot;
     dst.wait(slot, FlagName::DecoderUsable, Duration::from_secs(300)).map_err(|e| format!("{peer}: {e}"))?;
     let secs = t.elapsed().as_secs_f64();
     src.wait(sslot, FlagName::SourceReleased, Duration::from_secs(30)).map_err(|e| format!("{peer}: {e}"))?;

@@ -30,7 +30,7 @@ use kvwire_core::{verify, CacheFormat};
 use kvwire_testkit::netns;
 use kvwire_testkit::{start_daemon, start_daemon_in, DaemonProc};
 use kvwire_transport::HostMem;
-use kvwire_client::client::{Client, ClientError};
+use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -344,7 +344,7 @@ impl<'a> Session<'a> {
             dst_request: request.into(),
             codec: None,
         });
-        let (sslot, _, bytes, _) = match submitted {
+        let Submitted { slot: sslot, bytes, .. } = match submitted {
             Ok(x) => x,
             Err(e) => {
                 // Otherwise the prepared slot stays live for ever and the daemon runs out of slots.

@@ -37,6 +37,21 @@ pub enum ClientError {
     FlagPage(String),
 }
 
+/// A transfer the daemon accepted ([`Client::submit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Submitted {
+    /// This daemon's slot: wait on its `source_released` before reusing the
+    /// source blocks.
+    pub slot: u16,
+    /// The destination daemon's slot, where its `layer_ready` and
+    /// `decoder_usable` flags appear (the slot its prepare returned).
+    pub peer_slot: u16,
+    /// Bytes the plan moves.
+    pub bytes: u64,
+    /// Segments of the plan.
+    pub segments: u64,
+}
+
 /// A connection to the local daemon.
 #[derive(Debug)]
 pub struct Client {
@@ -99,10 +114,10 @@ impl Client {
         }
     }
 
-    /// Submits a transfer; returns (local slot, peer slot, bytes, segments).
-    pub fn submit(&self, s: Submit) -> Result<(u16, u16, u64, u64), ClientError> {
+    /// Submits a transfer; the daemon has planned it and started moving.
+    pub fn submit(&self, s: Submit) -> Result<Submitted, ClientError> {
         match self.call(&Request::Submit(s), &[])? {
-            Reply::Submitted { slot, peer_slot, bytes, segments } => Ok((slot, peer_slot, bytes, segments)),
+            Reply::Submitted { slot, peer_slot, bytes, segments } => Ok(Submitted { slot, peer_slot, bytes, segments }),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }

@@ -13,4 +13,4 @@ pub mod control;
 pub mod promtext;
 pub mod wire;
 
-pub use client::{Client, ClientError};
+pub use client::{Client, ClientError, Submitted};

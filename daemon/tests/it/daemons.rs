@@ -8,7 +8,7 @@ use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::LayoutSpec;
 use kvwire_core::{verify, CacheFormat};
 use kvwire_transport::HostMem;
-use kvwire_client::client::{Client, ClientError};
+use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -149,12 +149,12 @@ pub(crate) fn read_back(s: &Side_) -> Buffers {
 }
 
 /// Submits group `prefill` to peer `b`'s request `dst_request` in group `decode`.
-fn submit(c: &Client, s: &Side, tokens: u64, dst_request: &str) -> Result<(u16, u16, u64, u64), ClientError> {
+fn submit(c: &Client, s: &Side, tokens: u64, dst_request: &str) -> Result<Submitted, ClientError> {
     submit_to(c, "b", s, tokens, dst_request)
 }
 
 /// Submits group `prefill` to `peer`'s request `dst_request` in group `decode`.
-pub(crate) fn submit_to(c: &Client, peer: &str, s: &Side, tokens: u64, dst_request: &str) -> Result<(u16, u16, u64, u64), ClientError> {
+pub(crate) fn submit_to(c: &Client, peer: &str, s: &Side, tokens: u64, dst_request: &str) -> Result<Submitted, ClientError> {
     c.submit(Submit {
         request: format!("p-{dst_request}"),
         group: "prefill".into(),
@@ -189,7 +189,7 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     let slot = cb
         .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
         .unwrap();
-    let (sslot, peer_slot, bytes, _) = submit(&ca, &ss, tokens, "r1").unwrap();
+    let Submitted { slot: sslot, peer_slot, bytes, .. } = submit(&ca, &ss, tokens, "r1").unwrap();
     assert_eq!(peer_slot, slot);
     assert_eq!(bytes, 4 /*layers*/ * 4 /*kv heads*/ * 16 * 2 /*K,V*/ * 2 /*bf16*/ * tokens);
     for layer in 0..4 {
@@ -357,7 +357,7 @@ fn transfer_exact(ca: &Client, cb: &Client, ss: &Side, ds: &Side, dst: &Side_, t
     let slot = cb
         .prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
         .unwrap();
-    let (sslot, _, _, _) = submit(ca, ss, tokens, request).unwrap();
+    let sslot = submit(ca, ss, tokens, request).unwrap().slot;
     cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
     ca.wait(sslot, FlagName::SourceReleased, WAIT).unwrap();
     assert!(read_back(dst) == verify::expected_destination(&model(), ds, tokens, 0), "destination bytes differ");

@@ -5,7 +5,7 @@
 
 use crate::daemons::{identity_of, model, read_back, register, side, submit_to, tmpdir, Daemon, DST, SRC, WAIT};
 use kvwire_core::verify;
-use kvwire_client::client::{Client, ClientError};
+use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
 use serde_json::{json, Value};
 use std::net::{SocketAddr, TcpListener};
@@ -226,7 +226,7 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
     let slot = cb
         .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
         .unwrap();
-    let (sslot, peer_slot, _, _) = submit_to(&ca, "b", &ss, tokens, "r1").unwrap();
+    let Submitted { slot: sslot, peer_slot, .. } = submit_to(&ca, "b", &ss, tokens, "r1").unwrap();
     assert_eq!(peer_slot, slot);
     cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
     ca.wait(sslot, FlagName::SourceReleased, WAIT).unwrap();

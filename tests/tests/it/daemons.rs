@@ -7,7 +7,7 @@ use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
 use kvwire_e2e::scenario::{self, Scenario, ScenarioError};
 use kvwire_testkit::{start_daemon, DaemonProc};
 use kvwire_e2e::tinylm;
-use kvwire_client::client::Client;
+use kvwire_client::client::{Client, Submitted};
 use kvwire_client::control::FlagName;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -309,7 +309,7 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
         dst_request: "r".into(),
         codec: None,
     });
-    if let Ok((s, _, _, _)) = submit {
+    if let Ok(Submitted { slot: s, .. }) = submit {
         assert!(ca.wait(s, FlagName::SourceReleased, std::time::Duration::from_secs(20)).is_err(), "a transfer into released regions completed");
     }
     // The daemon keeps serving: the same group registers again, and a full scenario is exact.
@@ -628,7 +628,7 @@ mod gpu {
             .prepare(PrepareReceive { group: "gdst".into(), request: "big".into(), block_table: table.clone(), tokens, prefix_tokens: 0 })
             .unwrap();
         let t = Instant::now();
-        let (sslot, _, moved, _) = p
+        let Submitted { slot: sslot, bytes: moved, .. } = p
             .ca
             .submit(Submit {
                 request: "big-src".into(),

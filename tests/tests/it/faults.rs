@@ -12,7 +12,7 @@ use kvwire_e2e::scenario::{self, Scenario};
 use kvwire_testkit::{start_daemon, start_daemon_in, DaemonProc};
 use kvwire_transport::flags::WaitError;
 use kvwire_transport::HostMem;
-use kvwire_client::client::{Client, ClientError};
+use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -189,7 +189,7 @@ fn start(ca: &Client, cb: &Client, peer: &str, c: &Cache, src_group: &str, reque
     let dslot = cb
         .prepare(PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.to_vec(), tokens: c.tokens(), prefix_tokens: 0 })
         .unwrap();
-    let (sslot, peer_slot, bytes, _) = ca
+    let Submitted { slot: sslot, peer_slot, bytes, .. } = ca
         .submit(Submit {
             request: format!("{src_group}-{request}"),
             group: src_group.into(),
