@@ -14,21 +14,25 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// A fresh directory under the temp dir, removed on drop.
 #[derive(Debug)]
 pub struct TempDir(PathBuf);
 
 impl TempDir {
-    /// Creates `kvwire-TAG-PID-NANOS` under the temp dir (unique per call).
+    /// Creates `kvwire-TAG-PID-N-NANOS` under the temp dir (unique per call).
     pub fn new(tag: &str) -> TempDir {
         TempDir::try_new(tag).expect("create a temporary directory")
     }
 
     /// [`TempDir::new`], with the failure as text.
     pub fn try_new(tag: &str) -> Result<TempDir, String> {
+        // The counter keeps two calls with one tag in the same nanosecond apart.
+        static N: AtomicU32 = AtomicU32::new(0);
+        let n = N.fetch_add(1, Ordering::Relaxed);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-        let p = std::env::temp_dir().join(format!("kvwire-{tag}-{}-{nanos}", std::process::id()));
+        let p = std::env::temp_dir().join(format!("kvwire-{tag}-{}-{n}-{nanos}", std::process::id()));
         std::fs::create_dir_all(&p).map_err(|e| format!("{}: {e}", p.display()))?;
         Ok(TempDir(p))
     }
@@ -36,6 +40,22 @@ impl TempDir {
     /// The directory.
     pub fn path(&self) -> &Path {
         &self.0
+    }
+
+    /// `rel` inside the directory.
+    pub fn join(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.0.join(rel)
+    }
+
+    /// Writes `text` to `rel` inside the directory, creating its parent
+    /// directories; returns the file's path (panics on failure: tests).
+    pub fn write(&self, rel: impl AsRef<Path>, text: impl AsRef<[u8]>) -> PathBuf {
+        let p = self.0.join(rel);
+        if let Some(parent) = p.parent() {
+            std::fs::create_dir_all(parent).unwrap_or_else(|e| panic!("{}: {e}", parent.display()));
+        }
+        std::fs::write(&p, text).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        p
     }
 
     /// The directory as text (panics on a non-UTF-8 temp dir).
