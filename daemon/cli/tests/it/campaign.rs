@@ -2,35 +2,10 @@
 //! schema with counts derived by hand from the settings, the SVG plots, and
 //! exit status 2 naming the flag for bad input. No timing assertions.
 
+use crate::kvwire;
+use kvwire_testkit::TempDir;
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-
-fn kvwire(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvwire")).args(args).output().expect("run kvwire")
-}
-
-/// A fresh directory under the temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-        let p = std::env::temp_dir().join(format!("kvwire-campaign-{tag}-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-
-    fn path(&self) -> &str {
-        self.0.to_str().unwrap()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use std::path::Path;
 
 fn u(v: &Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("`{key}` is not an unsigned integer in {v}"))
@@ -60,11 +35,11 @@ fn check_svg(path: &Path) {
 
 #[test]
 fn small_campaign_writes_table_jsonl_and_plots() {
-    let dir = TempDir::new("small");
+    let dir = TempDir::new("campaign-small");
     let (iters, chunk, depth) = (3u64, 256u64 << 10, 2u64);
     let out = kvwire(&[
         "bench", "campaign", "--transports", "tcp,shm", "--sizes", "4K,1M", "--iterations", "3", "--chunk", "256K", "--depth", "2",
-        "--concurrency", "1,2", "--out", dir.path(),
+        "--concurrency", "1,2", "--out", dir.as_str(),
     ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -90,7 +65,7 @@ fn small_campaign_writes_table_jsonl_and_plots() {
     assert!(stdout.contains("must not be subtracted"), "the contention warning is missing:\n{stdout}");
 
     // campaign.jsonl: one object per point, every schema field, figures from the settings.
-    let text = std::fs::read_to_string(dir.0.join("campaign.jsonl")).unwrap();
+    let text = std::fs::read_to_string(dir.join("campaign.jsonl")).unwrap();
     let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"))).collect();
     assert_eq!(lines.len(), points.len(), "{text}");
     for (t, size, _, c) in &points {
@@ -141,19 +116,19 @@ fn small_campaign_writes_table_jsonl_and_plots() {
     }
 
     for svg in ["throughput_vs_size.svg", "hop_latency.svg", "hop_ceiling.svg"] {
-        check_svg(&dir.0.join(svg));
+        check_svg(&dir.join(svg));
     }
-    let ceiling = std::fs::read_to_string(dir.0.join("hop_ceiling.svg")).unwrap();
+    let ceiling = std::fs::read_to_string(dir.join("hop_ceiling.svg")).unwrap();
     assert!(ceiling.contains("analogy"), "the ceiling chart must say it is an analogy");
 }
 
 #[test]
 fn json_flag_prints_the_jsonl_lines() {
-    let dir = TempDir::new("json");
-    let out = kvwire(&["bench", "campaign", "--transports", "shm", "--sizes", "64K", "--iterations", "1", "--concurrency", "1", "--out", dir.path(), "--json"]);
+    let dir = TempDir::new("campaign-json");
+    let out = kvwire(&["bench", "campaign", "--transports", "shm", "--sizes", "64K", "--iterations", "1", "--concurrency", "1", "--out", dir.as_str(), "--json"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let stdout = String::from_utf8(out.stdout).unwrap();
-    let file = std::fs::read_to_string(dir.0.join("campaign.jsonl")).unwrap();
+    let file = std::fs::read_to_string(dir.join("campaign.jsonl")).unwrap();
     assert_eq!(stdout, file, "--json prints exactly the JSONL lines");
     let v: Value = serde_json::from_str(stdout.trim()).unwrap();
     assert_eq!(v["kind"], "point");
@@ -163,7 +138,7 @@ fn json_flag_prints_the_jsonl_lines() {
 
 #[test]
 fn bad_input_exits_2_naming_the_flag() {
-    let dir = TempDir::new("bad");
+    let dir = TempDir::new("campaign-bad");
     let cases: [(&[&str], &str); 7] = [
         (&["--sizes", "4K,0"], "--sizes"),
         (&["--transports", "tcp,udp"], "--transports"),
@@ -174,7 +149,7 @@ fn bad_input_exits_2_naming_the_flag() {
         (&["--sizes", "1G", "--chunk", "1"], "--chunk"),
     ];
     for (extra, flag) in cases {
-        let mut args = vec!["bench", "campaign", "--out", dir.path()];
+        let mut args = vec!["bench", "campaign", "--out", dir.as_str()];
         args.extend_from_slice(extra);
         let out = kvwire(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -184,17 +159,15 @@ fn bad_input_exits_2_naming_the_flag() {
         assert_eq!(stderr.trim_end().lines().count(), 1, "{args:?}: not one line: {stderr}");
     }
     // Nothing was measured or written for bad input.
-    assert!(!dir.0.join("campaign.jsonl").exists());
+    assert!(!dir.join("campaign.jsonl").exists());
 }
 
 #[test]
 fn layouts_sweep_runs_through_two_daemons_and_writes_jsonl() {
-    let dir = std::env::temp_dir().join(format!("kvwire-layouts-test-{}", std::process::id()));
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvwire"))
-        .args(["bench", "layouts", "--tokens", "20", "--pairs", "tp=2>tp=1,layout=hnd,block=32", "--iterations", "1", "--json", "--out"])
-        .arg(&dir)
-        .output()
-        .unwrap();
+    let dir = TempDir::new("layouts-test");
+    let out = kvwire(&[
+        "bench", "layouts", "--tokens", "20", "--pairs", "tp=2>tp=1,layout=hnd,block=32", "--iterations", "1", "--json", "--out", dir.as_str(),
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let text = std::fs::read_to_string(dir.join("layouts.jsonl")).unwrap();
     let p: serde_json::Value = serde_json::from_str(text.lines().next().unwrap()).unwrap();
@@ -203,8 +176,7 @@ fn layouts_sweep_runs_through_two_daemons_and_writes_jsonl() {
     assert_eq!(p["payload_bytes"], 32 * 8 * 128 * 2 * 2 * 20);
     assert!(p["gbps"].as_f64().unwrap() > 0.0 && p["baseline_gbps"].as_f64().unwrap() > 0.0, "{p}");
     assert!(p["bounding"].is_string(), "{p}");
-    let bad = std::process::Command::new(env!("CARGO_BIN_EXE_kvwire")).args(["bench", "layouts", "--pairs", "tp=3"]).output().unwrap();
+    let bad = kvwire(&["bench", "layouts", "--pairs", "tp=3"]);
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--pairs"));
-    let _ = std::fs::remove_dir_all(&dir);
 }

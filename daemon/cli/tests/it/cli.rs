@@ -1,14 +1,10 @@
 //! The real `kvwire` binary: output shapes, figures, and exit status 2 with a
 //! one-line error for bad input.
 
+use crate::kvwire;
 use serde_json::Value;
 use std::path::PathBuf;
-use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
-
-fn kvwire(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvwire")).args(args).output().expect("run kvwire")
-}
 
 fn stdout_json(args: &[&str]) -> Value {
     let out = kvwire(args);

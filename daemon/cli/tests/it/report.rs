@@ -4,15 +4,11 @@
 //! table prints each point's GB/s, and which escapes what it inserts.
 //! (scripts/report-check drives the page itself in headless Chromium.)
 
+use crate::kvwire;
 use kvwire_bench::report::{self, CampaignError};
+use kvwire_testkit::TempDir;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU32, Ordering};
-
-fn kvwire(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvwire")).args(args).output().expect("run kvwire")
-}
 
 fn roofline_json(args: &[&str]) -> Value {
     let mut all = vec!["roofline"];
@@ -34,28 +30,6 @@ fn assert_bad_input(args: &[&str], needles: &[&str]) -> String {
         assert!(stderr.contains(n), "{args:?}: stderr lacks `{n}`: {stderr}");
     }
     stderr
-}
-
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let d = std::env::temp_dir().join(format!("kvwire-report-it-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 // ------------------------------------------------------------ roofline
@@ -168,7 +142,7 @@ fn write_fixture(dir: &TempDir, points: &[Value], extra_lines: &[&str]) -> PathB
         text.push_str(l);
         text.push('\n');
     }
-    let path = dir.path("campaign.jsonl");
+    let path = dir.join("campaign.jsonl");
     std::fs::write(&path, text).unwrap();
     path
 }
@@ -187,7 +161,7 @@ fn cells(page: &str, class: &str) -> Vec<String> {
 }
 
 fn report_page(from: &Path, dir: &TempDir) -> String {
-    let out_path = dir.path("report.html");
+    let out_path = dir.join("report.html");
     let out = kvwire(&["report", "--html", "--out", out_path.to_str().unwrap(), "--from", from.to_str().unwrap()]);
     assert!(out.status.success(), "report failed: {}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("3 points"), "{}", String::from_utf8_lossy(&out.stdout));
@@ -196,7 +170,7 @@ fn report_page(from: &Path, dir: &TempDir) -> String {
 
 #[test]
 fn report_from_fixture_is_one_self_contained_page() {
-    let dir = TempDir::new("page");
+    let dir = TempDir::new("report-it-page");
     let from = write_fixture(&dir, &fixture_points(), &[]);
     let page = report_page(&from, &dir);
     assert!(page.starts_with("<!DOCTYPE html>"));
@@ -221,7 +195,7 @@ fn report_from_fixture_is_one_self_contained_page() {
 
 #[test]
 fn report_embeds_the_fixture_points_and_prints_their_gbps() {
-    let dir = TempDir::new("json");
+    let dir = TempDir::new("report-it-json");
     let points = fixture_points();
     let from = write_fixture(&dir, &points, &[r#"{"kind":"summary","points":3}"#]);
     let page = report_page(&from, &dir);
@@ -240,7 +214,7 @@ fn report_embeds_the_fixture_points_and_prints_their_gbps() {
 
 #[test]
 fn report_escapes_what_it_inserts() {
-    let dir = TempDir::new("escape");
+    let dir = TempDir::new("report-it-escape");
     let page = report_page(&write_fixture(&dir, &fixture_points(), &[]), &dir);
     assert!(!page.contains("<script>alert(1)"), "raw markup from the JSONL reached the page");
     assert!(page.contains("shm&lt;/script&gt;&lt;script&gt;alert(1)&lt;/script&gt;&amp;&quot;&#39;{{DATA}}"));
@@ -252,10 +226,10 @@ fn report_escapes_what_it_inserts() {
 
 #[test]
 fn report_malformed_line_names_its_number() {
-    let dir = TempDir::new("bad");
+    let dir = TempDir::new("report-it-bad");
     // Line 1 is the campaign header, lines 2-4 the points, line 5 is cut short.
     let from = write_fixture(&dir, &fixture_points(), &[r#"{"kind":"point","transport":"tcp","size":"#]);
-    let out_path = dir.path("report.html");
+    let out_path = dir.join("report.html");
     let args = ["report", "--html", "--out", out_path.to_str().unwrap(), "--from", from.to_str().unwrap()];
     assert_bad_input(&args, &["line 5", "not JSON", from.to_str().unwrap()]);
     assert!(!out_path.exists(), "no page from a bad campaign");
@@ -273,18 +247,18 @@ fn report_malformed_line_names_its_number() {
 
 #[test]
 fn report_bad_arguments_exit_2() {
-    let dir = TempDir::new("args");
+    let dir = TempDir::new("report-it-args");
     let from = write_fixture(&dir, &fixture_points(), &[]);
     let from = from.to_str().unwrap();
-    let out = dir.path("r.html");
+    let out = dir.join("r.html");
     assert_bad_input(&["report", "--out", out.to_str().unwrap(), "--from", from], &["--html"]);
-    let nowhere = dir.path("no/such/dir/r.html");
+    let nowhere = dir.join("no/such/dir/r.html");
     assert_bad_input(&["report", "--html", "--out", nowhere.to_str().unwrap(), "--from", from], &["--out", "does not exist"]);
-    let missing = dir.path("absent.jsonl");
+    let missing = dir.join("absent.jsonl");
     assert_bad_input(&["report", "--html", "--out", out.to_str().unwrap(), "--from", missing.to_str().unwrap()], &["--from"]);
-    std::fs::write(dir.path("empty.jsonl"), "\n{\"kind\":\"campaign\"}\n").unwrap();
+    std::fs::write(dir.join("empty.jsonl"), "\n{\"kind\":\"campaign\"}\n").unwrap();
     assert_bad_input(
-        &["report", "--html", "--out", out.to_str().unwrap(), "--from", dir.path("empty.jsonl").to_str().unwrap()],
+        &["report", "--html", "--out", out.to_str().unwrap(), "--from", dir.join("empty.jsonl").to_str().unwrap()],
         &["no {\"kind\":\"point\"} lines"],
     );
 }
@@ -322,7 +296,7 @@ fn staged_hops_sort_in_path_order_in_rust_and_in_the_page() {
     assert_eq!(names, ["stage", "post", "wire", "place", "device_complete"]);
     // 5 × 64 MiB took 200 ms host → device and 100 ms on the wire: the H2D copy bounds it.
     assert_eq!(c.points[0].lowest_roof().unwrap().hop, "device_complete");
-    let dir = TempDir::new("order");
+    let dir = TempDir::new("report-it-order");
     let page = report_page(&write_fixture(&dir, &fixture_points(), &[]), &dir);
     let js = format!("var HOP_ORDER = [{}];", path.iter().map(|h| format!("\"{h}\"")).collect::<Vec<_>>().join(", "));
     assert!(page.contains(&js), "the page's hop order is not {js}");
@@ -342,13 +316,13 @@ fn parse_campaign_errors_are_comparable() {
 
 #[test]
 fn report_without_from_runs_the_default_campaign_and_keeps_it() {
-    let dir = TempDir::new("default");
-    let out_path = dir.path("r.html");
+    let dir = TempDir::new("report-it-default");
+    let out_path = dir.join("r.html");
     let out = kvwire(&["report", "--html", "--out", out_path.to_str().unwrap()]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "report without --from failed: {stderr}");
     assert!(stderr.contains("bench campaign --transports tcp,shm --sizes 64K,4M --iterations 3"), "{stderr}");
-    let jsonl = std::fs::read_to_string(dir.path("r.campaign/campaign.jsonl")).expect("the campaign is kept beside the page");
+    let jsonl = std::fs::read_to_string(dir.join("r.campaign/campaign.jsonl")).expect("the campaign is kept beside the page");
     let points: Vec<Value> = jsonl
         .lines()
         .filter(|l| !l.trim().is_empty())

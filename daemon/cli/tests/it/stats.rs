@@ -2,62 +2,30 @@
 //! control socket; its failures; and the Prometheus text parser on a
 //! hand-written sample whose figures are derived by hand.
 
+use crate::kvwire;
 use kvwire_client::promtext::{self, LatencyFrom, ParseError, Stats};
+use kvwire_testkit::{free_addr, start_daemon, DaemonProc, TempDir};
 use serde_json::Value;
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const HOPS: [&str; 9] = ["pack", "stage", "post", "wire", "place", "device_complete", "unpack", "verify", "notify"];
 
+/// A kvwired with a metrics endpoint. Field order is drop order: the
+/// daemon dies before its directory goes.
 struct Daemon {
-    child: Child,
-    dir: PathBuf,
-    sock: PathBuf,
-    peer: String,
+    proc: DaemonProc,
     metrics: String,
+    _dir: TempDir,
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn free_port() -> String {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
+/// Starts node `stats-TAG`, serving metrics on a free loopback port.
 fn start(tag: &str) -> Daemon {
-    let dir = std::env::temp_dir().join(format!("kvwired-stats-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let secret = dir.join("secret");
-    std::fs::write(&secret, "a-secret-of-at-least-16-bytes").unwrap();
-    let sock = dir.join("s.sock");
-    let metrics = free_port();
-    let cfg = format!(
-        "node = \"stats-{tag}\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nmetrics_listen = \"{metrics}\"\nsecret_file = {:?}\n",
-        sock.display().to_string(),
-        secret.display().to_string()
-    );
-    let path = dir.join("kvwired.toml");
-    std::fs::write(&path, cfg).unwrap();
-    let mut child = Command::new(kvwire_testkit::kvwired_bin()).arg("--config").arg(&path).stdout(Stdio::piped()).spawn().unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.starts_with("kvwired ready"), "daemon did not start: {line:?}");
-    let peer = line.split_whitespace().find_map(|w| w.strip_prefix("peer=")).unwrap().to_string();
-    Daemon { child, dir, sock, peer, metrics }
-}
-
-fn kvwire(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_kvwire")).args(args).output().expect("run kvwire")
+    let dir = TempDir::new(&format!("stats-{tag}"));
+    let metrics = free_addr();
+    let proc = start_daemon(dir.path(), &format!("stats-{tag}"), "a-secret-of-at-least-16-bytes", &[], &format!("metrics_listen = \"{metrics}\"\n"));
+    Daemon { proc, metrics, _dir: dir }
 }
 
 fn stats_json(args: &[&str]) -> Value {
@@ -119,7 +87,7 @@ fn check_fresh(v: &Value, node: &str, source: &str) {
 fn stats_over_metrics_endpoint_and_control_socket_agree() {
     let d = start("live");
     // One refused peer: connect to the peer port and hang up mid-handshake.
-    drop(std::net::TcpStream::connect(&d.peer).unwrap());
+    drop(std::net::TcpStream::connect(&d.proc.peer).unwrap());
     let url = format!("http://{}/metrics", d.metrics);
     let deadline = Instant::now() + Duration::from_secs(10);
     let via_http = loop {
@@ -130,7 +98,7 @@ fn stats_over_metrics_endpoint_and_control_socket_agree() {
         std::thread::sleep(Duration::from_millis(50));
     };
     check_fresh(&via_http, "stats-live", &url);
-    let sock = d.sock.to_str().unwrap();
+    let sock = d.proc.socket.to_str().unwrap();
     let via_socket = stats_json(&["stats", "--socket", sock, "--json"]);
     check_fresh(&via_socket, "stats-live", &format!("unix:{sock}"));
 
@@ -153,7 +121,7 @@ fn stats_over_metrics_endpoint_and_control_socket_agree() {
 #[test]
 fn stats_refuses_unreachable_daemons_and_bad_arguments() {
     // Nothing listens on a port just freed.
-    let addr = free_port();
+    let addr = free_addr();
     assert_fails(&["stats", "--metrics", &addr], 1, &["cannot connect", &addr]);
     let missing = std::env::temp_dir().join(format!("kvwire-stats-no-such-{}.sock", std::process::id()));
     assert_fails(&["stats", "--socket", missing.to_str().unwrap(), "--json"], 1, &["control socket", missing.to_str().unwrap()]);

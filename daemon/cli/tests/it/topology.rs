@@ -3,9 +3,9 @@
 //! the topology file's override and its loud refusal, and `move_pages(2)`.
 
 use kvwire_core::topology::{rank, DeviceKind, HostTopology, Locality, MemPlace, PciAddr, TopologyFileError};
+use kvwire_testkit::TempDir;
 use kvwire_transport::topology::{load_topology_file, numa_node_of, read_sysfs, TopologyError};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/sysfs").join(name)
@@ -27,36 +27,12 @@ fn gpu(s: &str) -> MemPlace {
     MemPlace::Gpu { pci: s.parse().unwrap() }
 }
 
-/// A fresh directory under the temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let d = std::env::temp_dir().join(format!("kvwired-topology-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-
-    fn write(&self, rel: &str, text: &str) -> PathBuf {
-        let p = self.0.join(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::fs::write(&p, text).unwrap();
-        p
-    }
-
-    fn link(&self, rel: &str, target: &str) {
-        let p = self.0.join(rel);
-        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-        std::os::unix::fs::symlink(target, p).unwrap();
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A symlink at `rel` inside `dir` pointing at `target` (a fake sysfs
+/// link), its parent directories created.
+fn link(dir: &TempDir, rel: &str, target: &str) {
+    let p = dir.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(target, p).unwrap();
 }
 
 #[test]
@@ -144,7 +120,7 @@ fn softroce_vm_rxe_devices_sit_where_their_virtio_netdevs_sit() {
 #[test]
 fn topology_file_naming_a_missing_device_fails_naming_it_and_what_exists() {
     let h = dgx();
-    let dir = TempDir::new("missing");
+    let dir = TempDir::new("topology-missing");
     let file = dir.write("topology.toml", "[[rail]]\ndevice = \"mlx5_0\"\n\n[[rail]]\nname = \"rail8\"\ndevice = \"mlx5_8\"\n");
     let err = load_topology_file(&file, &h).unwrap_err();
     let TopologyError::File { path, error: TopologyFileError::NoSuchDevice { key, device, rdma, netdevs } } = &err else {
@@ -158,14 +134,14 @@ fn topology_file_naming_a_missing_device_fails_naming_it_and_what_exists() {
     assert!(text.contains("`mlx5_8`"), "{text}");
     assert!(text.contains("mlx5_0, mlx5_1, mlx5_2, mlx5_3, mlx5_4, mlx5_5, mlx5_6, mlx5_7"), "{text}");
 
-    let err = load_topology_file(&dir.0.join("absent.toml"), &h).unwrap_err();
+    let err = load_topology_file(&dir.join("absent.toml"), &h).unwrap_err();
     assert!(matches!(err, TopologyError::ReadFile { kind: std::io::ErrorKind::NotFound, .. }), "{err:?}");
 }
 
 #[test]
 fn topology_file_pin_wins_over_discovery() {
     let h = dgx();
-    let dir = TempDir::new("pin");
+    let dir = TempDir::new("topology-pin");
     let file = dir.write("topology.toml", "[[rail]]\ndevice = \"mlx5_3\"\ngpus = [\"0000:18:00.0\"]\n");
     let h = load_topology_file(&file, &h).unwrap();
     let rails: Vec<String> = (0..8).map(mlx).collect();
@@ -198,27 +174,27 @@ fn this_machine_reads_without_error() {
 
 #[test]
 fn a_root_without_sys_is_refused() {
-    let dir = TempDir::new("nosys");
-    assert_eq!(read_sysfs(&dir.0), Err(TopologyError::NoSysfs { root: dir.0.clone() }));
+    let dir = TempDir::new("topology-nosys");
+    assert_eq!(read_sysfs(dir.path()), Err(TopologyError::NoSysfs { root: dir.path().to_path_buf() }));
 }
 
 #[test]
 fn symlinks_resolve_within_the_root() {
     // An absolute link and one with more `..` than the tree is deep: both
     // stay inside the root (read outside it, neither target exists).
-    let dir = TempDir::new("links");
-    dir.link("sys/class/net/abs0", "/sys/devices/kvwire-test/net/abs0");
+    let dir = TempDir::new("topology-links");
+    link(&dir, "sys/class/net/abs0", "/sys/devices/kvwire-test/net/abs0");
     dir.write("sys/devices/kvwire-test/net/abs0/operstate", "up\n");
-    dir.link("sys/devices/kvwire-test/net/abs0/device", "/sys/devices/pci0000:00/0000:00:07.0");
+    link(&dir, "sys/devices/kvwire-test/net/abs0/device", "/sys/devices/pci0000:00/0000:00:07.0");
     dir.write("sys/devices/pci0000:00/0000:00:07.0/numa_node", "3\n");
-    dir.link("sys/class/net/deep0", "../../../../../../../../../../sys/devices/kvwire-test/net/deep0");
+    link(&dir, "sys/class/net/deep0", "../../../../../../../../../../sys/devices/kvwire-test/net/deep0");
     dir.write("sys/devices/kvwire-test/net/deep0/operstate", "down\n");
-    dir.link("sys/class/net/loop0", "loop0");
-    let err = read_sysfs(&dir.0).unwrap_err();
+    link(&dir, "sys/class/net/loop0", "loop0");
+    let err = read_sysfs(dir.path()).unwrap_err();
     assert!(err.to_string().contains("too many levels of symbolic links"), "{err}");
-    std::fs::remove_file(dir.0.join("sys/class/net/loop0")).unwrap();
+    std::fs::remove_file(dir.join("sys/class/net/loop0")).unwrap();
 
-    let h = read_sysfs(&dir.0).unwrap();
+    let h = read_sysfs(dir.path()).unwrap();
     let abs0 = h.find(DeviceKind::Net, "abs0").unwrap();
     assert_eq!((abs0.state.as_deref(), abs0.numa), (Some("up"), Some(3)));
     assert_eq!(abs0.pci_path, PciAddr::path(&["0000:00:07.0"]).unwrap());
