@@ -12,7 +12,7 @@
 
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_testkit::netns::{self, Link};
-use kvwire_testkit::{start_daemon_in, DaemonProc};
+use kvwire_testkit::{start_daemon_in, DaemonProc, TempDir};
 use kvwire_transport::HostMem;
 use kvwire_client::client::Client;
 use kvwire_client::control::*;
@@ -110,14 +110,14 @@ fn run(a: &Args) -> Result<(), String> {
     for h in [&link.b, &second.1] {
         h.shape(&a.rate)?;
     }
-    let dir = std::env::temp_dir().join(format!("kvwire-rails-bench-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    // Declared before the daemons, so removed after they die.
+    let tmp = TempDir::try_new("rails-bench")?;
+    let dir = tmp.path();
     let ns = Some(link.a.name.as_str());
-    let one: DaemonProc = start_daemon_in(ns, &link.a.ip, &dir, "one-rail", SECRET, &[], "");
+    let one: DaemonProc = start_daemon_in(ns, &link.a.ip, dir, "one-rail", SECRET, &[], "");
     let rails = format!("[[rails]]\nname = \"rail1\"\ntcp_listen = \"{}:0\"\n", second.0.ip);
-    let two: DaemonProc = start_daemon_in(ns, &link.a.ip, &dir, "two-rails", SECRET, &[], &rails);
-    let src_d = start_daemon_in(Some(&link.b.name), &link.b.ip, &dir, "source", SECRET, &[("one-rail", &one.peer), ("two-rails", &two.peer)], "");
+    let two: DaemonProc = start_daemon_in(ns, &link.a.ip, dir, "two-rails", SECRET, &[], &rails);
+    let src_d = start_daemon_in(Some(&link.b.name), &link.b.ip, dir, "source", SECRET, &[("one-rail", &one.peer), ("two-rails", &two.peer)], "");
     let bytes = a.mib << 20;
     let blocks = (bytes / (16 * 2 * 8 * 8 * 128 * 4)) as u32;
     let pattern: Vec<u8> = (0..bytes).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();

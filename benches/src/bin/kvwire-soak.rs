@@ -28,11 +28,10 @@ use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::LayoutSpec;
 use kvwire_core::{verify, CacheFormat};
 use kvwire_testkit::netns;
-use kvwire_testkit::{start_daemon, start_daemon_in, DaemonProc};
+use kvwire_testkit::{start_daemon, start_daemon_in, DaemonProc, TempDir};
 use kvwire_transport::HostMem;
 use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -468,28 +467,11 @@ struct Report {
     sampling: Option<String>,
 }
 
-/// The daemons' configs, secrets and sockets; removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Result<TempDir, String> {
-        let d = std::env::temp_dir().join(format!("kvwire-soak-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).map_err(|e| format!("{}: {e}", d.display()))?;
-        Ok(TempDir(d))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn soak(s: &Settings) -> Result<Report, String> {
     let fx = fixture(s.tokens)?;
-    let tmp = TempDir::new()?;
-    let dir = tmp.0.as_path();
+    // The daemons' configs, secrets and sockets; removed on drop.
+    let tmp = TempDir::try_new("soak")?;
+    let dir = tmp.path();
     // Declared before the daemons, so dropped after them: they die before their namespaces.
     let link = if s.netns { Some(netns::Link::new("soak")?) } else { None };
     let (dst, src) = match &link {

@@ -5,13 +5,12 @@
 
 use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
 use kvwire_e2e::scenario::{self, Scenario, ScenarioError};
-use kvwire_testkit::{start_daemon, DaemonProc};
+use kvwire_testkit::{start_daemon, DaemonProc, TempDir};
 use kvwire_e2e::tinylm;
 use kvwire_client::client::{Client, Submitted};
 use kvwire_client::control::FlagName;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::PathBuf;
 
 const SECRET: &str = "e2e-shared-secret-0123456789";
 
@@ -20,22 +19,17 @@ struct Pair {
     _a: DaemonProc,
     ca: Client,
     cb: Client,
-}
-
-fn dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvwire-e2e-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    /// The daemons' configs and sockets; last, so it goes after them.
+    dir: TempDir,
 }
 
 fn pair(tag: &str, b_extra: &str) -> Pair {
-    let d = dir(tag);
-    let b = start_daemon(&d, "decode-host", SECRET, &[], b_extra);
-    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let d = TempDir::new(&format!("e2e-{tag}"));
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], b_extra);
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     let ca = Client::connect(&a.socket, "prefill").unwrap();
     let cb = Client::connect(&b.socket, "decode").unwrap();
-    Pair { _b: b, _a: a, ca, cb }
+    Pair { _b: b, _a: a, ca, cb, dir: d }
 }
 
 
@@ -216,20 +210,20 @@ fn daemons_on_two_hosts_in_network_namespaces() {
         return;
     }
     let link = netns::Link::new("dmn").expect("namespaces");
-    let d = dir("netns");
-    let b = kvwire_testkit::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
+    let d = TempDir::new("e2e-netns");
+    let b = kvwire_testkit::start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], "");
     assert!(b.peer.starts_with(&link.a.ip), "{}", b.peer);
-    let a = kvwire_testkit::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
-    let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a };
+    let a = kvwire_testkit::start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a, dir: d };
     assert_bitwise(&run(&p, &Scenario::new("netns")).unwrap());
 }
 
 #[test]
 fn concurrent_transfers_from_several_clients_are_all_exact() {
     let _shared = crate::shared();
-    let d = dir("concurrent");
-    let b = start_daemon(&d, "decode-host", SECRET, &[], "");
-    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let d = TempDir::new("e2e-concurrent");
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], "");
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     let outcomes: Vec<_> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..4)
             .map(|i| {
@@ -256,9 +250,9 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
     use kvwire_core::reuse::CacheIdentity;
     use kvwire_transport::HostMem;
     use kvwire_client::control::*;
-    let d = dir("dying");
-    let b = start_daemon(&d, "decode-host", SECRET, &[], "");
-    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let d = TempDir::new("e2e-dying");
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], "");
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     // A decode client registers, prepares, and dies before the bytes arrive.
     let spec = "name = \"big\"\ndtype = \"fp32\"\n[[layers]]\nrepeat = 8\nattention = \"dense\"\nkv_heads = 8\nhead_dim = 128\n";
     let id = CacheIdentity {
@@ -316,7 +310,7 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
     let cb = Client::connect(&b.socket, "decode").unwrap();
     reg(&cb, "dst", &dst_mem);
     let _ = slot;
-    let p = Pair { ca, cb, _b: b, _a: a };
+    let p = Pair { ca, cb, _b: b, _a: a, dir: d };
     assert_bitwise(&run(&p, &Scenario::new("after")).unwrap());
 }
 
@@ -328,11 +322,11 @@ fn a_client_of_another_uid_is_refused() {
         eprintln!("SKIPPED a_client_of_another_uid_is_refused: needs root to run a client as another uid");
         return;
     }
-    let d = dir("uid");
-    let b = start_daemon(&d, "decode-host", SECRET, &[], "");
+    let d = TempDir::new("e2e-uid");
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], "");
     // The socket is 0600: another uid cannot even connect. Open it up to
     // prove the daemon's own SO_PEERCRED check refuses it too.
-    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(&b.socket, std::fs::Permissions::from_mode(0o666)).unwrap();
     let sock = b.socket.clone();
     let pid = unsafe { nix::unistd::fork() }.unwrap();
@@ -452,10 +446,10 @@ fn netns_pair(tag: &str, shape: Option<&str>, extra: &str) -> Option<(kvwire_tes
     if let Some(rate) = shape {
         link.b.shape(rate).expect("tc shaping");
     }
-    let d = dir(tag);
-    let b = kvwire_testkit::start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], extra);
-    let a = kvwire_testkit::start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
-    let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a };
+    let d = TempDir::new(&format!("e2e-{tag}"));
+    let b = kvwire_testkit::start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], extra);
+    let a = kvwire_testkit::start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
+    let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a, dir: d };
     Some((link, p))
 }
 
@@ -501,13 +495,13 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
     // caches are registered as device allocations, copied device → host at
     // the source and host → device at the destination, where each layer is
     // published only after its copies' event completed.
-    let d = dir("device");
+    let d = TempDir::new("e2e-device");
     let dev = "[device]\nbackend = \"host\"\n";
-    let b = start_daemon(&d, "decode-host", SECRET, &[], dev);
-    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], dev);
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
     let ca = Client::connect(&a.socket, "prefill").unwrap();
     let cb = Client::connect(&b.socket, "decode").unwrap();
-    let p = Pair { _b: b, _a: a, ca, cb };
+    let p = Pair { _b: b, _a: a, ca, cb, dir: d };
     for (name, prefix) in [("device", 0), ("device-prefix", 40)] {
         let mut sc = Scenario::new(name);
         sc.memory = scenario::Memory::StandIn;
@@ -574,14 +568,14 @@ mod gpu {
     }
 
     pub fn run() {
-        let d = dir("gpu");
+        let d = TempDir::new("e2e-gpu");
         // The daemons must be able to open CUDA: built with `--features cuda`.
         let dev_cfg = "[device]\nbackend = \"cuda\"\n";
-        let b = start_daemon(&d, "decode-host", SECRET, &[], dev_cfg);
-        let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], dev_cfg);
+        let b = start_daemon(d.path(), "decode-host", SECRET, &[], dev_cfg);
+        let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], dev_cfg);
         let ca = Client::connect(&a.socket, "prefill").unwrap();
         let cb = Client::connect(&b.socket, "decode").unwrap();
-        let p = Pair { _b: b, _a: a, ca, cb };
+        let p = Pair { _b: b, _a: a, ca, cb, dir: d };
 
         // 1. tinylm, remapped TP4 NHD/16 → TP2 HND/32, caches in GPU memory.
         let mut sc = Scenario::new("gpu-tinylm");
@@ -682,14 +676,14 @@ mod gpu {
 #[test]
 fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     let _shared = crate::shared();
-    let d = dir("device-fail");
+    let d = TempDir::new("e2e-device-fail");
     let dev = "[device]\nbackend = \"host\"\n";
     // The destination's first host → device copy fails (layer 0's).
-    let b = start_daemon(&d, "decode-host", SECRET, &[], &format!("{dev}standin_fail_copy = 0\n"));
-    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], &format!("{dev}standin_fail_copy = 0\n"));
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
     let ca = Client::connect(&a.socket, "prefill").unwrap();
     let cb = Client::connect(&b.socket, "decode").unwrap();
-    let p = Pair { _b: b, _a: a, ca, cb };
+    let p = Pair { _b: b, _a: a, ca, cb, dir: d };
     let mut sc = Scenario::new("h2d-fails");
     sc.memory = scenario::Memory::StandIn;
     match run(&p, &sc) {
@@ -708,7 +702,7 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     assert!(!p.cb.ready(slot, FlagName::DecoderUsable));
 
     // A source whose device → host copy fails refuses the transfer by name.
-    let a2 = start_daemon(&d, "prefill-two", SECRET, &[("decode-host", &p._b.peer)], &format!("{dev}standin_fail_copy = 0\n"));
+    let a2 = start_daemon(p.dir.path(), "prefill-two", SECRET, &[("decode-host", &p._b.peer)], &format!("{dev}standin_fail_copy = 0\n"));
     let ca2 = Client::connect(&a2.socket, "prefill-two").unwrap();
     let mut sc = Scenario::new("d2h-fails");
     sc.memory = scenario::Memory::StandIn;

@@ -9,14 +9,13 @@ use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_testkit::netns::{self, Host, Link};
 use kvwire_e2e::scenario::{self, Scenario};
-use kvwire_testkit::{start_daemon, start_daemon_in, DaemonProc};
+use kvwire_testkit::{start_daemon, start_daemon_in, DaemonProc, TempDir};
 use kvwire_transport::flags::WaitError;
 use kvwire_transport::HostMem;
 use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,13 +25,6 @@ const PEER_TIMEOUT_SECS: u64 = 2;
 
 fn peer_timeout() -> String {
     format!("[limits]\npeer_timeout_secs = {PEER_TIMEOUT_SECS}\n")
-}
-
-fn dir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvwire-faults-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// Two namespace hosts, or `None` (and a SKIPPED line) without root or iproute2.
@@ -237,9 +229,9 @@ fn a_source_killed_mid_transfer_fails_the_destination_within_the_peer_timeout() 
     let name = "a_source_killed_mid_transfer_fails_the_destination_within_the_peer_timeout";
     let Some(link) = hosts("xsrc", name) else { return };
     link.b.shape("100mbit").expect("tc shaping");
-    let d = dir("xsrc");
-    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &peer_timeout());
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
+    let d = TempDir::new("faults-xsrc");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], &peer_timeout());
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 1);
@@ -263,7 +255,7 @@ fn a_source_killed_mid_transfer_fails_the_destination_within_the_peer_timeout() 
     assert!(!cb.ready(dslot, FlagName::DecoderUsable), "decoder_usable published for a partial transfer");
     assert!((2..c.layers).contains(&published), "{published} layers published");
     // The destination keeps serving: a fresh source moves a whole tinylm cache, bitwise.
-    let a2 = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
+    let a2 = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
     let o = scenario::run(&connect(&a2, "prefill"), &cb, "decode-host", &Scenario::new("after-kill")).unwrap();
     assert!(o.bitwise(), "logits differ after the kill: max abs diff {}", o.max_abs_diff());
 }
@@ -275,9 +267,9 @@ fn a_frozen_source_fails_the_destination_once_silent_for_the_peer_timeout() {
     let name = "a_frozen_source_fails_the_destination_once_silent_for_the_peer_timeout";
     let Some(link) = hosts("frozen", name) else { return };
     link.b.shape("100mbit").expect("tc shaping");
-    let d = dir("frozen");
-    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &peer_timeout());
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
+    let d = TempDir::new("faults-frozen");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], &peer_timeout());
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], &peer_timeout());
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 5);
@@ -313,11 +305,11 @@ fn a_destination_killed_mid_transfer_fails_the_source_which_serves_another() {
     let name = "a_destination_killed_mid_transfer_fails_the_source_which_serves_another";
     let Some(link) = hosts("ydst", name) else { return };
     link.b.shape("100mbit").expect("tc shaping");
-    let d = dir("ydst");
-    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &peer_timeout());
-    let b2 = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-two", SECRET, &[], &peer_timeout());
+    let d = TempDir::new("faults-ydst");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], &peer_timeout());
+    let b2 = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-two", SECRET, &[], &peer_timeout());
     let peers = [("decode-host", b.peer.as_str()), ("decode-two", b2.peer.as_str())];
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &peers, &peer_timeout());
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &peers, &peer_timeout());
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let src = mem_with("src", &pattern(2, c.bytes()));
@@ -416,9 +408,9 @@ fn a_lossy_reordering_duplicating_link_still_delivers_exact_bytes() {
     let name = "a_lossy_reordering_duplicating_link_still_delivers_exact_bytes";
     let Some(link) = hosts("netem", name) else { return };
     let how = impair(&link);
-    let d = dir("netem");
-    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let d = TempDir::new("faults-netem");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], "");
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     let mut sc = Scenario::new("lossy");
     sc.tokens = 400; // 1.6 MB: over a thousand segments, so 3% loss hits some
     let o = scenario::run(&connect(&a, "prefill"), &connect(&b, "decode"), "decode-host", &sc).unwrap();
@@ -443,9 +435,9 @@ fn a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly() {
     let name = "a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly";
     let Some(link) = hosts("updown", name) else { return };
     link.b.shape("100mbit").expect("tc shaping");
-    let d = dir("updown");
-    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], "");
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let d = TempDir::new("faults-updown");
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], "");
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 3);
@@ -483,9 +475,9 @@ fn a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly() {
 /// seen; the destination must still hold the original. Checksums are off
 /// on both daemons, so only the bytes decide.
 fn source_may_be_overwritten_once_released(tag: &str, extra: &str) {
-    let d = dir(tag);
-    let b = start_daemon(&d, "decode-host", SECRET, &[], extra);
-    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
+    let d = TempDir::new(&format!("faults-{tag}"));
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], extra);
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], extra);
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = Cache { layers: 4, heads: 8, dim: 128, blocks: 16 };
     let Caches { orig, src, dst } = caches(&ca, &cb, &c, 4);
@@ -594,10 +586,10 @@ fn a_cancelled_requests_late_writes_are_refused_after_its_blocks_were_reused() {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
     let proxy_addr = proxy.local_addr().unwrap().to_string();
-    let d = dir("reuse");
-    let b = start_daemon(&d, "decode-host", SECRET, &[], &format!("[transport]\ntcp_listen = \"127.0.0.1:{port}\"\ntcp_advertise = \"{proxy_addr}\"\n"));
+    let d = TempDir::new("faults-reuse");
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], &format!("[transport]\ntcp_listen = \"127.0.0.1:{port}\"\ntcp_advertise = \"{proxy_addr}\"\n"));
     let hold = holding_proxy(proxy, format!("127.0.0.1:{port}"));
-    let a = start_daemon(&d, "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = Cache { layers: 4, heads: 4, dim: 64, blocks: 8 };
     let (one, two) = (pattern(11, c.bytes()), pattern(22, c.bytes()));
@@ -654,16 +646,16 @@ fn a_cancelled_requests_late_writes_are_refused_after_its_blocks_were_reused() {
 /// Two hosts joined by two veth pairs; the destination (in `a`) listens on
 /// both (`rail0` on the first pair, `rail1` on the second), the source (in
 /// `b`) reaches each through its own pair. Returns the link, the second
-/// pair's hosts, and the daemons (destination, source); `extra` goes into
-/// both configs, `src_extra` into the source's.
-fn two_rails(tag: &str, test: &str, extra: &str, src_extra: &str) -> Option<(Link, (Host, Host), DaemonProc, DaemonProc)> {
+/// pair's hosts, the daemons' directory, and the daemons (destination,
+/// source); `extra` goes into both configs, `src_extra` into the source's.
+fn two_rails(tag: &str, test: &str, extra: &str, src_extra: &str) -> Option<(Link, (Host, Host), TempDir, DaemonProc, DaemonProc)> {
     let link = hosts(tag, test)?;
     let second = link.second_pair().expect("second veth pair");
-    let d = dir(tag);
+    let d = TempDir::new(&format!("faults-{tag}"));
     let rails = format!("[[rails]]\nname = \"rail1\"\ntcp_listen = \"{}:0\"\n{extra}", second.0.ip);
-    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &rails);
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &format!("{src_extra}{extra}"));
-    Some((link, second, b, a))
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], &rails);
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], &format!("{src_extra}{extra}"));
+    Some((link, second, d, b, a))
 }
 
 fn rail<'a>(st: &'a TransferStatus, name: &str) -> &'a RailUse {
@@ -674,7 +666,7 @@ fn rail<'a>(st: &'a TransferStatus, name: &str) -> &'a RailUse {
 fn a_transfer_is_striped_over_both_rails_and_exact() {
     let _shared = crate::shared();
     let name = "a_transfer_is_striped_over_both_rails_and_exact";
-    let Some((_link, second, b, a)) = two_rails("stripe", name, "", "") else { return };
+    let Some((_link, second, _dir, b, a)) = two_rails("stripe", name, "", "") else { return };
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 11);
@@ -704,7 +696,7 @@ fn a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes() {
     let name = "a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes";
     // The stall timeout only matters at the source, which detects it.
     let stall = "[transport]\nrail_stall_ms = 500\n";
-    let Some((link, second, b, a)) = two_rails("failover", name, &peer_timeout(), stall) else { return };
+    let Some((link, second, _dir, b, a)) = two_rails("failover", name, &peer_timeout(), stall) else { return };
     for h in [&link.b, &second.1] {
         h.shape("100mbit").expect("tc shaping");
     }
@@ -744,7 +736,7 @@ fn a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes() {
 fn losing_every_rail_fails_the_transfer_cleanly() {
     let _alone = crate::alone();
     let name = "losing_every_rail_fails_the_transfer_cleanly";
-    let Some((link, second, b, a)) = two_rails("norail", name, &peer_timeout(), "") else { return };
+    let Some((link, second, _dir, b, a)) = two_rails("norail", name, &peer_timeout(), "") else { return };
     for h in [&link.b, &second.1] {
         h.shape("100mbit").expect("tc shaping");
     }
@@ -778,7 +770,7 @@ fn slices_keep_to_the_rail_near_their_memory_until_it_fails() {
     let second = link.second_pair().expect("second veth pair");
     // Veths have no NUMA node in sysfs; the topology file gives rail1's
     // device this host's node 0 and rail0's another node.
-    let d = dir("near");
+    let d = TempDir::new("faults-near");
     let topo = d.join("topology.toml");
     std::fs::write(&topo, format!("[[rail]]\ndevice = \"{}\"\nnuma = 0\n[[rail]]\ndevice = \"{}\"\nnuma = 1\n", second.0.dev, link.a.dev)).unwrap();
     let extra = format!(
@@ -790,9 +782,9 @@ fn slices_keep_to_the_rail_near_their_memory_until_it_fails() {
         second.0.dev,
         peer_timeout()
     );
-    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, &d, "decode-host", SECRET, &[], &extra);
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], &extra);
     let src_extra = format!("[transport]\nrail_stall_ms = 500\n{}", peer_timeout());
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &src_extra);
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], &src_extra);
     for h in [&link.b, &second.1] {
         h.shape("200mbit").expect("tc shaping");
     }
@@ -830,7 +822,7 @@ fn slices_keep_to_the_rail_near_their_memory_until_it_fails() {
 #[test]
 fn a_rail_device_that_does_not_exist_stops_the_daemon_by_name() {
     let _shared = crate::shared();
-    let d = dir("nodev");
+    let d = TempDir::new("faults-nodev");
     let cfg = d.join("bad.toml");
     std::fs::write(d.join("s"), SECRET).unwrap();
     std::fs::write(
@@ -875,15 +867,16 @@ fn verbs_rails(test: &str) -> Option<String> {
     }
 }
 
-/// Destination and source daemons on rxe0 (`rail0`) and rxe1 (`rail1`).
-fn verbs_daemons(tag: &str, src_extra: &str) -> (DaemonProc, DaemonProc) {
-    let d = dir(tag);
+/// Destination and source daemons on rxe0 (`rail0`) and rxe1 (`rail1`),
+/// after the directory that holds their files.
+fn verbs_daemons(tag: &str, src_extra: &str) -> (TempDir, DaemonProc, DaemonProc) {
+    let d = TempDir::new(&format!("faults-{tag}"));
     let cfg = |extra: &str| {
         format!("[transport]\nkind = \"verbs\"\nverbs_device = \"rxe0\"\n{extra}[[rails]]\nname = \"rail1\"\nverbs_device = \"rxe1\"\n{}", peer_timeout())
     };
-    let b = start_daemon_in(None, "127.0.0.1", &d, "decode-host", SECRET, &[], &cfg(""));
-    let a = start_daemon_in(None, "127.0.0.1", &d, "prefill-host", SECRET, &[("decode-host", &b.peer)], &cfg(src_extra));
-    (b, a)
+    let b = start_daemon_in(None, "127.0.0.1", d.path(), "decode-host", SECRET, &[], &cfg(""));
+    let a = start_daemon_in(None, "127.0.0.1", d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], &cfg(src_extra));
+    (d, b, a)
 }
 
 #[test]
@@ -891,7 +884,7 @@ fn verbs_rails_stripe_a_transfer_over_two_devices_exactly() {
     let _alone = crate::alone();
     let name = "verbs_rails_stripe_a_transfer_over_two_devices_exactly";
     let Some(_) = verbs_rails(name) else { return };
-    let (b, a) = verbs_daemons("verbs-stripe", "");
+    let (_dir, b, a) = verbs_daemons("verbs-stripe", "");
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 21);
@@ -927,7 +920,7 @@ fn verbs_rails_a_netdev_taken_down_mid_transfer_fails_over_with_exact_bytes() {
     // Soft-RoCE under an emulated CPU completes a slice in a few hundred
     // ms: small slices, and a stall limit well above that, so only the
     // netdev going down fails a rail.
-    let (b, a) = verbs_daemons("verbs-failover", "rail_stall_ms = 5000\nslice_bytes = 262144\n");
+    let (_dir, b, a) = verbs_daemons("verbs-failover", "rail_stall_ms = 5000\nslice_bytes = 262144\n");
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 22);
