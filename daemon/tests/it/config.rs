@@ -2,39 +2,14 @@
 //! default, bad settings fail naming the key, the environment layers over the
 //! file and flags over both, and the real binary's `--check` reports it.
 
+use kvwire_testkit::TempDir;
 use kvwired::config::{Config, ConfigError, TransportKind};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::atomic::{AtomicU32, Ordering};
 
 const EXAMPLE: &str = include_str!("../../../config/kvwired.example.toml");
 const SECRET: &str = "a-secret-of-at-least-16-bytes\n";
-
-/// A fresh directory under the temp dir, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(tag: &str) -> TempDir {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let d = std::env::temp_dir().join(format!("kvwired-config-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed)));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        TempDir(d)
-    }
-
-    fn write(&self, name: &str, text: &str) -> PathBuf {
-        let p = self.0.join(name);
-        std::fs::write(&p, text).unwrap();
-        p
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// The example with `secret_file` pointed at `secret`.
 fn example_with_secret(secret: &Path) -> String {
@@ -143,7 +118,7 @@ fn example_uncommented() -> String {
 
 #[test]
 fn example_parses_validates_and_sets_only_defaults() {
-    let dir = TempDir::new("example");
+    let dir = TempDir::new("config-example");
     let secret = dir.write("secret", SECRET);
     let text = example_with_secret(&secret);
     let c = load(&text).unwrap_or_else(|e| panic!("example config refused: {e}"));
@@ -182,7 +157,7 @@ fn example_documents_every_key_of_config_and_nothing_else() {
     }
     // And the parser knows every documented key, commented-out ones included
     // (Config refuses unknown keys).
-    let dir = TempDir::new("uncommented");
+    let dir = TempDir::new("config-uncommented");
     let secret = dir.write("secret", SECRET);
     let all = example_uncommented().replacen("secret_file = \"/etc/kvwire/secret\"", &format!("secret_file = {:?}", secret.display().to_string()), 1);
     let c = load(&all).unwrap_or_else(|e| panic!("example with every setting enabled refused: {e}\n{all}"));
@@ -192,7 +167,7 @@ fn example_documents_every_key_of_config_and_nothing_else() {
 
 #[test]
 fn unknown_keys_are_refused_naming_them() {
-    let dir = TempDir::new("unknown");
+    let dir = TempDir::new("config-unknown");
     assert_refused(&minimal(&dir, "bogus_key = 1", ""), &["bogus_key"]);
     assert_refused(&minimal(&dir, "", "[transport]\nkind = \"tcp\"\nverbs_gid = 3\n"), &["verbs_gid"]);
     assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight = 3\n"), &["max_inflight"]);
@@ -205,7 +180,7 @@ fn unknown_keys_are_refused_naming_them() {
 
 #[test]
 fn wrong_types_are_refused_naming_the_key() {
-    let dir = TempDir::new("types");
+    let dir = TempDir::new("config-types");
     assert_refused(&minimal(&dir, "", "[limits]\nmax_regions = \"many\"\n"), &["max_regions"]);
     assert_refused(&minimal(&dir, "verify_checksums = \"yes\"", ""), &["verify_checksums"]);
     assert_refused(&minimal(&dir, "", "[transport]\nkind = \"udp\"\n"), &["kind", "udp"]);
@@ -215,7 +190,7 @@ fn wrong_types_are_refused_naming_the_key() {
 
 #[test]
 fn bad_values_are_refused_naming_the_key() {
-    let dir = TempDir::new("values");
+    let dir = TempDir::new("config-values");
     assert_refused(&minimal(&dir, "peer_listen = \"localhost\"", ""), &["peer_listen", "localhost"]);
     assert_refused(&minimal(&dir, "metrics_listen = \"1.2.3.4:99999\"", ""), &["metrics_listen"]);
     assert_refused(&minimal(&dir, "", "[transport]\ntcp_listen = \"nowhere\"\n"), &["transport.tcp_listen"]);
@@ -251,7 +226,7 @@ fn bad_values_are_refused_naming_the_key() {
 
 #[test]
 fn discovery_table_bad_values_are_refused_naming_the_key() {
-    let dir = TempDir::new("discovery");
+    let dir = TempDir::new("config-discovery");
     let disc = |body: &str| minimal(&dir, "", &format!("[discovery]\n{body}\n"));
     assert_refused(&disc("etcd = [\"127.0.0.1:2379\", \"nowhere\"]"), &["discovery.etcd[1]", "nowhere"]);
     assert_refused(&disc("etcd = [\"http://127.0.0.1:0\"]"), &["discovery.etcd[0]"]);
@@ -279,11 +254,11 @@ fn discovery_table_bad_values_are_refused_naming_the_key() {
 
 #[test]
 fn secret_file_missing_absent_or_short_is_refused() {
-    let dir = TempDir::new("secret");
+    let dir = TempDir::new("config-secret");
     // Not set at all.
     assert_refused("node = \"n1\"\n", &["secret_file", "required"]);
     // Set, but no such file.
-    let gone = dir.0.join("no-such-secret");
+    let gone = dir.join("no-such-secret");
     assert_refused(&format!("secret_file = {:?}\n", gone.display().to_string()), &["secret_file", "no-such-secret"]);
     // Shorter than 16 bytes once the trailing newline is dropped (15 + "\n").
     let short = dir.write("short", "fifteen-bytes!!\n");
@@ -299,7 +274,7 @@ fn vars(kv: &[(&str, &str)]) -> Vec<(String, String)> {
 
 #[test]
 fn environment_layers_over_the_file() {
-    let dir = TempDir::new("env");
+    let dir = TempDir::new("config-env");
     let text = minimal(&dir, "peer_listen = \"127.0.0.1:7500\"", "[transport]\nkind = \"shm\"\n");
     let mut c = Config::from_toml("f.toml", &text).unwrap();
     assert_eq!((c.node.as_str(), c.transport.kind), ("n1", TransportKind::Shm));
@@ -344,7 +319,7 @@ fn assert_check_fails(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
 
 #[test]
 fn kvwired_check_accepts_the_example_and_refuses_bad_settings() {
-    let dir = TempDir::new("bin");
+    let dir = TempDir::new("config-bin");
     let secret = dir.write("secret", SECRET);
     let good = dir.write("good.toml", &example_with_secret(&secret));
     let good = good.to_str().unwrap();
@@ -358,7 +333,7 @@ fn kvwired_check_accepts_the_example_and_refuses_bad_settings() {
     assert_check_fails(&["--config", unknown.to_str().unwrap(), "--check"], &[], &["colour", "unknown.toml"]);
     let typo = dir.write("type.toml", &minimal(&dir, "", "[transport]\nverbs_port = \"one\"\n"));
     assert_check_fails(&["--config", typo.to_str().unwrap(), "--check"], &[], &["verbs_port"]);
-    assert_check_fails(&["--config", dir.0.join("absent.toml").to_str().unwrap(), "--check"], &[], &["absent.toml"]);
+    assert_check_fails(&["--config", dir.join("absent.toml").to_str().unwrap(), "--check"], &[], &["absent.toml"]);
 
     // Layering in the binary: env over file, flags over env.
     assert_check_fails(&["--config", good, "--check"], &[("KVWIRED_TRANSPORT", "bogus")], &["KVWIRED_TRANSPORT", "bogus"]);

@@ -10,66 +10,15 @@ use kvwire_core::{verify, CacheFormat};
 use kvwire_transport::HostMem;
 use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use kvwire_testkit::{start_daemon, DaemonProc, TempDir};
 use std::time::Duration;
 
 pub(crate) const MODEL: &str = "name = \"toy\"\ndtype = \"bf16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 16\n";
 pub(crate) const WAIT: Duration = Duration::from_secs(20);
 
-pub(crate) struct Daemon {
-    pub(crate) child: Child,
-    pub(crate) node: String,
-    pub(crate) sock: PathBuf,
-    pub(crate) peer: String,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-pub(crate) fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvwired-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
-fn start(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)]) -> Daemon {
-    start_with(dir, node, secret, peers, "")
-}
-
-/// [`start`] with `tables` (e.g. a `[limits]` table) added to the config.
-pub(crate) fn start_with(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], tables: &str) -> Daemon {
-    let secret_file = dir.join(format!("{node}.secret"));
-    std::fs::write(&secret_file, secret).unwrap();
-    let sock = dir.join(format!("{node}.sock"));
-    let mut cfg = format!(
-        "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"127.0.0.1:0\"\nsecret_file = \"{}\"\n",
-        sock.display(),
-        secret_file.display()
-    );
-    cfg.push_str(tables);
-    for (name, addr) in peers {
-        cfg.push_str(&format!("[[peers]]\nname = \"{name}\"\naddress = \"{addr}\"\n"));
-    }
-    let path = dir.join(format!("{node}.toml"));
-    std::fs::write(&path, cfg).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvwired"))
-        .arg("--config")
-        .arg(&path)
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    assert!(line.starts_with("kvwired ready"), "daemon {node} did not start: {line:?}");
-    let peer = line.split_whitespace().find_map(|w| w.strip_prefix("peer=")).unwrap().to_string();
-    Daemon { child, node: node.into(), sock, peer }
+/// kvwired `node` on loopback, its files in `dir`, with static `peers`.
+fn start(dir: &TempDir, node: &str, secret: &str, peers: &[(&str, &str)]) -> DaemonProc {
+    start_daemon(dir.path(), node, secret, peers, "")
 }
 
 fn identity() -> CacheIdentity {
@@ -172,11 +121,11 @@ pub(crate) const DST: &str = "tp=2,block=32,layout=hnd,table=shuffle:9";
 
 #[test]
 fn remapped_transfer_between_two_daemons_is_exact() {
-    let dir = tmpdir("remap");
+    let dir = TempDir::new("remap");
     let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
     let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
-    let ca = Client::connect(&a.sock, "prefill").unwrap();
-    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
     let tokens = 100; // partial final block on both sides
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let src_bytes = verify::fill_source(&model(), &ss, tokens);
@@ -210,11 +159,11 @@ fn remapped_transfer_between_two_daemons_is_exact() {
 
 #[test]
 fn wrong_secret_is_refused_and_the_daemon_keeps_serving() {
-    let dir = tmpdir("secret");
+    let dir = TempDir::new("secret");
     let b = start(&dir, "b", "the-real-shared-secret", &[]);
     let a = start(&dir, "a", "a-different-secret-value", &[("b", &b.peer)]);
-    let ca = Client::connect(&a.sock, "prefill").unwrap();
-    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
     let tokens = 20;
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let _src = register(&ca, "prefill", SRC, &ss, None, identity());
@@ -229,11 +178,11 @@ fn wrong_secret_is_refused_and_the_daemon_keeps_serving() {
 
 #[test]
 fn identity_mismatch_is_refused_by_field() {
-    let dir = tmpdir("ident");
+    let dir = TempDir::new("ident");
     let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
     let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
-    let ca = Client::connect(&a.sock, "prefill").unwrap();
-    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
     let tokens = 20;
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let other = CacheIdentity { adapter_digest: "lora-7".into(), ..identity() };
@@ -250,9 +199,9 @@ fn identity_mismatch_is_refused_by_field() {
 #[test]
 fn malformed_control_messages_get_errors_and_the_daemon_keeps_serving() {
     use std::io::{Read, Write};
-    let dir = tmpdir("malformed");
+    let dir = TempDir::new("malformed");
     let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
-    let mut raw = std::os::unix::net::UnixStream::connect(&b.sock).unwrap();
+    let mut raw = std::os::unix::net::UnixStream::connect(&b.socket).unwrap();
     let body = b"{\"op\":\"no_such_op\"}";
     raw.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
     raw.write_all(body).unwrap();
@@ -273,7 +222,7 @@ fn malformed_control_messages_get_errors_and_the_daemon_keeps_serving() {
     // A huge length closes that connection only.
     raw.write_all(&u32::MAX.to_le_bytes()).unwrap();
     // Bad registrations are answered by name.
-    let c = Client::connect(&b.sock, "x").unwrap();
+    let c = Client::connect(&b.socket, "x").unwrap();
     let mem = HostMem::new("small", 64).unwrap();
     let r = RegisterCache {
         group: "g".into(),
@@ -293,14 +242,14 @@ fn malformed_control_messages_get_errors_and_the_daemon_keeps_serving() {
     assert!(matches!(&e, ClientError::Daemon { code: 103, .. }) && e.to_string().contains("[device] backend"), "{e}");
     let e = c.register(RegisterCache { model: ModelSource::Builtin("nope".into()), ..r }, &mem).unwrap_err();
     assert!(matches!(&e, ClientError::Daemon { code: 101, .. }), "{e}");
-    assert!(Client::connect(&b.sock, "y").is_ok());
+    assert!(Client::connect(&b.socket, "y").is_ok());
 }
 
 #[test]
 fn bad_device_registrations_are_refused_by_name_and_nothing_is_kept() {
-    let dir = tmpdir("device-bad");
-    let b = start_with(&dir, "b", "a-secret-of-at-least-16-bytes", &[], "[device]\nbackend = \"host\"\n");
-    let c = Client::connect(&b.sock, "x").unwrap();
+    let dir = TempDir::new("device-bad");
+    let b = start_daemon(dir.path(), "b", "a-secret-of-at-least-16-bytes", &[], "[device]\nbackend = \"host\"\n");
+    let c = Client::connect(&b.socket, "x").unwrap();
     let s = side(SRC, 32);
     let need: u64 = s.regions(&model(), 0).iter().map(|(_, l)| l).sum();
     let r = RegisterCache {
@@ -365,14 +314,14 @@ fn transfer_exact(ca: &Client, cb: &Client, ss: &Side, ds: &Side, dst: &Side_, t
 
 #[test]
 fn a_client_touches_only_the_groups_and_transfers_it_registered() {
-    let dir = tmpdir("scope");
+    let dir = TempDir::new("scope");
     let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
     let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
-    let ca = Client::connect(&a.sock, "prefill").unwrap();
-    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
     // Same uid, so the socket lets them in; only their own registrations are theirs.
-    let xa = Client::connect(&a.sock, "intruder").unwrap();
-    let xb = Client::connect(&b.sock, "intruder").unwrap();
+    let xa = Client::connect(&a.socket, "intruder").unwrap();
+    let xb = Client::connect(&b.socket, "intruder").unwrap();
     let tokens = 40;
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let src_bytes = verify::fill_source(&model(), &ss, tokens);
@@ -411,9 +360,9 @@ fn a_client_touches_only_the_groups_and_transfers_it_registered() {
 fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
     use kvwired::peer::{connect_auth, PeerMsg};
     use kvwire_client::wire::{read_msg, write_msg};
-    let dir = tmpdir("peerscope");
+    let dir = TempDir::new("peerscope");
     let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
-    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
     let tokens = 20;
     let ds = side(DST, tokens);
     let _dst = register(&cb, "decode", DST, &ds, None, identity());
@@ -437,21 +386,21 @@ fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
 
 #[test]
 fn limits_are_enforced_by_name_and_what_is_registered_keeps_working() {
-    let dir = tmpdir("limits");
+    let dir = TempDir::new("limits");
     let tokens = 30;
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     // One DST group: 2 ranks of 4 layers x (K, V) = 16 regions.
     let group_bytes: u64 = (0..2).flat_map(|r| ds.regions(&model(), r)).map(|(_, l)| l).sum();
-    let b = start_with(
-        &dir,
+    let b = start_daemon(
+        dir.path(),
         "b",
         "a-secret-of-at-least-16-bytes",
         &[],
         &format!("[limits]\nmax_regions = 24\nmax_inflight_transfers = 2\nmax_memory_bytes = {}\n", group_bytes * 5 / 2),
     );
     let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
-    let ca = Client::connect(&a.sock, "prefill").unwrap();
-    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
     let src_bytes = verify::fill_source(&model(), &ss, tokens);
     let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
     let dst = register(&cb, "decode", DST, &ds, None, identity());

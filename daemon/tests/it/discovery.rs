@@ -3,23 +3,25 @@
 //! processes with a `[discovery]` table and no static peers. Entries are read
 //! back with etcd-client directly, as plain JSON, not through kvwired.
 
-use crate::daemons::{identity_of, model, read_back, register, side, submit_to, tmpdir, Daemon, DST, SRC, WAIT};
+use crate::daemons::{identity_of, model, read_back, register, side, submit_to, DST, SRC, WAIT};
 use kvwire_core::verify;
 use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
+use kvwire_testkit::{free_port, start_daemon, DaemonProc, TempDir};
 use serde_json::{json, Value};
-use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
+use std::net::SocketAddr;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const ETCD: &str = "/usr/bin/etcd";
 const SECRET: &str = "a-secret-of-at-least-16-bytes";
 
-/// A private etcd on loopback: killed, and its data removed, on drop.
+/// A private etcd on loopback: killed, and then its data removed (field
+/// `dir` drops after `drop` ran), on drop.
 struct Etcd {
     child: Child,
-    dir: PathBuf,
+    dir: TempDir,
     endpoint: String,
     peer: u16,
 }
@@ -28,12 +30,7 @@ impl Drop for Etcd {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
 impl Etcd {
@@ -46,10 +43,10 @@ impl Etcd {
             eprintln!("\n!!! SKIPPED {test}: etcd-server not installed (apt-get install etcd-server)\n");
             return None;
         }
-        let dir = tmpdir(&format!("etcd-{test}"));
+        let dir = TempDir::new(&format!("etcd-{test}"));
         let endpoint = format!("127.0.0.1:{}", free_port());
         let peer = free_port();
-        let child = Etcd::spawn(&dir, &endpoint, peer);
+        let child = Etcd::spawn(dir.path(), &endpoint, peer);
         let mut etcd = Etcd { child, dir, endpoint, peer };
         etcd.wait_ready();
         Some(etcd)
@@ -98,7 +95,7 @@ impl Etcd {
     fn restart_empty(&mut self) {
         self.kill();
         std::fs::remove_dir_all(self.dir.join("data")).unwrap();
-        self.child = Etcd::spawn(&self.dir, &self.endpoint, self.peer);
+        self.child = Etcd::spawn(self.dir.path(), &self.endpoint, self.peer);
         self.wait_ready();
     }
 }
@@ -157,35 +154,29 @@ fn entry_key(node: &str) -> String {
     format!("/kvwire/v1/nodes/{node}")
 }
 
-impl Daemon {
-    /// SIGKILL: it cannot revoke its lease.
-    fn kill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    /// SIGTERM, and its exit status once it is gone.
-    fn terminate(&mut self) -> std::process::ExitStatus {
-        use nix::sys::signal::{kill, Signal};
-        kill(nix::unistd::Pid::from_raw(self.child.id() as i32), Signal::SIGTERM).unwrap();
-        until("kvwired exits on SIGTERM", Duration::from_secs(10), || self.child.try_wait().unwrap()).0
-    }
+/// SIGKILL: it cannot revoke its lease.
+fn sigkill(d: &mut DaemonProc) {
+    d.child().kill().unwrap();
+    d.child().wait().unwrap();
 }
 
-/// A kvwired with `tables` added to its config, no static peers.
-fn start_with(dir: &Path, node: &str, tables: &str) -> Daemon {
-    crate::daemons::start_with(dir, node, SECRET, &[], tables)
+/// SIGTERM, and its exit status once it is gone.
+fn terminate(d: &mut DaemonProc) -> std::process::ExitStatus {
+    use nix::sys::signal::{kill, Signal};
+    kill(nix::unistd::Pid::from_raw(d.pid() as i32), Signal::SIGTERM).unwrap();
+    until("kvwired exits on SIGTERM", Duration::from_secs(10), || d.child().try_wait().unwrap()).0
 }
 
 /// A kvwired with a `[discovery]` table naming `etcd` and no static peers.
-fn start(dir: &Path, node: &str, etcd: &Etcd, lease_ttl_secs: u64) -> Daemon {
-    start_with(dir, node, &format!("[discovery]\netcd = [\"{}\"]\nlease_ttl_secs = {lease_ttl_secs}\n", etcd.endpoint))
+fn start(dir: &TempDir, node: &str, etcd: &Etcd, lease_ttl_secs: u64) -> DaemonProc {
+    let tables = format!("[discovery]\netcd = [\"{}\"]\nlease_ttl_secs = {lease_ttl_secs}\n", etcd.endpoint);
+    start_daemon(dir.path(), node, SECRET, &[], &tables)
 }
 
 #[test]
 fn daemons_register_in_etcd_and_transfer_by_name() {
     let Some(etcd) = Etcd::start("daemons_register_in_etcd_and_transfer_by_name") else { return };
-    let dir = tmpdir("discovery-register");
+    let dir = TempDir::new("discovery-register");
     let b = start(&dir, "b", &etcd, 3);
     let a = start(&dir, "a", &etcd, 3);
     let r = Reader::new(&etcd.endpoint);
@@ -203,8 +194,8 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
         assert_ne!(lease, 0, "entry of {} is not under a lease", d.node);
         assert_eq!(r.granted_ttl(lease), 3);
     }
-    let ca = Client::connect(&a.sock, "prefill").unwrap();
-    let cb = Client::connect(&b.sock, "decode").unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
     let tokens = 100;
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let src_bytes = verify::fill_source(&model(), &ss, tokens);
@@ -248,7 +239,7 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
 #[test]
 fn killed_daemons_entry_expires_with_its_lease() {
     let Some(etcd) = Etcd::start("killed_daemons_entry_expires_with_its_lease") else { return };
-    let dir = tmpdir("discovery-expiry");
+    let dir = TempDir::new("discovery-expiry");
     let ttl = 2;
     let mut b = start(&dir, "b", &etcd, ttl);
     let r = Reader::new(&etcd.endpoint);
@@ -256,7 +247,7 @@ fn killed_daemons_entry_expires_with_its_lease() {
     // Kept alive past its TTL.
     std::thread::sleep(Duration::from_secs(ttl + 1));
     assert!(r.get(&entry_key("b")).is_some(), "a live daemon's entry expired");
-    b.kill();
+    sigkill(&mut b);
     let killed = Instant::now();
     assert!(r.get(&entry_key("b")).is_some(), "SIGKILL cannot revoke: the entry stays until the lease expires");
     until("entry expires", Duration::from_secs(ttl + 5), || r.get(&entry_key("b")).is_none().then_some(()));
@@ -270,7 +261,7 @@ fn killed_daemons_entry_expires_with_its_lease() {
 #[test]
 fn vanished_peer_fails_fast_and_shutdown_revokes_the_lease() {
     let Some(mut etcd) = Etcd::start("vanished_peer_fails_fast_and_shutdown_revokes_the_lease") else { return };
-    let dir = tmpdir("discovery-vanished");
+    let dir = TempDir::new("discovery-vanished");
     let a = start(&dir, "a", &etcd, 10);
     let mut b = start(&dir, "b", &etcd, 2);
     let mut c = start(&dir, "c", &etcd, 10);
@@ -278,14 +269,14 @@ fn vanished_peer_fails_fast_and_shutdown_revokes_the_lease() {
     for n in ["a", "b", "c"] {
         until("entry registered", Duration::from_secs(5), || r.get(&entry_key(n)));
     }
-    let ca = Client::connect(&a.sock, "prefill").unwrap();
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
     let tokens = 20;
     let ss = side(SRC, tokens);
     let _src = register(&ca, "prefill", SRC, &ss, None, identity_of("toy-digest", "t1"));
 
     // b dies: while its entry lingers, its address no longer answers.
     let b_peer = b.peer.clone();
-    b.kill();
+    sigkill(&mut b);
     assert!(r.get(&entry_key("b")).is_some());
     let t = Instant::now();
     let e1 = submit_to(&ca, "b", &ss, tokens, "r1").unwrap_err();
@@ -304,7 +295,7 @@ fn vanished_peer_fails_fast_and_shutdown_revokes_the_lease() {
 
     // SIGTERM: c revokes its lease on the way out, long before its 10 s TTL.
     let t = Instant::now();
-    let status = c.terminate();
+    let status = terminate(&mut c);
     until("c's entry removed", Duration::from_secs(3), || r.get(&entry_key("c")).is_none().then_some(()));
     let removed = t.elapsed();
     println!("SIGTERM (lease_ttl_secs = 10): entry removed {removed:?} after the signal, kvwired exited {status}");
@@ -329,7 +320,7 @@ fn vanished_peer_fails_fast_and_shutdown_revokes_the_lease() {
 #[test]
 fn entry_comes_back_when_etcd_loses_it() {
     let Some(mut etcd) = Etcd::start("entry_comes_back_when_etcd_loses_it") else { return };
-    let dir = tmpdir("discovery-recover");
+    let dir = TempDir::new("discovery-recover");
     let b = start(&dir, "b", &etcd, 2);
     let key = entry_key("b");
     let r = Reader::new(&etcd.endpoint);
@@ -348,5 +339,5 @@ fn entry_comes_back_when_etcd_loses_it() {
     let ((e, _), took) = until("entry back in an empty etcd", Duration::from_secs(10), || r.try_get(&key).ok().flatten());
     println!("etcd restarted empty: entry back {took:?} after it answered");
     assert_eq!(e["peer"], b.peer.as_str(), "{e}");
-    Client::connect(&b.sock, "probe").unwrap().stats().unwrap();
+    Client::connect(&b.socket, "probe").unwrap().stats().unwrap();
 }
