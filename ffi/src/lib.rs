@@ -973,15 +973,16 @@ pub unsafe extern "C" fn kvw_submit(
         };
         let out_slot = out(out_slot, "out_slot")?;
         let out_peer_slot = out(out_peer_slot, "out_peer_slot")?;
-        let s: Submit = self::request(serde_json::json!({
-            "request": request,
-            "group": group,
-            "block_table": block_table,
-            "tokens": tokens,
-            "peer": peer,
-            "dst_group": dst_group,
-            "dst_request": dst_request,
-        }))?;
+        let s = Submit {
+            request: request.into(),
+            group: group.into(),
+            block_table,
+            tokens,
+            peer: peer.into(),
+            dst_group: dst_group.into(),
+            dst_request: dst_request.into(),
+            codec: None,
+        };
         let submitted = {
             let _call = lock(&c.call);
             c.client.submit(s)?
