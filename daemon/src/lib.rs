@@ -8,5 +8,4 @@ pub mod discovery;
 pub mod metrics;
 pub mod peer;
 pub mod server;
-pub mod staging;
 pub mod stripe;

@@ -23,7 +23,7 @@
 //! rail failure: it fails the transfer. So does losing every rail.
 
 use kvwire_client::control::RailUse;
-use crate::peer::RailAddr;
+use kvwire_core::session::msg::RailAddr;
 use kvwire_transport::{Batch, BatchId, Connection, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Condvar, Mutex};

@@ -141,15 +141,14 @@ impl DestinationSession {
     }
 
     /// Nothing arrived until `now`: when past [`DestinationSession::poll_timeout`],
-    /// every slot of the connection fails with the returned reason and the
-    /// connection should close.
-    pub fn handle_timeout(&mut self, now: Instant) -> Option<(Vec<u16>, SessionError)> {
+    /// the reason the connection ends; the daemon closes it and fails
+    /// [`DestinationSession::closed`]'s slots with that reason.
+    pub fn handle_timeout(&self, now: Instant) -> Option<SessionError> {
         if now < self.poll_timeout() {
             return None;
         }
         let phase = if self.slots.is_empty() { "idle" } else { "receiving" };
-        let e = SessionError::TimedOut { phase, waited: self.wait() };
-        Some((self.slots_ended(), e))
+        Some(SessionError::TimedOut { phase, waited: self.wait() })
     }
 
     /// The connection ended (closed, broken, or timed out): the slots that

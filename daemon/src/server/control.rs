@@ -1,0 +1,405 @@
+//! The control socket: local clients of this daemon's uid register caches,
+//! prepare receives, submit transfers, wait on flags and read status.
+
+use super::error::{refused, Refusal};
+use super::state::{DeviceRank, Group, Groups, RankCache, Role, SlotId};
+use super::Daemon;
+use crate::metrics::Metrics;
+use crate::peer;
+use kvwire_client::control::*;
+use kvwire_client::wire::{self, WireError};
+use kvwire_core::layout::{self, ModelSpec};
+use kvwire_core::plan::Side;
+use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::CacheFormat;
+use kvwire_transport::device::bound::DeviceHandle;
+use kvwire_transport::{HostMem, Tag};
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A rank's memory and, for a device-resident rank, its allocation.
+type RankMemory = (Arc<HostMem>, Option<DeviceRank>);
+
+impl Daemon {
+    pub(super) fn control_loop(self: Arc<Self>, l: UnixListener) {
+        let live = Arc::new(AtomicU64::new(0));
+        for s in l.incoming() {
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(s) = s else { continue };
+            if live.load(Ordering::Acquire) >= self.cfg.limits.max_clients as u64 {
+                let r = Refusal::new(Code::Limit, format!("at most {} clients", self.cfg.limits.max_clients));
+                let _ = wire::send_unix(&s, &r.reply(), &[]);
+                continue;
+            }
+            let d = self.clone();
+            let live = live.clone();
+            live.fetch_add(1, Ordering::AcqRel);
+            let spawned = std::thread::Builder::new().name("kvwired-client".into()).spawn(move || {
+                d.serve_client(s);
+                live.fetch_sub(1, Ordering::AcqRel);
+            });
+            if let Err(e) = spawned {
+                tracing::warn!(error = %e, "cannot spawn a client thread");
+            }
+        }
+    }
+
+    /// Refuses a client of another uid; `true` when it may go on.
+    fn same_uid(&self, s: &UnixStream) -> bool {
+        let creds = nix::sys::socket::getsockopt(s, nix::sys::socket::sockopt::PeerCredentials);
+        let me = nix::unistd::geteuid().as_raw();
+        match creds {
+            Ok(c) if c.uid() == me => true,
+            Ok(c) => {
+                Metrics::add(&self.metrics.clients_refused, 1);
+                tracing::warn!(uid = c.uid(), pid = c.pid(), "control client of another uid refused");
+                let r = Refusal::new(Code::PermissionDenied, format!("uid {} may not use this daemon (runs as uid {me})", c.uid()));
+                let _ = wire::send_unix(s, &r.reply(), &[]);
+                // Take the client's first message before closing, so its
+                // send does not fail with a broken pipe before it reads why.
+                let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+                let _ = wire::recv_unix(s);
+                false
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "SO_PEERCRED failed; client refused");
+                false
+            }
+        }
+    }
+
+    fn serve_client(self: &Arc<Self>, s: UnixStream) {
+        if !self.same_uid(&s) {
+            return;
+        }
+        let client = self.next_client.fetch_add(1, Ordering::Relaxed);
+        loop {
+            let (body, fds) = match wire::recv_unix(&s) {
+                Ok(m) => m,
+                Err(WireError::Closed) => break,
+                Err(e @ (WireError::TooLong(_) | WireError::Fds(_))) => {
+                    let _ = wire::send_unix(&s, &Refusal::new(Code::Malformed, &e).reply(), &[]);
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(client, error = %e, "control connection ended");
+                    break;
+                }
+            };
+            let req: Request = match wire::parse(&body) {
+                Ok(r) => r,
+                Err(e) => {
+                    if wire::send_unix(&s, &Refusal::new(Code::Malformed, &e).reply(), &[]).is_err() {
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let span = tracing::debug_span!("control", client);
+            let _g = span.enter();
+            let send_page = matches!(req, Request::Hello { .. });
+            let reply = self.handle(client, req, fds).unwrap_or_else(Refusal::reply);
+            let page = self.page.mem().clone();
+            let fds = if send_page && !matches!(reply, Reply::Error { .. }) { vec![page.fd().as_raw_fd()] } else { vec![] };
+            if wire::send_unix(&s, &reply, &fds).is_err() {
+                break;
+            }
+        }
+        self.release_client(client);
+    }
+
+    /// A client went away: revoke everything it registered.
+    fn release_client(&self, client: u64) {
+        let mut st = self.groups.lock().expect("groups lock");
+        let st = &mut *st;
+        for g in st.map.values_mut() {
+            let gone: Vec<u32> = g.ranks.iter().filter(|(_, r)| r.client == client).map(|(k, _)| *k).collect();
+            for rank in gone {
+                if let Some(rc) = g.ranks.remove(&rank) {
+                    for r in rc.regions.values() {
+                        self.revoke_key(r.key);
+                    }
+                    st.memory -= rc.mem.len();
+                    st.regions -= rc.regions.len();
+                    tracing::info!(client, rank, "client gone: its regions are revoked");
+                }
+            }
+        }
+        st.map.retain(|_, g| !g.ranks.is_empty());
+        self.discovery_changed();
+    }
+
+    fn handle(self: &Arc<Self>, client: u64, req: Request, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
+        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_)) && !fds.is_empty() {
+            return Err(Refusal::new(Code::Malformed, "this request carries no file descriptors"));
+        }
+        match req {
+            Request::Hello { client: name } => {
+                tracing::debug!(name, "client hello");
+                Ok(Reply::Hello { node: self.cfg.node.clone(), version: peer::PEER_VERSION, slots: FLAG_SLOTS, columns: FLAG_COLUMNS })
+            }
+            Request::RegisterCache(r) => self.register(client, r, fds),
+            Request::RegisterDeviceCache(r) => self.register_device(client, r, fds),
+            Request::ReleaseCache { group, rank } => self.release(client, &group, rank),
+            Request::PrepareReceive(p) => self.prepare(client, p),
+            Request::Submit(s) => Ok(self.submit(client, s)),
+            Request::Wait { slot, flag, timeout_ms } => self.wait(client, slot, flag, timeout_ms),
+            Request::Status { slot } => self.status(client, slot),
+            Request::Cancel { slot } => self.cancel(client, slot),
+            Request::Stats => Ok(Reply::Stats { text: self.metrics_text() }),
+        }
+    }
+
+    fn wait(&self, client: u64, slot: u16, flag: FlagName, timeout_ms: u64) -> Result<Reply, Refusal> {
+        self.slot_access(client, slot)?;
+        let tag = Tag { slot, layer: flag.column() };
+        match self.page.wait(tag, Duration::from_millis(timeout_ms)) {
+            Ok(d) => Ok(Reply::Waited { notify_ns: d.as_nanos() as u64 }),
+            Err(e @ kvwire_transport::flags::WaitError::Failed { .. }) => {
+                let why = self.slots.lock().expect("slots lock").map.get(&slot).and_then(|s| s.error.clone());
+                Err(Refusal::new(Code::TransferFailed, format!("{e}: {}", why.unwrap_or_default())))
+            }
+            Err(e) => Err(Refusal::new(Code::Timeout, e)),
+        }
+    }
+
+    fn status(&self, client: u64, slot: u16) -> Result<Reply, Refusal> {
+        let id = self.slot_access(client, slot)?;
+        let st = self.slots.lock().expect("slots lock");
+        let s = st.map.get(&slot).filter(|s| s.gen == id.gen).ok_or_else(|| Refusal::new(Code::UnknownSlot, format!("no transfer in slot {slot}")))?;
+        Ok(Reply::Status(TransferStatus {
+            slot,
+            request: s.request.clone(),
+            role: if s.role == Role::Source { "source" } else { "destination" }.into(),
+            state: s.state,
+            error: s.error.clone(),
+            layers: s.layers,
+            bytes: s.bytes,
+            segments: s.segments,
+            reused_bytes: s.reused,
+            wire_bytes: s.wire,
+            retransmitted_bytes: s.retransmitted,
+            hops: s.hops.iter().map(|(h, (ns, bytes))| HopTotal { hop: (*h).into(), ns: *ns, bytes: *bytes }).collect(),
+            marks: s.marks.clone(),
+            rails: s.rails.clone(),
+            elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
+        }))
+    }
+
+    fn cancel(&self, client: u64, slot: u16) -> Result<Reply, Refusal> {
+        let id = self.slot_access(client, slot)?;
+        if !self.finish(id, TransferState::Cancelled, Some("cancelled by client".into())) {
+            return Err(Refusal::new(Code::BadRequest, format!("slot {slot} already finished")));
+        }
+        Metrics::add(&self.metrics.cancelled, 1);
+        Ok(Reply::Cancelled)
+    }
+
+    fn register(&self, client: u64, r: RegisterCache, mut fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
+        if fds.len() != 1 {
+            return Err(Refusal::new(Code::Malformed, format!("register_cache needs exactly one memfd, got {}", fds.len())));
+        }
+        let fd = fds.remove(0);
+        self.register_rank(client, r, move |rank, n, total| {
+            let mem = HostMem::from_file(File::from(fd)).map_err(|e| format!("memfd: {e}"))?;
+            if mem.len() < total {
+                return Err(format!("memfd holds {} bytes but rank {rank}'s {n} regions need {total}", mem.len()));
+            }
+            Ok((Arc::new(mem), None))
+        })
+    }
+
+    /// A rank in device memory: opened through the `[device]` backend and
+    /// mirrored in pinned host memory that the data plane registers.
+    fn register_device(&self, client: u64, r: RegisterDeviceCache, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
+        let Some(backend) = &self.device else {
+            return Err(Refusal::new(Code::BadRegion, "this daemon has no device backend: set [device] backend = \"cuda\" (or \"host\", the stand-in)"));
+        };
+        if fds.len() > 1 {
+            return Err(Refusal::new(Code::Malformed, format!("register_device_cache takes at most one fd, got {}", fds.len())));
+        }
+        let (ordinal, len, ipc) = (r.ordinal, r.len, r.ipc.clone());
+        let fd = fds.into_iter().next().map(File::from);
+        self.register_rank(client, r.cache, move |rank, _, total| {
+            if len < total {
+                return Err(format!("device allocation of {len} bytes but rank {rank}'s regions need {total}"));
+            }
+            let dev = backend.import(DeviceHandle { ordinal, len, fd, ipc }).map_err(|e| format!("device allocation: {e}"))?;
+            let mirror = HostMem::new("kvwire-device-mirror", total).map(Arc::new).map_err(|e| format!("host mirror: {e}"))?;
+            let pin = backend.pin(&mirror).map_err(|e| format!("pinning the host mirror: {e}"))?;
+            Ok((mirror, Some(DeviceRank { _pin: pin, dev })))
+        })
+    }
+
+    /// Checks a rank's registration, takes its memory from `memory(rank,
+    /// regions, bytes)` (an error there is a bad region), and registers
+    /// its regions.
+    fn register_rank(
+        &self,
+        client: u64,
+        r: RegisterCache,
+        memory: impl FnOnce(u32, usize, u64) -> Result<RankMemory, String>,
+    ) -> Result<Reply, Refusal> {
+        let (model, format, layout, side) = checked_registration(&r)?;
+        let regions = side.regions(&model, r.rank);
+        let total: u64 = regions.iter().map(|(_, l)| l).sum();
+        let (mem, device) = memory(r.rank, regions.len(), total).map_err(refused(Code::BadRegion))?;
+        let mut st = self.groups.lock().expect("groups lock");
+        self.fits(&st, &mem, regions.len())?;
+        if let Some(g) = st.map.get(&r.group) {
+            if let Some(field) = mismatch(g, &model, format, &r) {
+                return Err(Refusal::new(Code::Mismatch, format!("group `{}`: {field} differs from its earlier registration", r.group)));
+            }
+        }
+        let windows = self.register_windows(&mem, &regions)?;
+        let n = windows.len();
+        st.memory += mem.len();
+        st.regions += n;
+        let g = st.map.entry(r.group.clone()).or_insert_with(|| Group {
+            model,
+            format,
+            layout,
+            layout_text: r.layout.clone(),
+            num_blocks: r.num_blocks,
+            identity: r.identity.clone(),
+            shard: side.shard.clone(),
+            ranks: BTreeMap::new(),
+        });
+        g.ranks.insert(r.rank, RankCache { regions: windows, mem, client, device });
+        tracing::info!(group = r.group, rank = r.rank, regions = n, bytes = total, "rank registered");
+        let complete = g.complete();
+        drop(st);
+        self.discovery_changed();
+        Ok(Reply::Registered { regions: n as u32, bytes: total, complete })
+    }
+
+    /// Refuses a registration past `limits.max_memory_bytes` or `max_regions`.
+    fn fits(&self, st: &Groups, mem: &HostMem, regions: usize) -> Result<(), Refusal> {
+        let l = &self.cfg.limits;
+        if st.memory + mem.len() > l.max_memory_bytes {
+            return Err(Refusal::new(Code::Limit, format!("limits.max_memory_bytes {} would be exceeded", l.max_memory_bytes)));
+        }
+        if st.regions + regions > l.max_regions {
+            return Err(Refusal::new(Code::Limit, format!("limits.max_regions {} would be exceeded", l.max_regions)));
+        }
+        Ok(())
+    }
+
+    /// Registers a rank's regions back to back in `mem`; none stays
+    /// registered when one is refused.
+    fn register_windows(&self, mem: &Arc<HostMem>, regions: &[(RegionId, u64)]) -> Result<BTreeMap<RegionId, Arc<kvwire_transport::Region>>, Refusal> {
+        let mut windows = BTreeMap::new();
+        let mut offset = 0;
+        for (id, len) in regions {
+            match self.register_region(mem.clone(), offset, *len) {
+                Ok(region) => {
+                    windows.insert(*id, region);
+                }
+                Err(e) => {
+                    for w in windows.values() {
+                        self.revoke_key(w.key);
+                    }
+                    return Err(Refusal::new(Code::BadRegion, format!("register {id:?}: {e}")));
+                }
+            }
+            offset += len;
+        }
+        Ok(windows)
+    }
+
+    fn release(&self, client: u64, group: &str, rank: u32) -> Result<Reply, Refusal> {
+        let mut st = self.groups.lock().expect("groups lock");
+        let st = &mut *st;
+        let Some(g) = st.map.get_mut(group) else { return Err(Refusal::new(Code::UnknownGroup, format!("no group `{group}`"))) };
+        match g.ranks.get(&rank) {
+            Some(rc) if rc.client != client => {
+                return Err(Refusal::new(Code::PermissionDenied, format!("rank {rank} of `{group}` was registered by another client")))
+            }
+            None => return Err(Refusal::new(Code::UnknownGroup, format!("group `{group}` has no rank {rank}"))),
+            Some(_) => {}
+        }
+        let rc = g.ranks.remove(&rank).expect("checked");
+        for r in rc.regions.values() {
+            self.revoke_key(r.key);
+        }
+        st.memory -= rc.mem.len();
+        st.regions -= rc.regions.len();
+        if g.ranks.is_empty() {
+            st.map.remove(group);
+        }
+        self.discovery_changed();
+        Ok(Reply::Released)
+    }
+
+    fn prepare(&self, client: u64, p: PrepareReceive) -> Result<Reply, Refusal> {
+        {
+            let st = self.groups.lock().expect("groups lock");
+            let g = st.access(client, &p.group)?;
+            g.require_complete(&p.group)?;
+            if p.prefix_tokens > p.tokens {
+                return Err(Refusal::new(Code::BadRequest, format!("prefix_tokens {} exceeds tokens {}", p.prefix_tokens, p.tokens)));
+            }
+            Side::with_table(&g.model, &g.layout, g.format, p.tokens, p.block_table.clone(), g.num_blocks).map_err(refused(Code::BadRequest))?;
+        }
+        let dup = self.slots.lock().expect("slots lock").map.values().any(|s| {
+            matches!(s.state, TransferState::Prepared | TransferState::Running)
+                && s.recv.as_ref().is_some_and(|r| r.group == p.group && r.request == p.request)
+        });
+        if dup {
+            return Err(Refusal::new(Code::BadRequest, format!("request `{}` of group `{}` is already prepared", p.request, p.group)));
+        }
+        let (request, group) = (p.request.clone(), p.group.clone());
+        let (SlotId { slot, .. }, _) = self.alloc_slot(Role::Destination, &request, &group, client, Some(p))?;
+        Ok(Reply::Prepared { slot })
+    }
+}
+
+/// The model, format, layout and one-token side a registration names, or
+/// what is wrong with it.
+fn checked_registration(r: &RegisterCache) -> Result<(ModelSpec, CacheFormat, LayoutSpec, Side), Refusal> {
+    let model = match &r.model {
+        ModelSource::Builtin(n) => layout::builtin(n),
+        ModelSource::HfConfig(t) => layout::from_hf_config(&r.group, t),
+        ModelSource::Toml(t) => layout::from_toml_spec(&r.group, t),
+    };
+    let model = model.map_err(|e| Refusal::new(Code::BadModel, format!("model: {e}")))?;
+    if model.layers.len() > usize::from(MAX_TRANSFER_LAYERS) {
+        return Err(Refusal::new(Code::BadModel, format!("model has {} layers; at most {MAX_TRANSFER_LAYERS}", model.layers.len())));
+    }
+    let format = CacheFormat::parse(&r.format).map_err(|e| Refusal::new(Code::BadLayout, format!("format: {e}")))?;
+    let layout = LayoutSpec::parse(&r.layout).map_err(|e| Refusal::new(Code::BadLayout, format!("layout: {e}")))?;
+    if r.num_blocks == 0 {
+        return Err(Refusal::new(Code::BadLayout, "num_blocks must be > 0"));
+    }
+    let side = Side::with_table(&model, &layout, format, 1, vec![0], r.num_blocks).map_err(|e| Refusal::new(Code::BadLayout, format!("layout: {e}")))?;
+    if r.rank as usize >= side.shard.ranks.len() {
+        return Err(Refusal::new(Code::BadLayout, format!("rank {} but layout `{}` has {} ranks", r.rank, r.layout, side.shard.ranks.len())));
+    }
+    Ok((model, format, layout, side))
+}
+
+/// The first field in which a registration differs from its group's earlier ones.
+fn mismatch(g: &Group, model: &ModelSpec, format: CacheFormat, r: &RegisterCache) -> Option<&'static str> {
+    if g.model != *model {
+        Some("model")
+    } else if g.format != format {
+        Some("format")
+    } else if g.layout_text != r.layout {
+        Some("layout")
+    } else if g.num_blocks != r.num_blocks {
+        Some("num_blocks")
+    } else if g.identity != r.identity {
+        Some("identity")
+    } else if g.ranks.contains_key(&r.rank) {
+        Some("rank (already registered)")
+    } else {
+        None
+    }
+}

@@ -1,0 +1,354 @@
+//! The destination side: authenticated peer connections, each the pump of
+//! a [`DestinationSession`]; offers into prepared requests; expects checked
+//! against this side's own plan; and the receive thread that unpacks,
+//! verifies and publishes each layer.
+
+use super::device::Direction;
+use super::error::{refused, Refusal};
+use super::state::{Boundary, Role, SlotId};
+use super::{read_mem, Daemon};
+use crate::metrics::Metrics;
+use crate::peer;
+use kvwire_client::control::*;
+use kvwire_client::wire::{read_msg, write_msg, WireError};
+use kvwire_core::codec::Codec;
+use kvwire_core::layout::ModelSpec;
+use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
+use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
+use kvwire_core::reuse::check_prefix;
+use kvwire_core::schedule::{self, Schedule};
+use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, PeerRegion, RailAddr};
+use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
+use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::CacheFormat;
+use kvwire_transport::device::bound::BoundMem;
+use kvwire_transport::{Hop, HostMem, Region, Tag};
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What the receive thread of one transfer works from.
+struct Receive {
+    id: SlotId,
+    request: String,
+    model: ModelSpec,
+    format: CacheFormat,
+    codec: Option<Codec>,
+    plan: Plan,
+    schedule: Schedule,
+    manifest: Manifest,
+    regions: HashMap<(u32, RegionId), Arc<Region>>,
+    devices: HashMap<u32, Arc<dyn BoundMem>>,
+    stage: Option<Arc<Region>>,
+}
+
+impl Daemon {
+    pub(super) fn peer_loop(self: Arc<Self>, l: TcpListener) {
+        for s in l.incoming() {
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(s) = s else { continue };
+            let d = self.clone();
+            let _ = std::thread::Builder::new().name("kvwired-peer".into()).spawn(move || d.serve_peer(s));
+        }
+    }
+
+    fn serve_peer(self: &Arc<Self>, mut s: TcpStream) {
+        let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+        let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
+        let peer = match peer::accept_auth(&mut s, &self.secret, &self.cfg.node) {
+            Ok(p) => p,
+            Err(e) => {
+                Metrics::add(&self.metrics.peers_refused, 1);
+                tracing::warn!(from, error = %e, "peer refused");
+                let _ = write_msg(&mut s, &PeerMsg::Refused { reason: "authentication failed: wrong shared secret or protocol".into() });
+                return;
+            }
+        };
+        let l = &self.cfg.limits;
+        let transfer = Duration::from_secs(l.transfer_timeout_secs);
+        let timeouts = Timeouts { reply: transfer, peer: Duration::from_secs(l.peer_timeout_secs), transfer };
+        let mut session = DestinationSession::new(Instant::now(), &peer, timeouts);
+        // Transfers accepted on this connection, by slot: its messages may
+        // name only these, and those still running when it ends fail then.
+        let mut mine: HashMap<u16, SlotId> = HashMap::new();
+        let ended = loop {
+            let wait = session.poll_timeout().saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let _ = s.set_read_timeout(Some(wait));
+            let msg = match read_msg::<PeerMsg>(&mut s) {
+                Ok(m) => m,
+                Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
+                Err(e) if e.is_timeout() => match session.handle_timeout(Instant::now()) {
+                    Some(e) => break format!("peer `{peer}` {e}"),
+                    None => continue,
+                },
+                Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),
+            };
+            let reply = self.peer_step(&peer, &mut session, &mut mine, msg);
+            if let Err(e) = write_msg(&mut s, &reply) {
+                break format!("peer `{peer}` connection failed mid-transfer: {e}");
+            }
+        };
+        // A source that ends its connection without `Done` will write no
+        // more: what has not arrived never will.
+        for slot in session.closed() {
+            if let Some(id) = mine.remove(&slot) {
+                if self.fail(id, &ended) {
+                    tracing::warn!(peer, slot, why = ended, "transfer failed: its source is gone");
+                }
+            }
+        }
+    }
+
+    /// One message of a peer connection, through its session; returns the answer.
+    fn peer_step(self: &Arc<Self>, peer: &str, session: &mut DestinationSession, mine: &mut HashMap<u16, SlotId>, msg: PeerMsg) -> PeerMsg {
+        match session.handle(Instant::now(), msg) {
+            DestinationStep::Reply(m) => m,
+            DestinationStep::Offer(o) => match self.offer(peer, *o) {
+                Ok((a, id)) => {
+                    mine.insert(id.slot, id);
+                    session.accept(a)
+                }
+                Err(reason) => session.refuse(reason),
+            },
+            DestinationStep::Expect(e) => {
+                let slot = e.slot;
+                let Some(&id) = mine.get(&slot) else { return session.refuse_slot(slot, format!("slot {slot} is not receiving")) };
+                match self.expect(id, *e) {
+                    Ok((key, len)) => session.staging(slot, key, len).unwrap_or_else(|e| PeerMsg::Refused { reason: e.to_string() }),
+                    Err(r) => {
+                        self.fail(id, &r.message);
+                        mine.remove(&slot);
+                        session.refuse_slot(slot, r.message)
+                    }
+                }
+            }
+            DestinationStep::Aborted { slot, reason, reply } => {
+                if let Some(id) = mine.remove(&slot) {
+                    tracing::warn!(peer, slot, reason, "source aborted");
+                    self.fail(id, format!("source aborted: {reason}"));
+                }
+                reply
+            }
+            DestinationStep::Done { slot, reply } => {
+                mine.remove(&slot);
+                reply
+            }
+        }
+    }
+
+    /// An offer into a prepared request: checks it against the group and
+    /// the request, and grants this transfer its own keys.
+    fn offer(&self, peer: &str, o: Offer) -> Result<(Accept, SlotId), String> {
+        let groups = self.groups.lock().expect("groups lock");
+        let mut slots = self.slots.lock().expect("slots lock");
+        let Some(g) = groups.map.get(&o.dst_group) else { return Err(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
+        let found = slots.map.iter().find(|(_, s)| {
+            s.state == TransferState::Prepared && s.recv.as_ref().is_some_and(|r| r.group == o.dst_group && r.request == o.dst_request)
+        });
+        let Some((&slot, sl)) = found else {
+            return Err(format!("request `{}` of group `{}` is not prepared on {}", o.dst_request, o.dst_group, self.cfg.node));
+        };
+        let recv = sl.recv.clone().expect("prepared slots hold their receive");
+        let id = SlotId { slot, gen: sl.gen };
+        if o.tokens != recv.tokens {
+            return Err(format!("offer has {} tokens, the prepared request {}", o.tokens, recv.tokens));
+        }
+        // The source must hold the cache this side was registered for; the
+        // reuse check names the first field that differs.
+        check_prefix(&g.identity, &o.identity, recv.prefix_tokens, recv.tokens).map_err(|e| e.to_string())?;
+        // Keys for this transfer alone (see `Slot::keys`).
+        let mut regions = Vec::new();
+        for (rank, rc) in &g.ranks {
+            for (region, r) in &rc.regions {
+                match self.register_region(r.mem.clone(), r.offset, r.len) {
+                    Ok(w) => regions.push(PeerRegion { rank: *rank, region: *region, key: w.key, len: w.len }),
+                    Err(e) => {
+                        for r in &regions {
+                            self.revoke_key(r.key);
+                        }
+                        return Err(format!("{} cannot register the transfer's regions: {e}", self.cfg.node));
+                    }
+                }
+            }
+        }
+        let accept = Accept {
+            slot,
+            layout: g.layout_text.clone(),
+            format: g.format.id(),
+            num_blocks: g.num_blocks,
+            block_table: recv.block_table.clone(),
+            prefix_tokens: recv.prefix_tokens,
+            data_addr: self.rails[0].advertise.clone(),
+            rails: self.rails.iter().map(|r| RailAddr { name: r.name.clone(), addr: r.advertise.clone() }).collect(),
+            locality: self.rank_rails(g),
+            transport: self.ep.transport().into(),
+            regions,
+        };
+        if let Some(sl) = slots.get_mut(id) {
+            sl.state = TransferState::Running;
+            sl.keys = accept.regions.iter().map(|r| r.key).collect();
+            sl.started = Instant::now();
+            sl.marks = vec![Boundary::Enqueued.at(Duration::ZERO)];
+            sl.peer = peer.to_string();
+        }
+        tracing::info!(peer, slot, request = o.dst_request, src_request = o.src_request, "transfer accepted");
+        Ok((accept, id))
+    }
+
+    /// Recomputes the plan from the source's side and this side's
+    /// registration, checks the manifest field by field, and only then
+    /// expects bytes; a receive thread verifies each layer and publishes
+    /// it. Returns the staging buffer's key and size.
+    fn expect(self: &Arc<Self>, id: SlotId, e: Expect) -> Result<(u32, u64), Refusal> {
+        let r = self.receive_of(id, &e)?;
+        let n = r.model.layers.len();
+        let c = &r.plan.counters;
+        self.with_slot(id, |sl| sl.sized(n, c, r.schedule.wire_bytes()));
+        Metrics::add(&self.metrics.received_bytes, c.total_bytes_moved);
+        for (l, ls) in r.schedule.layers.iter().enumerate() {
+            self.ep.placement().expect(Tag { slot: id.slot, layer: l as u16 }, ls.wire_bytes).map_err(refused(Code::TransferFailed))?;
+        }
+        let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.schedule.stage_bytes);
+        let d = self.clone();
+        let spawned = std::thread::Builder::new().name(format!("kvwired-recv-{}", id.slot)).spawn(move || {
+            let span = tracing::info_span!("receive", slot = id.slot, request = r.request);
+            let _g = span.enter();
+            d.receive(&r);
+            d.drop_stage(&r.stage);
+        });
+        if let Err(err) = spawned {
+            return Err(Refusal::new(Code::TransferFailed, format!("cannot start the receive thread: {err}")));
+        }
+        Ok(staging)
+    }
+
+    /// Everything the receive thread needs, checked: the plan from both
+    /// sides' layouts, the manifest against this side's registration, the
+    /// schedule and its staging buffer.
+    fn receive_of(&self, id: SlotId, e: &Expect) -> Result<Receive, Refusal> {
+        let refuse = |m: String| Refusal::new(Code::TransferFailed, m);
+        let recv = {
+            let st = self.slots.lock().expect("slots lock");
+            let sl = st.map.get(&id.slot).filter(|s| s.gen == id.gen && s.role == Role::Destination && s.state == TransferState::Running);
+            sl.and_then(|s| s.recv.clone()).ok_or_else(|| refuse(format!("slot {} is not receiving", id.slot)))?
+        };
+        let (model, format, layout, num_blocks, identity, regions, devices) = {
+            let st = self.groups.lock().expect("groups lock");
+            let g = st.map.get(&recv.group).ok_or_else(|| refuse(format!("group `{}` is gone", recv.group)))?;
+            (g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions(), g.devices())
+        };
+        let manifest = Manifest::from_json(e.manifest.as_bytes()).map_err(|err| refuse(format!("manifest: {err}")))?;
+        let planned = || -> Result<(Side, Plan), String> {
+            let dst = Side::with_table(&model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks).map_err(|e| e.to_string())?;
+            let src_layout = LayoutSpec::parse(&e.src_layout).map_err(|e| e.to_string())?;
+            let src = Side::with_table(&model, &src_layout, format, recv.tokens, e.src_block_table.clone(), e.src_num_blocks).map_err(|e| e.to_string())?;
+            let input = PlanInput { model: &model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() };
+            let plan = plan::build(&input).map_err(|e| e.to_string())?;
+            Ok((dst, plan))
+        };
+        let (dst, plan) = planned().map_err(|err| refuse(format!("source plan: {err}")))?;
+        // Identity, shapes, maps and positions, before any flag can be published.
+        let expected = Expected::new(&identity, &model, &dst, &recv.request, recv.tokens, recv.prefix_tokens).map_err(|err| refuse(format!("registration: {err}")))?;
+        manifest.check(&expected).map_err(|err| refuse(err.to_string()))?;
+        if self.cfg.verify_checksums && manifest.checksums.is_empty() && plan.counters.total_bytes_moved > 0 {
+            return Err(refuse("this daemon verifies checksums and the manifest carries none".into()));
+        }
+        let codec = e.codec.as_deref().map(Codec::parse).transpose().map_err(|err| refuse(err.to_string()))?;
+        let schedule = Schedule::new(&model, &format, &plan, codec).map_err(|err| refuse(err.to_string()))?;
+        // Staged segments land in one buffer and are unpacked per layer.
+        let stage = match schedule.stage_bytes {
+            0 => None,
+            n => Some(
+                HostMem::new("kvwire-stage", n)
+                    .map_err(|e| e.to_string())
+                    .and_then(|m| self.register_region(Arc::new(m), 0, n).map_err(|e| e.to_string()))
+                    .map_err(|err| refuse(format!("staging: {err}")))?,
+            ),
+        };
+        Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, manifest, regions, devices, stage })
+    }
+
+    /// The receive thread: per layer, waits for its bytes, then unpacks,
+    /// verifies, copies to the device, and publishes `layer_ready`; then
+    /// `decoder_usable`. The first failure fails the transfer.
+    fn receive(&self, r: &Receive) {
+        let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+        let start = Instant::now();
+        for layer in 0..r.schedule.layers.len() {
+            let tag = Tag { slot: r.id.slot, layer: layer as u16 };
+            if let Err(err) = self.ep.placement().wait(tag, timeout.saturating_sub(start.elapsed())) {
+                self.fail(r.id, err);
+                return;
+            }
+            self.slot_mark(r.id, Boundary::HostReceived(layer));
+            if let Err(why) = self.land_layer(r, layer) {
+                self.fail(r.id, why);
+                return;
+            }
+            self.publish(r.id, tag.layer);
+            self.slot_mark(r.id, Boundary::LayerReady(layer));
+        }
+        self.publish(r.id, DECODER_USABLE);
+        self.slot_mark(r.id, Boundary::DecoderUsable);
+        self.finish(r.id, TransferState::Done, None);
+        tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "decoder usable");
+    }
+
+    /// One layer whose bytes are all placed: unpack (and decode) its staged
+    /// segments, verify it, and copy it to the device where it lives there.
+    fn land_layer(&self, r: &Receive, layer: usize) -> Result<(), String> {
+        let ls = &r.schedule.layers[layer];
+        let t = Instant::now();
+        for st in &ls.staged {
+            let seg = &r.plan.segments[st.seg];
+            let placed = || -> Option<()> {
+                let stage = r.stage.as_ref()?;
+                let bytes = read_mem(&stage.mem, st.offset, st.size)?;
+                let data = schedule::unpack(&bytes, st, &r.format, r.codec)?;
+                let dst = r.regions.get(&(seg.dst_rank, seg.dst_region))?;
+                for (k, (_, dof)) in seg.runs().enumerate() {
+                    let run = data.get(k * seg.len as usize..(k + 1) * seg.len as usize)?;
+                    dst.mem.write(dst.offset + dof, run).ok()?;
+                }
+                Some(())
+            };
+            placed().ok_or_else(|| format!("unpack of layer {layer} failed"))?;
+        }
+        if !ls.staged.is_empty() {
+            self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.plan.segments[st.seg].bytes()).sum());
+        }
+        if self.cfg.verify_checksums && ls.wire_bytes > 0 {
+            let t = Instant::now();
+            let read = |rank: u32, region: RegionId, offset: u64, len: u64| {
+                let reg = r.regions.get(&(rank, region))?;
+                read_mem(&reg.mem, reg.offset + offset, len)
+            };
+            let this_layer = |_, l: u32| l as usize == layer;
+            let checked = checksums_at_destination(&r.plan, read, this_layer).and_then(|rec| r.manifest.verify_checksums_of(&rec, this_layer));
+            self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);
+            if let Err(err) = checked {
+                tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
+                return Err(err.to_string());
+            }
+        }
+        // A device-resident cache is usable only once this layer's
+        // host → device copies completed (their event, not their enqueue).
+        if !r.devices.is_empty() {
+            self.device_copies(r.id, Direction::ToDevice, &r.plan, &r.regions, &r.devices, layer..layer + 1)
+                .map_err(|err| format!("host → device copy: {err}"))?;
+            self.slot_mark(r.id, Boundary::DeviceComplete(layer));
+        }
+        Ok(())
+    }
+
+    /// Revokes a transfer's staging buffer: late writes to it fail.
+    fn drop_stage(&self, stage: &Option<Arc<Region>>) {
+        if let Some(r) = stage {
+            self.revoke_key(r.key);
+        }
+    }
+}

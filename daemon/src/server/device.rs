@@ -1,0 +1,109 @@
+//! Device-resident ranks: the copies between a rank's device allocation
+//! and the host mirror the data plane reads and writes.
+
+use super::state::SlotId;
+use super::Daemon;
+use kvwire_core::plan::Plan;
+use kvwire_core::shard::RegionId;
+use kvwire_transport::device::bound::BoundMem;
+use kvwire_transport::{Hop, Region};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+impl Daemon {
+    /// Copies what `plan` moves of `layers` between device-resident ranks
+    /// and their host mirrors: the source side of each segment to the
+    /// host (`stage`), or its destination side to the device
+    /// (`device_complete`). Each rank's layers are enqueued in order on its
+    /// stream, then awaited by event; a layer's hop time is the time its
+    /// copies held the stream (from its enqueue or the previous layer's
+    /// completion, whichever is later, to its own completion).
+    pub(super) fn device_copies(
+        &self,
+        id: SlotId,
+        dir: Direction,
+        plan: &Plan,
+        regions: &HashMap<(u32, RegionId), Arc<Region>>,
+        devices: &HashMap<u32, Arc<dyn BoundMem>>,
+        layers: std::ops::Range<usize>,
+    ) -> Result<(), CopyError> {
+        let timeout = Duration::from_secs(self.cfg.device.copy_timeout_secs);
+        let mut pending = Vec::new();
+        for layer in layers {
+            for (&rank, dev) in devices {
+                let mut runs: Vec<(u64, u64, u64)> = Vec::new();
+                let mut mirror = None;
+                for seg in &plan.segments {
+                    let (seg_rank, region) = match dir {
+                        Direction::ToHost => (seg.src_rank, seg.src_region),
+                        Direction::ToDevice => (seg.dst_rank, seg.dst_region),
+                    };
+                    if seg_rank != rank || region.layer as usize != layer {
+                        continue;
+                    }
+                    let r = regions.get(&(rank, region)).ok_or_else(|| CopyError { rank, layer, why: format!("no region {region:?}") })?;
+                    mirror.get_or_insert_with(|| r.mem.clone());
+                    for (so, dof) in seg.runs() {
+                        let at = r.offset + if dir == Direction::ToHost { so } else { dof };
+                        // The mirror holds the allocation's bytes at the same offsets.
+                        runs.push((at, at, seg.len));
+                    }
+                }
+                let Some(mirror) = mirror else { continue };
+                let runs = merge_runs(runs);
+                let bytes = runs.iter().map(|r| r.2).sum::<u64>();
+                let enqueued = Instant::now();
+                let ev = match dir {
+                    Direction::ToHost => dev.d2h(&runs, &mirror),
+                    Direction::ToDevice => dev.h2d(&runs, &mirror),
+                }
+                .map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
+                pending.push((rank, layer, enqueued, bytes, ev));
+            }
+        }
+        let hop = match dir {
+            Direction::ToHost => Hop::Stage,
+            Direction::ToDevice => Hop::DeviceComplete,
+        };
+        let mut free_at: HashMap<u32, Instant> = HashMap::new();
+        for (rank, layer, enqueued, bytes, ev) in pending {
+            ev.wait(timeout).map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
+            let done = Instant::now();
+            let from = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued));
+            self.slot_hop(id, hop, done.saturating_duration_since(from), bytes);
+            free_at.insert(rank, done);
+        }
+        Ok(())
+    }
+}
+
+/// A device copy that failed: its rank, layer, and the backend's reason.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("rank {rank} layer {layer}: {why}")]
+pub(super) struct CopyError {
+    pub rank: u32,
+    pub layer: usize,
+    pub why: String,
+}
+
+/// Which way [`Daemon::device_copies`] copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Direction {
+    ToHost,
+    ToDevice,
+}
+
+/// Sorts copy runs (device offset, host offset, len) and joins the ones
+/// that continue each other on both sides: fewer, larger copies.
+fn merge_runs(mut runs: Vec<(u64, u64, u64)>) -> Vec<(u64, u64, u64)> {
+    runs.sort_unstable();
+    let mut out: Vec<(u64, u64, u64)> = Vec::with_capacity(runs.len());
+    for r in runs {
+        match out.last_mut() {
+            Some(last) if last.0 + last.2 == r.0 && last.1 + last.2 == r.1 => last.2 += r.2,
+            _ => out.push(r),
+        }
+    }
+    out
+}

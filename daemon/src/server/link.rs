@@ -1,0 +1,117 @@
+//! The source's peer-control connection for one transfer: the pump of its
+//! [`SourceSession`]. While bytes flow a heartbeat thread pings the
+//! destination (when the session says a ping is due), so the destination
+//! can tell a dead source from a slow one, and an unanswered ping marks the
+//! destination lost.
+
+use kvwire_client::wire::{read_msg, write_msg};
+use kvwire_core::session::msg::PeerMsg;
+use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Why an exchange with the destination failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(super) enum LinkError {
+    /// The connection failed or the destination went quiet.
+    #[error("{0}")]
+    Wire(String),
+    /// The session refused the answer (a refusal, a wrong size, a message out of turn).
+    #[error(transparent)]
+    Session(#[from] SessionError),
+}
+
+pub(super) struct PeerLink {
+    // One lock for the stream and the session: a ping and the final
+    // message never interleave on the wire.
+    conn: Mutex<(TcpStream, SourceSession)>,
+    pub peer: String,
+    peer_timeout: Duration,
+    lost: Mutex<Option<String>>,
+    ended: AtomicBool,
+}
+
+impl PeerLink {
+    pub fn new(stream: TcpStream, session: SourceSession, peer: &str, peer_timeout: Duration) -> PeerLink {
+        PeerLink { conn: Mutex::new((stream, session)), peer: peer.to_string(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
+    }
+
+    /// Sends `m` and hands the answer to the session.
+    pub fn exchange(&self, m: &PeerMsg) -> Result<SourceEvent, LinkError> {
+        let mut c = self.conn.lock().expect("peer link lock");
+        let (s, session) = &mut *c;
+        let answer = write_msg(s, m).and_then(|()| read_msg::<PeerMsg>(s)).map_err(|e| match e {
+            e if e.is_timeout() => LinkError::Wire(format!("peer `{}` silent for {}s", self.peer, self.peer_timeout.as_secs())),
+            e => LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)),
+        })?;
+        Ok(session.handle(Instant::now(), answer)?)
+    }
+
+    /// Runs `f` on the session (for steps that send nothing by themselves).
+    pub fn session<T>(&self, f: impl FnOnce(&mut SourceSession) -> T) -> T {
+        f(&mut self.conn.lock().expect("peer link lock").1)
+    }
+
+    /// Sets the stream's read timeout (the reply timeout, then the peer timeout while bytes flow).
+    pub fn read_timeout(&self, t: Duration) {
+        let _ = self.conn.lock().expect("peer link lock").0.set_read_timeout(Some(t));
+    }
+
+    pub fn lost(&self) -> Option<String> {
+        self.lost.lock().expect("peer link lock").clone()
+    }
+
+    /// Pings when the session says one is due, until [`PeerLink::done`] or
+    /// [`PeerLink::abort`]; a failed ping or the transfer's deadline marks
+    /// the destination lost.
+    pub fn heartbeat(&self) {
+        loop {
+            let Some(due) = self.session(|s| s.poll_timeout()) else { return };
+            while Instant::now() < due {
+                if self.ended.load(Ordering::Acquire) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20).min(due.saturating_duration_since(Instant::now())));
+            }
+            if self.ended.load(Ordering::Acquire) {
+                return;
+            }
+            let why = match self.session(|s| s.handle_timeout(Instant::now())) {
+                Ok(None) => continue,
+                Ok(Some(ping)) => match self.exchange(&ping) {
+                    Ok(_) => continue,
+                    Err(e) => e.to_string(),
+                },
+                Err(e) => format!("peer `{}`: {e}", self.peer),
+            };
+            if !self.ended.load(Ordering::Acquire) {
+                tracing::warn!(peer = self.peer, why, "peer lost");
+                *self.lost.lock().expect("peer link lock") = Some(why);
+            }
+            return;
+        }
+    }
+
+    /// Every write completed: stops the heartbeat and sends `Done`.
+    pub fn done(&self) {
+        self.ended.store(true, Ordering::Release);
+        if let Ok(m) = self.session(|s| s.moved()) {
+            if self.lost().is_none() {
+                let _ = self.exchange(&m);
+            }
+        }
+    }
+
+    /// The transfer failed here: stops the heartbeat and sends `Abort` when
+    /// the destination holds a slot and was not told already.
+    pub fn abort(&self, reason: &str) {
+        self.ended.store(true, Ordering::Release);
+        if let Some(m) = self.session(|s| s.abort(reason)) {
+            if self.lost().is_none() {
+                let _ = self.exchange(&m);
+            }
+        }
+    }
+}

@@ -1,0 +1,351 @@
+//! The daemon: cache groups registered by local clients, transfer slots,
+//! the control socket, the peer listener, and the threads that move bytes.
+//!
+//! One transfer, walked through the modules: a client's `submit` arrives on
+//! the control socket ([`control`]); the source ([`source`]) takes a slot
+//! ([`transfers`], [`state`]), opens a peer session ([`link`], driving
+//! core's `SourceSession`), plans and schedules against the destination's
+//! accept, stages device memory ([`device`]), sends the manifest, packs,
+//! and hands per-layer batches to the rails ([`rails`]). The destination
+//! ([`destination`], driving core's `DestinationSession`) grants keys at
+//! offer, re-plans and checks the manifest at expect, and its receive
+//! thread unpacks, verifies and publishes each layer. Errors are
+//! [`error::Refusal`]s, turned into a reply and an abort in one place.
+
+mod control;
+mod destination;
+mod device;
+mod error;
+mod link;
+mod rails;
+mod source;
+mod state;
+mod transfers;
+
+use crate::config::{Config, TransportKind};
+use crate::metrics::Metrics;
+use kvwire_client::control::*;
+use kvwire_transport::device::bound::Backend;
+use kvwire_transport::device::host::HostDevice;
+use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
+use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
+use kvwire_transport::{Endpoint, FlagTable, Hops, HostMem, Placement, Registry};
+use state::{Groups, Slots};
+use std::collections::BTreeMap;
+use std::net::{TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How long a source waits for the destination's answer to an offer or an expect.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running daemon.
+pub struct Daemon {
+    cfg: Config,
+    secret: Vec<u8>,
+    ep: Arc<dyn Endpoint>,
+    // The page clients map. The data plane's placement publishes into its
+    // own table (bytes counted); a layer reaches this page only after it
+    // was also verified.
+    page: FlagTable,
+    // Lock order: groups, then slots.
+    groups: Mutex<Groups>,
+    slots: Mutex<Slots>,
+    /// Counters.
+    pub metrics: Metrics,
+    stop: AtomicBool,
+    next_client: AtomicU64,
+    peer_addr: String,
+    // Hop histograms per peer daemon, next to the daemon-wide ones.
+    peer_hops: Mutex<BTreeMap<String, Arc<Hops>>>,
+    // Every data rail, `ep`'s first. Extra rails are endpoints of the same
+    // transport (tcp listeners, verbs devices) sharing `ep`'s registry and
+    // placement, so a key is valid on each of them and a layer's bytes
+    // count the same whichever rails carried them.
+    rails: Vec<RailEp>,
+    // What sysfs (or the topology file) says, when a rail names a device.
+    topology: Option<kvwire_core::topology::HostTopology>,
+    // `[device]`: how device-resident caches are opened and copied.
+    device: Option<Backend>,
+    // This daemon's entry in etcd, when `[discovery]` names etcd; set at
+    // the end of `start`, once every listener is bound.
+    discovery: std::sync::OnceLock<crate::discovery::Discovery>,
+}
+
+struct RailEp {
+    name: String,
+    advertise: String,
+    // Its device, for locality (None: unknown).
+    device: Option<String>,
+    // Extra rails' endpoints (None for rail0, which is `ep`): writes
+    // arriving on one are placed through the shared registry and
+    // placement, and a source connects through it to the peer's rail of
+    // the same number.
+    ep: Option<Arc<dyn Endpoint>>,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon").field("node", &self.cfg.node).finish()
+    }
+}
+
+fn flags_placement() -> anyhow::Result<Arc<Placement>> {
+    Ok(Arc::new(Placement::new(FlagTable::new(FLAG_SLOTS, MAX_TRANSFER_LAYERS)?, Arc::new(Hops::default()))))
+}
+
+/// Reads `len` bytes of a mapping.
+fn read_mem(mem: &HostMem, offset: u64, len: u64) -> Option<Vec<u8>> {
+    let mut b = vec![0u8; len as usize];
+    mem.read(offset, &mut b).ok()?;
+    Some(b)
+}
+
+impl Daemon {
+    /// This daemon's node name, from its config.
+    pub fn node(&self) -> &str {
+        &self.cfg.node
+    }
+
+    /// Starts the data plane and binds every listener; threads serve until [`Daemon::shutdown`].
+    pub fn start(cfg: Config) -> anyhow::Result<Arc<Daemon>> {
+        cfg.validate()?;
+        let secret = cfg.secret()?;
+        let (ep, verbs) = open_endpoint(&cfg)?;
+        let rails = open_rails(&cfg, &ep, verbs.as_ref())?;
+        let topology = open_topology(&cfg, &rails)?;
+        let device = open_device(&cfg)?;
+        let peer_listener = TcpListener::bind(&cfg.peer_listen).map_err(|e| anyhow::anyhow!("peer_listen {}: {e}", cfg.peer_listen))?;
+        let peer_addr = peer_listener.local_addr()?.to_string();
+        let _ = std::fs::remove_file(&cfg.control_socket);
+        if let Some(dir) = cfg.control_socket.parent() {
+            std::fs::create_dir_all(dir).ok();
+        }
+        let control = UnixListener::bind(&cfg.control_socket)
+            .map_err(|e| anyhow::anyhow!("control_socket {}: {e}", cfg.control_socket.display()))?;
+        std::fs::set_permissions(&cfg.control_socket, std::fs::Permissions::from_mode(0o600))?;
+        let metrics_listener = if cfg.metrics_listen.is_empty() {
+            None
+        } else {
+            Some(TcpListener::bind(&cfg.metrics_listen).map_err(|e| anyhow::anyhow!("metrics_listen {}: {e}", cfg.metrics_listen))?)
+        };
+        let d = Arc::new(Daemon {
+            cfg,
+            secret,
+            ep,
+            page: FlagTable::new(FLAG_SLOTS, FLAG_COLUMNS)?,
+            groups: Mutex::new(Groups::default()),
+            slots: Mutex::new(Slots::default()),
+            metrics: Metrics::default(),
+            stop: AtomicBool::new(false),
+            next_client: AtomicU64::new(1),
+            peer_addr,
+            peer_hops: Mutex::new(BTreeMap::new()),
+            rails,
+            topology,
+            device,
+            discovery: std::sync::OnceLock::new(),
+        });
+        let dd = d.clone();
+        std::thread::Builder::new().name("kvwired-control".into()).spawn(move || dd.control_loop(control))?;
+        let dd = d.clone();
+        std::thread::Builder::new().name("kvwired-peers".into()).spawn(move || dd.peer_loop(peer_listener))?;
+        if let Some(l) = metrics_listener {
+            let dd = d.clone();
+            std::thread::Builder::new().name("kvwired-metrics".into()).spawn(move || dd.metrics_loop(l))?;
+        }
+        tracing::info!(node = d.cfg.node, transport = d.ep.transport(), data = d.ep.local_addr(), peer = d.peer_addr, "kvwired started");
+        if !d.cfg.discovery.etcd.is_empty() {
+            use crate::discovery::{Discovery, Entry, Serves};
+            let data = d.rails.iter().map(|r| r.advertise.clone()).collect();
+            let me = Entry::for_daemon(&d.cfg, &d.peer_addr, d.ep.transport(), data);
+            // Weak: what the entry says it serves is read from the groups
+            // without keeping the daemon alive.
+            let weak = Arc::downgrade(&d);
+            let serves = move || {
+                weak.upgrade().map_or_else(Serves::default, |d| Serves::of(d.groups.lock().expect("groups lock").map.values().map(|g| &g.identity)))
+            };
+            let _ = d.discovery.set(Discovery::start(&d.cfg.discovery, me, serves)?);
+        }
+        Ok(d)
+    }
+
+    /// The peer listener's bound address.
+    pub fn peer_addr(&self) -> &str {
+        &self.peer_addr
+    }
+
+    /// The data plane's address.
+    pub fn data_addr(&self) -> String {
+        self.ep.local_addr()
+    }
+
+    /// Stops accepting; in-flight transfers fail their flags. First revokes
+    /// the etcd lease, so peers stop finding this daemon at once.
+    pub fn shutdown(&self) {
+        if let Some(d) = self.discovery.get() {
+            d.shutdown();
+        }
+        self.stop.store(true, Ordering::Release);
+        let _ = UnixStream::connect(&self.cfg.control_socket);
+        let _ = TcpStream::connect(&self.peer_addr);
+        let _ = std::fs::remove_file(&self.cfg.control_socket);
+    }
+
+    fn hops(&self) -> &Arc<Hops> {
+        self.ep.placement().hops()
+    }
+
+    /// Prometheus text of every counter and hop histogram.
+    pub fn metrics_text(&self) -> String {
+        let per_peer: Vec<(String, Arc<Hops>)> =
+            self.peer_hops.lock().expect("peer hops lock").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        self.metrics.render(&self.cfg.node, self.hops(), &per_peer)
+    }
+
+    /// What this daemon serves changed: its etcd entry is rewritten.
+    fn discovery_changed(&self) {
+        if let Some(d) = self.discovery.get() {
+            d.changed()
+        }
+    }
+
+    fn metrics_loop(self: Arc<Self>, l: TcpListener) {
+        for s in l.incoming() {
+            if self.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let Ok(mut s) = s else { continue };
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut buf = [0u8; 1024];
+            let n = std::io::Read::read(&mut s, &mut buf).unwrap_or(0);
+            let req = String::from_utf8_lossy(&buf[..n]);
+            let (status, body) = if req.starts_with("GET /metrics") {
+                ("200 OK", self.metrics_text())
+            } else {
+                ("404 Not Found", "try GET /metrics\n".to_string())
+            };
+            let resp = format!(
+                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = std::io::Write::write_all(&mut s, resp.as_bytes());
+        }
+    }
+}
+
+/// The data plane's first rail, and the verbs endpoint that opens the
+/// other devices as rails.
+fn open_endpoint(cfg: &Config) -> anyhow::Result<(Arc<dyn Endpoint>, Option<Arc<VerbsEndpoint>>)> {
+    let t = &cfg.transport;
+    // Clients register at most `max_regions`; each transfer into this
+    // host adds its own keys for the same regions (`Slot::keys`), so the
+    // data plane holds several times that.
+    let keys = cfg.limits.max_regions.saturating_mul(4);
+    // Kept to open the other devices as its rails.
+    let mut verbs: Option<Arc<VerbsEndpoint>> = None;
+    let ep: Arc<dyn Endpoint> = match t.kind {
+        TransportKind::Tcp => {
+            let reg = Arc::new(Registry::new(keys));
+            TcpEndpoint::bind(&cfg.node, t.tcp_listen.parse()?, reg, flags_placement()?, TcpLimits::default())?
+        }
+        TransportKind::Shm => {
+            let reg = Arc::new(Registry::new(keys));
+            ShmEndpoint::new(&cfg.node, t.shm_dir.as_deref(), reg, flags_placement()?, ShmLimits::default())?
+        }
+        TransportKind::Verbs => {
+            let limits = VerbsLimits {
+                listen: t.verbs_listen.clone(),
+                node: cfg.node.clone(),
+                max_regions: keys,
+                slots: FLAG_SLOTS,
+                layers: MAX_TRANSFER_LAYERS,
+                ..VerbsLimits::default()
+            };
+            let v = Arc::new(VerbsEndpoint::new(t.verbs_device.as_deref(), t.verbs_port, t.verbs_gid_index, limits)?);
+            verbs = Some(v.clone());
+            v
+        }
+    };
+    Ok((ep, verbs))
+}
+
+/// Every data rail, `ep`'s first.
+fn open_rails(cfg: &Config, ep: &Arc<dyn Endpoint>, verbs: Option<&Arc<VerbsEndpoint>>) -> anyhow::Result<Vec<RailEp>> {
+    let t = &cfg.transport;
+    let mut rails = vec![RailEp {
+        name: "rail0".into(),
+        advertise: match (&t.tcp_advertise, t.kind) {
+            (Some(a), TransportKind::Tcp) => a.clone(),
+            _ => ep.local_addr(),
+        },
+        // With several verbs rails, each one's device is its RDMA
+        // device unless named otherwise (one rail needs no locality).
+        device: t.device.clone().or_else(|| verbs.filter(|_| !cfg.rails.is_empty()).map(|v| v.info().device.clone())),
+        ep: None,
+    }];
+    for r in &cfg.rails {
+        let (extra, device): (Arc<dyn Endpoint>, Option<String>) = match verbs {
+            Some(v) => {
+                let rail = v
+                    .rail(r.verbs_device.as_deref(), r.verbs_port, r.verbs_gid_index, &r.verbs_listen)
+                    .map_err(|e| anyhow::anyhow!("rails `{}` verbs_device {}: {e}", r.name, r.verbs_device.as_deref().unwrap_or("?")))?;
+                let device = r.device.clone().unwrap_or_else(|| rail.info().device.clone());
+                (Arc::new(rail), Some(device))
+            }
+            None => {
+                let listen = r.tcp_listen.parse().map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
+                let extra = TcpEndpoint::bind(&cfg.node, listen, ep.registry().clone(), ep.placement().clone(), TcpLimits::default())
+                    .map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
+                (extra, r.device.clone())
+            }
+        };
+        let advertise = r.tcp_advertise.clone().unwrap_or_else(|| extra.local_addr());
+        rails.push(RailEp { name: r.name.clone(), advertise, device, ep: Some(extra) });
+    }
+    Ok(rails)
+}
+
+/// The host's topology, when a rail names its device or a topology file
+/// is given; a device or file that does not match this host stops the daemon, named.
+fn open_topology(cfg: &Config, rails: &[RailEp]) -> anyhow::Result<Option<kvwire_core::topology::HostTopology>> {
+    let t = &cfg.transport;
+    // Locality: only when a rail names its device. A device or file that
+    // does not match this host stops the daemon, named.
+    let topology = if rails.iter().any(|r| r.device.is_some()) || t.topology_file.is_some() {
+        let topo = kvwire_transport::topology::discover(std::path::Path::new("/"), t.topology_file.as_deref())?;
+        for r in rails {
+            if let Some(dev) = &r.device {
+                if topo.rail_device(dev).is_none() {
+                    let names: Vec<&str> = topo.devices.iter().filter(|d| d.can_be_rail()).map(|d| d.name.as_str()).collect();
+                    anyhow::bail!("rail `{}` device `{dev}`: no such RDMA device or netdev on this host (there are: {})", r.name, names.join(", "));
+                }
+            }
+        }
+        Some(topo)
+    } else {
+        None
+    };
+    Ok(topology)
+}
+
+/// The `[device]` backend for device-resident caches.
+fn open_device(cfg: &Config) -> anyhow::Result<Option<Backend>> {
+    let dc = &cfg.device;
+    let device = match dc.backend.as_str() {
+        "none" => None,
+        "host" => {
+            let mut d = HostDevice::new(dc.ordinal).with_delay(Duration::from_millis(dc.standin_delay_ms));
+            if let Some(n) = dc.standin_fail_copy {
+                d = d.fail_copy(n);
+            }
+            Some(Backend::Host(d))
+        }
+        kind => Some(Backend::open(kind, cfg.device.ordinal).map_err(|e| anyhow::anyhow!("device.backend `{kind}`: {e}"))?),
+    };
+    Ok(device)
+}

@@ -1,0 +1,208 @@
+//! Rails: the data-plane endpoints a transfer's slices are striped over,
+//! the keys registered on each, and which rails sit closest to a rank's memory.
+
+use super::link::PeerLink;
+use super::source::RailPreference;
+use super::state::{Boundary, Group, SlotId};
+use super::Daemon;
+use crate::metrics::Metrics;
+use crate::stripe;
+use kvwire_client::control::RailUse;
+use kvwire_core::session::msg::{RailAddr, RankRails};
+use kvwire_transport::{Batch, Hop, HostMem, Region, TransportError, WriteOp};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+impl Daemon {
+    /// Registers a window on the data plane and with every rail's device.
+    /// Nothing stays registered when one of them refuses.
+    pub(super) fn register_region(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
+        let region = self.ep.register(mem, offset, len)?;
+        for r in self.rails.iter().filter_map(|r| r.ep.as_ref()) {
+            if let Err(e) = r.attach(&region) {
+                self.revoke_key(region.key);
+                return Err(e);
+            }
+        }
+        Ok(region)
+    }
+
+    /// Revokes `key` on the data plane and on every rail, so no rail can
+    /// still place a late write into it. Returns whether it was registered.
+    pub(super) fn revoke_key(&self, key: u32) -> bool {
+        let was = self.ep.revoke(key);
+        for r in self.rails.iter().filter_map(|r| r.ep.as_ref()) {
+            r.revoke(key);
+        }
+        was
+    }
+
+    /// Per rank of `g`, the rails closest to its memory, where some are
+    /// closer than others (host memory: by NUMA node, read from the pages).
+    pub(super) fn rank_rails(&self, g: &Group) -> Vec<RankRails> {
+        let Some(topo) = &self.topology else { return Vec::new() };
+        let devices: Vec<&str> = self.rails.iter().map(|r| r.device.as_deref().unwrap_or("")).collect();
+        let mut out = Vec::new();
+        for (rank, rc) in &g.ranks {
+            // GPU memory goes by its device's PCI address (the rail on its
+            // PCIe switch first); host memory, or a device whose address is
+            // unknown, by the NUMA node of the pages the NIC reads.
+            let gpu = rc.device.as_ref().and_then(|d| d.dev.pci_bus_id()).and_then(|p| p.parse().ok());
+            let mem = match gpu {
+                Some(pci) => kvwire_core::topology::MemPlace::Gpu { pci },
+                None => {
+                    // The client's pages are in this mapping only once touched here:
+                    // a read maps the page the client placed (shared memfd).
+                    let _ = rc.mem.read(0, &mut [0u8; 1]);
+                    kvwire_core::topology::MemPlace::Host { numa: kvwire_transport::topology::numa_node_of(rc.mem.as_ptr()) }
+                }
+            };
+            let ranked = kvwire_core::topology::rank(topo, &mem, &devices);
+            let Some(&(_, best)) = ranked.first() else { continue };
+            let rails: Vec<String> = ranked.iter().filter(|(_, l)| *l == best).map(|(i, _)| self.rails[*i].name.clone()).collect();
+            if rails.len() < self.rails.len() {
+                out.push(RankRails { rank: *rank, rails, level: best.label().into() });
+            }
+        }
+        out
+    }
+
+    /// Where peer `name` listens: the static `[[peers]]` list, then etcd
+
+    /// Sends every batch, cut into slices striped across the destination's
+    /// rails (`stripe`), until each completed at least once; records per
+    /// rail what it carried and what was sent again, either way.
+    pub(super) fn move_bytes(
+        &self,
+        id: SlotId,
+        rails: &[RailAddr],
+        prefer: &RailPreference,
+        batches: Vec<Batch>,
+        stop: &AtomicBool,
+        link: &PeerLink,
+    ) -> Result<(u64, u64), String> {
+        let t = &self.cfg.transport;
+        let (rank_mask, key_rank) = prefer;
+        // Staging buffers and unknown keys group as u32::MAX: no preference.
+        let rank_of = |w: &WriteOp| key_rank.get(&w.dst_key).copied().unwrap_or(u32::MAX);
+        let slices = stripe::cut(batches, t.slice_bytes, rank_of);
+        let masks: Vec<u64> = slices.iter().map(|b| b.writes.first().and_then(|w| rank_mask.get(&rank_of(w))).copied().unwrap_or(0)).collect();
+        let settings = stripe::Settings {
+            window: 4,
+            stall: Duration::from_millis(t.rail_stall_ms),
+            deadline: Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
+        };
+        let interrupted = || -> Option<String> {
+            if stop.load(Ordering::Acquire) {
+                return Some("cancelled".into());
+            }
+            link.lost()
+        };
+        // The peer's rail i from our rail i (the same fabric, for verbs: a
+        // QP can only reach what its own device reaches); with fewer rails
+        // here, ours are reused in turn.
+        let connect = |i: usize, rail: &RailAddr| {
+            let local = &self.rails[i % self.rails.len()];
+            local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr)
+        };
+        // Setup ends at the first post, on whichever rail: handshake,
+        // planning, manifest, packing, data-plane connect.
+        let posting = std::sync::Once::new();
+        // This transfer's share of each rail's in-flight gauge: what it
+        // still holds when it ends comes off the gauge, and only that (other
+        // transfers may be using the same rails).
+        let inflight: Mutex<HashMap<(String, String), u64>> = Mutex::new(HashMap::new());
+        let event = |rail: &RailAddr, e: stripe::RailEvent<'_>| {
+            if matches!(e, stripe::RailEvent::Starting) {
+                posting.call_once(|| self.slot_mark(id, Boundary::Posting));
+            }
+            self.rail_event_in_slot(id, rail, &e);
+            self.rail_event_in_metrics(&inflight, rail, &e);
+        };
+        let (outcome, result) = stripe::run(&slices, &masks, rails, &connect, &settings, &interrupted, &event);
+        {
+            let mine = inflight.into_inner().expect("rail in-flight lock");
+            let mut m = self.metrics.rails.lock().expect("rail metrics lock");
+            for r in &outcome.rails {
+                let key = (r.name.clone(), r.addr.clone());
+                let totals = m.entry(key.clone()).or_default();
+                totals.busy_ns += r.busy_ns;
+                // Slices this transfer left in flight (re-sent elsewhere, or
+                // abandoned when it failed) never complete on this rail.
+                totals.inflight = totals.inflight.saturating_sub(mine.get(&key).copied().unwrap_or(0));
+            }
+        }
+        Metrics::add(&self.metrics.retransmitted_bytes, outcome.retransmitted);
+        self.with_slot(id, |s| {
+            s.retransmitted = outcome.retransmitted;
+            s.rails = outcome.rails.clone();
+        });
+        result.map_err(|e| format!("peer `{}`: {e}", link.peer))?;
+        // `wire` per transfer: the links' busy span, first post to last
+        // completion (slices overlap, so per-slice times would double count).
+        self.slot_hop(id, Hop::Post, outcome.post_time, outcome.bytes);
+        self.slot_hop(id, Hop::Wire, outcome.wire, outcome.bytes);
+        Ok((outcome.bytes, outcome.writes))
+    }
+
+    /// The transfer's status shows its rails while it runs.
+    fn rail_event_in_slot(&self, id: SlotId, rail: &RailAddr, e: &stripe::RailEvent<'_>) {
+        self.with_slot(id, |s| {
+            let at = match s.rails.iter().position(|r| r.name == rail.name) {
+                Some(at) => at,
+                None => {
+                    s.rails.push(RailUse {
+                        name: rail.name.clone(),
+                        addr: rail.addr.clone(),
+                        bytes: 0,
+                        slices: 0,
+                        retransmitted_bytes: 0,
+                        busy_ns: 0,
+                        failed: None,
+                    });
+                    s.rails.len() - 1
+                }
+            };
+            let r = &mut s.rails[at];
+            match e {
+                stripe::RailEvent::Starting | stripe::RailEvent::Posted => {}
+                stripe::RailEvent::Completed(bytes) => {
+                    r.bytes += bytes;
+                    r.slices += 1;
+                }
+                stripe::RailEvent::Failed(resent, why) => {
+                    r.retransmitted_bytes += resent;
+                    r.failed = Some(why.to_string());
+                }
+            }
+        });
+    }
+
+    /// The daemon's per-rail totals and in-flight gauge.
+    fn rail_event_in_metrics(&self, inflight: &Mutex<HashMap<(String, String), u64>>, rail: &RailAddr, e: &stripe::RailEvent<'_>) {
+        let rail_key = (rail.name.clone(), rail.addr.clone());
+        let mut mine = inflight.lock().expect("rail in-flight lock");
+        let mut m = self.metrics.rails.lock().expect("rail metrics lock");
+        let r = m.entry(rail_key.clone()).or_default();
+        match e {
+            stripe::RailEvent::Starting => {}
+            stripe::RailEvent::Posted => {
+                r.inflight += 1;
+                *mine.entry(rail_key).or_default() += 1;
+            }
+            stripe::RailEvent::Completed(bytes) => {
+                r.inflight = r.inflight.saturating_sub(1);
+                let held = mine.entry(rail_key).or_default();
+                *held = held.saturating_sub(1);
+                r.bytes += bytes;
+                r.slices += 1;
+            }
+            stripe::RailEvent::Failed(resent, _) => {
+                r.failures += 1;
+                r.resent_bytes += resent;
+            }
+        }
+    }
+}

@@ -1,0 +1,409 @@
+//! The source side of a transfer, as named phases: negotiate (connect,
+//! authenticate, offer → accept) → plan → stage (device → host) →
+//! manifest (expect → staging) → post (pack, batches, the transfer thread).
+//! Any phase's error ends the transfer in one place, [`Daemon::submit`]:
+//! the destination is told (`Abort`, when it holds a slot), the slot fails,
+//! and the client gets the error's code.
+
+use super::device::Direction;
+use super::error::{refused, Refusal};
+use super::link::{LinkError, PeerLink};
+use super::state::{Boundary, Role, SlotId};
+use super::{read_mem, Daemon, REPLY_TIMEOUT};
+use crate::config::PeerConfig;
+use crate::metrics::Metrics;
+use crate::peer;
+use kvwire_client::control::*;
+use kvwire_core::codec::Codec;
+use kvwire_core::layout::ModelSpec;
+use kvwire_core::manifest::Manifest;
+use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::schedule::{self, Schedule, WriteTarget};
+use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, RailAddr};
+use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
+use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::CacheFormat;
+use kvwire_transport::device::bound::BoundMem;
+use kvwire_transport::{Batch, Hop, HostMem, Region, Tag, WriteOp};
+use std::collections::HashMap;
+use std::net::TcpStream;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What a submit reads of its source group, snapshotted once: the regions
+/// stay registered (`Arc`) while the transfer uses them.
+struct SourceGroup {
+    model: ModelSpec,
+    format: CacheFormat,
+    layout_text: String,
+    identity: CacheIdentity,
+    num_blocks: u32,
+    regions: HashMap<(u32, RegionId), Arc<Region>>,
+    devices: HashMap<u32, Arc<dyn BoundMem>>,
+    side: Side,
+}
+
+/// The plan against the destination, and its schedule.
+struct Planned {
+    dst: Side,
+    plan: Plan,
+    schedule: Schedule,
+}
+
+/// Per destination rank, the rails it prefers (a bit per rail), and the
+/// destination rank of each destination key.
+pub(super) type RailPreference = (HashMap<u32, u64>, HashMap<u32, u32>);
+
+impl Daemon {
+    pub(super) fn submit(self: &Arc<Self>, client: u64, s: Submit) -> Reply {
+        let start = self.source_group(client, &s).and_then(|g| {
+            let codec = s.codec.as_deref().map(Codec::parse).transpose().map_err(refused(Code::BadRequest))?;
+            let peer = self.resolve_peer(&s.peer)?;
+            Ok((g, codec, peer))
+        });
+        let (g, codec, peer) = match start {
+            Ok(x) => x,
+            Err(r) => return r.reply(),
+        };
+        let (id, stop) = match self.alloc_slot(Role::Source, &s.request, &s.group, client, None) {
+            Ok(x) => x,
+            Err(r) => return r.reply(),
+        };
+        let mut link = None;
+        match self.run_source(id, stop, s, g, codec, &peer, &mut link) {
+            Ok(reply) => reply,
+            Err(r) => {
+                if let Some(l) = link {
+                    l.abort(&r.message);
+                }
+                self.fail(id, &r.message);
+                r.reply()
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)] // the phases' inputs, each used once
+    fn run_source(
+        self: &Arc<Self>,
+        id: SlotId,
+        stop: Arc<AtomicBool>,
+        s: Submit,
+        g: SourceGroup,
+        codec: Option<Codec>,
+        peer: &PeerConfig,
+        link: &mut Option<Arc<PeerLink>>,
+    ) -> Result<Reply, Refusal> {
+        let offer = Offer {
+            dst_group: s.dst_group.clone(),
+            dst_request: s.dst_request.clone(),
+            src_request: s.request.clone(),
+            identity: g.identity.clone(),
+            tokens: s.tokens,
+            codec: s.codec.clone(),
+        };
+        let (conn, first) = self.connect_peer(id, peer, offer)?;
+        let l = link.insert(Arc::new(conn));
+        let accept = match l.exchange_offer(&first)? {
+            SourceEvent::Accepted(a) => a,
+            other => return Err(Refusal::new(Code::PeerRefused, format!("unexpected peer reply {other:?}"))),
+        };
+        let p = plan_against(&g, &s, &accept, codec)?;
+        if !g.devices.is_empty() {
+            // A device-resident source is copied into its host mirror first:
+            // the manifest's checksums, packing and the wire all read the mirror.
+            let n = g.model.layers.len();
+            self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, 0..n)
+                .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging: {e}")))?;
+        }
+        let manifest = self.manifest(id, &g, &s, &p, codec)?;
+        let expect = Expect {
+            slot: accept.slot,
+            src_layout: g.layout_text.clone(),
+            src_num_blocks: g.num_blocks,
+            src_block_table: s.block_table.clone(),
+            manifest: manifest.to_json(),
+            codec: s.codec.clone(),
+        };
+        Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
+        let dst_stage_key = l.exchange_expect(expect, p.schedule.stage_bytes)?;
+        // From here the destination waits for bytes: keep it told that this
+        // side is alive, and learn at once if it is not.
+        l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
+        let beat = l.clone();
+        std::thread::Builder::new()
+            .name(format!("kvwired-beat-{}", id.slot))
+            .spawn(move || beat.heartbeat())
+            .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
+        let src_stage = self.pack(id, &g, &p, codec)?;
+        let batches = match batches(&g, &p, &accept, src_stage.as_ref(), dst_stage_key) {
+            Ok(b) => b,
+            Err(r) => {
+                if let Some(stage) = &src_stage {
+                    self.revoke_key(stage.key);
+                }
+                return Err(r);
+            }
+        };
+        self.post(id, stop, s, g, p, codec, accept, src_stage, batches, l.clone())
+    }
+
+    /// The submit's source group, complete, and its side for the request.
+    fn source_group(&self, client: u64, s: &Submit) -> Result<SourceGroup, Refusal> {
+        let st = self.groups.lock().expect("groups lock");
+        let g = st.access(client, &s.group)?;
+        g.require_complete(&s.group)?;
+        let side = Side::with_table(&g.model, &g.layout, g.format, s.tokens, s.block_table.clone(), g.num_blocks).map_err(refused(Code::BadRequest))?;
+        Ok(SourceGroup {
+            model: g.model.clone(),
+            format: g.format,
+            layout_text: g.layout_text.clone(),
+            identity: g.identity.clone(),
+            num_blocks: g.num_blocks,
+            regions: g.regions(),
+            devices: g.devices(),
+            side,
+        })
+    }
+
+    /// Negotiate, first half: connects to `peer`, authenticates both ways,
+    /// and opens the transfer's session.
+    fn connect_peer(&self, id: SlotId, peer: &PeerConfig, offer: Offer) -> Result<(PeerLink, PeerMsg), Refusal> {
+        let unreachable = |e: &dyn std::fmt::Display| Refusal::new(Code::PeerUnreachable, format!("peer `{}` at {}: {e}", peer.name, peer.address));
+        let addr = peer.address.parse().map_err(|e| unreachable(&e))?;
+        let mut pc = TcpStream::connect_timeout(&addr, Duration::from_secs(self.cfg.limits.peer_timeout_secs)).map_err(|e| unreachable(&e))?;
+        let _ = pc.set_read_timeout(Some(REPLY_TIMEOUT));
+        match peer::connect_auth(&mut pc, &self.secret, &self.cfg.node) {
+            Ok(name) if name == peer.name => self.with_slot(id, |sl| sl.peer = name),
+            Ok(name) => return Err(Refusal::new(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name))),
+            Err(e) => return Err(Refusal::new(Code::AuthFailed, e)),
+        }
+        let timeouts = Timeouts {
+            reply: REPLY_TIMEOUT,
+            peer: Duration::from_secs(self.cfg.limits.peer_timeout_secs),
+            transfer: Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
+        };
+        let (session, first) = SourceSession::start(Instant::now(), offer, self.ep.transport(), timeouts);
+        Ok((PeerLink::new(pc, session, &peer.name, timeouts.peer), first))
+    }
+
+    /// The manifest: identity, shapes, maps, positions, and checksums of
+    /// what the destination must hold — the source bytes, or with a codec
+    /// the source bytes as the destination will decode them.
+    fn manifest(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>) -> Result<Manifest, Refusal> {
+        let elem = codec.and_then(|c| c.element_bytes(&g.format).ok()).unwrap_or(0);
+        let dim_of = |region: RegionId| {
+            g.model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
+        };
+        let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<Vec<u8>> {
+            let r = g.regions.get(&(rank, region))?;
+            let raw = read_mem(&r.mem, r.offset + offset, len)?;
+            Some(match codec {
+                Some(_) => {
+                    let dim = dim_of(region);
+                    kvwire_core::codec::decode_rows(&kvwire_core::codec::encode_rows(&raw, elem, dim), elem, dim)
+                }
+                None => raw,
+            })
+        };
+        let started = Instant::now();
+        // With checksums off, the manifest still carries every identity
+        // claim; hashing no segments leaves its checksum list empty.
+        let unhashed;
+        let hashed = if self.cfg.verify_checksums {
+            &p.plan
+        } else {
+            unhashed = Plan { segments: vec![], counters: p.plan.counters.clone(), ..p.plan.clone() };
+            &unhashed
+        };
+        let m = Manifest::for_plan(&g.identity, &g.model, &g.side, &p.dst, hashed, &s.dst_request, read)
+            .map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
+        if self.cfg.verify_checksums {
+            self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
+        }
+        Ok(m)
+    }
+
+    /// Packs (and encodes) the staged segments into one registered buffer.
+    fn pack(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<Option<Arc<Region>>, Refusal> {
+        let total = p.schedule.stage_bytes;
+        if total == 0 {
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
+        let mem = Arc::new(HostMem::new("kvwire-stage", total).map_err(|e| failed(&e))?);
+        for st in &p.schedule.staged {
+            let seg = &p.plan.segments[st.seg];
+            let r = g.regions.get(&(seg.src_rank, seg.src_region)).ok_or_else(|| failed(&"source region missing"))?;
+            let bytes = schedule::pack(seg, st, &g.format, codec, |o, l| read_mem(&r.mem, r.offset + o, l)).ok_or_else(|| failed(&"cannot read a packed source run"))?;
+            mem.write(st.offset, &bytes).map_err(|e| failed(&e))?;
+        }
+        let region = self.register_region(mem, 0, total).map_err(|e| failed(&e))?;
+        self.slot_hop(id, Hop::Pack, started.elapsed(), total);
+        Ok(Some(region))
+    }
+
+    /// Post: records the transfer's size and hands the batches to the
+    /// transfer thread, which stripes them over the rails and ends the
+    /// transfer (`source_released`, `Done`) or fails it (`Abort`).
+    #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
+    fn post(
+        self: &Arc<Self>,
+        id: SlotId,
+        stop: Arc<AtomicBool>,
+        s: Submit,
+        g: SourceGroup,
+        p: Planned,
+        codec: Option<Codec>,
+        accept: Box<Accept>,
+        src_stage: Option<Arc<Region>>,
+        batches: Vec<Batch>,
+        link: Arc<PeerLink>,
+    ) -> Result<Reply, Refusal> {
+        let wire: u64 = batches.iter().map(Batch::bytes).sum();
+        let c = &p.plan.counters;
+        self.with_slot(id, |sl| sl.sized(g.model.layers.len(), c, wire));
+        Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
+        let (payload, stage_total) = (c.total_bytes_moved, p.schedule.stage_bytes);
+        let reply = Reply::Submitted { slot: id.slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
+        let prefer = rail_preference(&accept);
+        // A peer of an older build names one rail: its data address.
+        let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
+        let d = self.clone();
+        let thread_link = link.clone();
+        let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{}", id.slot)).spawn(move || {
+            let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
+            let _g = span.enter();
+            let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &thread_link);
+            if let Some(stage) = &src_stage {
+                d.revoke_key(stage.key);
+            }
+            match result {
+                Ok((bytes, writes)) => {
+                    Metrics::add(&d.metrics.payload_bytes, payload);
+                    if codec.is_some() {
+                        Metrics::add(&d.metrics.compressed_bytes, stage_total);
+                    }
+                    let framing = if d.ep.transport() == "verbs" { 0 } else { writes * 2 * kvwire_core::protocol::HEADER_LEN as u64 };
+                    Metrics::add(&d.metrics.wire_bytes, bytes + framing);
+                    d.publish(id, SOURCE_RELEASED);
+                    d.slot_mark(id, Boundary::SourceReleased);
+                    d.finish(id, TransferState::Done, None);
+                    thread_link.done();
+                    tracing::info!(bytes, writes, "source released");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "transfer failed");
+                    thread_link.abort(&e);
+                    d.fail(id, e);
+                }
+            }
+        });
+        spawned.map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the transfer thread: {e}")))?;
+        Ok(reply)
+    }
+
+    /// Where peer `name` listens: the static `[[peers]]` list, then etcd
+    /// (one lookup, at most `discovery::CALL_TIMEOUT`).
+    fn resolve_peer(&self, name: &str) -> Result<PeerConfig, Refusal> {
+        if let Some(p) = self.cfg.peers.iter().find(|p| p.name == name) {
+            return Ok(p.clone());
+        }
+        let Some(disc) = self.discovery.get() else {
+            return Err(Refusal::new(Code::UnknownPeer, format!("peer `{name}` is not configured")));
+        };
+        let (etcd, ours) = (disc.endpoints(), self.ep.transport());
+        match disc.lookup(name) {
+            Ok(Some(e)) if e.version != peer::PEER_VERSION => Err(Refusal::new(
+                Code::PeerRefused,
+                format!("peer `{name}` (etcd at {etcd}) speaks peer protocol v{}, this daemon v{}", e.version, peer::PEER_VERSION),
+            )),
+            Ok(Some(e)) if e.transport != ours => {
+                Err(Refusal::new(Code::PeerRefused, format!("peer `{name}` (etcd at {etcd}) speaks `{}`, this daemon `{ours}`", e.transport)))
+            }
+            Ok(Some(e)) => Ok(PeerConfig { name: e.name, address: e.peer }),
+            Ok(None) => Err(Refusal::new(Code::UnknownPeer, format!("peer `{name}` is not configured and not registered in etcd at {etcd}"))),
+            Err(e) => Err(Refusal::new(Code::UnknownPeer, format!("peer `{name}` is not configured, and etcd cannot say where it is: {e}"))),
+        }
+    }
+}
+
+impl PeerLink {
+    /// Negotiate, second half: the offer out, the accept (or refusal) back.
+    fn exchange_offer(&self, offer: &PeerMsg) -> Result<SourceEvent, Refusal> {
+        self.exchange(offer).map_err(|e| negotiation_failed(&self.peer, e, "refused"))
+    }
+
+    /// The expect out; the destination's staging key back, its size checked
+    /// against the schedule by the session.
+    fn exchange_expect(&self, e: Expect, stage_bytes: u64) -> Result<u32, Refusal> {
+        let m = self.session(|s| s.expect(Instant::now(), e, stage_bytes)).map_err(|e| Refusal::new(Code::TransferFailed, e))?;
+        match self.exchange(&m).map_err(|e| negotiation_failed(&self.peer, e, "refused the transfer"))? {
+            SourceEvent::Staging { key } => Ok(key),
+            other => Err(Refusal::new(Code::PeerRefused, format!("unexpected peer reply {other:?}"))),
+        }
+    }
+}
+
+/// A failed exchange as the client sees it: the peer's refusal, a reply
+/// the session would not take, or a lost connection.
+fn negotiation_failed(peer: &str, e: LinkError, refused_what: &str) -> Refusal {
+    match e {
+        LinkError::Session(SessionError::Refused(reason)) => Refusal::new(Code::PeerRefused, format!("peer `{peer}` {refused_what}: {reason}")),
+        LinkError::Session(e) => Refusal::new(Code::PeerRefused, format!("peer `{peer}`: {e}")),
+        LinkError::Wire(w) => Refusal::new(Code::PeerUnreachable, w),
+    }
+}
+
+/// Plans against the destination's layout, and schedules the plan.
+fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>) -> Result<Planned, Refusal> {
+    let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::BadRequest, format!("planning failed: {e:#}"));
+    let dst_format = CacheFormat::parse(&a.format).map_err(|e| failed(&e))?;
+    let dst_layout = LayoutSpec::parse(&a.layout).map_err(|e| failed(&e))?;
+    let dst = Side::with_table(&g.model, &dst_layout, dst_format, s.tokens, a.block_table.clone(), a.num_blocks).map_err(|e| failed(&e))?;
+    let input = PlanInput { model: &g.model, tokens: s.tokens, prefix_tokens: a.prefix_tokens, src: &g.side, dst: &dst, cost: CostModel::default() };
+    let plan = plan::build(&input).map_err(|e| failed(&e))?;
+    let schedule = Schedule::new(&g.model, &g.format, &plan, codec).map_err(refused(Code::BadRequest))?;
+    Ok(Planned { dst, plan, schedule })
+}
+
+/// The schedule's writes per layer, with both sides' keys.
+fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Region>>, dst_stage_key: u32) -> Result<Vec<Batch>, Refusal> {
+    let dst_keys: HashMap<(u32, RegionId), u32> = a.regions.iter().map(|r| ((r.rank, r.region), r.key)).collect();
+    let missing = |src: (u32, RegionId), dst: (u32, RegionId)| {
+        Refusal::new(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", src.0, dst.0, dst.1))
+    };
+    let mut out = Vec::with_capacity(p.schedule.layers.len());
+    for layer in 0..p.schedule.layers.len() {
+        let mut writes = Vec::new();
+        for w in p.schedule.writes(&p.plan, layer) {
+            writes.push(match w {
+                WriteTarget::Direct { src, src_offset, dst, dst_offset, len } => {
+                    let (Some(sr), Some(&dk)) = (g.regions.get(&src), dst_keys.get(&dst)) else { return Err(missing(src, dst)) };
+                    WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len }
+                }
+                WriteTarget::Staged { offset, len } => {
+                    let stage = src_stage.ok_or_else(|| Refusal::new(Code::TransferFailed, "staged writes without a staging buffer"))?;
+                    WriteOp { src_key: stage.key, src_offset: offset, dst_key: dst_stage_key, dst_offset: offset, len }
+                }
+            });
+        }
+        out.push(Batch { tag: Tag { slot: a.slot, layer: layer as u16 }, writes });
+    }
+    Ok(out)
+}
+
+/// Which rails each destination rank prefers, as a bit per rail (the
+/// session checked there are at most 64, all named), and the rank of each
+/// destination key.
+fn rail_preference(a: &Accept) -> RailPreference {
+    let prefer = a
+        .locality
+        .iter()
+        .map(|p| (p.rank, a.rails.iter().enumerate().filter(|(_, r)| p.rails.contains(&r.name)).fold(0u64, |m, (i, _)| m | 1 << i)))
+        .collect();
+    let key_rank = a.regions.iter().map(|r| (r.key, r.rank)).collect();
+    (prefer, key_rank)
+}

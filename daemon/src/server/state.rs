@@ -1,0 +1,230 @@
+//! What the daemon holds: cache groups registered by local clients, and
+//! transfer slots. Each has its own lock; a path that needs both takes
+//! `groups` first.
+
+use super::error::Refusal;
+use kvwire_client::control::{Code, Mark, PrepareReceive, RailUse, TransferState};
+use kvwire_core::layout::ModelSpec;
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::shard::{LayoutSpec, RegionId, ShardMap};
+use kvwire_core::CacheFormat;
+use kvwire_transport::device::bound::BoundMem;
+use kvwire_transport::{HostMem, Region};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+pub(crate) struct RankCache {
+    // Field order: regions (revoked on release) before the memory.
+    pub regions: BTreeMap<RegionId, Arc<Region>>,
+    pub mem: Arc<HostMem>,
+    pub client: u64,
+    // A device-resident rank: `mem` is this daemon's host mirror of it.
+    pub device: Option<DeviceRank>,
+}
+
+/// A rank whose cache lives in device memory, staged through `mem`.
+pub(crate) struct DeviceRank {
+    // Field order: unpin the mirror before the allocation is let go.
+    pub _pin: Box<dyn std::any::Any + Send + Sync>,
+    pub dev: Arc<dyn BoundMem>,
+}
+
+pub(crate) struct Group {
+    pub model: ModelSpec,
+    pub format: CacheFormat,
+    pub layout: LayoutSpec,
+    pub layout_text: String,
+    pub num_blocks: u32,
+    pub identity: CacheIdentity,
+    pub shard: ShardMap,
+    pub ranks: BTreeMap<u32, RankCache>,
+}
+
+impl Group {
+    pub fn complete(&self) -> bool {
+        self.ranks.len() == self.shard.ranks.len()
+    }
+
+    /// Every registered region by (rank, region), held so a transfer keeps
+    /// them alive even if their client goes away meanwhile.
+    pub fn regions(&self) -> HashMap<(u32, RegionId), Arc<Region>> {
+        self.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect()
+    }
+
+    /// The device-resident ranks and their allocations.
+    pub fn devices(&self) -> HashMap<u32, Arc<dyn BoundMem>> {
+        self.ranks.iter().filter_map(|(rank, rc)| rc.device.as_ref().map(|d| (*rank, d.dev.clone()))).collect()
+    }
+
+    /// Refuses a group with ranks still missing.
+    pub fn require_complete(&self, name: &str) -> Result<(), Refusal> {
+        if self.complete() {
+            return Ok(());
+        }
+        Err(Refusal::new(Code::IncompleteGroup, format!("group `{name}` has {} of {} ranks registered", self.ranks.len(), self.shard.ranks.len())))
+    }
+}
+
+/// The groups, and what their registrations hold against the limits.
+#[derive(Default)]
+pub(crate) struct Groups {
+    pub map: HashMap<String, Group>,
+    pub memory: u64,
+    pub regions: usize,
+}
+
+impl Groups {
+    /// Group `name`, if `client` holds a rank of it: a client touches only
+    /// the caches it registered (ranks of one group may come from several
+    /// clients, one per process).
+    pub fn access(&self, client: u64, name: &str) -> Result<&Group, Refusal> {
+        let Some(g) = self.map.get(name) else { return Err(Refusal::new(Code::UnknownGroup, format!("no group `{name}`"))) };
+        if !g.ranks.values().any(|r| r.client == client) {
+            return Err(Refusal::new(Code::PermissionDenied, format!("group `{name}` was registered by another client")));
+        }
+        Ok(g)
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Source,
+    Destination,
+}
+
+/// A slot and the transfer in it: slots are reused, so everything a
+/// transfer's threads do to its slot is checked against `gen` first and a
+/// stale thread can never touch the transfer that took the slot after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SlotId {
+    pub slot: u16,
+    pub gen: u64,
+}
+
+/// A lifetime boundary of a transfer (DESIGN §1), as its status lists them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Boundary {
+    Enqueued,
+    Posting,
+    SourceReleased,
+    HostReceived(usize),
+    DeviceComplete(usize),
+    LayerReady(usize),
+    DecoderUsable,
+}
+
+impl std::fmt::Display for Boundary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Boundary::Enqueued => f.write_str("enqueued"),
+            Boundary::Posting => f.write_str("posting"),
+            Boundary::SourceReleased => f.write_str("source_released"),
+            Boundary::HostReceived(l) => write!(f, "host_received({l})"),
+            Boundary::DeviceComplete(l) => write!(f, "device_complete({l})"),
+            Boundary::LayerReady(l) => write!(f, "layer_ready({l})"),
+            Boundary::DecoderUsable => f.write_str("decoder_usable"),
+        }
+    }
+}
+
+impl Boundary {
+    /// The status entry for reaching this boundary `at` after the start.
+    pub fn at(self, at: Duration) -> Mark {
+        Mark { name: self.to_string(), at_ns: at.as_nanos() as u64 }
+    }
+}
+
+pub(crate) struct Slot {
+    pub gen: u64,
+    pub role: Role,
+    pub request: String,
+    // The group it reads or fills, and the client that made it: only
+    // clients holding a rank of that group may look at or cancel it.
+    pub group: String,
+    pub owner: u64,
+    // Destination: the region keys made for this transfer alone, revoked
+    // when it ends, so a late write of it is refused and can never land
+    // in blocks that were reused for another request.
+    pub keys: Vec<u32>,
+    pub retransmitted: u64,
+    pub rails: Vec<RailUse>,
+    pub state: TransferState,
+    pub error: Option<String>,
+    pub layers: u16,
+    pub bytes: u64,
+    pub segments: u64,
+    pub reused: u64,
+    pub wire: u64,
+    pub hops: BTreeMap<&'static str, (u64, u64)>,
+    pub marks: Vec<Mark>,
+    // The peer daemon on the other end, once known.
+    pub peer: String,
+    pub started: Instant,
+    pub elapsed: Option<Duration>,
+    pub recv: Option<PrepareReceive>,
+    pub stop: Arc<AtomicBool>,
+}
+
+impl Slot {
+    pub fn new(gen: u64, role: Role, request: &str, group: &str, owner: u64, recv: Option<PrepareReceive>, stop: Arc<AtomicBool>) -> Slot {
+        Slot {
+            gen,
+            role,
+            request: request.to_string(),
+            group: group.to_string(),
+            owner,
+            keys: Vec::new(),
+            retransmitted: 0,
+            rails: Vec::new(),
+            state: if role == Role::Source { TransferState::Running } else { TransferState::Prepared },
+            error: None,
+            layers: 0,
+            bytes: 0,
+            segments: 0,
+            reused: 0,
+            wire: 0,
+            hops: BTreeMap::new(),
+            peer: String::new(),
+            marks: vec![Boundary::Enqueued.at(Duration::ZERO)],
+            started: Instant::now(),
+            elapsed: None,
+            recv,
+            stop,
+        }
+    }
+
+    /// Records the transfer's size once planned.
+    pub fn sized(&mut self, layers: usize, c: &kvwire_core::plan::PlanCounters, wire: u64) {
+        self.layers = layers as u16;
+        self.bytes = c.total_bytes_moved;
+        self.segments = c.segments;
+        self.reused = c.reused_bytes;
+        self.wire = wire;
+    }
+}
+
+/// The transfer slots.
+#[derive(Default)]
+pub(crate) struct Slots {
+    pub map: HashMap<u16, Slot>,
+    pub next_slot: u16,
+    pub next_gen: u64,
+}
+
+impl Slots {
+    /// Slot `id`, if it still holds that transfer.
+    pub fn get_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
+        self.map.get_mut(&id.slot).filter(|s| s.gen == id.gen)
+    }
+
+    /// Transfers that have not ended.
+    pub fn live(&self) -> usize {
+        self.map.values().filter(|s| running(s.state)).count()
+    }
+}
+
+pub(crate) fn running(state: TransferState) -> bool {
+    matches!(state, TransferState::Prepared | TransferState::Running)
+}

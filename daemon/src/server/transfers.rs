@@ -1,0 +1,139 @@
+//! A transfer slot's lifetime: taken, timed, marked, published, ended.
+
+use super::error::Refusal;
+use super::state::{running, Boundary, Role, Slot, SlotId};
+use super::Daemon;
+use crate::metrics::Metrics;
+use kvwire_client::control::{Code, PrepareReceive, TransferState, FLAG_COLUMNS, FLAG_SLOTS, MAX_TRANSFER_LAYERS};
+use kvwire_transport::{Hop, Tag};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+impl Daemon {
+    /// Takes a free slot: the oldest finished one, so a late write for an
+    /// old transfer is least likely to meet a reused slot.
+    pub(super) fn alloc_slot(
+        &self,
+        role: Role,
+        request: &str,
+        group: &str,
+        owner: u64,
+        recv: Option<PrepareReceive>,
+    ) -> Result<(SlotId, Arc<AtomicBool>), Refusal> {
+        let mut st = self.slots.lock().expect("slots lock");
+        let max = self.cfg.limits.max_inflight_transfers;
+        if st.live() >= max {
+            return Err(Refusal::new(Code::Limit, format!("limits.max_inflight_transfers {max} reached")));
+        }
+        for i in 0..FLAG_SLOTS {
+            let slot = (st.next_slot + i) % FLAG_SLOTS;
+            if st.map.get(&slot).is_none_or(|s| !running(s.state)) {
+                st.next_slot = (slot + 1) % FLAG_SLOTS;
+                st.next_gen += 1;
+                let gen = st.next_gen;
+                // The old transfer's keys were revoked when it ended, so no
+                // late write of it can count toward the new one.
+                self.ep.placement().reset_slot(slot);
+                self.page.clear_slot(slot);
+                let stop = Arc::new(AtomicBool::new(false));
+                st.map.insert(slot, Slot::new(gen, role, request, group, owner, recv, stop.clone()));
+                return Ok((SlotId { slot, gen }, stop));
+            }
+        }
+        Err(Refusal::new(Code::Limit, "no free flag slot"))
+    }
+
+    /// Ends transfer `id` (if it still runs): records the outcome, stops its
+    /// threads, fails its flags unless done, and revokes its keys. Returns
+    /// whether this call ended it.
+    pub(super) fn finish(&self, id: SlotId, state: TransferState, error: Option<String>) -> bool {
+        let mut st = self.slots.lock().expect("slots lock");
+        let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
+        s.state = state;
+        s.error = error;
+        s.elapsed = Some(s.started.elapsed());
+        s.stop.store(true, Ordering::Release);
+        let c = match (s.role, state) {
+            (Role::Source, TransferState::Done) => &self.metrics.source_done,
+            (Role::Source, _) => &self.metrics.source_failed,
+            (Role::Destination, TransferState::Done) => &self.metrics.destination_done,
+            (Role::Destination, _) => &self.metrics.destination_failed,
+        };
+        Metrics::add(c, 1);
+        // Under the slots lock: the slot cannot be taken again before its
+        // keys are gone and its flags failed.
+        for key in std::mem::take(&mut s.keys) {
+            self.revoke_key(key);
+        }
+        if state != TransferState::Done {
+            self.fail_flags(id.slot);
+        }
+        true
+    }
+
+    /// Ends transfer `id` as failed with `why`.
+    pub(super) fn fail(&self, id: SlotId, why: impl std::fmt::Display) -> bool {
+        self.finish(id, TransferState::Failed, Some(why.to_string()))
+    }
+
+    /// Publishes `column` of transfer `id` on the clients' page, if it still runs.
+    pub(super) fn publish(&self, id: SlotId, column: u16) -> bool {
+        let st = self.slots.lock().expect("slots lock");
+        let current = st.map.get(&id.slot).is_some_and(|s| s.gen == id.gen && running(s.state));
+        current && self.page.publish(Tag { slot: id.slot, layer: column })
+    }
+
+    /// Adds `took` to the slot's `hop` total, and to the daemon's histogram.
+    pub(super) fn slot_hop(&self, id: SlotId, hop: Hop, took: Duration, bytes: u64) {
+        self.hops().record(hop, took, bytes);
+        let mut st = self.slots.lock().expect("slots lock");
+        if let Some(s) = st.get_mut(id) {
+            let e = s.hops.entry(hop.name()).or_default();
+            e.0 += took.as_nanos() as u64;
+            e.1 += bytes;
+            if !s.peer.is_empty() {
+                let h = self.peer_hops.lock().expect("peer hops lock").entry(s.peer.clone()).or_default().clone();
+                h.record(hop, took, bytes);
+            }
+        }
+    }
+
+    /// Records that transfer `id` reached boundary `b` now.
+    pub(super) fn slot_mark(&self, id: SlotId, b: Boundary) {
+        let mut st = self.slots.lock().expect("slots lock");
+        if let Some(s) = st.get_mut(id) {
+            let at = s.started.elapsed();
+            s.marks.push(b.at(at));
+        }
+    }
+
+    /// Runs `f` on transfer `id`'s slot, if it still holds that transfer.
+    pub(super) fn with_slot(&self, id: SlotId, f: impl FnOnce(&mut Slot)) {
+        if let Some(s) = self.slots.lock().expect("slots lock").get_mut(id) {
+            f(s);
+        }
+    }
+
+    /// Fails every flag of `slot`, internal and client-visible: waiters stop at once.
+    pub(super) fn fail_flags(&self, slot: u16) {
+        self.ep.placement().fail_slot(slot, MAX_TRANSFER_LAYERS);
+        for layer in 0..FLAG_COLUMNS {
+            self.page.fail(Tag { slot, layer });
+        }
+    }
+
+    /// The transfer in `slot`, if `client` made it or holds a rank of its
+    /// group; else the refusal.
+    pub(super) fn slot_access(&self, client: u64, slot: u16) -> Result<SlotId, Refusal> {
+        let (id, owner, group) = {
+            let st = self.slots.lock().expect("slots lock");
+            let Some(s) = st.map.get(&slot) else { return Err(Refusal::new(Code::UnknownSlot, format!("no transfer in slot {slot}"))) };
+            (SlotId { slot, gen: s.gen }, s.owner, s.group.clone())
+        };
+        if owner == client || self.groups.lock().expect("groups lock").access(client, &group).is_ok() {
+            return Ok(id);
+        }
+        Err(Refusal::new(Code::PermissionDenied, format!("slot {slot} is a transfer of group `{group}`, which this client holds no rank of")))
+    }
+}
