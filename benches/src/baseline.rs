@@ -115,6 +115,12 @@ fn time_verbs(src: &VerbsEndpoint, dst: &VerbsEndpoint, size: u64, iters: u32) -
         fn pending(&self) -> usize {
             self.conn.as_ref().map_or(0, |c| c.pending())
         }
+        fn framing_bytes(&self) -> u64 {
+            self.conn.as_ref().map_or(0, |c| c.framing_bytes())
+        }
+        fn answer_bytes(&self) -> u64 {
+            self.conn.as_ref().map_or(0, |c| c.answer_bytes())
+        }
     }
     let mut lazy = Lazy { src, peer: dst.local_addr(), conn: None };
     time_writes(src, dst, &mut lazy, size, iters)

@@ -23,10 +23,11 @@
 //! - `lat_ns`: per-transfer latency, min / p50 / p99 / p99.9 / max, from an
 //!   hdrhistogram (3 significant digits) of every timed transfer;
 //! - `payload_bytes`: `size × concurrency × iterations` (timed transfers);
-//!   `wire_bytes`: that plus kvwire's own framing for those transfers
-//!   (tcp: a 40-byte header per frame and a 40-byte ack; shm: a 80-byte
-//!   write request and a 40-byte ack per write; verbs: nothing above the
-//!   payload). Link-level headers (TCP/IP, RoCE) are not counted;
+//!   `wire_bytes`: that plus the framing its connections report sending and
+//!   getting back for those transfers
+//!   (tcp: a 40-byte header per frame and a 40-byte ack; shm: an 80-byte
+//!   write request and a 40-byte ack per write; verbs: a 24-byte write
+//!   note per write). Link-level headers (TCP/IP, RoCE) are not counted;
 //! - `baselines`: `memcpy` always, then the transport's own raw path —
 //!   `tcp socket pair` for tcp, `ib_write_bw` for verbs — each measured in
 //!   this run right after the point, with the same concurrency (except
@@ -45,8 +46,7 @@ use crate::svg::{Anchor, Frame, Scale, Stroke, Svg, PALETTE};
 use anyhow::{anyhow, bail, Context};
 use clap::Args;
 use hdrhistogram::Histogram;
-use kvwire_core::protocol::HEADER_LEN;
-use kvwire_transport::shm::{ShmEndpoint, ShmLimits, TRAILER_LEN};
+use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hop, Hops, Placement, Registry, Tag, TransportError, WriteOp};
@@ -329,6 +329,9 @@ pub struct Sample {
     pub start_ns: u64,
     /// Destination flag seen.
     pub end_ns: u64,
+    /// Framing the connection sent and got back for this transfer's
+    /// writes, as the connection reports it.
+    pub framing: u64,
 }
 
 impl Sample {
@@ -386,22 +389,6 @@ pub fn figures(size: u64, rounds: &[Vec<Sample>]) -> Figures {
 pub fn chunks(size: u64, chunk: u64) -> impl Iterator<Item = (u64, u64)> {
     let chunk = chunk.max(1);
     (0..size.div_ceil(chunk)).map(move |i| (i * chunk, chunk.min(size - i * chunk)))
-}
-
-/// kvwire's bytes on the link for one transfer: payload plus its own framing.
-pub fn wire_bytes_per_transfer(t: Transport, size: u64, chunk: u64) -> u64 {
-    let header = HEADER_LEN as u64;
-    let max_frame = TcpLimits::default().max_frame;
-    chunks(size, chunk)
-        .map(|(_, len)| match t {
-            // Each frame: a header with the data, and an ack header back.
-            Transport::Tcp => len + len.div_ceil(max_frame).max(1) * 2 * header,
-            // Each write: a request (header + trailer) and an ack; the data is copied once.
-            Transport::Shm => len + header + TRAILER_LEN + header,
-            // RDMA writes: the NIC's headers only.
-            Transport::Verbs => len,
-        })
-        .sum()
 }
 
 /// `4K`, `64M`, `1G` for whole binary units, else bytes.
@@ -511,6 +498,7 @@ struct Lane {
 /// seen; then every completion is drained and the slot reset for the next.
 fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32, origin: Instant) -> anyhow::Result<Sample> {
     dst.expect(lane.tag, size)?;
+    let framed = lane.conn.framing_bytes() + lane.conn.answer_bytes();
     let start = Instant::now();
     let mut outstanding = 0usize;
     for (off, len) in chunks(size, chunk) {
@@ -529,7 +517,8 @@ fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32,
     // Every write of this transfer was placed and answered: the slot is free.
     dst.reset_slot(lane.tag.slot);
     let ns = |t: Instant| u64::try_from(t.duration_since(origin).as_nanos()).unwrap_or(u64::MAX);
-    Ok(Sample { start_ns: ns(start), end_ns: ns(end) })
+    let framing = lane.conn.framing_bytes() + lane.conn.answer_bytes() - framed;
+    Ok(Sample { start_ns: ns(start), end_ns: ns(end), framing })
 }
 
 /// Registers one source and one destination region per lane, connects one
@@ -601,7 +590,7 @@ fn measure(t: Transport, size: u64, c: u32, s: &Settings) -> anyhow::Result<Poin
         gbps_aggregate: f.gbps_aggregate,
         lat_ns: f.lat,
         payload_bytes: size * transfers,
-        wire_bytes: wire_bytes_per_transfer(t, size, s.chunk) * transfers,
+        wire_bytes: size * transfers + rounds.iter().flatten().map(|x| x.framing).sum::<u64>(),
         baselines,
         hops,
     })
@@ -1061,7 +1050,7 @@ mod tests {
     use super::*;
 
     fn sample(start_ns: u64, end_ns: u64) -> Sample {
-        Sample { start_ns, end_ns }
+        Sample { start_ns, end_ns, framing: 0 }
     }
 
     #[test]
@@ -1084,15 +1073,6 @@ mod tests {
         let c: Vec<_> = chunks(10, 4).collect();
         assert_eq!(c, vec![(0, 4), (4, 4), (8, 2)]);
         assert_eq!(chunks(4, 16).collect::<Vec<_>>(), vec![(0, 4)]);
-    }
-
-    #[test]
-    fn wire_bytes_count_kvwire_framing() {
-        // 3 MiB in 1 MiB writes: tcp sends 3 frames, each 40 B header + 40 B ack.
-        assert_eq!(wire_bytes_per_transfer(Transport::Tcp, 3 << 20, 1 << 20), (3 << 20) + 3 * 80);
-        // shm: per write a 40 + 40 byte request and a 40-byte ack.
-        assert_eq!(wire_bytes_per_transfer(Transport::Shm, 3 << 20, 1 << 20), (3 << 20) + 3 * 120);
-        assert_eq!(wire_bytes_per_transfer(Transport::Verbs, 3 << 20, 1 << 20), 3 << 20);
     }
 
     #[test]

@@ -112,6 +112,9 @@ pub struct Outcome {
     /// The links' busy span: first post on any rail to last completion on
     /// any (connection setup excluded).
     pub wire: Duration,
+    /// Framing the connections really sent and got back for the writes
+    /// (headers, trailers, verbs notes, acks), as each reports it.
+    pub framing: u64,
 }
 
 struct Shared {
@@ -202,7 +205,8 @@ pub fn run(
     if let (Some(a), Some(b)) = (first, last) {
         outcome.wire = b.saturating_duration_since(a);
     }
-    for LaneResult { rail: r, post_time, writes, .. } in lanes {
+    for LaneResult { rail: r, post_time, writes, framing, .. } in lanes {
+        outcome.framing += framing;
         outcome.bytes += r.bytes;
         outcome.writes += writes;
         outcome.post_time += post_time;
@@ -258,6 +262,8 @@ struct LaneResult {
     rail: RailUse,
     post_time: Duration,
     writes: u64,
+    // Framing sent and answers received on its connection.
+    framing: u64,
     // First post and last completion.
     span: Option<(Instant, Instant)>,
 }
@@ -308,7 +314,7 @@ fn lane(
         Ok(c) => c,
         Err(e) => {
             fail(format!("unreachable: {e}"), &mut HashMap::new(), &mut use_);
-            return LaneResult { rail: use_, post_time, writes, span: None };
+            return LaneResult { rail: use_, post_time, writes, framing: 0, span: None };
         }
     };
     lock().lanes[me].interrupt = conn.interrupter();
@@ -415,7 +421,8 @@ fn lane(
     if let Some((a, b)) = span {
         use_.busy_ns = b.saturating_duration_since(a).as_nanos() as u64;
     }
-    LaneResult { rail: use_, post_time, writes, span }
+    let framing = conn.framing_bytes() + conn.answer_bytes();
+    LaneResult { rail: use_, post_time, writes, framing, span }
 }
 
 #[cfg(test)]

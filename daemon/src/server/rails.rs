@@ -82,7 +82,7 @@ impl Daemon {
         batches: Vec<Batch>,
         stop: &AtomicBool,
         link: &PeerLink,
-    ) -> Result<(u64, u64), String> {
+    ) -> Result<stripe::Outcome, String> {
         let t = &self.cfg.transport;
         let (rank_mask, key_rank) = prefer;
         // Staging buffers and unknown keys group as u32::MAX: no preference.
@@ -144,7 +144,7 @@ impl Daemon {
         // completion (slices overlap, so per-slice times would double count).
         self.slot_hop(id, Hop::Post, outcome.post_time, outcome.bytes);
         self.slot_hop(id, Hop::Wire, outcome.wire, outcome.bytes);
-        Ok((outcome.bytes, outcome.writes))
+        Ok(outcome)
     }
 
     /// The transfer's status shows its rails while it runs.

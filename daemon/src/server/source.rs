@@ -281,13 +281,14 @@ impl Daemon {
                 d.revoke_key(stage.key);
             }
             match result {
-                Ok((bytes, writes)) => {
+                Ok(outcome) => {
+                    let (bytes, writes) = (outcome.bytes, outcome.writes);
                     Metrics::add(&d.metrics.payload_bytes, payload);
                     if codec.is_some() {
                         Metrics::add(&d.metrics.compressed_bytes, stage_total);
                     }
-                    let framing = if d.ep.transport() == "verbs" { 0 } else { writes * 2 * kvwire_core::protocol::HEADER_LEN as u64 };
-                    Metrics::add(&d.metrics.wire_bytes, bytes + framing);
+                    // What the connections say they sent, not a guess at their framing.
+                    Metrics::add(&d.metrics.wire_bytes, bytes + outcome.framing);
                     d.publish(id, SOURCE_RELEASED);
                     d.slot_mark(id, Boundary::SourceReleased);
                     d.finish(id, TransferState::Done, None);
