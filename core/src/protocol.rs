@@ -22,6 +22,52 @@
 
 use serde::{Deserialize, Serialize};
 
+/// The data-plane transports. On the wire (hellos, accepts, discovery
+/// entries) a transport is its lowercase name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TransportKind {
+    /// TCP emulation of one-sided writes.
+    Tcp,
+    /// Same-host shared memory.
+    Shm,
+    /// RDMA verbs (real NIC or soft-RoCE).
+    Verbs,
+}
+
+impl TransportKind {
+    /// Every kind, in the order error messages list them.
+    pub const ALL: [TransportKind; 3] = [TransportKind::Tcp, TransportKind::Shm, TransportKind::Verbs];
+
+    /// Its name on the wire and in configs.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Shm => "shm",
+            TransportKind::Verbs => "verbs",
+        }
+    }
+}
+
+impl std::fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A transport name that is none of [`TransportKind::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown transport `{0}`: expected tcp, shm or verbs")]
+pub struct UnknownTransport(pub String);
+
+impl std::str::FromStr for TransportKind {
+    type Err = UnknownTransport;
+
+    fn from_str(s: &str) -> Result<TransportKind, UnknownTransport> {
+        TransportKind::ALL.into_iter().find(|k| k.as_str() == s).ok_or_else(|| UnknownTransport(s.to_string()))
+    }
+}
+
 /// Version of this protocol; peers speaking another are refused.
 pub const PROTOCOL_VERSION: u32 = 2;
 /// `KVW1` in wire order.

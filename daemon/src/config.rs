@@ -6,17 +6,7 @@
 use serde::Deserialize;
 use std::path::PathBuf;
 
-/// Transports a daemon can drive.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum TransportKind {
-    /// TCP emulation of one-sided writes.
-    Tcp,
-    /// Same-host shared memory.
-    Shm,
-    /// RDMA verbs (real NIC or soft-RoCE).
-    Verbs,
-}
+pub use kvwire_core::protocol::TransportKind;
 
 /// A statically configured peer daemon.
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -316,12 +306,7 @@ impl Config {
                 "KVWIRED_METRICS_LISTEN" => self.metrics_listen = v,
                 "KVWIRED_SECRET_FILE" => self.secret_file = Some(v.into()),
                 "KVWIRED_TRANSPORT" => {
-                    self.transport.kind = match v.as_str() {
-                        "tcp" => TransportKind::Tcp,
-                        "shm" => TransportKind::Shm,
-                        "verbs" => TransportKind::Verbs,
-                        _ => return Err(invalid("KVWIRED_TRANSPORT", format!("expected tcp, shm or verbs, got `{v}`"))),
-                    }
+                    self.transport.kind = v.parse().map_err(|_| invalid("KVWIRED_TRANSPORT", format!("expected tcp, shm or verbs, got `{v}`")))?;
                 }
                 _ => {}
             }

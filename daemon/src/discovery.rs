@@ -64,11 +64,11 @@ impl Entry {
     /// This daemon's entry, serving nothing yet: its peer address is
     /// `discovery.advertise_peer` when set, else `bound_peer`, the address
     /// the peer listener bound.
-    pub fn for_daemon(cfg: &Config, bound_peer: &str, transport: &str, data: Vec<String>) -> Entry {
+    pub fn for_daemon(cfg: &Config, bound_peer: &str, transport: kvwire_core::protocol::TransportKind, data: Vec<String>) -> Entry {
         Entry {
             name: cfg.node.clone(),
             peer: cfg.discovery.advertise_peer.clone().unwrap_or_else(|| bound_peer.to_string()),
-            transport: transport.to_string(),
+            transport: transport.as_str().to_string(),
             data,
             version: crate::peer::PEER_VERSION,
             serves: Serves::default(),

@@ -38,6 +38,7 @@ pub mod topology;
 pub mod verbs;
 
 pub use flags::FlagTable;
+pub use kvwire_core::protocol::TransportKind;
 pub use kvwire_core::protocol::{Hello, RegionDesc, Tag};
 pub use mem::HostMem;
 pub use metrics::{Hop, Hops};
@@ -206,8 +207,8 @@ pub trait Connection: Send {
 
 /// One host's endpoint of a transport.
 pub trait Endpoint: Send + Sync {
-    /// `tcp`, `shm` or `verbs`.
-    fn transport(&self) -> &'static str;
+    /// Which transport this is.
+    fn transport(&self) -> TransportKind;
 
     /// Where peers connect (e.g. `127.0.0.1:40123`).
     fn local_addr(&self) -> String;

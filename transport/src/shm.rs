@@ -84,7 +84,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Transport name in hellos.
-pub const TRANSPORT: &str = "shm";
+pub const TRANSPORT: &str = crate::TransportKind::Shm.as_str();
 /// Bytes of the trailer that follows a `Write` header (see the module docs).
 pub const TRAILER_LEN: u64 = 40;
 /// Most file descriptors one `sendmsg` may carry (Linux `SCM_MAX_FD`).
@@ -238,8 +238,8 @@ impl Drop for ShmEndpoint {
 }
 
 impl Endpoint for ShmEndpoint {
-    fn transport(&self) -> &'static str {
-        TRANSPORT
+    fn transport(&self) -> crate::TransportKind {
+        crate::TransportKind::Shm
     }
 
     fn local_addr(&self) -> String {

@@ -24,6 +24,9 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// This transport's name on the wire.
+const TRANSPORT: &str = crate::TransportKind::Tcp.as_str();
+
 /// Limits of a TCP endpoint.
 #[derive(Debug, Clone, Copy)]
 pub struct TcpLimits {
@@ -96,7 +99,7 @@ impl Drop for TcpEndpoint {
 }
 
 fn hello(node: &str, registry: &Registry) -> Hello {
-    hello::ours("tcp", node, registry.descs(), None)
+    hello::ours(TRANSPORT, node, registry.descs(), None)
 }
 
 fn read_header(s: &mut impl Read, max_frame: u64, op: &'static str) -> Result<Header, TransportError> {
@@ -135,7 +138,7 @@ fn accept_loop(
 fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Placement, limits: TcpLimits) -> Result<(), TransportError> {
     stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
     stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
-    let peer_hello = hello::read_hello(&mut stream, "tcp");
+    let peer_hello = hello::read_hello(&mut stream, TRANSPORT);
     if let Err(TransportError::Hello(e)) = &peer_hello {
         // Tell the peer why before hanging up: its error then names the cause.
         let _ = hello::send_refusal(&mut stream, &e.to_string());
@@ -175,7 +178,7 @@ fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Pla
             Ok(placed) => hello::answer(h.tag, h.key, h.seq, Ok(placed)),
             Err(Served::Closed(e)) => return Err(e),
             Err(Served::Refused(why)) => {
-                accept::log_refusal("tcp", &peer.node, w, &why);
+                accept::log_refusal(TRANSPORT, &peer.node, w, &why);
                 if !payload_read {
                     drain(&mut reader, h.len, &mut discard)?;
                 }
@@ -210,8 +213,8 @@ fn drain(r: &mut impl Read, mut len: u64, buf: &mut [u8]) -> Result<(), Transpor
 }
 
 impl Endpoint for TcpEndpoint {
-    fn transport(&self) -> &'static str {
-        "tcp"
+    fn transport(&self) -> crate::TransportKind {
+        crate::TransportKind::Tcp
     }
 
     fn local_addr(&self) -> String {
@@ -286,7 +289,7 @@ impl TcpConnection {
         stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
         stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
         hello::send_hello(&mut stream, &hello(node, &registry))?;
-        let remote = hello::read_hello(&mut stream, "tcp")?;
+        let remote = hello::read_hello(&mut stream, TRANSPORT)?;
         stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
         let (tx, events) = mpsc::channel();
         let reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;

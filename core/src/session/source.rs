@@ -2,6 +2,7 @@
 
 use super::msg::{Accept, Expect, Offer, PeerMsg};
 use super::{kind, SessionError, Timeouts, MAX_RAILS};
+use crate::protocol::TransportKind;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
@@ -56,7 +57,7 @@ pub enum SourceEvent {
 #[derive(Debug)]
 pub struct SourceSession {
     phase: SourcePhase,
-    transport: String,
+    transport: TransportKind,
     peer_slot: Option<u16>,
     stage_bytes: u64,
     timeouts: Timeouts,
@@ -70,10 +71,10 @@ impl SourceSession {
     /// Starts a transfer: returns the session and the `Offer` to send.
     /// `transport` is this daemon's data-plane kind; the destination must
     /// speak the same.
-    pub fn start(now: Instant, offer: Offer, transport: &str, timeouts: Timeouts) -> (SourceSession, PeerMsg) {
+    pub fn start(now: Instant, offer: Offer, transport: TransportKind, timeouts: Timeouts) -> (SourceSession, PeerMsg) {
         let s = SourceSession {
             phase: SourcePhase::Offered,
-            transport: transport.to_string(),
+            transport,
             peer_slot: None,
             stage_bytes: 0,
             timeouts,
@@ -124,7 +125,7 @@ impl SourceSession {
         // The destination holds a slot from here on, valid accept or not:
         // an abort must reach it.
         self.peer_slot = Some(a.slot);
-        if a.transport != self.transport {
+        if a.transport.parse() != Ok(self.transport) {
             return Err(SessionError::BadAccept(format!("peer speaks `{}`, this daemon `{}`", a.transport, self.transport)));
         }
         if a.rails.len() > MAX_RAILS {

@@ -3,6 +3,7 @@
 //! simulated time. The destination's "daemon" accepts every offer into
 //! slot 7 and stages 4096 bytes; each test changes one thing.
 
+use kvwire_core::protocol::TransportKind;
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, RailAddr, RankRails};
 use kvwire_core::session::{DestinationSession, DestinationStep, SessionError, SlotPhase, SourceEvent, SourcePhase, SourceSession, Timeouts, MAX_RAILS};
@@ -65,7 +66,7 @@ struct Pair {
 impl Pair {
     fn new() -> Pair {
         let now = Instant::now();
-        let (src, first) = SourceSession::start(now, offer(), "tcp", timeouts());
+        let (src, first) = SourceSession::start(now, offer(), TransportKind::Tcp, timeouts());
         Pair { now, src, dst: DestinationSession::new(now, "prefill", timeouts()), in_flight: Some(first) }
     }
 
@@ -225,9 +226,9 @@ fn stale_and_out_of_order_messages_are_refused_without_touching_slots() {
     assert_eq!(d.handle(now, PeerMsg::Ping), DestinationStep::Reply(PeerMsg::Pong));
 
     // On the source: a message its phase does not take ends it.
-    let (mut s, _) = SourceSession::start(now, offer(), "tcp", timeouts());
+    let (mut s, _) = SourceSession::start(now, offer(), TransportKind::Tcp, timeouts());
     assert_eq!(s.handle(now, PeerMsg::Pong), Err(SessionError::Unexpected { phase: "waiting for accept", got: "pong" }));
-    let (mut s, _) = SourceSession::start(now, offer(), "tcp", timeouts());
+    let (mut s, _) = SourceSession::start(now, offer(), TransportKind::Tcp, timeouts());
     assert_eq!(s.moved(), Err(SessionError::OutOfOrder { step: "moved", phase: "waiting for accept" }));
     assert_eq!(s.expect(now, expect(), 0), Err(SessionError::OutOfOrder { step: "expect", phase: "waiting for accept" }));
 }

@@ -185,7 +185,7 @@ impl Daemon {
             data_addr: self.rails[0].advertise.clone(),
             rails: self.rails.iter().map(|r| RailAddr { name: r.name.clone(), addr: r.advertise.clone() }).collect(),
             locality: self.rank_rails(g),
-            transport: self.ep.transport().into(),
+            transport: self.ep.transport().as_str().into(),
             regions,
         };
         if let Some(sl) = slots.get_mut(id) {

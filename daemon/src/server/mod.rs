@@ -158,7 +158,7 @@ impl Daemon {
             let dd = d.clone();
             std::thread::Builder::new().name("kvwired-metrics".into()).spawn(move || dd.metrics_loop(l))?;
         }
-        tracing::info!(node = d.cfg.node, transport = d.ep.transport(), data = d.ep.local_addr(), peer = d.peer_addr, "kvwired started");
+        tracing::info!(node = d.cfg.node, transport = d.ep.transport().as_str(), data = d.ep.local_addr(), peer = d.peer_addr, "kvwired started");
         if !d.cfg.discovery.etcd.is_empty() {
             use crate::discovery::{Discovery, Entry, Serves};
             let data = d.rails.iter().map(|r| r.advertise.clone()).collect();

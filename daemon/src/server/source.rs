@@ -321,7 +321,7 @@ impl Daemon {
                 Code::PeerRefused,
                 format!("peer `{name}` (etcd at {etcd}) speaks peer protocol v{}, this daemon v{}", e.version, peer::PEER_VERSION),
             )),
-            Ok(Some(e)) if e.transport != ours => {
+            Ok(Some(e)) if e.transport.parse() != Ok(ours) => {
                 Err(Refusal::new(Code::PeerRefused, format!("peer `{name}` (etcd at {etcd}) speaks `{}`, this daemon `{ours}`", e.transport)))
             }
             Ok(Some(e)) => Ok(PeerConfig { name: e.name, address: e.peer }),

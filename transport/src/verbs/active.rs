@@ -2,7 +2,7 @@
 //! posts its `RDMA_WRITE`s and then the SENDs of its notes, and turns work
 //! completions into batch completions through the shared ledger.
 
-use super::endpoint::{RegionMr, Shared};
+use super::shared::{RegionMr, Shared};
 use super::handshake;
 use super::notes::NoteRing;
 use super::qp::{wc_error, Qp, WC_FLUSH, WC_SUCCESS};

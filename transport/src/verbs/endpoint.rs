@@ -2,8 +2,9 @@
 //! regions, and the handshake listener.
 
 use super::active::VerbsConnection;
+use super::shared::{RegionMr, Shared};
 use super::passive::accept_loop;
-use super::{chain, mtu_bytes, os_code, verbs_err, VerbsInfo, VerbsLimits, HOW_TO_GET_A_DEVICE, TRANSPORT};
+use super::{chain, mtu_bytes, os_code, verbs_err, VerbsInfo, VerbsLimits, HOW_TO_GET_A_DEVICE};
 use crate::flags::FlagTable;
 use crate::mem::HostMem;
 use crate::metrics::Hops;
@@ -15,44 +16,12 @@ use sideway::ibverbs::address::Gid;
 use sideway::ibverbs::device::{DeviceInfo, DeviceList};
 use sideway::ibverbs::device_context::{DeviceContext, PortState};
 use sideway::ibverbs::memory_region::MemoryRegion;
-use sideway::ibverbs::protection_domain::ProtectionDomain;
 use sideway::ibverbs::AccessFlags;
 use std::collections::HashMap;
 use std::net::TcpListener;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-
-/// A registered region together with its NIC registration.
-#[derive(Debug)]
-pub(super) struct RegionMr {
-    // Field order is drop order: deregister the MR before the region (and
-    // so possibly the memory) goes away.
-    pub(super) mr: Arc<MemoryRegion>,
-    pub(super) region: Arc<Region>,
-}
-
-impl RegionMr {
-    pub(super) fn rdesc(&self) -> RegionDesc {
-        RegionDesc { key: self.region.key, addr: self.region.desc().addr, len: self.region.len, rkey: Some(self.mr.rkey()) }
-    }
-}
-
-/// What the endpoint's threads share.
-#[derive(Debug)]
-pub(super) struct Shared {
-    // Field order is drop order: MRs before the PD and the context they live in
-    // (the MRs also hold the PD through an Arc), and before the registry that
-    // keeps the memory alive.
-    pub(super) mrs: Mutex<HashMap<u32, Arc<RegionMr>>>,
-    pub(super) pd: Arc<ProtectionDomain>,
-    pub(super) ctx: Arc<DeviceContext>,
-    pub(super) registry: Arc<Registry>,
-    pub(super) placement: Arc<Placement>,
-    pub(super) info: VerbsInfo,
-    pub(super) limits: VerbsLimits,
-    pub(super) stop: AtomicBool,
-}
 
 /// A verbs endpoint: one device port, its regions, and a handshake listener.
 #[derive(Debug)]
@@ -289,21 +258,6 @@ impl VerbsEndpoint {
     }
 }
 
-impl Shared {
-    /// Deregisters MRs whose key was revoked through the registry directly.
-    pub(super) fn sweep(&self) {
-        let mut mrs = self.mrs.lock().expect("mr lock");
-        mrs.retain(|key, _| self.registry.get(*key).is_some());
-    }
-
-    pub(super) fn descs(&self) -> Vec<RegionDesc> {
-        self.sweep();
-        let mut v: Vec<RegionDesc> = self.mrs.lock().expect("mr lock").values().map(|m| m.rdesc()).collect();
-        v.sort_by_key(|d| d.key);
-        v
-    }
-}
-
 impl Drop for VerbsEndpoint {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
@@ -314,8 +268,8 @@ impl Drop for VerbsEndpoint {
 }
 
 impl Endpoint for VerbsEndpoint {
-    fn transport(&self) -> &'static str {
-        TRANSPORT
+    fn transport(&self) -> crate::TransportKind {
+        crate::TransportKind::Verbs
     }
 
     fn local_addr(&self) -> String {

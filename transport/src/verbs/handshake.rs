@@ -3,7 +3,7 @@
 //! source sends first, the destination answers with its hello or a `Nack`
 //! saying why. Both bring their QP to RTR/RTS against the other's.
 
-use super::endpoint::Shared;
+use super::shared::Shared;
 use super::notes::NoteRing;
 use super::qp::Qp;
 use super::TRANSPORT;

@@ -60,6 +60,7 @@ mod handshake;
 mod notes;
 mod passive;
 mod qp;
+mod shared;
 
 pub use active::VerbsConnection;
 pub use endpoint::VerbsEndpoint;
@@ -69,7 +70,7 @@ use kvwire_core::protocol::NOTE_LEN;
 use std::time::Duration;
 
 /// Transport name in hellos.
-const TRANSPORT: &str = "verbs";
+const TRANSPORT: &str = crate::TransportKind::Verbs.as_str();
 /// Largest single work request; longer writes are split (rxe allows 2 GiB).
 const MAX_WR_BYTES: u64 = 1 << 30;
 /// Notes per SEND; a batch with more writes sends several.

@@ -1,7 +1,7 @@
 //! Registered buffers for write notes: a source's send ring, a
 //! destination's receive buffers (one per pre-posted receive).
 
-use super::endpoint::Shared;
+use super::shared::Shared;
 use super::{chain, verbs_err, NOTE_BUF};
 use crate::mem::HostMem;
 use crate::TransportError;

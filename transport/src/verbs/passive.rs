@@ -2,7 +2,7 @@
 //! receives into its note buffers and counts each range a received note
 //! names through the shared acceptance path ([`crate::accept`]).
 
-use super::endpoint::Shared;
+use super::shared::Shared;
 use super::handshake;
 use super::notes::NoteRing;
 use super::qp::{wc_error, Wc, WC_RECV, WC_SUCCESS};

@@ -1,7 +1,7 @@
 //! RC queue pairs: creation, the RESET → INIT → RTR → RTS steps (errors
 //! name the attribute that was refused), receives, and completions.
 
-use super::endpoint::Shared;
+use super::shared::Shared;
 use super::notes::NoteRing;
 use super::{chain, mtu_bytes, os_code, verbs_err, NOTE_BUF};
 use crate::flags::monotonic_ns;

@@ -334,7 +334,7 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
                     true
                 }
                 Ok(()) => {
-                    assert_eq!(p.dst.transport(), "verbs", "only a one-sided write may complete unrefused: {want:?}");
+                    assert_eq!(p.dst.transport(), kvwire_transport::TransportKind::Verbs, "only a one-sided write may complete unrefused: {want:?}");
                     assert_eq!(want, Refusal::UnknownTag { slot: u16::MAX, layer: u16::MAX });
                     false
                 }
@@ -366,10 +366,9 @@ pub fn framing_bytes_are_what_the_connection_sent(p: &mut Pair) {
     p.conn().post(Batch { tag: tag(12, 0), writes }).unwrap();
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     let (per_write, per_answer) = match p.dst.transport() {
-        "tcp" => (40, 40),
-        "shm" => (40 + 40, 40),
-        "verbs" => (24, 0),
-        t => panic!("no framing figures for {t}"),
+        kvwire_transport::TransportKind::Tcp => (40, 40),
+        kvwire_transport::TransportKind::Shm => (40 + 40, 40),
+        kvwire_transport::TransportKind::Verbs => (24, 0),
     };
     assert_eq!(p.conn().framing_bytes() - framing0, 3 * per_write);
     assert_eq!(p.conn().answer_bytes() - answers0, 3 * per_answer);

@@ -83,7 +83,7 @@ fn closed_by_peer(mut s: UnixStream) -> Vec<u8> {
 #[test]
 fn local_addr_is_the_socket_path_and_transport_is_shm() {
     let ep = endpoint("a");
-    assert_eq!(ep.transport(), "shm");
+    assert_eq!(ep.transport(), kvwire_transport::TransportKind::Shm);
     assert_eq!(ep.local_addr(), ep.path().display().to_string());
     assert!(ep.path().exists());
     let path = ep.path().to_path_buf();
