@@ -268,6 +268,31 @@ struct LaneResult {
     span: Option<(Instant, Instant)>,
 }
 
+/// One rail's thread: what it posted, what is in flight, what it carried.
+struct Lane<'a> {
+    me: usize,
+    slices: &'a [Batch],
+    prefer: &'a [u64],
+    rail: &'a RailAddr,
+    settings: &'a Settings,
+    event: &'a (dyn Fn(&RailAddr, RailEvent<'_>) + Sync),
+    shared: &'a Mutex<Shared>,
+    cv: &'a Condvar,
+    use_: RailUse,
+    post_time: Duration,
+    writes: u64,
+    inflight: HashMap<BatchId, usize>,
+    first_post: Option<Instant>,
+    last_done: Option<Instant>,
+}
+
+/// Whether a lane goes on after a step.
+#[derive(PartialEq, Eq)]
+enum Step {
+    Go,
+    Stop,
+}
+
 /// One rail's thread.
 #[allow(clippy::too_many_arguments)]
 fn lane(
@@ -281,65 +306,86 @@ fn lane(
     shared: &Mutex<Shared>,
     cv: &Condvar,
 ) -> LaneResult {
-    let mut use_ = RailUse { name: rail.name.clone(), addr: rail.addr.clone(), bytes: 0, slices: 0, retransmitted_bytes: 0, busy_ns: 0, failed: None };
-    let mut post_time = Duration::ZERO;
-    let mut writes = 0;
-    let lock = || shared.lock().expect("stripe lock");
-    // Gives this rail's outstanding slices back and leaves; the last rail
-    // to leave with work undone fails the transfer.
-    let fail = |why: String, inflight: &mut HashMap<BatchId, usize>, use_: &mut RailUse| {
-        let mut back: Vec<usize> = inflight.drain().map(|(_, i)| i).collect();
-        back.sort_unstable();
-        let resent: u64 = back.iter().map(|&i| slices[i].bytes()).sum();
-        let mut sh = lock();
-        let why = if sh.lanes[me].stalled { format!("stalled: no completion for {} ms", settings.stall.as_millis()) } else { why };
-        for i in back.into_iter().rev() {
-            sh.queues.entry(prefer.get(i).copied().unwrap_or(0)).or_default().push_front(i);
-        }
-        sh.alive -= 1;
-        sh.lanes[me].up = false;
-        sh.lanes[me].interrupt = None;
-        sh.failures.push(format!("rail `{}` ({}): {why}", rail.name, rail.addr));
-        if sh.alive == 0 && sh.done < slices.len() && sh.fatal.is_none() {
-            sh.fatal = Some(format!("every rail failed: {}", sh.failures.join("; ")));
-        }
-        drop(sh);
-        cv.notify_all();
-        tracing::warn!(rail = rail.name, addr = rail.addr, why, resent, "rail failed; its slices go to the others");
-        event(rail, RailEvent::Failed(resent, &why));
-        use_.failed = Some(why);
-        use_.retransmitted_bytes += resent;
+    let use_ = RailUse { name: rail.name.clone(), addr: rail.addr.clone(), bytes: 0, slices: 0, retransmitted_bytes: 0, busy_ns: 0, failed: None };
+    let mut l = Lane {
+        me,
+        slices,
+        prefer,
+        rail,
+        settings,
+        event,
+        shared,
+        cv,
+        use_,
+        post_time: Duration::ZERO,
+        writes: 0,
+        inflight: HashMap::new(),
+        first_post: None,
+        last_done: None,
     };
     let mut conn: Box<dyn Connection> = match connect(me, rail) {
         Ok(c) => c,
         Err(e) => {
-            fail(format!("unreachable: {e}"), &mut HashMap::new(), &mut use_);
-            return LaneResult { rail: use_, post_time, writes, framing: 0, span: None };
+            l.fail(format!("unreachable: {e}"));
+            return LaneResult { rail: l.use_, post_time: l.post_time, writes: l.writes, framing: 0, span: None };
         }
     };
-    lock().lanes[me].interrupt = conn.interrupter();
-    let mut inflight: HashMap<BatchId, usize> = HashMap::new();
-    let mut first_post: Option<Instant> = None;
-    let mut last_done: Option<Instant> = None;
-    'run: loop {
+    l.lock().lanes[me].interrupt = conn.interrupter();
+    while l.step(&mut *conn) == Step::Go {}
+    l.lock().lanes[me].interrupt = None;
+    l.use_.retransmitted_bytes += conn.retransmitted_bytes();
+    let span = l.first_post.zip(l.last_done);
+    if let Some((a, b)) = span {
+        l.use_.busy_ns = b.saturating_duration_since(a).as_nanos() as u64;
+    }
+    let framing = conn.framing_bytes() + conn.answer_bytes();
+    LaneResult { rail: l.use_, post_time: l.post_time, writes: l.writes, framing, span }
+}
+
+impl Lane<'_> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().expect("stripe lock")
+    }
+
+    /// One round: stop when the transfer failed or this rail stalled;
+    /// fill the window; then wait for a completion, or for other rails.
+    fn step(&mut self, conn: &mut dyn Connection) -> Step {
         let (fatal, stalled) = {
-            let sh = lock();
-            (sh.fatal.is_some(), sh.lanes[me].stalled)
+            let sh = self.lock();
+            (sh.fatal.is_some(), sh.lanes[self.me].stalled)
         };
         if fatal {
-            break;
+            return Step::Stop;
         }
         // The watchdog marked this rail stalled (and broke its connection
         // where the transport can): give its slices to the others.
         if stalled {
-            fail(String::new(), &mut inflight, &mut use_);
-            break;
+            self.fail(String::new());
+            return Step::Stop;
         }
-        while inflight.len() < settings.window {
+        if self.fill(conn) == Step::Stop {
+            return Step::Stop;
+        }
+        if self.inflight.is_empty() {
+            let sh = self.lock();
+            if sh.done == self.slices.len() || sh.fatal.is_some() {
+                return Step::Stop;
+            }
+            // Others hold the last slices: wait for them to finish, or to
+            // fail and hand theirs back.
+            let _ = self.cv.wait_timeout(sh, Duration::from_millis(20));
+            return Step::Go;
+        }
+        self.reap(conn)
+    }
+
+    /// Posts queued slices until the window is full or the queues are empty.
+    fn fill(&mut self, conn: &mut dyn Connection) -> Step {
+        while self.inflight.len() < self.settings.window {
             let i = {
-                let mut sh = lock();
-                let Some(i) = sh.take(me) else { break };
-                let l = &mut sh.lanes[me];
+                let mut sh = self.lock();
+                let Some(i) = sh.take(self.me) else { break };
+                let l = &mut sh.lanes[self.me];
                 if l.inflight == 0 {
                     l.last_progress = Some(Instant::now());
                 }
@@ -347,82 +393,98 @@ fn lane(
                 i
             };
             let t = Instant::now();
-            if first_post.is_none() {
-                first_post = Some(t);
-                event(rail, RailEvent::Starting);
+            if self.first_post.is_none() {
+                self.first_post = Some(t);
+                (self.event)(self.rail, RailEvent::Starting);
             }
-            match conn.post(slices[i].clone()) {
+            match conn.post(self.slices[i].clone()) {
                 Ok(b) => {
-                    post_time += t.elapsed();
-                    inflight.insert(b, i);
-                    event(rail, RailEvent::Posted);
+                    self.post_time += t.elapsed();
+                    self.inflight.insert(b, i);
+                    (self.event)(self.rail, RailEvent::Posted);
                 }
                 Err(e) => {
-                    inflight.insert(BatchId(u64::MAX), i);
-                    fail(format!("post: {e}"), &mut inflight, &mut use_);
-                    break 'run;
+                    self.inflight.insert(BatchId(u64::MAX), i);
+                    self.fail(format!("post: {e}"));
+                    return Step::Stop;
                 }
             }
         }
-        if inflight.is_empty() {
-            let sh = lock();
-            if sh.done == slices.len() || sh.fatal.is_some() {
-                break;
-            }
-            // Others hold the last slices: wait for them to finish, or to
-            // fail and hand theirs back.
-            let _ = cv.wait_timeout(sh, Duration::from_millis(20));
-            continue;
-        }
-        match conn.poll(Duration::from_millis(20)) {
-            Ok(done) => {
-                for c in done {
-                    let Some(i) = inflight.remove(&c.batch) else { continue };
-                    match c.result {
-                        Ok(()) => {
-                            let now = Instant::now();
-                            last_done = Some(now);
-                            use_.bytes += c.bytes;
-                            use_.slices += 1;
-                            writes += slices[i].writes.len() as u64;
-                            {
-                                let mut sh = lock();
-                                sh.done += 1;
-                                sh.lanes[me].inflight -= 1;
-                                sh.lanes[me].last_progress = Some(now);
-                            }
-                            cv.notify_all();
-                            event(rail, RailEvent::Completed(c.bytes));
-                        }
-                        Err(TransportError::Refused(why)) => {
-                            let mut sh = lock();
-                            sh.fatal.get_or_insert(format!("peer refused a write on rail `{}`: {why}", rail.name));
-                            drop(sh);
-                            cv.notify_all();
-                            break 'run;
-                        }
-                        Err(e) => {
-                            inflight.insert(c.batch, i);
-                            fail(e.to_string(), &mut inflight, &mut use_);
-                            break 'run;
-                        }
-                    }
-                }
-            }
+        Step::Go
+    }
+
+    /// Takes the completions that arrive within 20 ms.
+    fn reap(&mut self, conn: &mut dyn Connection) -> Step {
+        let done = match conn.poll(Duration::from_millis(20)) {
+            Ok(done) => done,
             Err(e) => {
-                fail(e.to_string(), &mut inflight, &mut use_);
-                break;
+                self.fail(e.to_string());
+                return Step::Stop;
+            }
+        };
+        for c in done {
+            let Some(i) = self.inflight.remove(&c.batch) else { continue };
+            match c.result {
+                Ok(()) => self.completed(i, c.bytes),
+                Err(TransportError::Refused(why)) => {
+                    let mut sh = self.lock();
+                    sh.fatal.get_or_insert(format!("peer refused a write on rail `{}`: {why}", self.rail.name));
+                    drop(sh);
+                    self.cv.notify_all();
+                    return Step::Stop;
+                }
+                Err(e) => {
+                    self.inflight.insert(c.batch, i);
+                    self.fail(e.to_string());
+                    return Step::Stop;
+                }
             }
         }
+        Step::Go
     }
-    lock().lanes[me].interrupt = None;
-    use_.retransmitted_bytes += conn.retransmitted_bytes();
-    let span = first_post.zip(last_done);
-    if let Some((a, b)) = span {
-        use_.busy_ns = b.saturating_duration_since(a).as_nanos() as u64;
+
+    fn completed(&mut self, i: usize, bytes: u64) {
+        let now = Instant::now();
+        self.last_done = Some(now);
+        self.use_.bytes += bytes;
+        self.use_.slices += 1;
+        self.writes += self.slices[i].writes.len() as u64;
+        {
+            let mut sh = self.lock();
+            sh.done += 1;
+            sh.lanes[self.me].inflight -= 1;
+            sh.lanes[self.me].last_progress = Some(now);
+        }
+        self.cv.notify_all();
+        (self.event)(self.rail, RailEvent::Completed(bytes));
     }
-    let framing = conn.framing_bytes() + conn.answer_bytes();
-    LaneResult { rail: use_, post_time, writes, framing, span }
+
+    /// Gives this rail's outstanding slices back and leaves; the last rail
+    /// to leave with work undone fails the transfer.
+    fn fail(&mut self, why: String) {
+        let mut back: Vec<usize> = self.inflight.drain().map(|(_, i)| i).collect();
+        back.sort_unstable();
+        let resent: u64 = back.iter().map(|&i| self.slices[i].bytes()).sum();
+        let (rail, me) = (self.rail, self.me);
+        let mut sh = self.lock();
+        let why = if sh.lanes[me].stalled { format!("stalled: no completion for {} ms", self.settings.stall.as_millis()) } else { why };
+        for i in back.into_iter().rev() {
+            sh.queues.entry(self.prefer.get(i).copied().unwrap_or(0)).or_default().push_front(i);
+        }
+        sh.alive -= 1;
+        sh.lanes[me].up = false;
+        sh.lanes[me].interrupt = None;
+        sh.failures.push(format!("rail `{}` ({}): {why}", rail.name, rail.addr));
+        if sh.alive == 0 && sh.done < self.slices.len() && sh.fatal.is_none() {
+            sh.fatal = Some(format!("every rail failed: {}", sh.failures.join("; ")));
+        }
+        drop(sh);
+        self.cv.notify_all();
+        tracing::warn!(rail = rail.name, addr = rail.addr, why, resent, "rail failed; its slices go to the others");
+        (self.event)(rail, RailEvent::Failed(resent, &why));
+        self.use_.failed = Some(why);
+        self.use_.retransmitted_bytes += resent;
+    }
 }
 
 #[cfg(test)]
