@@ -1,0 +1,176 @@
+//! Registering a rank's cache, in host memory ([`kvw_register_cache`]) or
+//! device memory ([`kvw_register_device_cache`]).
+
+use crate::args::{model_source, out, request, text};
+use crate::boundary::{client_guard, lock, Fail};
+use crate::codes::kvw_result::{self, *};
+#[cfg(doc)] // for the doc links
+use crate::{kvw_cache_size, kvw_client_free, kvw_client_last_error, kvw_release_cache};
+use crate::{kvw_client, kvw_mem};
+use kvwire_client::control::{RegisterCache, RegisterDeviceCache};
+use kvwire_core::reuse::CacheIdentity;
+use std::ffi::{c_char, c_int};
+
+/// Registers rank `rank` of cache group `group`, held in `mem` (its
+/// regions back to back, in layout order; [`kvw_cache_size`] says how many
+/// bytes), with the daemon. The daemon maps the memfd itself.
+///
+/// - `model_json`: `{"builtin": NAME}`, `{"hf_config": TEXT}` or
+///   `{"toml": TEXT}`.
+/// - `format`: cache format id, e.g. `bf16`.
+/// - `layout`: parallel layout, e.g. `tp=4,block=16,layout=nhd`.
+/// - `num_blocks`: blocks per region (the engine's cache capacity).
+/// - `identity_json`: what the cache holds, as JSON with every field:
+///   `{"model_digest":…, "adapter_digest":…, "format":…, "tenant":…,
+///   "rope":…, "position_offset":…}`.
+///
+/// On success writes the regions registered, their bytes, and whether every
+/// rank of the group is now registered. Every argument stays the caller's;
+/// keep `mem` alive until [`kvw_release_cache`] (or [`kvw_client_free`],
+/// which releases it too). A bad layout is `KVW_BAD_LAYOUT` (102) with the
+/// daemon's message in [`kvw_client_last_error`].
+///
+/// # Safety
+/// `client`/`mem` are NULL or live handles; strings NULL or NUL-terminated;
+/// out-parameters NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvw_register_cache(
+    client: *const kvw_client,
+    group: *const c_char,
+    model_json: *const c_char,
+    format: *const c_char,
+    layout: *const c_char,
+    rank: u32,
+    num_blocks: u32,
+    identity_json: *const c_char,
+    mem: *const kvw_mem,
+    out_regions: *mut u32,
+    out_bytes: *mut u64,
+    out_complete: *mut bool,
+) -> kvw_result {
+    client_guard(client, |c| {
+        // SAFETY: forwarded caller contract.
+        let r = unsafe { register_request(group, model_json, format, layout, rank, num_blocks, identity_json) }?;
+        // SAFETY: NULL or live, per the contract.
+        let mem = unsafe { mem.as_ref() }.ok_or_else(|| Fail::null("mem"))?;
+        let outs = (out(out_regions, "out_regions")?, out(out_bytes, "out_bytes")?, out(out_complete, "out_complete")?);
+        let done = {
+            let _call = lock(&c.call);
+            c.client.register(r, &mem.mem)?
+        };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put_registered(outs, done) };
+        Ok(())
+    })
+}
+
+/// Registers rank `rank` of cache group `group` held in device (GPU)
+/// memory: `len` bytes on device `ordinal`, handed over by its CUDA IPC
+/// handle (`ipc_handle`, `ipc_len` = 64 bytes, from `cuIpcGetMemHandle`)
+/// and, when the driver exports one, its dmabuf `fd` (-1 for none). The
+/// daemon must run a `[device]` backend; it stages the cache through pinned
+/// host memory of its own. With the daemon's `host` stand-in backend, `fd`
+/// is a memfd playing the device memory and there is no IPC handle
+/// (`ipc_handle` NULL, `ipc_len` 0). The other arguments and the outputs
+/// are those of [`kvw_register_cache`]. `fd` and the handle stay the
+/// caller's; keep the allocation alive until [`kvw_release_cache`]. A
+/// daemon without a device backend answers `KVW_BAD_REGION` (103) naming
+/// the setting.
+///
+/// # Safety
+/// As [`kvw_register_cache`]; `ipc_handle` readable for `ipc_len` bytes
+/// (NULL allowed when `ipc_len` is 0); `fd` -1 or an open descriptor.
+#[no_mangle]
+pub unsafe extern "C" fn kvw_register_device_cache(
+    client: *const kvw_client,
+    group: *const c_char,
+    model_json: *const c_char,
+    format: *const c_char,
+    layout: *const c_char,
+    rank: u32,
+    num_blocks: u32,
+    identity_json: *const c_char,
+    ordinal: u32,
+    len: u64,
+    fd: c_int,
+    ipc_handle: *const u8,
+    ipc_len: usize,
+    out_regions: *mut u32,
+    out_bytes: *mut u64,
+    out_complete: *mut bool,
+) -> kvw_result {
+    client_guard(client, |c| {
+        // SAFETY: forwarded caller contract.
+        let cache = unsafe { register_request(group, model_json, format, layout, rank, num_blocks, identity_json) }?;
+        let ipc = match (ipc_handle.is_null(), ipc_len) {
+            (_, 0) => None,
+            (true, _) => return Err(Fail::null("ipc_handle")),
+            // SAFETY: readable for ipc_len bytes, per the contract.
+            (false, n) => Some(unsafe { std::slice::from_raw_parts(ipc_handle, n) }.to_vec()),
+        };
+        if fd < -1 {
+            return Err(Fail::new(KVW_INVALID_ARGUMENT, format!("fd {fd}: -1 for none, or an open descriptor")));
+        }
+        // SAFETY: an open descriptor per the contract, borrowed for this call only.
+        let fd = (fd >= 0).then(|| unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) });
+        let outs = (out(out_regions, "out_regions")?, out(out_bytes, "out_bytes")?, out(out_complete, "out_complete")?);
+        let done = {
+            let _call = lock(&c.call);
+            c.client.register_device(RegisterDeviceCache { cache, ordinal, len, ipc }, fd)?
+        };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put_registered(outs, done) };
+        Ok(())
+    })
+}
+
+/// The cache registration both register calls send.
+///
+/// # Safety
+/// Strings NULL or NUL-terminated.
+unsafe fn register_request(
+    group: *const c_char,
+    model_json: *const c_char,
+    format: *const c_char,
+    layout: *const c_char,
+    rank: u32,
+    num_blocks: u32,
+    identity_json: *const c_char,
+) -> Result<RegisterCache, Fail> {
+    // SAFETY: forwarded caller contract.
+    let (group, model_json, format, layout, identity_json) = unsafe {
+        (
+            text(group, "group")?,
+            text(model_json, "model_json")?,
+            text(format, "format")?,
+            text(layout, "layout")?,
+            text(identity_json, "identity_json")?,
+        )
+    };
+    let model = model_source(model_json)?;
+    let identity: CacheIdentity = serde_json::from_str(identity_json).map_err(|e| {
+        Fail::new(KVW_INVALID_JSON, format!("identity_json: {e} (fields: model_digest, adapter_digest, format, tenant, rope, position_offset)"))
+    })?;
+    request(serde_json::json!({
+        "group": group,
+        "model": model,
+        "format": format,
+        "layout": layout,
+        "rank": rank,
+        "num_blocks": num_blocks,
+        "identity": identity,
+    }))
+}
+
+/// Writes a registration's outcome.
+///
+/// # Safety
+/// Each pointer non-NULL and writable.
+unsafe fn put_registered((regions, bytes, complete): (*mut u32, *mut u64, *mut bool), done: (u32, u64, bool)) {
+    // SAFETY: per the contract.
+    unsafe {
+        *regions = done.0;
+        *bytes = done.1;
+        *complete = done.2;
+    }
+}
