@@ -1,0 +1,84 @@
+//! A point's figures from its timed transfers, and the size arithmetic the
+//! campaign shares (pure).
+
+use super::records::LatNs;
+use hdrhistogram::Histogram;
+
+/// One timed transfer, as nanoseconds since a common origin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sample {
+    /// First post.
+    pub start_ns: u64,
+    /// Destination flag seen.
+    pub end_ns: u64,
+    /// Framing the connection sent and got back for this transfer's
+    /// writes, as the connection reports it.
+    pub framing: u64,
+}
+
+impl Sample {
+    fn took(&self) -> u64 {
+        self.end_ns.saturating_sub(self.start_ns).max(1)
+    }
+}
+
+/// Figures of a point from its rounds (each a list of concurrent transfers of `size` bytes).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Figures {
+    /// Bytes / summed transfer time, GB/s.
+    pub gbps_avg: f64,
+    /// Fastest transfer, GB/s.
+    pub gbps_peak: f64,
+    /// Round bytes / round wall time, GB/s.
+    pub gbps_aggregate: f64,
+    /// Latency.
+    pub lat: LatNs,
+}
+
+/// Computes a point's figures. `rounds` must hold at least one transfer.
+pub fn figures(size: u64, rounds: &[Vec<Sample>]) -> Figures {
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid histogram bounds");
+    let (mut n, mut sum, mut fastest) = (0u64, 0u64, u64::MAX);
+    let (mut round_bytes, mut round_ns) = (0u64, 0u64);
+    for round in rounds.iter().filter(|r| !r.is_empty()) {
+        for s in round {
+            hist.saturating_record(s.took());
+            n += 1;
+            sum += s.took();
+            fastest = fastest.min(s.took());
+        }
+        let first = round.iter().map(|s| s.start_ns).min().expect("non-empty");
+        let last = round.iter().map(|s| s.end_ns).max().expect("non-empty");
+        round_bytes += size * round.len() as u64;
+        round_ns += last.saturating_sub(first).max(1);
+    }
+    let gb = |bytes: u64, ns: u64| if ns == 0 { 0.0 } else { bytes as f64 / ns as f64 };
+    Figures {
+        gbps_avg: gb(size * n, sum),
+        gbps_peak: if n == 0 { 0.0 } else { gb(size, fastest) },
+        gbps_aggregate: gb(round_bytes, round_ns),
+        lat: LatNs {
+            min: hist.min(),
+            p50: hist.value_at_quantile(0.50),
+            p99: hist.value_at_quantile(0.99),
+            p999: hist.value_at_quantile(0.999),
+            max: hist.max(),
+        },
+    }
+}
+
+/// The write lengths of one `size`-byte transfer split into `chunk`-byte writes.
+pub fn chunks(size: u64, chunk: u64) -> impl Iterator<Item = (u64, u64)> {
+    let chunk = chunk.max(1);
+    (0..size.div_ceil(chunk)).map(move |i| (i * chunk, chunk.min(size - i * chunk)))
+}
+
+/// `4K`, `64M`, `1G` for whole binary units, else bytes.
+pub fn size_label(n: u64) -> String {
+    for (shift, unit) in [(30, 'G'), (20, 'M'), (10, 'K')] {
+        if n >= 1 << shift && n % (1 << shift) == 0 {
+            return format!("{}{unit}", n >> shift);
+        }
+    }
+    n.to_string()
+}

@@ -1,0 +1,211 @@
+//! Measurement: fresh endpoint pairs, lock-step rounds of timed transfers
+//! through them, and one point measured with its in-run baselines.
+
+use super::baselines::{memcpy_baseline, socket_baseline};
+use super::figures::{chunks, figures, Sample};
+use super::records::{Baseline, HopStat, Point, PointHops};
+use super::settings::{Settings, Transport};
+use anyhow::{anyhow, bail, Context};
+use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
+use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
+use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hop, Hops, Placement, Registry, Tag, TransportError, WriteOp};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+/// How long one completion or flag may take before the campaign gives up.
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Transfers at once, in lock-step rounds: `work(state, round)` runs on one
+/// thread per state, all threads released together by a barrier each
+/// round. After a failure every thread stops working (but keeps meeting the
+/// barrier, so none waits forever); the first error is returned.
+pub(super) fn lockstep<S, T, F>(states: Vec<S>, rounds: usize, work: F) -> anyhow::Result<Vec<Vec<T>>>
+where
+    S: Send,
+    T: Send,
+    F: Fn(usize, &mut S) -> anyhow::Result<T> + Sync,
+{
+    let barrier = Barrier::new(states.len());
+    let failed = AtomicBool::new(false);
+    let results: Vec<anyhow::Result<Vec<T>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = states
+            .into_iter()
+            .enumerate()
+            .map(|(lane, mut state)| {
+                let (barrier, failed, work) = (&barrier, &failed, &work);
+                scope.spawn(move || {
+                    let mut out = Vec::with_capacity(rounds);
+                    let mut err = None;
+                    for _ in 0..rounds {
+                        barrier.wait();
+                        if failed.load(Ordering::Acquire) {
+                            continue;
+                        }
+                        match work(lane, &mut state) {
+                            Ok(t) => out.push(t),
+                            Err(e) => {
+                                failed.store(true, Ordering::Release);
+                                err = Some(e.context(format!("stream {lane}")));
+                            }
+                        }
+                    }
+                    err.map_or(Ok(out), Err)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a campaign thread panicked")))).collect()
+    });
+    results.into_iter().collect()
+}
+
+fn placement(slots: u16) -> anyhow::Result<Arc<Placement>> {
+    Ok(Arc::new(Placement::new(FlagTable::new(slots, 1)?, Arc::new(Hops::default()))))
+}
+
+/// A fresh (source, destination) endpoint pair with `slots` transfer slots.
+fn pair(t: Transport, slots: u16) -> anyhow::Result<(Arc<dyn Endpoint>, Arc<dyn Endpoint>)> {
+    let regions = 2 * usize::from(slots) + 16;
+    let one = |node: &str| -> anyhow::Result<Arc<dyn Endpoint>> {
+        Ok(match t {
+            Transport::Tcp => {
+                TcpEndpoint::bind(node, "127.0.0.1:0".parse()?, Arc::new(Registry::new(regions)), placement(slots)?, TcpLimits::default())?
+            }
+            Transport::Shm => ShmEndpoint::new(node, None, Arc::new(Registry::new(regions)), placement(slots)?, ShmLimits::default())?,
+            Transport::Verbs => {
+                let limits = VerbsLimits { node: node.into(), slots, layers: 1, max_regions: regions, ..VerbsLimits::default() };
+                Arc::new(verbs_endpoint(limits)?)
+            }
+        })
+    };
+    Ok((one("campaign-src")?, one("campaign-dst")?))
+}
+
+pub(super) fn verbs_endpoint(limits: VerbsLimits) -> Result<VerbsEndpoint, TransportError> {
+    let dev = std::env::var("KVWIRE_RDMA_DEVICE").ok();
+    VerbsEndpoint::new(dev.as_deref(), 1, None, limits)
+}
+
+/// Waits for at least one completion; fails on a failed batch or a timeout.
+fn reap(conn: &mut dyn Connection) -> anyhow::Result<usize> {
+    let done = conn.poll(TIMEOUT)?;
+    if done.is_empty() {
+        bail!("no completion within {TIMEOUT:?} ({} batches outstanding)", conn.pending());
+    }
+    for c in &done {
+        c.result.clone().with_context(|| format!("batch {} ({} bytes)", c.batch.0, c.bytes))?;
+    }
+    Ok(done.len())
+}
+
+/// One lane of a point: a connection and the keys it writes from and into.
+struct Lane {
+    conn: Box<dyn Connection>,
+    tag: Tag,
+    src_key: u32,
+    dst_key: u32,
+}
+
+/// One transfer: `size` bytes in `chunk`-byte batches, at most `depth`
+/// outstanding, timed from the first post until the destination's flag is
+/// seen; then every completion is drained and the slot reset for the next.
+fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32, origin: Instant) -> anyhow::Result<Sample> {
+    dst.expect(lane.tag, size)?;
+    let framed = lane.conn.framing_bytes() + lane.conn.answer_bytes();
+    let start = Instant::now();
+    let mut outstanding = 0usize;
+    for (off, len) in chunks(size, chunk) {
+        while outstanding >= depth as usize {
+            outstanding -= reap(&mut *lane.conn)?.min(outstanding);
+        }
+        let w = WriteOp { src_key: lane.src_key, src_offset: off, dst_key: lane.dst_key, dst_offset: off, len };
+        lane.conn.post(Batch { tag: lane.tag, writes: vec![w] }).context("post")?;
+        outstanding += 1;
+    }
+    dst.wait(lane.tag, TIMEOUT).context("destination flag")?;
+    let end = Instant::now();
+    while outstanding > 0 {
+        outstanding -= reap(&mut *lane.conn)?.min(outstanding);
+    }
+    // Every write of this transfer was placed and answered: the slot is free.
+    dst.reset_slot(lane.tag.slot);
+    let ns = |t: Instant| u64::try_from(t.duration_since(origin).as_nanos()).unwrap_or(u64::MAX);
+    let framing = lane.conn.framing_bytes() + lane.conn.answer_bytes() - framed;
+    Ok(Sample { start_ns: ns(start), end_ns: ns(end), framing })
+}
+
+/// Registers one source and one destination region per lane, connects one
+/// connection per lane (after registering: a verbs peer learns regions from
+/// the hello), and runs `rounds` lock-step rounds.
+fn run_rounds(src: &dyn Endpoint, dst: &dyn Endpoint, mem: &[(Arc<HostMem>, Arc<HostMem>)], s: &Settings, size: u64, rounds: usize) -> anyhow::Result<Vec<Vec<Sample>>> {
+    let mut lanes = Vec::with_capacity(mem.len());
+    for (i, (a, b)) in mem.iter().enumerate() {
+        let sr = src.register(a.clone(), 0, size).context("register source region")?;
+        let dr = dst.register(b.clone(), 0, size).context("register destination region")?;
+        lanes.push((i, sr.key, dr.key));
+    }
+    let mut states = Vec::with_capacity(lanes.len());
+    for (i, src_key, dst_key) in lanes {
+        let conn = src.connect(&dst.local_addr()).with_context(|| format!("connect to {}", dst.local_addr()))?;
+        states.push(Lane { conn, tag: Tag { slot: i as u16, layer: 0 }, src_key, dst_key });
+    }
+    let origin = Instant::now();
+    let placement = dst.placement();
+    let by_lane = lockstep(states, rounds, |_, lane| transfer(lane, placement, size, s.chunk, s.depth, origin))?;
+    Ok((0..rounds).map(|r| by_lane.iter().map(|l| l[r]).collect()).collect())
+}
+
+/// Measures one point.
+pub(super) fn measure(t: Transport, size: u64, c: u32, s: &Settings) -> anyhow::Result<Point> {
+    let mut mem = Vec::with_capacity(c as usize);
+    let pattern = vec![0x5Au8; size as usize];
+    for _ in 0..c {
+        let a = Arc::new(HostMem::new("kvwire-campaign-src", size)?);
+        a.write(0, &pattern)?;
+        mem.push((a, Arc::new(HostMem::new("kvwire-campaign-dst", size)?)));
+    }
+    drop(pattern);
+    let slots = c as u16;
+    {
+        // Warm-up through a twin pair on the same memory: the measured
+        // endpoints' histograms then hold timed transfers only.
+        let (src, dst) = pair(t, slots).context("warm-up endpoints")?;
+        run_rounds(&*src, &*dst, &mem, s, size, 1).context("warm-up")?;
+    }
+    let (src, dst) = pair(t, slots).context("endpoints")?;
+    let rounds = run_rounds(&*src, &*dst, &mem, s, size, s.iterations as usize)?;
+    let (sh, dh) = (src.placement().hops(), dst.placement().hops());
+    let hops = PointHops { post: HopStat::of(sh, Hop::Post), wire: HopStat::of(sh, Hop::Wire), place: HopStat::of(dh, Hop::Place), notify: HopStat::of(dh, Hop::Notify) };
+    drop((src, dst, mem));
+    let f = figures(size, &rounds);
+    let mut baselines = vec![Baseline { name: "memcpy".into(), gbps: memcpy_baseline(size, c, s.iterations).context("memcpy baseline")? }];
+    match t {
+        Transport::Tcp => {
+            baselines.push(Baseline { name: "tcp socket pair".into(), gbps: socket_baseline(size, c, s.iterations).context("tcp socket pair baseline")? })
+        }
+        Transport::Shm => {}
+        Transport::Verbs => {
+            let r = crate::baseline::transport("verbs", size, s.iterations).context("ib_write_bw baseline (needs perftest)")?;
+            baselines.push(Baseline { name: "ib_write_bw".into(), gbps: r.baseline_gbps });
+        }
+    }
+    let transfers = u64::from(c) * u64::from(s.iterations);
+    Ok(Point {
+        kind: "point",
+        transport: t.name(),
+        size,
+        concurrency: c,
+        chunk: s.chunk.min(size),
+        depth: s.depth,
+        iterations: s.iterations,
+        gbps_avg: f.gbps_avg,
+        gbps_peak: f.gbps_peak,
+        gbps_aggregate: f.gbps_aggregate,
+        lat_ns: f.lat,
+        payload_bytes: size * transfers,
+        wire_bytes: size * transfers + rounds.iter().flatten().map(|x| x.framing).sum::<u64>(),
+        baselines,
+        hops,
+    })
+}

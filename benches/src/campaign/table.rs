@@ -1,0 +1,64 @@
+//! The fixed-width table printed without `--json`.
+
+use super::figures::size_label;
+use super::records::{Point, Skipped};
+use super::settings::Settings;
+use std::fmt::Write as _;
+
+/// The fixed-width table, perftest / Mooncake-bench style.
+pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &mut String) {
+    let _ = writeln!(
+        out,
+        "kvwire bench campaign: chunk {}, depth {}, {} iterations per point after 1 warm-up round; latency = first post -> destination flag seen",
+        size_label(s.chunk),
+        s.depth,
+        s.iterations
+    );
+    let _ = writeln!(
+        out,
+        "{:<9} {:>6} {:>4} {:>5} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>15} {:>9} {:>6}",
+        "transport", "size", "conc", "iters", "GB/s avg", "GB/s peak", "GB/s agg", "min µs", "p50 µs", "p99 µs", "p99.9 µs", "max µs", "baseline", "base GB/s", "ratio"
+    );
+    let us = |ns: u64| format!("{:.1}", ns as f64 / 1e3);
+    for p in points {
+        let base = p.baselines.last();
+        let _ = writeln!(
+            out,
+            "{:<9} {:>6} {:>4} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>15} {:>9.3} {:>6}",
+            p.transport,
+            size_label(p.size),
+            p.concurrency,
+            p.iterations,
+            p.gbps_avg,
+            p.gbps_peak,
+            p.gbps_aggregate,
+            us(p.lat_ns.min),
+            us(p.lat_ns.p50),
+            us(p.lat_ns.p99),
+            us(p.lat_ns.p999),
+            us(p.lat_ns.max),
+            base.map_or("-", |b| b.name.as_str()),
+            base.map_or(0.0, |b| b.gbps),
+            p.ratio().map_or("-".into(), |r| format!("{r:.3}"))
+        );
+    }
+    for sk in skipped {
+        let _ = writeln!(out, "{:<9} SKIPPED: {}", sk.transport, sk.reason);
+    }
+    let _ = writeln!(
+        out,
+        "GB/s = 1e9 bytes/s. avg: each transfer's effective bandwidth (bytes / summed transfer time); peak: fastest transfer; \
+         agg: all bytes of a round / that round's wall time."
+    );
+    let _ = writeln!(
+        out,
+        "conc c: c transfers at once sharing one link (c connections from one source endpoint to one destination, one thread each). \
+         A duration measured alone (conc 1) must not be subtracted from a latency budget that runs under contention: \
+         read the row with the concurrency the budget runs at."
+    );
+    let _ = writeln!(
+        out,
+        "baseline: measured in this run right after its point, same concurrency (ib_write_bw: one stream); ratio = GB/s avg / baseline. \
+         memcpy is in campaign.jsonl for every point."
+    );
+}

@@ -1,0 +1,35 @@
+use super::*;
+
+fn sample(start_ns: u64, end_ns: u64) -> Sample {
+    Sample { start_ns, end_ns, framing: 0 }
+}
+
+#[test]
+fn figures_from_hand_derived_rounds() {
+    // 1000-byte transfers. Round 1: two at once, 0..100 and 10..210 ns;
+    // round 2: 1000..1050 and 1000..1100.
+    // Latencies 100, 200, 50, 100: sum 450 → avg 4000/450 GB/s; fastest 50 → 20 GB/s.
+    // Round walls 210 and 100 ns carry 2000 bytes each → 4000/310 GB/s.
+    let rounds = vec![vec![sample(0, 100), sample(10, 210)], vec![sample(1000, 1050), sample(1000, 1100)]];
+    let f = figures(1000, &rounds);
+    assert!((f.gbps_avg - 4000.0 / 450.0).abs() < 1e-12);
+    assert!((f.gbps_peak - 20.0).abs() < 1e-12);
+    assert!((f.gbps_aggregate - 4000.0 / 310.0).abs() < 1e-12);
+    // Small values are exact in an hdrhistogram with 3 significant digits.
+    assert_eq!(f.lat, LatNs { min: 50, p50: 100, p99: 200, p999: 200, max: 200 });
+}
+
+#[test]
+fn chunks_cover_the_transfer_once() {
+    let c: Vec<_> = chunks(10, 4).collect();
+    assert_eq!(c, vec![(0, 4), (4, 4), (8, 2)]);
+    assert_eq!(chunks(4, 16).collect::<Vec<_>>(), vec![(0, 4)]);
+}
+
+#[test]
+fn size_labels() {
+    assert_eq!(size_label(4096), "4K");
+    assert_eq!(size_label(64 << 20), "64M");
+    assert_eq!(size_label(1 << 30), "1G");
+    assert_eq!(size_label(1000), "1000");
+}
