@@ -4,6 +4,7 @@
 //! on the same device for `verbs` — because only the ratio means anything
 //! on a noisy host.
 
+use kvwire_core::protocol::TransportKind;
 use anyhow::{bail, Context};
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
@@ -223,24 +224,24 @@ pub fn memcpy_baseline(size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
 }
 
 /// Runs the bench for `transport`.
-pub fn transport(transport: &str, size: u64, iters: u32) -> anyhow::Result<BenchResult> {
+pub fn transport(transport: TransportKind, size: u64, iters: u32) -> anyhow::Result<BenchResult> {
     if size == 0 || iters == 0 {
         bail!("--size and --iterations must be > 0");
     }
     let (samples, baseline, base) = match transport {
-        "tcp" => {
+        TransportKind::Tcp => {
             let (src, dst) = (endpoint("bench-src")?, endpoint("bench-dst")?);
             let mut conn = src.connect(&dst.local_addr())?;
             let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("tcp transfers")?;
             (s, "tcp socket pair (loopback)", tcp_baseline(size, iters)?)
         }
-        "shm" => {
+        TransportKind::Shm => {
             let (src, dst) = (shm_endpoint("bench-src")?, shm_endpoint("bench-dst")?);
             let mut conn = src.connect(&dst.local_addr())?;
             let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("shm transfers")?;
             (s, "single-thread memcpy", memcpy_baseline(size, iters)?)
         }
-        "verbs" => {
+        TransportKind::Verbs => {
             let dev = std::env::var("KVWIRE_RDMA_DEVICE").ok();
             let ep = |node: &str| {
                 let limits = VerbsLimits { node: node.into(), slots: 1024, layers: 1, ..VerbsLimits::default() };
@@ -253,12 +254,11 @@ pub fn transport(transport: &str, size: u64, iters: u32) -> anyhow::Result<Bench
             let s = time_verbs(&src, &dst, size, iters).context("verbs transfers")?;
             (s, "ib_write_bw (same device, same run)", ib_write_bw(&device, gid_index, size, iters)?)
         }
-        other => bail!("--transport {other}: expected tcp, shm or verbs"),
     };
     let (t, b) = (best(samples), best(base));
     let (g, bg) = (gbps(size, t), gbps(size, b));
     Ok(BenchResult {
-        transport: transport.into(),
+        transport: transport.as_str().into(),
         size,
         iterations: iters,
         gbps: g,

@@ -4,6 +4,7 @@
 //! transport), timed from submit until `decoder_usable` is seen, next to a
 //! raw socket streaming the same payload in the same run.
 
+use kvwire_core::protocol::TransportKind;
 use crate::Error;
 use kvwire_client::control::*;
 use kvwire_client::Client;
@@ -40,7 +41,7 @@ pub struct LayoutsArgs {
     pairs: String,
     /// tcp or shm.
     #[arg(long, default_value = "tcp")]
-    transport: String,
+    transport: TransportKind,
     /// Timed transfers per point.
     #[arg(long, default_value_t = 3)]
     iterations: u32,
@@ -114,7 +115,7 @@ struct Pair {
     _dir: TempDir,
 }
 
-fn daemons(transport: &str) -> anyhow::Result<Pair> {
+fn daemons(transport: TransportKind) -> anyhow::Result<Pair> {
     let dir = TempDir::try_new("layouts").map_err(|e| anyhow!(e))?;
     let secret = random_secret()?;
     let extra = format!("[transport]\nkind = \"{transport}\"\n");
@@ -159,9 +160,9 @@ fn register(c: &Client, group: &str, model: &str, format: &CacheFormat, layout: 
 pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
     let model = layout::builtin(&a.model).map_err(|e| bad("model", e))?;
     let format = CacheFormat::parse(&a.format).map_err(|e| bad("format", e))?;
-    let kind = match a.transport.as_str() {
-        k @ ("tcp" | "shm") => k,
-        other => return Err(bad("transport", format!("`{other}`: expected tcp or shm"))),
+    let kind = match a.transport {
+        TransportKind::Verbs => return Err(bad("transport", "`verbs`: expected tcp or shm")),
+        k => k,
     };
     if a.iterations == 0 {
         return Err(bad("iterations", "must be > 0"));
@@ -212,7 +213,7 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
     Ok(())
 }
 
-fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: &str, pairs: &[(String, String)]) -> anyhow::Result<Vec<LayoutPoint>> {
+fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: TransportKind, pairs: &[(String, String)]) -> anyhow::Result<Vec<LayoutPoint>> {
     let d = daemons(kind).context("starting two daemons")?;
     let ca = Client::connect(&d.a.socket, "bench-prefill")?;
     let cb = Client::connect(&d.b.socket, "bench-decode")?;
@@ -275,7 +276,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: &str, p
                 tokens,
                 src_layout: src_l.clone(),
                 dst_layout: dst_l.clone(),
-                transport: a.transport.clone(),
+                transport: a.transport.as_str().into(),
                 iterations: a.iterations,
                 payload_bytes: payload,
                 wire_bytes: s.wire_bytes,

@@ -4,7 +4,8 @@
 use super::baselines::{memcpy_baseline, socket_baseline};
 use super::figures::{chunks, figures, Sample};
 use super::records::{Baseline, HopStat, Point, PointHops};
-use super::settings::{Settings, Transport};
+use super::settings::Settings;
+use kvwire_core::protocol::TransportKind;
 use anyhow::{anyhow, bail, Context};
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
@@ -65,15 +66,15 @@ fn placement(slots: u16) -> anyhow::Result<Arc<Placement>> {
 }
 
 /// A fresh (source, destination) endpoint pair with `slots` transfer slots.
-fn pair(t: Transport, slots: u16) -> anyhow::Result<(Arc<dyn Endpoint>, Arc<dyn Endpoint>)> {
+fn pair(t: TransportKind, slots: u16) -> anyhow::Result<(Arc<dyn Endpoint>, Arc<dyn Endpoint>)> {
     let regions = 2 * usize::from(slots) + 16;
     let one = |node: &str| -> anyhow::Result<Arc<dyn Endpoint>> {
         Ok(match t {
-            Transport::Tcp => {
+            TransportKind::Tcp => {
                 TcpEndpoint::bind(node, "127.0.0.1:0".parse()?, Arc::new(Registry::new(regions)), placement(slots)?, TcpLimits::default())?
             }
-            Transport::Shm => ShmEndpoint::new(node, None, Arc::new(Registry::new(regions)), placement(slots)?, ShmLimits::default())?,
-            Transport::Verbs => {
+            TransportKind::Shm => ShmEndpoint::new(node, None, Arc::new(Registry::new(regions)), placement(slots)?, ShmLimits::default())?,
+            TransportKind::Verbs => {
                 let limits = VerbsLimits { node: node.into(), slots, layers: 1, max_regions: regions, ..VerbsLimits::default() };
                 Arc::new(verbs_endpoint(limits)?)
             }
@@ -157,7 +158,7 @@ fn run_rounds(src: &dyn Endpoint, dst: &dyn Endpoint, mem: &[(Arc<HostMem>, Arc<
 }
 
 /// Measures one point.
-pub(super) fn measure(t: Transport, size: u64, c: u32, s: &Settings) -> anyhow::Result<Point> {
+pub(super) fn measure(t: TransportKind, size: u64, c: u32, s: &Settings) -> anyhow::Result<Point> {
     let mut mem = Vec::with_capacity(c as usize);
     let pattern = vec![0x5Au8; size as usize];
     for _ in 0..c {
@@ -181,19 +182,19 @@ pub(super) fn measure(t: Transport, size: u64, c: u32, s: &Settings) -> anyhow::
     let f = figures(size, &rounds);
     let mut baselines = vec![Baseline { name: "memcpy".into(), gbps: memcpy_baseline(size, c, s.iterations).context("memcpy baseline")? }];
     match t {
-        Transport::Tcp => {
+        TransportKind::Tcp => {
             baselines.push(Baseline { name: "tcp socket pair".into(), gbps: socket_baseline(size, c, s.iterations).context("tcp socket pair baseline")? })
         }
-        Transport::Shm => {}
-        Transport::Verbs => {
-            let r = crate::baseline::transport("verbs", size, s.iterations).context("ib_write_bw baseline (needs perftest)")?;
+        TransportKind::Shm => {}
+        TransportKind::Verbs => {
+            let r = crate::baseline::transport(TransportKind::Verbs, size, s.iterations).context("ib_write_bw baseline (needs perftest)")?;
             baselines.push(Baseline { name: "ib_write_bw".into(), gbps: r.baseline_gbps });
         }
     }
     let transfers = u64::from(c) * u64::from(s.iterations);
     Ok(Point {
         kind: "point",
-        transport: t.name(),
+        transport: t.as_str(),
         size,
         concurrency: c,
         chunk: s.chunk.min(size),

@@ -60,11 +60,12 @@ mod tests;
 pub use figures::{chunks, figures, size_label, Figures, Sample};
 pub use plots::{hop_ceiling_svg, hop_latency_svg, throughput_svg};
 pub use records::{Baseline, HopStat, LatNs, Point, PointHops, Skipped};
-pub use settings::{CampaignArgs, Settings, Transport};
+pub use settings::{CampaignArgs, Settings};
 pub use table::render_table;
 
 use crate::Error;
 use anyhow::{anyhow, Context};
+use kvwire_core::protocol::TransportKind;
 use kvwire_transport::verbs::VerbsLimits;
 use kvwire_transport::TransportError;
 use measure::{measure, verbs_endpoint};
@@ -92,13 +93,13 @@ pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Error> {
     let total = s.transports.len() * s.sizes.len() * s.concurrency.len();
     let mut done = 0;
     for &t in &s.transports {
-        if t == Transport::Verbs {
+        if t == TransportKind::Verbs {
             match verbs_endpoint(VerbsLimits { node: "campaign-probe".into(), slots: 1, layers: 1, ..VerbsLimits::default() }) {
                 Ok(_) => {}
                 Err(TransportError::NoDevice(why)) => {
                     let n = s.sizes.len() * s.concurrency.len();
                     eprintln!("kvwire: WARNING: SKIPPING all {n} verbs points: no RDMA device: {why}");
-                    let sk = Skipped { kind: "skipped", transport: t.name(), reason: format!("no RDMA device: {why}") };
+                    let sk = Skipped { kind: "skipped", transport: t.as_str(), reason: format!("no RDMA device: {why}") };
                     line(&sk, out)?;
                     skipped.push(sk);
                     done += n;
@@ -111,10 +112,10 @@ pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Error> {
             for &c in &s.concurrency {
                 done += 1;
                 if progress {
-                    eprintln!("kvwire: campaign point {done}/{total}: {} {} conc {c}", t.name(), size_label(size));
+                    eprintln!("kvwire: campaign point {done}/{total}: {} {} conc {c}", t.as_str(), size_label(size));
                 }
                 let p = measure(t, size, c, &s)
-                    .with_context(|| format!("{} {} bytes, concurrency {c}", t.name(), size))
+                    .with_context(|| format!("{} {} bytes, concurrency {c}", t.as_str(), size))
                     .map_err(Error::Failed)?;
                 line(&p, out)?;
                 points.push(p);

@@ -1,6 +1,7 @@
 //! The arguments of `kvwire bench campaign` ([`CampaignArgs`]) and the
 //! validated [`Settings`] they become.
 
+use kvwire_core::protocol::TransportKind;
 use crate::parse_size;
 use anyhow::{anyhow, bail};
 use clap::Args;
@@ -45,33 +46,11 @@ pub struct CampaignArgs {
     json: bool,
 }
 
-/// A transport the campaign can drive.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    /// TCP emulation of one-sided writes.
-    Tcp,
-    /// Same-host shared memory.
-    Shm,
-    /// RDMA verbs (real NIC or soft-RoCE).
-    Verbs,
-}
-
-impl Transport {
-    /// The name used on the command line and in reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Tcp => "tcp",
-            Transport::Shm => "shm",
-            Transport::Verbs => "verbs",
-        }
-    }
-}
-
 /// Validated settings of a campaign.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Settings {
     /// Transports, in the order given, without repeats.
-    pub transports: Vec<Transport>,
+    pub transports: Vec<TransportKind>,
     /// Transfer sizes in bytes, ascending, without repeats.
     pub sizes: Vec<u64>,
     /// Timed transfers per connection and point.
@@ -93,12 +72,7 @@ impl CampaignArgs {
     pub fn settings(&self) -> anyhow::Result<Settings> {
         let mut transports = Vec::new();
         for t in self.transports.iter().map(|t| t.trim()) {
-            let t = match t {
-                "tcp" => Transport::Tcp,
-                "shm" => Transport::Shm,
-                "verbs" => Transport::Verbs,
-                other => bail!("--transports: unknown transport `{other}` (expected tcp, shm or verbs)"),
-            };
+            let t: TransportKind = t.parse().map_err(|e| anyhow::anyhow!("--transports: {e}"))?;
             if !transports.contains(&t) {
                 transports.push(t);
             }

@@ -80,7 +80,7 @@ enum BenchCommand {
 struct BenchTransportArgs {
     /// tcp, shm or verbs.
     #[arg(long)]
-    transport: String,
+    transport: kvwire_core::protocol::TransportKind,
     /// Bytes per transfer (suffixes K, M, G = KiB, MiB, GiB).
     #[arg(long, default_value = "64M", value_parser = parse_size)]
     size: u64,
@@ -228,7 +228,7 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
             Ok(())
         }
         Command::Bench(BenchCommand::Transport(a)) => {
-            let r = kvwire_bench::baseline::transport(&a.transport, a.size, a.iterations).map_err(Failure::Failed)?;
+            let r = kvwire_bench::baseline::transport(a.transport, a.size, a.iterations).map_err(Failure::Failed)?;
             if a.json {
                 out.push_str(&serde_json::to_string_pretty(&r).expect("bench result serializes"));
                 out.push('\n');

@@ -292,9 +292,7 @@ impl Daemon {
             self.publish(r.id, tag.layer);
             self.slot_mark(r.id, Boundary::LayerReady(layer));
         }
-        self.publish(r.id, DECODER_USABLE);
-        self.slot_mark(r.id, Boundary::DecoderUsable);
-        self.finish(r.id, TransferState::Done, None);
+        self.complete(r.id, DECODER_USABLE, Boundary::DecoderUsable);
         tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "decoder usable");
     }
 

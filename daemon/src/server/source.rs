@@ -289,9 +289,7 @@ impl Daemon {
                     }
                     // What the connections say they sent, not a guess at their framing.
                     Metrics::add(&d.metrics.wire_bytes, bytes + outcome.framing);
-                    d.publish(id, SOURCE_RELEASED);
-                    d.slot_mark(id, Boundary::SourceReleased);
-                    d.finish(id, TransferState::Done, None);
+                    d.complete(id, SOURCE_RELEASED, Boundary::SourceReleased);
                     thread_link.done();
                     tracing::info!(bytes, writes, "source released");
                 }

@@ -50,6 +50,24 @@ impl Daemon {
     pub(super) fn finish(&self, id: SlotId, state: TransferState, error: Option<String>) -> bool {
         let mut st = self.slots.lock().expect("slots lock");
         let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
+        self.end(id, s, state, error);
+        true
+    }
+
+    /// Ends transfer `id` as done at boundary `b`, publishing its last flag
+    /// `column` under the same lock as the state change: a client that sees
+    /// the flag and then asks for the status finds the transfer done.
+    pub(super) fn complete(&self, id: SlotId, column: u16, b: Boundary) -> bool {
+        let mut st = self.slots.lock().expect("slots lock");
+        let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
+        let at = s.started.elapsed();
+        s.marks.push(b.at(at));
+        self.end(id, s, TransferState::Done, None);
+        self.page.publish(Tag { slot: id.slot, layer: column })
+    }
+
+    /// Records the outcome in the slot (whose lock the caller holds).
+    fn end(&self, id: SlotId, s: &mut Slot, state: TransferState, error: Option<String>) {
         s.state = state;
         s.error = error;
         s.elapsed = Some(s.started.elapsed());
@@ -69,7 +87,6 @@ impl Daemon {
         if state != TransferState::Done {
             self.fail_flags(id.slot);
         }
-        true
     }
 
     /// Ends transfer `id` as failed with `why`.
