@@ -1,12 +1,17 @@
 //! Peer-control messages from another daemon (`PeerMsg` JSON, as
 //! `wire::read_msg` hands it over), and the strings the destination then
-//! parses from an `accept` or `expect` (layout, format, manifest).
+//! parses from an `accept` or `expect` (layout, format, manifest); then the
+//! peer session state machines take the message in every phase.
 #![no_main]
 
 use kvwire_core::format::CacheFormat;
 use kvwire_core::manifest::Manifest;
 use kvwire_core::shard::LayoutSpec;
-use kvwired::peer::PeerMsg;
+use kvwire_core::protocol::TransportKind;
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::session::msg::{Offer, PeerMsg};
+use kvwire_core::session::{DestinationSession, SourceSession, Timeouts};
+use std::time::{Duration, Instant};
 use kvwire_client::wire::{frame, parse};
 use libfuzzer_sys::fuzz_target;
 
@@ -31,4 +36,45 @@ fuzz_target!(|data: &[u8]| {
         }
         _ => {}
     }
+    sessions(msg);
 });
+
+/// A source waiting for an accept, and one waiting for staging, and a
+/// destination with nothing yet: each takes the message without panicking,
+/// and a refusal or error leaves them in a state that still answers.
+fn sessions(msg: PeerMsg) {
+    let now = Instant::now();
+    let t = Timeouts { reply: Duration::from_secs(1), peer: Duration::from_secs(1), transfer: Duration::from_secs(10) };
+    let offer = Offer {
+        dst_group: "g".into(),
+        dst_request: "r".into(),
+        src_request: "s".into(),
+        identity: CacheIdentity {
+            model_digest: "m".into(),
+            adapter_digest: String::new(),
+            format: "bf16/v1".into(),
+            tenant: "t".into(),
+            rope: "theta=10000".into(),
+            position_offset: 0,
+        },
+        tokens: 1,
+        codec: None,
+    };
+    let (mut s, _) = SourceSession::start(now, offer, TransportKind::Tcp, t);
+    if s.handle(now, msg.clone()).is_ok() {
+        if s.expect(now, sample_expect(), 16).is_ok() {
+            let _ = s.handle(now, msg.clone());
+        }
+    }
+    let _ = s.abort("fuzz");
+    let _ = s.handle_timeout(now + Duration::from_secs(11));
+    let mut d = DestinationSession::new(now, "fuzz", t);
+    let _ = d.handle(now, msg.clone());
+    let _ = d.handle(now, msg);
+    let _ = d.handle_timeout(now + Duration::from_secs(11));
+    let _ = d.closed();
+}
+
+fn sample_expect() -> kvwire_core::session::msg::Expect {
+    kvwire_core::session::msg::Expect { slot: 0, src_layout: "tp=1".into(), src_num_blocks: 1, src_block_table: vec![0], manifest: "{}".into(), codec: None }
+}
