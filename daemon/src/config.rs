@@ -132,6 +132,9 @@ pub struct Limits {
     /// Seconds a peer may stay silent mid-transfer before the transfer
     /// fails on this side; a closed peer connection fails it at once.
     pub peer_timeout_secs: u64,
+    /// Most bytes of staging buffers kept between transfers, already
+    /// faulted in, for the next transfer to reuse.
+    pub staging_pool_bytes: u64,
 }
 
 impl Default for Limits {
@@ -143,6 +146,7 @@ impl Default for Limits {
             max_clients: 256,
             transfer_timeout_secs: 120,
             peer_timeout_secs: 10,
+            staging_pool_bytes: 512 << 20,
         }
     }
 }

@@ -125,6 +125,8 @@ struct Shared {
     fatal: Option<String>,
     failures: Vec<String>,
     lanes: Vec<LaneState>,
+    // Rail threads not yet returned: the watchdog ends when this reaches 0.
+    running: usize,
 }
 
 /// What the watchdog sees of a rail.
@@ -191,13 +193,24 @@ pub fn run(
         fatal: None,
         failures: Vec::new(),
         lanes: rails.iter().map(|_| LaneState { up: true, ..LaneState::default() }).collect(),
+        running: rails.len(),
     });
     let cv = Condvar::new();
     let lanes: Vec<LaneResult> = std::thread::scope(|scope| {
         let (shared, cv) = (&shared, &cv);
-        let handles: Vec<_> =
-            rails.iter().enumerate().map(|(i, rail)| scope.spawn(move || lane(i, slices, prefer, rail, connect, settings, event, shared, cv))).collect();
-        watchdog(shared, cv, settings, interrupted, || handles.iter().all(|h| h.is_finished()));
+        let handles: Vec<_> = rails
+            .iter()
+            .enumerate()
+            .map(|(i, rail)| {
+                scope.spawn(move || {
+                    let r = lane(i, slices, prefer, rail, connect, settings, event, shared, cv);
+                    shared.lock().expect("stripe lock").running -= 1;
+                    cv.notify_all();
+                    r
+                })
+            })
+            .collect();
+        watchdog(shared, cv, settings, interrupted);
         handles.into_iter().map(|h| h.join().expect("rail thread")).collect()
     });
     let first = lanes.iter().filter_map(|l| l.span.map(|s| s.0)).min();
@@ -226,9 +239,17 @@ pub fn run(
 /// the deadline, and breaks a rail that stalled while another is up. Rail
 /// threads may be blocked in a post, so both are done by breaking their
 /// connections from here.
-fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupted: &(dyn Fn() -> Option<String> + Sync), finished: impl Fn() -> bool) {
-    while !finished() {
-        std::thread::sleep(Duration::from_millis(10));
+fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupted: &(dyn Fn() -> Option<String> + Sync)) {
+    loop {
+        // Wakes as soon as the last rail thread returns (no sleep to finish
+        // first: `source_released` waits on this), else every 10 ms to check.
+        {
+            let sh = shared.lock().expect("stripe lock");
+            let (sh, _) = cv.wait_timeout_while(sh, Duration::from_millis(10), |sh| sh.running > 0).expect("stripe lock");
+            if sh.running == 0 {
+                return;
+            }
+        }
         let why = interrupted().or_else(|| (Instant::now() > settings.deadline).then(|| "transfer timed out".to_string()));
         let mut sh = shared.lock().expect("stripe lock");
         if let Some(why) = why {

@@ -7,6 +7,10 @@
 //! acquire ordering, so once it sees the flag every placed byte is visible
 //! to it, and `now - word` is the `notify` hop. The words live in a memfd
 //! so a client process can map the page and wait without a round trip.
+//!
+//! Waiters sleep on the word with a shared futex (the page is mapped by
+//! the daemon and by its clients) and every publish or failure wakes them,
+//! so a wait costs no core and is seen within a wake-up, not a poll period.
 
 use crate::mem::{HostMem, MemError};
 use kvwire_core::protocol::Tag;
@@ -100,7 +104,11 @@ impl FlagTable {
     pub fn publish(&self, tag: Tag) -> bool {
         match self.word_mut(tag) {
             Some(w) => {
-                w.store(monotonic_ns().max(1), Ordering::Release);
+                // Waiters sleep on the low half: it must change too.
+                let now = monotonic_ns().max(1);
+                let now = if now as u32 == 0 { now + 1 } else { now };
+                w.store(now, Ordering::Release);
+                futex_wake(w);
                 true
             }
             None => false,
@@ -110,7 +118,9 @@ impl FlagTable {
     /// Marks `tag` failed, unless it was already published.
     pub fn fail(&self, tag: Tag) {
         if let Some(w) = self.word_mut(tag) {
-            let _ = w.compare_exchange(0, FAILED, Ordering::AcqRel, Ordering::Acquire);
+            if w.compare_exchange(0, FAILED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                futex_wake(w);
+            }
         }
     }
 
@@ -139,14 +149,17 @@ impl FlagTable {
             if waited >= timeout {
                 return Err(WaitError::Timeout { slot: tag.slot, layer: tag.layer, waited });
             }
-            // Spin briefly for latency, then back off so a long wait costs no core.
+            // Spin briefly for latency, then sleep on the word until a
+            // publish or failure wakes us (bounded, so a lost wake-up or a
+            // kernel without futexes costs at most a short nap).
             spins += 1;
-            if spins < 1000 {
+            if spins < 200 {
                 std::hint::spin_loop();
-            } else if spins < 2000 {
-                std::thread::yield_now();
+            } else if let Some(w) = self.word(tag) {
+                futex_wait(w, 0, (timeout - waited).min(Duration::from_millis(50)));
             } else {
-                std::thread::sleep(Duration::from_micros(50));
+                // Outside the table: nothing will ever be published there.
+                std::thread::sleep((timeout - waited).min(Duration::from_millis(50)));
             }
         }
     }
@@ -158,5 +171,46 @@ impl FlagTable {
                 w.store(0, Ordering::Release);
             }
         }
+    }
+}
+
+/// The address of the word's low half, which the futex calls watch.
+fn low_half(w: &AtomicU64) -> *mut u32 {
+    let p = w.as_ptr().cast::<u32>();
+    if cfg!(target_endian = "little") {
+        p
+    } else {
+        p.wrapping_add(1)
+    }
+}
+
+/// Sleeps while the low half of `w` still holds `expected`, for at most
+/// `timeout`. A shared futex: the word may be in another process's mapping.
+fn futex_wait(w: &AtomicU64, expected: u32, timeout: Duration) {
+    use nix::libc;
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: FUTEX_WAIT reads the aligned u32 at `low_half(w)`, which lies
+    // inside the live word `w` (an 8-byte-aligned AtomicU64 in a mapping
+    // held by the caller), and reads `ts` from this stack frame; it writes
+    // nothing. Every argument is passed as a full machine word.
+    let rc = unsafe {
+        libc::syscall(libc::SYS_futex, low_half(w), libc::FUTEX_WAIT as libc::c_long, expected as libc::c_long, &ts as *const libc::timespec, 0 as libc::c_long, 0 as libc::c_long)
+    };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error().raw_os_error();
+        if !matches!(e, Some(libc::EAGAIN | libc::ETIMEDOUT | libc::EINTR)) {
+            // No futex here (a sandbox that refuses it): nap instead.
+            std::thread::sleep(Duration::from_micros(50).min(timeout));
+        }
+    }
+}
+
+/// Wakes every waiter sleeping on `w`.
+fn futex_wake(w: &AtomicU64) {
+    use nix::libc;
+    // SAFETY: FUTEX_WAKE only uses the address as a key (the u32 at
+    // `low_half(w)`, inside the live word `w`); it reads and writes no memory.
+    unsafe {
+        libc::syscall(libc::SYS_futex, low_half(w), libc::FUTEX_WAKE as libc::c_long, libc::c_long::from(i32::MAX), 0 as libc::c_long, 0 as libc::c_long, 0 as libc::c_long);
     }
 }

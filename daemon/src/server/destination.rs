@@ -4,7 +4,7 @@
 //! verifies and publishes each layer.
 
 use super::device::Direction;
-use super::error::{refused, Refusal};
+use super::error::Refusal;
 use super::state::{Boundary, Role, SlotId};
 use super::{read_mem, Daemon};
 use crate::metrics::Metrics;
@@ -14,15 +14,15 @@ use kvwire_client::wire::{read_msg, write_msg, WireError};
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
-use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
+use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::reuse::check_prefix;
-use kvwire_core::schedule::{self, Schedule};
+use kvwire_core::schedule::{self, Schedule, Staged};
 use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, PeerRegion, RailAddr};
 use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::BoundMem;
-use kvwire_transport::{Hop, HostMem, Region, Tag};
+use kvwire_transport::{Hop, Region, Tag};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
@@ -204,23 +204,27 @@ impl Daemon {
     /// expects bytes; a receive thread verifies each layer and publishes
     /// it. Returns the staging buffer's key and size.
     fn expect(self: &Arc<Self>, id: SlotId, e: Expect) -> Result<(u32, u64), Refusal> {
-        let r = self.receive_of(id, &e)?;
+        let mut r = self.receive_of(id, &e)?;
         let n = r.model.layers.len();
         let c = &r.plan.counters;
         self.with_slot(id, |sl| sl.sized(n, c, r.schedule.wire_bytes()));
         Metrics::add(&self.metrics.received_bytes, c.total_bytes_moved);
-        for (l, ls) in r.schedule.layers.iter().enumerate() {
-            self.ep.placement().expect(Tag { slot: id.slot, layer: l as u16 }, ls.wire_bytes).map_err(refused(Code::TransferFailed))?;
+        let expected = r.schedule.layers.iter().enumerate().try_for_each(|(l, ls)| self.ep.placement().expect(Tag { slot: id.slot, layer: l as u16 }, ls.wire_bytes));
+        if let Err(err) = expected {
+            self.drop_stage(r.stage.take());
+            return Err(Refusal::new(Code::TransferFailed, err));
         }
         let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.schedule.stage_bytes);
+        let stage = r.stage.clone();
         let d = self.clone();
         let spawned = std::thread::Builder::new().name(format!("kvwired-recv-{}", id.slot)).spawn(move || {
             let span = tracing::info_span!("receive", slot = id.slot, request = r.request);
             let _g = span.enter();
             d.receive(&r);
-            d.drop_stage(&r.stage);
+            d.drop_stage(r.stage.take());
         });
         if let Err(err) = spawned {
+            self.drop_stage(stage);
             return Err(Refusal::new(Code::TransferFailed, format!("cannot start the receive thread: {err}")));
         }
         Ok(staging)
@@ -242,15 +246,7 @@ impl Daemon {
             (g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions(), g.devices())
         };
         let manifest = Manifest::from_json(e.manifest.as_bytes()).map_err(|err| refuse(format!("manifest: {err}")))?;
-        let planned = || -> Result<(Side, Plan), String> {
-            let dst = Side::with_table(&model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks).map_err(|e| e.to_string())?;
-            let src_layout = LayoutSpec::parse(&e.src_layout).map_err(|e| e.to_string())?;
-            let src = Side::with_table(&model, &src_layout, format, recv.tokens, e.src_block_table.clone(), e.src_num_blocks).map_err(|e| e.to_string())?;
-            let input = PlanInput { model: &model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() };
-            let plan = plan::build(&input).map_err(|e| e.to_string())?;
-            Ok((dst, plan))
-        };
-        let (dst, plan) = planned().map_err(|err| refuse(format!("source plan: {err}")))?;
+        let (dst, plan) = replan(&model, layout.clone(), format, num_blocks, &recv, e).map_err(|err| refuse(format!("source plan: {err}")))?;
         // Identity, shapes, maps and positions, before any flag can be published.
         let expected = Expected::new(&identity, &model, &dst, &recv.request, recv.tokens, recv.prefix_tokens).map_err(|err| refuse(format!("registration: {err}")))?;
         manifest.check(&expected).map_err(|err| refuse(err.to_string()))?;
@@ -263,9 +259,10 @@ impl Daemon {
         let stage = match schedule.stage_bytes {
             0 => None,
             n => Some(
-                HostMem::new("kvwire-stage", n)
+                self.stage_pool
+                    .take(n)
                     .map_err(|e| e.to_string())
-                    .and_then(|m| self.register_region(Arc::new(m), 0, n).map_err(|e| e.to_string()))
+                    .and_then(|m| self.register_region(m, 0, n).map_err(|e| e.to_string()))
                     .map_err(|err| refuse(format!("staging: {err}")))?,
             ),
         };
@@ -303,18 +300,7 @@ impl Daemon {
         let t = Instant::now();
         for st in &ls.staged {
             let seg = &r.plan.segments[st.seg];
-            let placed = || -> Option<()> {
-                let stage = r.stage.as_ref()?;
-                let bytes = read_mem(&stage.mem, st.offset, st.size)?;
-                let data = schedule::unpack(&bytes, st, &r.format, r.codec)?;
-                let dst = r.regions.get(&(seg.dst_rank, seg.dst_region))?;
-                for (k, (_, dof)) in seg.runs().enumerate() {
-                    let run = data.get(k * seg.len as usize..(k + 1) * seg.len as usize)?;
-                    dst.mem.write(dst.offset + dof, run).ok()?;
-                }
-                Some(())
-            };
-            placed().ok_or_else(|| format!("unpack of layer {layer} failed"))?;
+            unpack_segment(r, seg, st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
         }
         if !ls.staged.is_empty() {
             self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.plan.segments[st.seg].bytes()).sum());
@@ -343,10 +329,44 @@ impl Daemon {
         Ok(())
     }
 
-    /// Revokes a transfer's staging buffer: late writes to it fail.
-    fn drop_stage(&self, stage: &Option<Arc<Region>>) {
+    /// Revokes a transfer's staging buffer (late writes to it fail) and
+    /// hands its memory back to the pool.
+    fn drop_stage(&self, stage: Option<Arc<Region>>) {
         if let Some(r) = stage {
             self.revoke_key(r.key);
+            self.stage_pool.give(r);
         }
     }
+}
+
+/// Moves one staged segment from the staging buffer into its runs in the
+/// cache (decoding it on the way with a codec); `None` when a range is not there.
+fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
+    let stage = r.stage.as_ref()?;
+    let dst = r.regions.get(&(seg.dst_rank, seg.dst_region))?;
+    if r.codec.is_none() {
+        // Runs go straight from staging into the cache: one copy each.
+        for (k, (_, dof)) in seg.runs().enumerate() {
+            stage.mem.copy_to(st.offset + k as u64 * seg.len, &dst.mem, dst.offset + dof, seg.len).ok()?;
+        }
+        return Some(());
+    }
+    let bytes = read_mem(&stage.mem, st.offset, st.size)?;
+    let data = schedule::unpack(&bytes, st, &r.format, r.codec)?;
+    for (k, (_, dof)) in seg.runs().enumerate() {
+        let run = data.get(k * seg.len as usize..(k + 1) * seg.len as usize)?;
+        dst.mem.write(dst.offset + dof, run).ok()?;
+    }
+    Some(())
+}
+
+/// This side's plan of the transfer, from its own registration and the
+/// source's layout and block table.
+fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, e: &Expect) -> Result<(Side, Plan), String> {
+    let dst = Side::with_table(model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks).map_err(|e| e.to_string())?;
+    let src_layout = LayoutSpec::parse(&e.src_layout).map_err(|e| e.to_string())?;
+    let src = Side::with_table(model, &src_layout, format, recv.tokens, e.src_block_table.clone(), e.src_num_blocks).map_err(|e| e.to_string())?;
+    let input = PlanInput { model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() };
+    let plan = plan::build(&input).map_err(|e| e.to_string())?;
+    Ok((dst, plan))
 }

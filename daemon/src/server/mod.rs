@@ -19,6 +19,7 @@ mod error;
 mod link;
 mod rails;
 mod source;
+mod staging;
 mod state;
 mod transfers;
 
@@ -71,6 +72,8 @@ pub struct Daemon {
     topology: Option<kvwire_core::topology::HostTopology>,
     // `[device]`: how device-resident caches are opened and copied.
     device: Option<Backend>,
+    // Staging buffers kept faulted in between transfers.
+    stage_pool: staging::StagePool,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -133,6 +136,7 @@ impl Daemon {
         } else {
             Some(TcpListener::bind(&cfg.metrics_listen).map_err(|e| anyhow::anyhow!("metrics_listen {}: {e}", cfg.metrics_listen))?)
         };
+        let stage_pool = staging::StagePool::new(cfg.limits.staging_pool_bytes);
         let d = Arc::new(Daemon {
             cfg,
             secret,
@@ -148,6 +152,7 @@ impl Daemon {
             rails,
             topology,
             device,
+            stage_pool,
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();

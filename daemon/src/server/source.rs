@@ -25,7 +25,7 @@ use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::BoundMem;
-use kvwire_transport::{Batch, Hop, HostMem, Region, Tag, WriteOp};
+use kvwire_transport::{Batch, Hop, Region, Tag, WriteOp};
 use std::collections::HashMap;
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;
@@ -233,10 +233,17 @@ impl Daemon {
         }
         let started = Instant::now();
         let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
-        let mem = Arc::new(HostMem::new("kvwire-stage", total).map_err(|e| failed(&e))?);
+        let mem = self.stage_pool.take(total).map_err(|e| failed(&e))?;
         for st in &p.schedule.staged {
             let seg = &p.plan.segments[st.seg];
             let r = g.regions.get(&(seg.src_rank, seg.src_region)).ok_or_else(|| failed(&"source region missing"))?;
+            if codec.is_none() {
+                // Runs go straight from the cache into staging: one copy each.
+                for (k, (so, _)) in seg.runs().enumerate() {
+                    r.mem.copy_to(r.offset + so, &mem, st.offset + k as u64 * seg.len, seg.len).map_err(|e| failed(&e))?;
+                }
+                continue;
+            }
             let bytes = schedule::pack(seg, st, &g.format, codec, |o, l| read_mem(&r.mem, r.offset + o, l)).ok_or_else(|| failed(&"cannot read a packed source run"))?;
             mem.write(st.offset, &bytes).map_err(|e| failed(&e))?;
         }
@@ -277,8 +284,9 @@ impl Daemon {
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
             let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &thread_link);
-            if let Some(stage) = &src_stage {
+            if let Some(stage) = src_stage {
                 d.revoke_key(stage.key);
+                d.stage_pool.give(stage);
             }
             match result {
                 Ok(outcome) => {

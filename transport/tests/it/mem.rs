@@ -55,3 +55,34 @@ fn a_page_for_readers_is_written_only_by_its_creator() {
     assert!(reader.wait(tag, Duration::from_secs(1)).is_ok());
     assert_eq!(reader.mem().write(0, &[0; 8]), Err(MemError::ReadOnly));
 }
+
+#[test]
+fn a_reader_asleep_on_a_flag_is_woken_by_its_publish_and_by_its_failure() {
+    use kvwire_transport::flags::WaitError;
+    use kvwire_transport::{FlagTable, Tag};
+    use std::sync::Arc;
+    use std::time::Duration;
+    let page = FlagTable::new(2, 4).unwrap();
+    let fd = File::from(page.mem().fd().try_clone_to_owned().unwrap());
+    let reader = FlagTable::from_mem(Arc::new(HostMem::from_file_read_only(fd).unwrap()), 2, 4).unwrap();
+    let (ready, failed) = (Tag { slot: 0, layer: 1 }, Tag { slot: 1, layer: 3 });
+    std::thread::scope(|s| {
+        // Both waiters are past their spins and asleep in the kernel long
+        // before the creator acts; the generous bound only keeps a broken
+        // wake-up from hanging the suite.
+        let a = s.spawn(|| reader.wait(ready, Duration::from_secs(30)));
+        let b = s.spawn(|| reader.wait(failed, Duration::from_secs(30)));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(page.publish(ready));
+        page.fail(failed);
+        assert!(a.join().unwrap().is_ok());
+        assert_eq!(b.join().unwrap(), Err(WaitError::Failed { slot: 1, layer: 3 }));
+    });
+    // A publish never leaves the low half of its word at zero (waiters sleep on it).
+    let word = |t: Tag| {
+        let mut b = [0u8; 8];
+        page.mem().read((u64::from(t.slot) * 4 + u64::from(t.layer)) * 8, &mut b).unwrap();
+        u64::from_le_bytes(b)
+    };
+    assert_ne!(word(ready) as u32, 0);
+}
