@@ -6,7 +6,7 @@
 use super::device::Direction;
 use super::error::Refusal;
 use super::state::{Boundary, Role, SlotId};
-use super::{read_mem, Daemon};
+use super::{read_mem, Daemon, RunReader};
 use crate::metrics::Metrics;
 use crate::peer;
 use kvwire_client::control::*;
@@ -307,10 +307,8 @@ impl Daemon {
         }
         if self.cfg.verify_checksums && ls.wire_bytes > 0 {
             let t = Instant::now();
-            let read = |rank: u32, region: RegionId, offset: u64, len: u64| {
-                let reg = r.regions.get(&(rank, region))?;
-                read_mem(&reg.mem, reg.offset + offset, len)
-            };
+            let runs = RunReader::new(&r.regions);
+            let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
             let this_layer = |_, l: u32| l as usize == layer;
             let checked = checksums_at_destination(&r.plan, read, this_layer).and_then(|rec| r.manifest.verify_checksums_of(&rec, this_layer));
             self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);

@@ -33,7 +33,10 @@ use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Endpoint, FlagTable, Hops, HostMem, Placement, Registry};
 use state::{Groups, Slots};
-use std::collections::BTreeMap;
+use kvwire_core::shard::RegionId;
+use kvwire_transport::Region;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -106,6 +109,58 @@ fn read_mem(mem: &HostMem, offset: u64, len: u64) -> Option<Vec<u8>> {
     let mut b = vec![0u8; len as usize];
     mem.read(offset, &mut b).ok()?;
     Some(b)
+}
+
+/// Reads runs of registered regions for the checksums, into one reused
+/// buffer (a remap reads hundreds of thousands of row-sized runs: one
+/// allocation each cost more than hashing them), looking a region up once
+/// per run of the same region.
+struct RunReader<'a> {
+    regions: &'a HashMap<(u32, RegionId), Arc<Region>>,
+    buf: RefCell<Vec<u8>>,
+    last: RefCell<Option<((u32, RegionId), Arc<Region>)>>,
+}
+
+/// Bytes a [`RunReader`] hands out: its buffer, or a converted copy.
+enum RunBytes<'a> {
+    Scratch(std::cell::RefMut<'a, Vec<u8>>),
+    Owned(Vec<u8>),
+}
+
+impl AsRef<[u8]> for RunBytes<'_> {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            RunBytes::Scratch(b) => b,
+            RunBytes::Owned(v) => v,
+        }
+    }
+}
+
+impl<'a> RunReader<'a> {
+    fn new(regions: &'a HashMap<(u32, RegionId), Arc<Region>>) -> RunReader<'a> {
+        RunReader { regions, buf: RefCell::new(Vec::new()), last: RefCell::new(None) }
+    }
+
+    fn region(&self, rank: u32, region: RegionId) -> Option<Arc<Region>> {
+        let mut last = self.last.borrow_mut();
+        match &*last {
+            Some((k, r)) if *k == (rank, region) => Some(r.clone()),
+            _ => {
+                let r = self.regions.get(&(rank, region))?.clone();
+                *last = Some(((rank, region), r.clone()));
+                Some(r)
+            }
+        }
+    }
+
+    /// `len` bytes at `offset` of (rank, region), in the reused buffer.
+    fn read(&self, rank: u32, region: RegionId, offset: u64, len: u64) -> Option<RunBytes<'_>> {
+        let r = self.region(rank, region)?;
+        let mut b = self.buf.borrow_mut();
+        b.resize(usize::try_from(len).ok()?, 0);
+        r.mem.read(r.offset + offset, &mut b).ok()?;
+        Some(RunBytes::Scratch(b))
+    }
 }
 
 impl Daemon {

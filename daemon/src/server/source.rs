@@ -9,7 +9,7 @@ use super::device::Direction;
 use super::error::{refused, Refusal};
 use super::link::{LinkError, PeerLink};
 use super::state::{Boundary, Role, SlotId};
-use super::{read_mem, Daemon, REPLY_TIMEOUT};
+use super::{read_mem, Daemon, RunBytes, RunReader, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -196,16 +196,17 @@ impl Daemon {
         let dim_of = |region: RegionId| {
             g.model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
         };
-        let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<Vec<u8>> {
-            let r = g.regions.get(&(rank, region))?;
-            let raw = read_mem(&r.mem, r.offset + offset, len)?;
-            Some(match codec {
+        let runs = RunReader::new(&g.regions);
+        let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<RunBytes<'_>> {
+            let raw = runs.read(rank, region, offset, len)?;
+            match codec {
                 Some(_) => {
                     let dim = dim_of(region);
-                    kvwire_core::codec::decode_rows(&kvwire_core::codec::encode_rows(&raw, elem, dim), elem, dim)
+                    let coded = kvwire_core::codec::encode_rows(raw.as_ref(), elem, dim);
+                    Some(RunBytes::Owned(kvwire_core::codec::decode_rows(&coded, elem, dim)))
                 }
-                None => raw,
-            })
+                None => Some(raw),
+            }
         };
         let started = Instant::now();
         // With checksums off, the manifest still carries every identity
