@@ -17,7 +17,7 @@ use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
 use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN};
-use std::io::{BufWriter, Read, Write};
+use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -147,7 +147,10 @@ fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Pla
     hello::send_hello(&mut stream, &hello(node, registry))?;
     stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
     tracing::debug!(peer = peer.node, "tcp peer connected");
-    let mut reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
+    // Buffered both ways: headers of frames that arrived together are read
+    // from memory, and their answers leave together, flushed only when no
+    // further frame is already here (the source is waiting for them then).
+    let mut reader = BufReader::with_capacity(256 << 10, stream.try_clone().map_err(TransportError::io("clone socket"))?);
     let mut acks = BufWriter::new(stream);
     let mut discard = vec![0u8; 64 << 10];
     loop {
@@ -185,7 +188,10 @@ fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Pla
                 hello::answer(h.tag, h.key, h.seq, Err(&why))
             }
         };
-        hello::send(&mut acks, &answer, "send answer")?;
+        acks.write_all(&answer).map_err(TransportError::io("send answer"))?;
+        if reader.buffer().is_empty() {
+            acks.flush().map_err(TransportError::io("send answer"))?;
+        }
     }
 }
 
@@ -249,7 +255,7 @@ pub struct TcpConnection {
     registry: Arc<Registry>,
     hops: Arc<Hops>,
     max_frame: u64,
-    events: Receiver<Event>,
+    events: Receiver<Vec<Event>>,
     next_seq: u64,
     ledger: Ledger,
     closed: Option<TransportError>,
@@ -263,23 +269,38 @@ impl std::fmt::Debug for TcpConnection {
     }
 }
 
-/// Reads the destination's answers until the connection ends.
-fn read_answers(mut reader: TcpStream, tx: mpsc::Sender<Event>) {
+/// Reads the destination's answers until the connection ends, handing on
+/// every answer that arrived together in one message (one wake-up of the
+/// connection's owner, not one per write).
+fn read_answers(reader: TcpStream, tx: mpsc::Sender<Vec<Event>>) {
+    let mut reader = BufReader::with_capacity(64 << 10, reader);
     loop {
-        let ev = match hello::read_frame(&mut reader, 0, "receive answer") {
-            Ok((h, why)) if matches!(h.kind, Kind::Ack | Kind::Nack) => Event::Answer {
-                seq: h.seq,
-                refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&why).into_owned()),
-                at: Instant::now(),
-                bytes: (HEADER_LEN + why.len()) as u64,
-            },
-            Ok((h, _)) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
-            Err(e) => Event::Closed(e),
-        };
-        let last = matches!(ev, Event::Closed(_));
-        if tx.send(ev).is_err() || last {
+        let mut batch = Vec::new();
+        loop {
+            let ev = read_answer(&mut reader);
+            let last = matches!(ev, Event::Closed(_));
+            batch.push(ev);
+            if last || reader.buffer().len() < HEADER_LEN {
+                break;
+            }
+        }
+        let last = matches!(batch.last(), Some(Event::Closed(_)));
+        if tx.send(batch).is_err() || last {
             return;
         }
+    }
+}
+
+fn read_answer(reader: &mut impl Read) -> Event {
+    match hello::read_frame(reader, 0, "receive answer") {
+        Ok((h, why)) if matches!(h.kind, Kind::Ack | Kind::Nack) => Event::Answer {
+            seq: h.seq,
+            refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&why).into_owned()),
+            at: Instant::now(),
+            bytes: (HEADER_LEN + why.len()) as u64,
+        },
+        Ok((h, _)) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
+        Err(e) => Event::Closed(e),
     }
 }
 
@@ -415,8 +436,8 @@ impl Connection for TcpConnection {
     fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {
         let deadline = Instant::now() + timeout;
         loop {
-            while let Ok(ev) = self.events.try_recv() {
-                self.apply(ev);
+            while let Ok(evs) = self.events.try_recv() {
+                evs.into_iter().for_each(|ev| self.apply(ev));
             }
             if self.ledger.has_done() || self.ledger.waiting() == 0 {
                 return Ok(self.ledger.take_done());
@@ -426,7 +447,7 @@ impl Connection for TcpConnection {
                 return Ok(Vec::new());
             }
             match self.events.recv_timeout(left) {
-                Ok(ev) => self.apply(ev),
+                Ok(evs) => evs.into_iter().for_each(|ev| self.apply(ev)),
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => {
                     let pending = self.ledger.waiting();
