@@ -80,6 +80,7 @@ impl Daemon {
             return;
         }
         let client = self.next_client.fetch_add(1, Ordering::Relaxed);
+        self.clients.fetch_add(1, Ordering::AcqRel);
         loop {
             let (body, fds) = match wire::recv_unix(&s) {
                 Ok(m) => m,
@@ -113,6 +114,9 @@ impl Daemon {
             }
         }
         self.release_client(client);
+        if self.clients.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.drop_kept();
+        }
     }
 
     /// A client went away: revoke everything it registered.

@@ -332,7 +332,7 @@ impl Daemon {
     fn drop_stage(&self, stage: Option<Arc<Region>>) {
         if let Some(r) = stage {
             self.revoke_key(r.key);
-            self.stage_pool.give(r);
+            self.stage_pool.give(r, || self.keeping());
         }
     }
 }

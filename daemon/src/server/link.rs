@@ -4,6 +4,7 @@
 //! can tell a dead source from a slow one, and an unanswered ping marks the
 //! destination lost.
 
+use crate::config::PeerConfig;
 use kvwire_client::wire::{read_msg, write_msg};
 use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
@@ -25,23 +26,27 @@ pub(super) enum LinkError {
 
 pub(super) struct PeerLink {
     // One lock for the stream and the session: a ping and the final
-    // message never interleave on the wire.
-    conn: Mutex<(TcpStream, SourceSession)>,
+    // message never interleave on the wire. The stream is taken out when
+    // the transfer ends well, to serve the next transfer to this peer.
+    conn: Mutex<(Option<TcpStream>, SourceSession)>,
     pub peer: String,
+    /// The peer's control address.
+    pub addr: String,
     peer_timeout: Duration,
     lost: Mutex<Option<String>>,
     ended: AtomicBool,
 }
 
 impl PeerLink {
-    pub fn new(stream: TcpStream, session: SourceSession, peer: &str, peer_timeout: Duration) -> PeerLink {
-        PeerLink { conn: Mutex::new((stream, session)), peer: peer.to_string(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
+    pub fn new(stream: TcpStream, session: SourceSession, peer: &PeerConfig, peer_timeout: Duration) -> PeerLink {
+        PeerLink { conn: Mutex::new((Some(stream), session)), peer: peer.name.clone(), addr: peer.address.clone(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
     }
 
     /// Sends `m` and hands the answer to the session.
     pub fn exchange(&self, m: &PeerMsg) -> Result<SourceEvent, LinkError> {
         let mut c = self.conn.lock().expect("peer link lock");
         let (s, session) = &mut *c;
+        let s = s.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
         let answer = write_msg(s, m).and_then(|()| read_msg::<PeerMsg>(s)).map_err(|e| match e {
             e if e.is_timeout() => LinkError::Wire(format!("peer `{}` silent for {}s", self.peer, self.peer_timeout.as_secs())),
             e => LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)),
@@ -56,7 +61,9 @@ impl PeerLink {
 
     /// Sets the stream's read timeout (the reply timeout, then the peer timeout while bytes flow).
     pub fn read_timeout(&self, t: Duration) {
-        let _ = self.conn.lock().expect("peer link lock").0.set_read_timeout(Some(t));
+        if let Some(s) = &self.conn.lock().expect("peer link lock").0 {
+            let _ = s.set_read_timeout(Some(t));
+        }
     }
 
     pub fn lost(&self) -> Option<String> {
@@ -94,13 +101,18 @@ impl PeerLink {
         }
     }
 
-    /// Every write completed: stops the heartbeat and sends `Done`.
-    pub fn done(&self) {
+    /// Every write completed: stops the heartbeat and sends `Done`. Returns
+    /// the connection once the destination acknowledged it, for the next
+    /// transfer to the same peer.
+    pub fn done(&self) -> Option<TcpStream> {
         self.ended.store(true, Ordering::Release);
-        if let Ok(m) = self.session(|s| s.moved()) {
-            if self.lost().is_none() {
-                let _ = self.exchange(&m);
-            }
+        let m = self.session(|s| s.moved()).ok()?;
+        if self.lost().is_some() {
+            return None;
+        }
+        match self.exchange(&m) {
+            Ok(SourceEvent::Closed) => self.conn.lock().expect("peer link lock").0.take(),
+            _ => None,
         }
     }
 
@@ -113,5 +125,42 @@ impl PeerLink {
                 let _ = self.exchange(&m);
             }
         }
+    }
+}
+
+/// Authenticated peer-control connections left idle by transfers that
+/// ended well, by peer: the next transfer to that peer skips the connect
+/// and the handshake. A peer that closed one meanwhile costs one failed
+/// offer, then a new connection.
+#[derive(Debug, Default)]
+pub(super) struct PeerConns {
+    idle: Mutex<std::collections::HashMap<(String, String), Vec<TcpStream>>>,
+}
+
+/// Idle connections kept per peer: as many as transfers to it usually overlap.
+const KEEP_PER_PEER: usize = 4;
+
+impl PeerConns {
+    /// An idle connection to `name` at `addr`, if one is kept.
+    pub fn take(&self, name: &str, addr: &str) -> Option<TcpStream> {
+        self.idle.lock().expect("peer conns lock").get_mut(&(name.to_string(), addr.to_string()))?.pop()
+    }
+
+    /// Keeps `conn` for the next transfer, unless enough are kept or
+    /// `wanted` says no (asked under the lock [`PeerConns::clear`] takes).
+    pub fn keep(&self, name: &str, addr: &str, conn: TcpStream, wanted: impl Fn() -> bool) {
+        let mut idle = self.idle.lock().expect("peer conns lock");
+        if !wanted() {
+            return;
+        }
+        let v = idle.entry((name.to_string(), addr.to_string())).or_default();
+        if v.len() < KEEP_PER_PEER {
+            v.push(conn);
+        }
+    }
+
+    /// Closes every kept connection (the peers' threads serving them end too).
+    pub fn clear(&self) {
+        self.idle.lock().expect("peer conns lock").clear();
     }
 }

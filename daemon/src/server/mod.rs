@@ -63,6 +63,9 @@ pub struct Daemon {
     pub metrics: Metrics,
     stop: AtomicBool,
     next_client: AtomicU64,
+    // Control clients connected now: with none left, nothing kept between
+    // transfers (staging buffers, peer connections) is kept any longer.
+    clients: AtomicU64,
     peer_addr: String,
     // Hop histograms per peer daemon, next to the daemon-wide ones.
     peer_hops: Mutex<BTreeMap<String, Arc<Hops>>>,
@@ -77,6 +80,8 @@ pub struct Daemon {
     device: Option<Backend>,
     // Staging buffers kept faulted in between transfers.
     stage_pool: staging::StagePool,
+    // Authenticated peer-control connections kept between transfers.
+    peer_conns: link::PeerConns,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -202,12 +207,14 @@ impl Daemon {
             metrics: Metrics::default(),
             stop: AtomicBool::new(false),
             next_client: AtomicU64::new(1),
+            clients: AtomicU64::new(0),
             peer_addr,
             peer_hops: Mutex::new(BTreeMap::new()),
             rails,
             topology,
             device,
             stage_pool,
+            peer_conns: link::PeerConns::default(),
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();
@@ -265,6 +272,18 @@ impl Daemon {
         let per_peer: Vec<(String, Arc<Hops>)> =
             self.peer_hops.lock().expect("peer hops lock").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         self.metrics.render(&self.cfg.node, self.hops(), &per_peer)
+    }
+
+    /// Whether anything should be kept for a next transfer: some client is
+    /// still connected.
+    fn keeping(&self) -> bool {
+        self.clients.load(Ordering::Acquire) > 0
+    }
+
+    /// The last client left: lets go of what was kept between transfers.
+    fn drop_kept(&self) {
+        self.peer_conns.clear();
+        self.stage_pool.clear();
     }
 
     /// What this daemon serves changed: its etcd entry is rewritten.

@@ -20,7 +20,7 @@ use kvwire_core::manifest::Manifest;
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::schedule::{self, Schedule, WriteTarget};
-use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, RailAddr};
+use kvwire_core::session::msg::{Accept, Expect, Offer, RailAddr};
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
@@ -103,12 +103,8 @@ impl Daemon {
             tokens: s.tokens,
             codec: s.codec.clone(),
         };
-        let (conn, first) = self.connect_peer(id, peer, offer)?;
-        let l = link.insert(Arc::new(conn));
-        let accept = match l.exchange_offer(&first)? {
-            SourceEvent::Accepted(a) => a,
-            other => return Err(Refusal::new(Code::PeerRefused, format!("unexpected peer reply {other:?}"))),
-        };
+        let accept = self.negotiate(id, peer, offer, link)?;
+        let l = link.as_ref().expect("negotiated").clone();
         let p = plan_against(&g, &s, &accept, codec)?;
         if !g.devices.is_empty() {
             // A device-resident source is copied into its host mirror first:
@@ -167,25 +163,51 @@ impl Daemon {
         })
     }
 
-    /// Negotiate, first half: connects to `peer`, authenticates both ways,
-    /// and opens the transfer's session.
-    fn connect_peer(&self, id: SlotId, peer: &PeerConfig, offer: Offer) -> Result<(PeerLink, PeerMsg), Refusal> {
-        let unreachable = |e: &dyn std::fmt::Display| Refusal::new(Code::PeerUnreachable, format!("peer `{}` at {}: {e}", peer.name, peer.address));
-        let addr = peer.address.parse().map_err(|e| unreachable(&e))?;
-        let mut pc = TcpStream::connect_timeout(&addr, Duration::from_secs(self.cfg.limits.peer_timeout_secs)).map_err(|e| unreachable(&e))?;
-        let _ = pc.set_read_timeout(Some(REPLY_TIMEOUT));
-        match peer::connect_auth(&mut pc, &self.secret, &self.cfg.node) {
-            Ok(name) if name == peer.name => self.with_slot(id, |sl| sl.peer = name),
-            Ok(name) => return Err(Refusal::new(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name))),
-            Err(e) => return Err(Refusal::new(Code::AuthFailed, e)),
-        }
+    /// Negotiate: the offer out on an authenticated connection to `peer` —
+    /// an idle one kept from an earlier transfer, else a new one — and the
+    /// accept back. A kept connection the peer has since closed is replaced
+    /// by a new one.
+    fn negotiate(&self, id: SlotId, peer: &PeerConfig, offer: Offer, link: &mut Option<Arc<PeerLink>>) -> Result<Box<Accept>, Refusal> {
         let timeouts = Timeouts {
             reply: REPLY_TIMEOUT,
             peer: Duration::from_secs(self.cfg.limits.peer_timeout_secs),
             transfer: Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
         };
+        self.with_slot(id, |sl| sl.peer = peer.name.clone());
+        let answer = match self.peer_conns.take(&peer.name, &peer.address) {
+            Some(kept) => match self.offer_on(kept, peer, offer.clone(), timeouts, link) {
+                Err(LinkError::Wire(why)) => {
+                    tracing::debug!(peer = peer.name, why, "kept peer connection is gone; connecting anew");
+                    self.offer_on(self.connect_peer(peer)?, peer, offer, timeouts, link)
+                }
+                other => other,
+            },
+            None => self.offer_on(self.connect_peer(peer)?, peer, offer, timeouts, link),
+        };
+        match answer.map_err(|e| negotiation_failed(&peer.name, e, "refused"))? {
+            SourceEvent::Accepted(a) => Ok(a),
+            other => Err(Refusal::new(Code::PeerRefused, format!("unexpected peer reply {other:?}"))),
+        }
+    }
+
+    /// Opens the transfer's session on `stream` and sends its offer.
+    fn offer_on(&self, stream: TcpStream, peer: &PeerConfig, offer: Offer, timeouts: Timeouts, link: &mut Option<Arc<PeerLink>>) -> Result<SourceEvent, LinkError> {
+        let _ = stream.set_read_timeout(Some(REPLY_TIMEOUT));
         let (session, first) = SourceSession::start(Instant::now(), offer, self.ep.transport(), timeouts);
-        Ok((PeerLink::new(pc, session, &peer.name, timeouts.peer), first))
+        link.insert(Arc::new(PeerLink::new(stream, session, peer, timeouts.peer))).exchange(&first)
+    }
+
+    /// Connects to `peer` and authenticates both ways.
+    fn connect_peer(&self, peer: &PeerConfig) -> Result<TcpStream, Refusal> {
+        let unreachable = |e: &dyn std::fmt::Display| Refusal::new(Code::PeerUnreachable, format!("peer `{}` at {}: {e}", peer.name, peer.address));
+        let addr = peer.address.parse().map_err(|e| unreachable(&e))?;
+        let mut pc = TcpStream::connect_timeout(&addr, Duration::from_secs(self.cfg.limits.peer_timeout_secs)).map_err(|e| unreachable(&e))?;
+        let _ = pc.set_read_timeout(Some(REPLY_TIMEOUT));
+        match peer::connect_auth(&mut pc, &self.secret, &self.cfg.node) {
+            Ok(name) if name == peer.name => Ok(pc),
+            Ok(name) => Err(Refusal::new(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name))),
+            Err(e) => Err(Refusal::new(Code::AuthFailed, e)),
+        }
     }
 
     /// The manifest: identity, shapes, maps, positions, and checksums of
@@ -281,13 +303,14 @@ impl Daemon {
         let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
         let d = self.clone();
         let thread_link = link.clone();
+        let (peer_name, peer_addr) = (link.peer.clone(), link.addr.clone());
         let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{}", id.slot)).spawn(move || {
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
             let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &thread_link);
             if let Some(stage) = src_stage {
                 d.revoke_key(stage.key);
-                d.stage_pool.give(stage);
+                d.stage_pool.give(stage, || d.keeping());
             }
             match result {
                 Ok(outcome) => {
@@ -299,7 +322,9 @@ impl Daemon {
                     // What the connections say they sent, not a guess at their framing.
                     Metrics::add(&d.metrics.wire_bytes, bytes + outcome.framing);
                     d.complete(id, SOURCE_RELEASED, Boundary::SourceReleased);
-                    thread_link.done();
+                    if let Some(conn) = thread_link.done() {
+                        d.peer_conns.keep(&peer_name, &peer_addr, conn, || d.keeping());
+                    }
                     tracing::info!(bytes, writes, "source released");
                 }
                 Err(e) => {
@@ -339,11 +364,6 @@ impl Daemon {
 }
 
 impl PeerLink {
-    /// Negotiate, second half: the offer out, the accept (or refusal) back.
-    fn exchange_offer(&self, offer: &PeerMsg) -> Result<SourceEvent, Refusal> {
-        self.exchange(offer).map_err(|e| negotiation_failed(&self.peer, e, "refused"))
-    }
-
     /// The expect out; the destination's staging key back, its size checked
     /// against the schedule by the session.
     fn exchange_expect(&self, e: Expect, stage_bytes: u64) -> Result<u32, Refusal> {

@@ -38,17 +38,25 @@ impl StagePool {
     /// Takes back the memory of a revoked staging region, when nothing else
     /// holds it any more (a writer still placing into it keeps it out) and
     /// the pool has room; else it is let go.
-    pub fn give(&self, region: Arc<Region>) {
+    pub fn give(&self, region: Arc<Region>, wanted: impl Fn() -> bool) {
         let Ok(region) = Arc::try_unwrap(region) else { return };
         let mem = region.mem;
         if Arc::strong_count(&mem) != 1 {
             return;
         }
         let mut free = self.free.lock().expect("stage pool lock");
+        if !wanted() {
+            return;
+        }
         let held: u64 = free.iter().map(|m| m.len()).sum();
         if held + mem.len() <= self.cap {
             free.push(mem);
         }
+    }
+
+    /// Lets every idle buffer go.
+    pub fn clear(&self) {
+        self.free.lock().expect("stage pool lock").clear();
     }
 }
 
@@ -70,24 +78,29 @@ mod tests {
         let a = pool.take(GRAIN + 1).unwrap();
         assert_eq!(a.len(), 2 * GRAIN, "whole MiB");
         let at = a.as_ptr();
-        pool.give(region(&reg, a, GRAIN + 1));
+        pool.give(region(&reg, a, GRAIN + 1), || true);
         // Fits within twice the need: the same mapping comes back.
         let b = pool.take(GRAIN + 100).unwrap();
         assert_eq!(b.as_ptr(), at);
         // Too big for the need (more than twice): a new one.
-        pool.give(region(&reg, b, 10));
+        pool.give(region(&reg, b, 10), || true);
         let small = pool.take(10).unwrap();
         assert_ne!(small.as_ptr(), at);
         assert_eq!(small.len(), GRAIN);
         // Past the cap (2 MiB idle + 3 MiB > 3 MiB): let go.
         let c = pool.take(3 * GRAIN).unwrap();
         assert_ne!(c.as_ptr(), at);
-        pool.give(region(&reg, c, 1));
+        pool.give(region(&reg, c, 1), || true);
         assert_eq!(pool.free.lock().unwrap().len(), 1);
         // Memory someone still holds is never pooled.
         let held = pool.take(GRAIN).unwrap();
         let keep = held.clone();
-        pool.give(region(&reg, held, 1));
+        pool.give(region(&reg, held, 1), || true);
         assert!(pool.free.lock().unwrap().iter().all(|m| m.as_ptr() != keep.as_ptr()));
+        // Unwanted (no client left): let go; clear empties the pool.
+        pool.give(region(&reg, Arc::new(HostMem::new("t", GRAIN).unwrap()), 1), || false);
+        assert_eq!(pool.free.lock().unwrap().len(), 1);
+        pool.clear();
+        assert!(pool.free.lock().unwrap().is_empty());
     }
 }

@@ -37,14 +37,23 @@ fn run(p: &Pair, sc: &Scenario) -> Result<scenario::Outcome, ScenarioError> {
     scenario::run(&p.ca, &p.cb, "decode-host", sc)
 }
 
-/// The measured end to end lies between the model's bounds. The lower one
-/// gets a small slack: the source's `wire` span ends when the last ack
-/// reaches it, which can be after the destination already published — the
-/// ack's trip back is in the span but not on the client's critical path.
+/// The measured end to end lies between the model's bounds, each with a
+/// small slack. The lower one: the source's `wire` span ends when the last
+/// ack reaches it, which can be after the destination already published —
+/// the ack's trip back is in the span but not on the client's critical
+/// path. The upper one: the client's clock also covers what no hop times —
+/// its submit's trip to the daemon and the work before the slot is taken,
+/// and the wake-up of its wait on the last flag.
 fn assert_between_bounds(t: &kvwire_core::timing::Prediction) {
     let m = t.measured_ns.unwrap();
     let slack = (t.pipelined_ns / 50).max(5_000_000);
-    assert!(t.pipelined_ns <= m + slack && m <= t.sequential_ns, "measured {m} outside [{} - {slack}, {}]", t.pipelined_ns, t.sequential_ns);
+    let above = (t.sequential_ns / 50).max(2_000_000);
+    assert!(
+        t.pipelined_ns <= m + slack && m <= t.sequential_ns + above,
+        "measured {m} outside [{} - {slack}, {} + {above}]",
+        t.pipelined_ns,
+        t.sequential_ns
+    );
 }
 
 fn assert_bitwise(o: &scenario::Outcome) {
