@@ -98,8 +98,11 @@ mod tests {
         pool.give(region(&reg, held, 1), || true);
         assert!(pool.free.lock().unwrap().iter().all(|m| m.as_ptr() != keep.as_ptr()));
         // Unwanted (no client left): let go; clear empties the pool.
+        let idle = pool.free.lock().unwrap().len();
         pool.give(region(&reg, Arc::new(HostMem::new("t", GRAIN).unwrap()), 1), || false);
-        assert_eq!(pool.free.lock().unwrap().len(), 1);
+        assert_eq!(pool.free.lock().unwrap().len(), idle);
+        pool.give(region(&reg, Arc::new(HostMem::new("t", GRAIN).unwrap()), 1), || true);
+        assert_eq!(pool.free.lock().unwrap().len(), idle + 1);
         pool.clear();
         assert!(pool.free.lock().unwrap().is_empty());
     }
