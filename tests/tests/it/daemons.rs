@@ -86,6 +86,20 @@ fn lossless_remapped_transfers_decode_bitwise_identical() {
 }
 
 #[test]
+fn a_kept_peer_connection_the_destination_closed_is_replaced_by_a_new_one() {
+    let _shared = crate::shared();
+    // The destination closes a peer connection idle for its transfer
+    // timeout (2 s here); the source keeps its connection after the first
+    // transfer, finds it closed at the second, and connects anew.
+    let p = pair("kept", "[limits]\ntransfer_timeout_secs = 2\npeer_timeout_secs = 1\n");
+    assert_bitwise(&run(&p, &Scenario::new("kept-1")).unwrap());
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert_bitwise(&run(&p, &Scenario::new("kept-2")).unwrap());
+    // And straight after, on the connection the second transfer kept.
+    assert_bitwise(&run(&p, &Scenario::new("kept-3")).unwrap());
+}
+
+#[test]
 fn prefix_hit_moves_only_the_rest_and_decodes_bitwise() {
     let _shared = crate::shared();
     let p = pair("prefix", "");
