@@ -85,6 +85,10 @@ pub enum RailEvent<'a> {
 /// index in `rails`), from the local rail that serves it.
 pub type Connect<'a> = dyn Fn(usize, &RailAddr) -> Result<Box<dyn Connection>, TransportError> + Sync + 'a;
 
+/// Takes back a rail's connection that ended its part well and may serve
+/// another transfer ([`Connection::reusable`]).
+pub type Park<'a> = dyn Fn(usize, &RailAddr, Box<dyn Connection>) + Sync + 'a;
+
 /// How to run the slices.
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -171,7 +175,7 @@ pub fn run(
     slices: &[Batch],
     prefer: &[u64],
     rails: &[RailAddr],
-    connect: &Connect<'_>,
+    (connect, park): (&Connect<'_>, &Park<'_>),
     settings: &Settings,
     interrupted: &(dyn Fn() -> Option<String> + Sync),
     event: &(dyn Fn(&RailAddr, RailEvent<'_>) + Sync),
@@ -203,7 +207,7 @@ pub fn run(
             .enumerate()
             .map(|(i, rail)| {
                 scope.spawn(move || {
-                    let r = lane(i, slices, prefer, rail, connect, settings, event, shared, cv);
+                    let r = lane(i, slices, prefer, rail, (connect, park), settings, event, shared, cv);
                     shared.lock().expect("stripe lock").running -= 1;
                     cv.notify_all();
                     r
@@ -321,7 +325,7 @@ fn lane(
     slices: &[Batch],
     prefer: &[u64],
     rail: &RailAddr,
-    connect: &Connect<'_>,
+    (connect, park): (&Connect<'_>, &Park<'_>),
     settings: &Settings,
     event: &(dyn Fn(&RailAddr, RailEvent<'_>) + Sync),
     shared: &Mutex<Shared>,
@@ -351,15 +355,21 @@ fn lane(
             return LaneResult { rail: l.use_, post_time: l.post_time, writes: l.writes, framing: 0, span: None };
         }
     };
+    // A kept connection counts from where the last transfer left it.
+    let (retransmitted0, framing0) = (conn.retransmitted_bytes(), conn.framing_bytes() + conn.answer_bytes());
     l.lock().lanes[me].interrupt = conn.interrupter();
     while l.step(&mut *conn) == Step::Go {}
     l.lock().lanes[me].interrupt = None;
-    l.use_.retransmitted_bytes += conn.retransmitted_bytes();
+    l.use_.retransmitted_bytes += conn.retransmitted_bytes().saturating_sub(retransmitted0);
     let span = l.first_post.zip(l.last_done);
     if let Some((a, b)) = span {
         l.use_.busy_ns = b.saturating_duration_since(a).as_nanos() as u64;
     }
-    let framing = conn.framing_bytes() + conn.answer_bytes();
+    let framing = (conn.framing_bytes() + conn.answer_bytes()).saturating_sub(framing0);
+    let ok = l.use_.failed.is_none() && l.lock().fatal.is_none();
+    if ok && conn.reusable() {
+        park(me, rail, conn);
+    }
     LaneResult { rail: l.use_, post_time: l.post_time, writes: l.writes, framing, span }
 }
 

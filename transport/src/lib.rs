@@ -181,6 +181,15 @@ pub trait Connection: Send {
         0
     }
 
+    /// Whether this connection may carry another transfer's writes: open,
+    /// nothing outstanding, and nothing about the peer's regions fixed at
+    /// connect time (verbs learns the peer's keys in its hello; shm caches
+    /// which memfds the peer holds by key, and keys are reused). Only such
+    /// a connection is kept between transfers.
+    fn reusable(&mut self) -> bool {
+        false
+    }
+
     /// Bytes of framing this connection sent for its writes so far:
     /// everything it put on the link besides payload, counted as it went
     /// out — TCP frame headers, shm write requests (header and trailer),

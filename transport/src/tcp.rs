@@ -465,6 +465,15 @@ impl Connection for TcpConnection {
         tcp_bytes_retrans(&self.stream).unwrap_or(0)
     }
 
+    /// The destination checks every write's key itself, and this side holds
+    /// nothing of the peer's but its address.
+    fn reusable(&mut self) -> bool {
+        while let Ok(evs) = self.events.try_recv() {
+            evs.into_iter().for_each(|ev| self.apply(ev));
+        }
+        self.closed.is_none() && self.ledger.pending() == 0
+    }
+
     /// A header per write frame.
     fn framing_bytes(&self) -> u64 {
         self.framing

@@ -82,6 +82,8 @@ pub struct Daemon {
     stage_pool: staging::StagePool,
     // Authenticated peer-control connections kept between transfers.
     peer_conns: link::PeerConns,
+    // Data-plane connections kept between transfers.
+    data_conns: rails::DataConns,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -215,6 +217,7 @@ impl Daemon {
             device,
             stage_pool,
             peer_conns: link::PeerConns::default(),
+            data_conns: rails::DataConns::default(),
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();
@@ -283,6 +286,7 @@ impl Daemon {
     /// The last client left: lets go of what was kept between transfers.
     fn drop_kept(&self) {
         self.peer_conns.clear();
+        self.data_conns.clear();
         self.stage_pool.clear();
     }
 

@@ -505,3 +505,11 @@ fn dropping_the_destination_fails_the_initiators_batches() {
         Err(e) => assert!(matches!(e, TransportError::PeerClosed { .. } | TransportError::Io { .. }), "{e}"),
     }
 }
+
+#[test]
+fn a_shm_connection_is_never_kept_between_transfers() {
+    // It remembers which memfds the peer holds by key, and keys are reused.
+    let mut p = pair();
+    conformance::one_segment(&mut p);
+    assert!(!p.conn().reusable());
+}

@@ -152,3 +152,33 @@ fn tcp_across_two_network_namespaces() {
     conformance::scatter(&mut p);
     conformance::source_released_after_local_completion(&mut p);
 }
+
+#[test]
+fn a_connection_is_reusable_only_when_open_and_idle() {
+    let mut p = pair();
+    // Fresh and idle: reusable; a second transfer on it lands.
+    assert!(p.conn().reusable());
+    conformance::one_segment(&mut p);
+    assert!(p.conn().reusable(), "every write answered: nothing outstanding");
+    conformance::scatter(&mut p);
+    assert!(p.conn().reusable());
+    // With a batch outstanding it is not: its answer has not come yet.
+    let dst = conformance::Window::new(&*p.dst, 1 << 20);
+    let src = conformance::Window::new(&*p.src, 1 << 20);
+    let tag = Tag { slot: 3, layer: 0 };
+    p.dst.placement().expect(tag, 1 << 20).unwrap();
+    p.conn().post(kvwire_transport::Batch { tag, writes: vec![conformance::w(&src.region, 0, &dst.region, 0, 1 << 20)] }).unwrap();
+    let outstanding = p.conn().pending() > 0;
+    assert!(!outstanding || !p.conn().reusable());
+    conformance::complete(p.conn(), 1);
+    // A connection that was broken is not (its answer reader sees the end).
+    let brk = p.conn().interrupter().expect("tcp connections can be broken from outside");
+    brk();
+    for _ in 0..100 {
+        if !p.conn().reusable() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    panic!("a broken connection still says it is reusable");
+}
