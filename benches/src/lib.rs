@@ -1,7 +1,8 @@
 //! kvwire's benchmarks, behind `kvwire bench …` and `kvwire report`: the
 //! transport baselines ([`baseline`]), the latency campaign ([`campaign`])
 //! with its HTML report ([`report`]) and SVG plots ([`svg`]), the layouts
-//! sweep through two real kvwired processes ([`layouts`]), and the shared
+//! sweep through two real kvwired processes ([`layouts`]), kvwire beside
+//! Mooncake and NIXL in one run ([`peers`]), and the shared
 //! set-up of the criterion benches ([`PlanCase`]). The soak and the rails
 //! bench are this crate's binaries.
 
@@ -10,6 +11,7 @@
 pub mod baseline;
 pub mod campaign;
 pub mod layouts;
+pub mod peers;
 pub mod report;
 pub mod svg;
 

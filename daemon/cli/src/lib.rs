@@ -74,6 +74,8 @@ enum BenchCommand {
     Campaign(kvwire_bench::campaign::CampaignArgs),
     /// A sweep over real models' token counts and layout pairs, through two daemons.
     Layouts(kvwire_bench::layouts::LayoutsArgs),
+    /// kvwire end to end and its transport beside Mooncake and NIXL, same sizes, same run.
+    Peers(kvwire_bench::peers::PeersArgs),
 }
 
 #[derive(Debug, Args)]
@@ -243,6 +245,7 @@ pub fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
         }
         Command::Bench(BenchCommand::Campaign(a)) => kvwire_bench::campaign::run(a, out).map_err(Failure::from),
         Command::Bench(BenchCommand::Layouts(a)) => kvwire_bench::layouts::run(a, out).map_err(Failure::from),
+        Command::Bench(BenchCommand::Peers(a)) => kvwire_bench::peers::run(a, out).map_err(Failure::from),
         Command::Stats(a) => stats(a, out),
         Command::Roofline(a) => kvwire_bench::report::roofline_cmd(a, out).map_err(Failure::from),
         Command::Report(a) => kvwire_bench::report::report_cmd(a, out).map_err(Failure::from),

@@ -180,3 +180,18 @@ fn layouts_sweep_runs_through_two_daemons_and_writes_jsonl() {
     assert_eq!(bad.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--pairs"));
 }
+
+#[test]
+fn bench_peers_refuses_bad_sizes_and_settings_by_flag() {
+    for (args, flag) in [
+        (&["bench", "peers", "--sizes", "1000"][..], "--sizes"),
+        (&["bench", "peers", "--sizes", "1G"][..], "--sizes"),
+        (&["bench", "peers", "--sizes", ","][..], "--sizes"),
+        (&["bench", "peers", "--seconds", "1"][..], "--seconds"),
+    ] {
+        let o = crate::kvwire(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
