@@ -217,7 +217,7 @@ impl Daemon {
         let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.schedule.stage_bytes);
         let stage = r.stage.clone();
         let d = self.clone();
-        let spawned = std::thread::Builder::new().name(format!("kvwired-recv-{}", id.slot)).spawn(move || {
+        let spawned = self.workers.spawn("kvwired-recv", move || {
             let span = tracing::info_span!("receive", slot = id.slot, request = r.request);
             let _g = span.enter();
             d.receive(&r);

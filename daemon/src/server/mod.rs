@@ -22,6 +22,7 @@ mod source;
 mod staging;
 mod state;
 mod transfers;
+mod workers;
 
 use crate::config::{Config, TransportKind};
 use crate::metrics::Metrics;
@@ -84,6 +85,8 @@ pub struct Daemon {
     peer_conns: link::PeerConns,
     // Data-plane connections kept between transfers.
     data_conns: rails::DataConns,
+    // Threads kept for transfers' work.
+    workers: workers::Workers,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -218,6 +221,7 @@ impl Daemon {
             stage_pool,
             peer_conns: link::PeerConns::default(),
             data_conns: rails::DataConns::default(),
+            workers: workers::Workers::default(),
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();
@@ -288,6 +292,7 @@ impl Daemon {
         self.peer_conns.clear();
         self.data_conns.clear();
         self.stage_pool.clear();
+        self.workers.shrink();
     }
 
     /// What this daemon serves changed: its etcd entry is rewritten.

@@ -128,9 +128,8 @@ impl Daemon {
         // side is alive, and learn at once if it is not.
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
         let beat = l.clone();
-        std::thread::Builder::new()
-            .name(format!("kvwired-beat-{}", id.slot))
-            .spawn(move || beat.heartbeat())
+        self.workers
+            .spawn("kvwired-beat", move || beat.heartbeat())
             .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
         let src_stage = self.pack(id, &g, &p, codec)?;
         let batches = match batches(&g, &p, &accept, src_stage.as_ref(), dst_stage_key) {
@@ -304,7 +303,7 @@ impl Daemon {
         let d = self.clone();
         let thread_link = link.clone();
         let (peer_name, peer_addr) = (link.peer.clone(), link.addr.clone());
-        let spawned = std::thread::Builder::new().name(format!("kvwired-xfer-{}", id.slot)).spawn(move || {
+        let spawned = self.workers.spawn("kvwired-xfer", move || {
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
             let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &thread_link);
