@@ -151,21 +151,13 @@ impl<'a> RunReader<'a> {
         RunReader { regions, buf: RefCell::new(Vec::new()), last: RefCell::new(None) }
     }
 
-    fn region(&self, rank: u32, region: RegionId) -> Option<Arc<Region>> {
-        let mut last = self.last.borrow_mut();
-        match &*last {
-            Some((k, r)) if *k == (rank, region) => Some(r.clone()),
-            _ => {
-                let r = self.regions.get(&(rank, region))?.clone();
-                *last = Some(((rank, region), r.clone()));
-                Some(r)
-            }
-        }
-    }
-
     /// `len` bytes at `offset` of (rank, region), in the reused buffer.
     fn read(&self, rank: u32, region: RegionId, offset: u64, len: u64) -> Option<RunBytes<'_>> {
-        let r = self.region(rank, region)?;
+        let mut last = self.last.borrow_mut();
+        if last.as_ref().is_none_or(|(k, _)| *k != (rank, region)) {
+            *last = Some(((rank, region), self.regions.get(&(rank, region))?.clone()));
+        }
+        let r = &last.as_ref().expect("set above").1;
         let mut b = self.buf.borrow_mut();
         b.resize(usize::try_from(len).ok()?, 0);
         r.mem.read(r.offset + offset, &mut b).ok()?;
