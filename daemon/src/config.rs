@@ -451,6 +451,7 @@ impl Config {
         let Some(path) = &self.secret_file else {
             return Err(invalid("secret_file", "required: peers authenticate with a shared secret"));
         };
+        check_private(path)?;
         let mut s = std::fs::read(path).map_err(|e| invalid("secret_file", format!("{}: {e}", path.display())))?;
         while s.last().is_some_and(|b| b.is_ascii_whitespace()) {
             s.pop();
@@ -460,6 +461,25 @@ impl Config {
         }
         Ok(s)
     }
+}
+
+/// Refuses a secret file that others could read or that another user
+/// owns, as ssh does with private keys: whoever reads it can pose as any
+/// daemon of the cluster.
+fn check_private(path: &std::path::Path) -> Result<(), ConfigError> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).map_err(|e| invalid("secret_file", format!("{}: {e}", path.display())))?;
+    let me = nix::unistd::geteuid().as_raw();
+    if m.uid() != me {
+        return Err(invalid("secret_file", format!("{} is owned by uid {}, not by this daemon's uid {me}", path.display(), m.uid())));
+    }
+    if m.mode() & 0o077 != 0 {
+        return Err(invalid(
+            "secret_file",
+            format!("{} has mode {:03o}: group and others must not read it (chmod 600 {})", path.display(), m.mode() & 0o777, path.display()),
+        ));
+    }
+    Ok(())
 }
 
 /// Whether `s` can be a node name: 1-64 characters of [A-Za-z0-9-_.].

@@ -102,17 +102,20 @@ pub fn send_unix<T: serde::Serialize>(s: &UnixStream, msg: &T, fds: &[RawFd]) ->
     Ok(())
 }
 
+/// The most descriptors Linux passes in one message.
+const SCM_MAX_FD: usize = 253;
+
 /// Reads exactly `buf.len()` bytes, collecting any descriptors that arrive.
 fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: bool) -> Result<(), WireError> {
     let mut got = 0;
     while got < buf.len() {
-        let mut space = nix::cmsg_space!([RawFd; MAX_FDS]);
+        // Room for as many descriptors as the kernel passes in one message
+        // (SCM_MAX_FD): a message with too many is then never truncated, so
+        // every descriptor it brought is adopted below and closed with it.
+        let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
         let mut iov = [IoSliceMut::new(&mut buf[got..])];
         let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
             .map_err(|e| WireError::Io { op: "recvmsg", source: e.into() })?;
-        if msg.flags.contains(MsgFlags::MSG_CTRUNC) {
-            return Err(WireError::Fds(format!("more than {MAX_FDS} descriptors in one message")));
-        }
         for c in msg.cmsgs().map_err(|e| WireError::Io { op: "recvmsg", source: e.into() })? {
             if let ControlMessageOwned::ScmRights(raw) = c {
                 for fd in raw {
@@ -121,6 +124,9 @@ fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: boo
                     fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
                 }
             }
+        }
+        if msg.flags.contains(MsgFlags::MSG_CTRUNC) || fds.len() > MAX_FDS {
+            return Err(WireError::Fds(format!("more than {MAX_FDS} descriptors in one message")));
         }
         if msg.bytes == 0 {
             return Err(if first && got == 0 { WireError::Closed } else { WireError::Io { op: "recvmsg", source: std::io::ErrorKind::UnexpectedEof.into() } });

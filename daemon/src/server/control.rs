@@ -87,6 +87,12 @@ impl Daemon {
                 Err(WireError::Closed) => break,
                 Err(e @ (WireError::TooLong(_) | WireError::Fds(_))) => {
                     let _ = wire::send_unix(&s, &Refusal::new(Code::Malformed, &e).reply(), &[]);
+                    // The rest of the refused message is still unread:
+                    // closing on it would reset the connection and lose the
+                    // reply. Take it (briefly, bounded) before closing.
+                    let _ = s.shutdown(std::net::Shutdown::Write);
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(200)));
+                    let _ = std::io::copy(&mut std::io::Read::take(&s, 1 << 20), &mut std::io::sink());
                     break;
                 }
                 Err(e) => {

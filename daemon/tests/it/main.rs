@@ -3,4 +3,5 @@
 mod config;
 mod daemons;
 mod discovery;
+mod hostile;
 mod metrics;

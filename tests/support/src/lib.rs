@@ -176,6 +176,8 @@ pub fn try_start_daemon_in(
 ) -> Result<DaemonProc, String> {
     let secret_file = dir.join(format!("{node}.secret"));
     std::fs::write(&secret_file, secret).map_err(|e| format!("write {}: {e}", secret_file.display()))?;
+    // kvwired refuses a secret others could read.
+    std::fs::set_permissions(&secret_file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", secret_file.display()))?;
     let socket = dir.join(format!("{node}.sock"));
     let mut cfg = format!(
         "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"{ip}:0\"\nsecret_file = \"{}\"\n",
