@@ -64,6 +64,7 @@ impl Metrics {
 
     /// Prometheus text exposition of the counters and `hops`.
     pub fn render(&self, node: &str, hops: &Hops, per_peer: &[(String, std::sync::Arc<Hops>)]) -> String {
+        let node = &label(node);
         let mut out = String::new();
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         // (metric, help, [(labels, value)])
@@ -124,6 +125,9 @@ impl Metrics {
         ] {
             let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
             for ((rail, addr), t) in &rails {
+                // Rail names and addresses come from peers: escaped, so they
+                // cannot end the label and forge another series.
+                let (rail, addr) = (label(rail), label(addr));
                 let _ = writeln!(out, "{name}{{node=\"{node}\",rail=\"{rail}\",addr=\"{addr}\"}} {}", get(t));
             }
         }
@@ -134,7 +138,7 @@ impl Metrics {
                 if s.count == 0 {
                     continue;
                 }
-                let l = format!("node=\"{node}\",peer=\"{peer}\",hop=\"{}\"", hop.name());
+                let l = format!("node=\"{node}\",peer=\"{}\",hop=\"{}\"", label(peer), hop.name());
                 let _ = writeln!(out, "kvwire_peer_hop_seconds{{{l},quantile=\"0.5\"}} {}", s.p50_ns as f64 / 1e9);
                 let _ = writeln!(out, "kvwire_peer_hop_seconds{{{l},quantile=\"0.99\"}} {}", s.p99_ns as f64 / 1e9);
                 let _ = writeln!(out, "kvwire_peer_hop_seconds_sum{{{l}}} {}", s.sum_ns as f64 / 1e9);
@@ -143,4 +147,18 @@ impl Metrics {
         }
         out
     }
+}
+
+/// A label value in the text format: backslash, double quote and newline escaped.
+fn label(v: &str) -> String {
+    let mut s = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => s.push_str("\\\\"),
+            '"' => s.push_str("\\\""),
+            '\n' => s.push_str("\\n"),
+            c => s.push(c),
+        }
+    }
+    s
 }

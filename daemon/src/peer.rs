@@ -14,6 +14,7 @@
 use kvwire_client::wire::{read_msg, write_msg, WireError};
 use hmac::{Hmac, Mac};
 pub use kvwire_core::session::msg::{PeerMsg, PEER_VERSION};
+use kvwire_core::session::kind;
 use sha2::Sha256;
 use std::io::Read;
 use std::net::TcpStream;
@@ -79,8 +80,13 @@ pub fn accept_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<Strin
     write_msg(s, &PeerMsg::Challenge { node: node.into(), version: PEER_VERSION, nonce: hex(&ns) })?;
     let (client, nc, proof) = match read_msg::<PeerMsg>(s)? {
         PeerMsg::Auth { node, nonce, mac } => (node, nonce, mac),
-        other => return Err(AuthError::Denied(format!("expected auth, got {other:?}"))),
+        other => return Err(AuthError::Denied(format!("expected auth, got {}", kind(&other)))),
     };
+    // Checked before it is used anywhere, logs included: an outsider's
+    // string goes nowhere unless it is a plain node name.
+    if !crate::config::is_node_name(&client) {
+        return Err(AuthError::Denied(format!("malformed node name ({} bytes)", client.len())));
+    }
     let nc_bytes = unhex(&nc).filter(|n| n.len() == 32).ok_or_else(|| AuthError::Denied("malformed client nonce".into()))?;
     if !verify(secret, "kvwire-peer-client-v1", &[&ns, &nc_bytes, client.as_bytes()], &proof) {
         return Err(AuthError::Denied(format!("peer `{client}` does not hold the shared secret")));
@@ -94,8 +100,11 @@ pub fn accept_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<Strin
 pub fn connect_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<String, AuthError> {
     let (server, version, ns) = match read_msg::<PeerMsg>(s)? {
         PeerMsg::Challenge { node, version, nonce } => (node, version, nonce),
-        other => return Err(AuthError::Denied(format!("expected a challenge, got {other:?}"))),
+        other => return Err(AuthError::Denied(format!("expected a challenge, got {}", kind(&other)))),
     };
+    if !crate::config::is_node_name(&server) {
+        return Err(AuthError::Denied(format!("malformed node name ({} bytes)", server.len())));
+    }
     if version != PEER_VERSION {
         return Err(AuthError::Denied(format!("peer `{server}` speaks peer protocol {version}, this daemon {PEER_VERSION}")));
     }
@@ -107,6 +116,6 @@ pub fn connect_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<Stri
         PeerMsg::AuthOk { mac: proof } if verify(secret, "kvwire-peer-server-v1", &[&nc, &ns_bytes, server.as_bytes()], &proof) => Ok(server),
         PeerMsg::AuthOk { .. } => Err(AuthError::Denied(format!("peer `{server}` failed to prove the shared secret"))),
         PeerMsg::Refused { reason } => Err(AuthError::Denied(format!("peer `{server}` refused: {reason}"))),
-        other => Err(AuthError::Denied(format!("expected auth_ok, got {other:?}"))),
+        other => Err(AuthError::Denied(format!("expected auth_ok, got {}", kind(&other)))),
     }
 }

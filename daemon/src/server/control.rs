@@ -127,8 +127,8 @@ impl Daemon {
 
     /// A client went away: revoke everything it registered.
     fn release_client(&self, client: u64) {
-        let mut st = self.groups.lock().expect("groups lock");
-        let st = &mut *st;
+        let mut guard = self.groups.lock().expect("groups lock");
+        let st = &mut *guard;
         for g in st.map.values_mut() {
             let gone: Vec<u32> = g.ranks.iter().filter(|(_, r)| r.client == client).map(|(k, _)| *k).collect();
             for rank in gone {
@@ -143,6 +143,21 @@ impl Daemon {
             }
         }
         st.map.retain(|_, g| !g.ranks.is_empty());
+        drop(guard);
+        // Receives it prepared and no source has offered into: nobody is
+        // left to wait on them, and they would hold slots for good.
+        let prepared: Vec<SlotId> = self
+            .slots
+            .lock()
+            .expect("slots lock")
+            .map
+            .iter()
+            .filter(|(_, s)| s.owner == client && s.state == TransferState::Prepared)
+            .map(|(&slot, s)| SlotId { slot, gen: s.gen })
+            .collect();
+        for id in prepared {
+            self.finish(id, TransferState::Cancelled, Some("its client went away before a source offered".into()));
+        }
         self.discovery_changed();
     }
 

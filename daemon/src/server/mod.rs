@@ -81,6 +81,9 @@ pub struct Daemon {
     device: Option<Backend>,
     // Staging buffers kept faulted in between transfers.
     stage_pool: staging::StagePool,
+    // (device, inode) of the control socket this daemon bound: shutdown
+    // unlinks the path only while it is still this one.
+    control_id: (u64, u64),
     // Authenticated peer-control connections kept between transfers.
     peer_conns: link::PeerConns,
     // Data-plane connections kept between transfers.
@@ -181,13 +184,7 @@ impl Daemon {
         let device = open_device(&cfg)?;
         let peer_listener = TcpListener::bind(&cfg.peer_listen).map_err(|e| anyhow::anyhow!("peer_listen {}: {e}", cfg.peer_listen))?;
         let peer_addr = peer_listener.local_addr()?.to_string();
-        let _ = std::fs::remove_file(&cfg.control_socket);
-        if let Some(dir) = cfg.control_socket.parent() {
-            std::fs::create_dir_all(dir).ok();
-        }
-        let control = UnixListener::bind(&cfg.control_socket)
-            .map_err(|e| anyhow::anyhow!("control_socket {}: {e}", cfg.control_socket.display()))?;
-        std::fs::set_permissions(&cfg.control_socket, std::fs::Permissions::from_mode(0o600))?;
+        let (control, control_id) = claim_control_socket(&cfg.control_socket)?;
         let metrics_listener = if cfg.metrics_listen.is_empty() {
             None
         } else {
@@ -211,6 +208,7 @@ impl Daemon {
             topology,
             device,
             stage_pool,
+            control_id,
             peer_conns: link::PeerConns::default(),
             data_conns: rails::DataConns::default(),
             workers: workers::Workers::default(),
@@ -259,7 +257,9 @@ impl Daemon {
         self.stop.store(true, Ordering::Release);
         let _ = UnixStream::connect(&self.cfg.control_socket);
         let _ = TcpStream::connect(&self.peer_addr);
-        let _ = std::fs::remove_file(&self.cfg.control_socket);
+        if file_id(&self.cfg.control_socket) == Some(self.control_id) {
+            let _ = std::fs::remove_file(&self.cfg.control_socket);
+        }
     }
 
     fn hops(&self) -> &Arc<Hops> {
@@ -428,4 +428,35 @@ fn open_device(cfg: &Config) -> anyhow::Result<Option<Backend>> {
         kind => Some(Backend::open(kind, cfg.device.ordinal).map_err(|e| anyhow::anyhow!("device.backend `{kind}`: {e}"))?),
     };
     Ok(device)
+}
+
+/// (device, inode) of `path` itself (not what a symlink points to).
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// Binds the control socket at `path`. A socket another daemon still
+/// serves, and anything that is not a socket, are refused by name; a stale
+/// socket (nothing answers on it) is replaced.
+fn claim_control_socket(path: &std::path::Path) -> anyhow::Result<(UnixListener, (u64, u64))> {
+    use std::os::unix::fs::FileTypeExt;
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.file_type().is_socket() => {
+            if UnixStream::connect(path).is_ok() {
+                anyhow::bail!("control_socket {}: another kvwired is serving it", path.display());
+            }
+            std::fs::remove_file(path).map_err(|e| anyhow::anyhow!("control_socket {}: cannot replace the stale socket: {e}", path.display()))?;
+        }
+        Ok(_) => anyhow::bail!("control_socket {}: exists and is not a socket; refusing to replace it", path.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => anyhow::bail!("control_socket {}: {e}", path.display()),
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).ok();
+    }
+    let l = UnixListener::bind(path).map_err(|e| anyhow::anyhow!("control_socket {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    let id = file_id(path).ok_or_else(|| anyhow::anyhow!("control_socket {}: gone right after bind", path.display()))?;
+    Ok((l, id))
 }

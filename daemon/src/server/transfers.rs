@@ -21,6 +21,7 @@ impl Daemon {
         owner: u64,
         recv: Option<PrepareReceive>,
     ) -> Result<(SlotId, Arc<AtomicBool>), Refusal> {
+        self.expire_prepared();
         let mut st = self.slots.lock().expect("slots lock");
         let max = self.cfg.limits.max_inflight_transfers;
         if st.live() >= max {
@@ -42,6 +43,25 @@ impl Daemon {
             }
         }
         Err(Refusal::new(Code::Limit, "no free flag slot"))
+    }
+
+    /// Fails receives prepared longer than the transfer timeout ago that no
+    /// source offered into: a client that prepares and never transfers
+    /// cannot hold slots for good.
+    fn expire_prepared(&self) {
+        let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+        let stale: Vec<SlotId> = self
+            .slots
+            .lock()
+            .expect("slots lock")
+            .map
+            .iter()
+            .filter(|(_, s)| s.state == TransferState::Prepared && s.started.elapsed() > timeout)
+            .map(|(&slot, s)| SlotId { slot, gen: s.gen })
+            .collect();
+        for id in stale {
+            self.fail(id, format!("prepared more than {}s ago and no source offered", timeout.as_secs()));
+        }
     }
 
     /// Ends transfer `id` (if it still runs): records the outcome, stops its

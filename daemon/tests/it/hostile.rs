@@ -62,3 +62,138 @@ fn a_control_message_with_too_many_fds_leaks_none_of_them() {
     assert!(c.stats().unwrap().contains("kvwire_"));
     assert!(Client::connect(&d.socket, "next").is_ok());
 }
+
+#[test]
+fn prepared_receives_go_with_their_client_and_free_their_slots() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_client::control::PrepareReceive;
+    let dir = TempDir::new("hostile-prepared");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\nmax_inflight_transfers = 2\n");
+    let tokens = 20;
+    let s = side(crate::daemons::DST, tokens);
+    let prepare = |c: &Client, group: &str, request: &str| {
+        c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 })
+    };
+    {
+        let a = Client::connect(&d.socket, "greedy").unwrap();
+        let _mem = register(&a, "ga", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+        prepare(&a, "ga", "r1").unwrap();
+        prepare(&a, "ga", "r2").unwrap();
+        let e = prepare(&a, "ga", "r3").unwrap_err();
+        assert!(e.to_string().contains("max_inflight_transfers"), "{e}");
+    }
+    // The greedy client left: its prepared receives went with it.
+    let b = Client::connect(&d.socket, "next").unwrap();
+    let _mem = register(&b, "gb", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    let mut served = false;
+    for _ in 0..100 {
+        if prepare(&b, "gb", "r1").is_ok() {
+            served = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(served, "a new client could not prepare after the greedy one left");
+}
+
+#[test]
+fn prepared_receives_no_source_offered_into_expire_after_the_transfer_timeout() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_client::control::{PrepareReceive, TransferState};
+    let dir = TempDir::new("hostile-expire");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\nmax_inflight_transfers = 1\ntransfer_timeout_secs = 1\npeer_timeout_secs = 1\n");
+    let tokens = 20;
+    let s = side(crate::daemons::DST, tokens);
+    let c = Client::connect(&d.socket, "idle").unwrap();
+    let _mem = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    let prepare = |request: &str| c.prepare(PrepareReceive { group: "g".into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 });
+    let first = prepare("r1").unwrap();
+    assert!(prepare("r2").is_err(), "the one slot is held");
+    std::thread::sleep(Duration::from_millis(1500));
+    // Past the timeout: the next allocation expires the stale one, by name.
+    let second = prepare("r2").unwrap();
+    // Unless its slot already serves the new receive, the old one says why it ended.
+    if first != second {
+        let st = c.status(first).unwrap();
+        assert_eq!(st.state, TransferState::Failed, "{st:?}");
+        assert!(st.error.as_deref().is_some_and(|e| e.contains("no source offered")), "{st:?}");
+    }
+}
+
+/// Runs kvwired with its control socket at `socket`, expecting it to refuse
+/// to start; returns what it printed.
+fn refused_start(dir: &TempDir, socket: &std::path::Path) -> String {
+    let secret = dir.write("refused.secret", SECRET);
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let cfg = dir.write(
+        "refused.toml",
+        &format!("node = \"r\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nsecret_file = {:?}\n", socket.display().to_string(), secret.display().to_string()),
+    );
+    let out = std::process::Command::new(kvwire_testkit::kvwired_bin()).arg("--config").arg(&cfg).output().unwrap();
+    assert!(!out.status.success(), "kvwired started on {}", socket.display());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_control_socket_in_use_or_not_a_socket_is_refused_and_left_alone() {
+    let dir = TempDir::new("hostile-socket");
+    let a = start_daemon(dir.path(), "a", SECRET, &[], "");
+    // A second daemon pointed at a live daemon's socket.
+    let e = refused_start(&dir, &a.socket);
+    assert!(e.contains("control_socket") && e.contains("another kvwired is serving it"), "{e}");
+    assert!(Client::connect(&a.socket, "still").is_ok(), "the live daemon lost its socket");
+    // A regular file where the socket would go: refused, and not deleted.
+    let file = dir.write("b.sock", "precious");
+    let e = refused_start(&dir, &file);
+    assert!(e.contains("not a socket"), "{e}");
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "precious");
+}
+
+#[test]
+fn a_peer_claiming_a_malformed_node_name_is_refused_before_it_is_used() {
+    use kvwire_client::wire::{read_msg, write_msg};
+    use kvwire_core::session::msg::PeerMsg;
+    let dir = TempDir::new("hostile-node");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    for node in ["evil\nkvwired: forged line", &"x".repeat(1 << 16), "\u{1b}[31mred", ""] {
+        let mut s = std::net::TcpStream::connect(&d.peer).unwrap();
+        assert!(matches!(read_msg::<PeerMsg>(&mut s).unwrap(), PeerMsg::Challenge { .. }));
+        write_msg(&mut s, &PeerMsg::Auth { node: node.into(), nonce: "00".repeat(32), mac: "00".repeat(32) }).unwrap();
+        match read_msg::<PeerMsg>(&mut s) {
+            Ok(PeerMsg::Refused { reason }) => assert!(!reason.contains(node) || node.is_empty(), "{reason}"),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}
+
+#[test]
+fn a_daemon_shutting_down_leaves_another_daemons_socket_alone() {
+    use nix::sys::signal::{kill, Signal};
+    let dir = TempDir::new("hostile-unlink");
+    let mut a = start_daemon(dir.path(), "a", SECRET, &[], "");
+    // Someone removes a's socket and another daemon takes the path.
+    std::fs::remove_file(&a.socket).unwrap();
+    let mut c = take_socket(&dir, &a.socket);
+    kill(nix::unistd::Pid::from_raw(a.pid() as i32), Signal::SIGTERM).unwrap();
+    let _ = a.child().wait();
+    assert!(a.socket.exists(), "a unlinked a socket it no longer owned");
+    assert!(Client::connect(&a.socket, "still").is_ok(), "the daemon now at that path lost its socket");
+    let _ = c.kill();
+    let _ = c.wait();
+}
+
+/// Starts a daemon whose control socket is `socket` (free now).
+fn take_socket(dir: &TempDir, socket: &std::path::Path) -> std::process::Child {
+    let secret = dir.write("c.secret", SECRET);
+    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    let cfg = dir.write(
+        "c.toml",
+        &format!("node = \"c\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nsecret_file = {:?}\n", socket.display().to_string(), secret.display().to_string()),
+    );
+    let mut child = std::process::Command::new(kvwire_testkit::kvwired_bin()).arg("--config").arg(&cfg).stdout(std::process::Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();
+    assert!(line.starts_with("kvwired ready"), "{line}");
+    child
+}

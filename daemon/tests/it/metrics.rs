@@ -31,3 +31,22 @@ fn promtext_reads_what_kvwired_renders() {
     assert!(rel(w.p99_seconds, 488e-6), "{:?}", w.p99_seconds);
     assert!(rel(w.bandwidth_bytes_per_second, 3000.0 / 222e-6));
 }
+
+#[test]
+fn peer_chosen_rail_and_peer_names_cannot_forge_series() {
+    use kvwire_client::promtext::parse;
+    let m = kvwired::metrics::Metrics::default();
+    let evil = "r\"} 1\nkvwire_forged_total{node=\"x\"} 99\n#";
+    m.rails.lock().unwrap().insert((evil.to_string(), "1.2.3.4:5\\".to_string()), Default::default());
+    let hops = std::sync::Arc::new(kvwire_transport::metrics::Hops::default());
+    hops.record(kvwire_transport::metrics::Hop::Wire, Duration::from_micros(3), 10);
+    let text = m.render("n", &kvwire_transport::metrics::Hops::default(), &[(evil.to_string(), hops)]);
+    let samples = parse(&text).unwrap();
+    assert!(samples.iter().all(|s| s.name != "kvwire_forged_total"), "a forged series appeared:\n{text}");
+    let rail = samples.iter().find(|s| s.name == "kvwire_rail_bytes_total").unwrap();
+    let get = |k: &str| rail.labels.iter().find(|(key, _)| key == k).map(|(_, v)| v.clone());
+    assert_eq!(get("rail").as_deref(), Some(evil), "the label round-trips exactly");
+    assert_eq!(get("addr").as_deref(), Some("1.2.3.4:5\\"));
+    let peer = samples.iter().find(|s| s.name == "kvwire_peer_hop_seconds_count").unwrap();
+    assert!(peer.labels.iter().any(|(k, v)| k == "peer" && v == evil));
+}
