@@ -294,27 +294,48 @@ impl Daemon {
         }
     }
 
+    /// Serves each scrape on its own short-lived thread with read and write
+    /// deadlines, at most a few at once: an idle or slow connection holds
+    /// only itself, never the next scraper.
     fn metrics_loop(self: Arc<Self>, l: TcpListener) {
+        const AT_ONCE: u64 = 8;
+        let live = Arc::new(AtomicU64::new(0));
         for s in l.incoming() {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
-            let Ok(mut s) = s else { continue };
-            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-            let mut buf = [0u8; 1024];
-            let n = std::io::Read::read(&mut s, &mut buf).unwrap_or(0);
-            let req = String::from_utf8_lossy(&buf[..n]);
-            let (status, body) = if req.starts_with("GET /metrics") {
-                ("200 OK", self.metrics_text())
-            } else {
-                ("404 Not Found", "try GET /metrics\n".to_string())
-            };
-            let resp = format!(
-                "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            let _ = std::io::Write::write_all(&mut s, resp.as_bytes());
+            let Ok(s) = s else { continue };
+            if live.load(Ordering::Acquire) >= AT_ONCE {
+                continue; // Dropped: closed at once.
+            }
+            live.fetch_add(1, Ordering::AcqRel);
+            let (d, live) = (self.clone(), live.clone());
+            let spawned = std::thread::Builder::new().name("kvwired-scrape".into()).spawn(move || {
+                d.serve_scrape(s);
+                live.fetch_sub(1, Ordering::AcqRel);
+            });
+            if spawned.is_err() {
+                tracing::warn!("cannot spawn a metrics thread");
+            }
         }
+    }
+
+    fn serve_scrape(&self, mut s: TcpStream) {
+        let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+        let _ = s.set_write_timeout(Some(Duration::from_secs(2)));
+        let mut buf = [0u8; 1024];
+        let n = std::io::Read::read(&mut s, &mut buf).unwrap_or(0);
+        let req = String::from_utf8_lossy(&buf[..n]);
+        let (status, body) = if req.starts_with("GET /metrics") {
+            ("200 OK", self.metrics_text())
+        } else {
+            ("404 Not Found", "try GET /metrics\n".to_string())
+        };
+        let resp = format!(
+            "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = std::io::Write::write_all(&mut s, resp.as_bytes());
     }
 }
 

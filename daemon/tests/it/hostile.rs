@@ -197,3 +197,55 @@ fn take_socket(dir: &TempDir, socket: &std::path::Path) -> std::process::Child {
     assert!(line.starts_with("kvwired ready"), "{line}");
     child
 }
+
+#[test]
+fn idle_metrics_connections_do_not_stall_a_scrape() {
+    use std::io::Write;
+    let dir = TempDir::new("hostile-metrics");
+    let addr = kvwire_testkit::free_addr();
+    let d = start_daemon(dir.path(), "h", SECRET, &[], &format!("metrics_listen = \"{addr}\"\n"));
+    // Three connections that say nothing.
+    let idle: Vec<std::net::TcpStream> = (0..3).map(|_| std::net::TcpStream::connect(&addr).unwrap()).collect();
+    // A scraper that gives up after 1.5 s still gets its answer (one
+    // connection at a time would have made it wait out every idle one).
+    let mut s = std::net::TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(1500))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n").unwrap();
+    let mut body = String::new();
+    let _ = s.read_to_string(&mut body);
+    assert!(body.starts_with("HTTP/1.1 200") && body.contains("kvwire_"), "{body:.200}");
+    drop(idle);
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}
+
+/// CPU seconds (user + system) process `pid` has used.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command (which may hold spaces) start after ") ".
+    let rest = &stat[stat.rfind(") ").unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: f64 = f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap();
+    ticks / nix::unistd::sysconf(nix::unistd::SysconfVar::CLK_TCK).unwrap().unwrap() as f64
+}
+
+#[test]
+fn a_pending_wait_costs_the_daemon_no_cpu() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_client::control::{FlagName, PrepareReceive};
+    let dir = TempDir::new("hostile-wait");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let tokens = 20;
+    let s = side(crate::daemons::DST, tokens);
+    let c = Client::connect(&d.socket, "waiter").unwrap();
+    let _mem = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    let slot = c.prepare(PrepareReceive { group: "g".into(), request: "r".into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let before = cpu_seconds(d.pid());
+    let started = std::time::Instant::now();
+    // A round-trip wait of 3 s that nobody ends: the daemon's thread waits on the flag.
+    let r = c.call(&kvwire_client::control::Request::Wait { slot, flag: FlagName::DecoderUsable, timeout_ms: 3000 }, &[]);
+    assert!(matches!(r, Err(kvwire_client::ClientError::Daemon { code: 301, .. })), "{r:?}");
+    assert!(started.elapsed() >= Duration::from_secs(3), "the wait did not wait");
+    let used = cpu_seconds(d.pid()) - before;
+    // A poll loop cost ~12% of a core per wait (~0.36 s here); a sleep costs ~0.
+    assert!(used < 0.15, "the daemon used {used:.2} s of CPU for a 3 s wait");
+}
