@@ -28,14 +28,14 @@ type RankMemory = (Arc<HostMem>, Option<DeviceRank>);
 impl Daemon {
     pub(super) fn control_loop(self: Arc<Self>, l: UnixListener) {
         let live = Arc::new(AtomicU64::new(0));
+        let refusing = Arc::new(AtomicU64::new(0));
         for s in l.incoming() {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
             let Ok(s) = s else { continue };
             if live.load(Ordering::Acquire) >= self.cfg.limits.max_clients as u64 {
-                let r = Refusal::new(Code::Limit, format!("at most {} clients", self.cfg.limits.max_clients));
-                let _ = wire::send_unix(&s, &r.reply(), &[]);
+                self.refuse_over_limit(s, &refusing);
                 continue;
             }
             let d = self.clone();
@@ -48,6 +48,31 @@ impl Daemon {
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "cannot spawn a client thread");
             }
+        }
+    }
+
+    /// Tells a client past `limits.max_clients` why, in a way it can read:
+    /// its first message is taken before the close (closing on it unread
+    /// would reset the connection and lose the reply). A few refusals run at
+    /// once, on their own threads for at most a second; past that the
+    /// connection is just closed.
+    fn refuse_over_limit(&self, s: UnixStream, refusing: &Arc<AtomicU64>) {
+        const AT_ONCE: u64 = 16;
+        if refusing.load(Ordering::Acquire) >= AT_ONCE {
+            return;
+        }
+        refusing.fetch_add(1, Ordering::AcqRel);
+        let r = Refusal::new(Code::Limit, format!("limits.max_clients {} reached", self.cfg.limits.max_clients));
+        let count = refusing.clone();
+        let spawned = std::thread::Builder::new().name("kvwired-refuse".into()).spawn(move || {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            let _ = wire::recv_unix(&s);
+            let _ = wire::send_unix(&s, &r.reply(), &[]);
+            count.fetch_sub(1, Ordering::AcqRel);
+        });
+        if spawned.is_err() {
+            refusing.fetch_sub(1, Ordering::AcqRel);
+            tracing::warn!("cannot spawn a refusal thread");
         }
     }
 

@@ -249,3 +249,28 @@ fn a_pending_wait_costs_the_daemon_no_cpu() {
     // A poll loop cost ~12% of a core per wait (~0.36 s here); a sleep costs ~0.
     assert!(used < 0.15, "the daemon used {used:.2} s of CPU for a 3 s wait");
 }
+
+#[test]
+fn a_client_past_the_client_limit_reads_why_and_the_next_one_is_served() {
+    let dir = TempDir::new("hostile-clients");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\nmax_clients = 2\n");
+    let a = Client::connect(&d.socket, "a").unwrap();
+    let b = Client::connect(&d.socket, "b").unwrap();
+    for _ in 0..3 {
+        match Client::connect(&d.socket, "third") {
+            Err(kvwire_client::ClientError::Daemon { code: 108, message }) => assert!(message.contains("max_clients"), "{message}"),
+            other => panic!("expected the limit by name, got {other:?}"),
+        }
+    }
+    drop(a);
+    let mut served = false;
+    for _ in 0..100 {
+        if Client::connect(&d.socket, "next").is_ok() {
+            served = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(served, "a slot freed by a leaving client was not given to the next one");
+    drop(b);
+}
