@@ -136,7 +136,7 @@ impl From<WriteError> for Refusal {
 fn before_placing(e: PlacementError) -> Refusal {
     match e {
         PlacementError::Overrun { slot, layer, placed, expected } => Refusal::Overrun { slot, layer, placed, expected },
-        PlacementError::NoFlag { slot, layer } => Refusal::UnknownTag { slot, layer },
+        PlacementError::NoFlag { slot, layer } | PlacementError::Undeclared { slot, layer } => Refusal::UnknownTag { slot, layer },
         e @ PlacementError::Redeclared { .. } => Refusal::Uncounted(e),
     }
 }

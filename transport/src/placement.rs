@@ -32,6 +32,14 @@ pub enum PlacementError {
         /// Layer.
         layer: u16,
     },
+    /// No transfer declared this (slot, layer): nothing may count toward it.
+    #[error("slot {slot} layer {layer}: no transfer expects bytes there")]
+    Undeclared {
+        /// Slot.
+        slot: u16,
+        /// Layer.
+        layer: u16,
+    },
     /// The layer was already declared with another size.
     #[error("slot {slot} layer {layer} already expects {expected} bytes, not {asked}")]
     Redeclared {
@@ -63,12 +71,22 @@ pub struct Placement {
     ranges: Mutex<HashMap<(Tag, u32), BTreeMap<u64, u64>>>,
     flags: FlagTable,
     hops: Arc<Hops>,
+    // Bytes only for (slot, layer)s declared first: what a daemon facing
+    // outsiders wants (its counting tables then hold nothing an outsider
+    // made up); a bare endpoint may declare after bytes arrived.
+    declared_only: bool,
 }
 
 impl Placement {
     /// Accounting publishing into `flags`, timing into `hops`.
     pub fn new(flags: FlagTable, hops: Arc<Hops>) -> Placement {
-        Placement { counts: Mutex::new(HashMap::new()), ranges: Mutex::new(HashMap::new()), flags, hops }
+        Placement { counts: Mutex::new(HashMap::new()), ranges: Mutex::new(HashMap::new()), flags, hops, declared_only: false }
+    }
+
+    /// This accounting, refusing bytes for any (slot, layer) no
+    /// [`Placement::expect`] declared before they arrived.
+    pub fn declared_only(self) -> Placement {
+        Placement { declared_only: true, ..self }
     }
 
     /// The flag page.
@@ -106,6 +124,10 @@ impl Placement {
             Some(Count { expected: Some(expected), placed, .. }) if placed.saturating_add(bytes) > *expected => {
                 Err(PlacementError::Overrun { slot: tag.slot, layer: tag.layer, placed: placed + bytes, expected: *expected })
             }
+            Some(Count { expected: Some(_), .. }) => Ok(()),
+            // Nothing declared: refused before a byte lands, so the counting
+            // tables only ever hold what transfers declared.
+            _ if self.declared_only => Err(PlacementError::Undeclared { slot: tag.slot, layer: tag.layer }),
             _ => Ok(()),
         }
     }

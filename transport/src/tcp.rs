@@ -16,7 +16,7 @@ use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN};
+use kvwire_core::protocol::{Header, Hello, Kind, RegionDesc, HEADER_LEN};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -99,7 +99,10 @@ impl Drop for TcpEndpoint {
 }
 
 fn hello(node: &str, registry: &Registry) -> Hello {
-    hello::ours(TRANSPORT, node, registry.descs(), None)
+    // The peer writes by key and offset: this process's addresses are of
+    // no use to it, and would tell anyone who connects where memory lies.
+    let regions = registry.descs().into_iter().map(|d| RegionDesc { addr: 0, ..d }).collect();
+    hello::ours(TRANSPORT, node, regions, None)
 }
 
 fn read_header(s: &mut impl Read, max_frame: u64, op: &'static str) -> Result<Header, TransportError> {

@@ -113,8 +113,11 @@ impl std::fmt::Debug for Daemon {
     }
 }
 
+/// The data plane's accounting: bytes count only toward what a transfer
+/// into this daemon declared at expect, so writes under made-up tags are
+/// refused before they land and leave nothing behind.
 fn flags_placement() -> anyhow::Result<Arc<Placement>> {
-    Ok(Arc::new(Placement::new(FlagTable::new(FLAG_SLOTS, MAX_TRANSFER_LAYERS)?, Arc::new(Hops::default()))))
+    Ok(Arc::new(Placement::new(FlagTable::new(FLAG_SLOTS, MAX_TRANSFER_LAYERS)?, Arc::new(Hops::default())).declared_only()))
 }
 
 /// Reads `len` bytes of a mapping.
@@ -365,6 +368,7 @@ fn open_endpoint(cfg: &Config) -> anyhow::Result<(Arc<dyn Endpoint>, Option<Arc<
                 max_regions: keys,
                 slots: FLAG_SLOTS,
                 layers: MAX_TRANSFER_LAYERS,
+                declared_only: true,
                 ..VerbsLimits::default()
             };
             let v = Arc::new(VerbsEndpoint::new(t.verbs_device.as_deref(), t.verbs_port, t.verbs_gid_index, limits)?);

@@ -274,3 +274,52 @@ fn a_client_past_the_client_limit_reads_why_and_the_next_one_is_served() {
     assert!(served, "a slot freed by a leaving client was not given to the next one");
     drop(b);
 }
+
+/// Resident set of process `pid`, KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+#[test]
+fn writes_with_made_up_tags_are_refused_and_grow_nothing_and_the_tcp_hello_shows_no_addresses() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+    use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
+    use std::sync::Arc;
+    let dir = TempDir::new("hostile-tags");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let c = Client::connect(&d.socket, "victim").unwrap();
+    let s = side(crate::daemons::DST, 20);
+    let _mem = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    // A rogue source with no secret: its own endpoint, straight to the data port.
+    let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
+    let rogue = TcpEndpoint::bind("rogue", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement, TcpLimits::default()).unwrap();
+    let src = rogue.register(Arc::new(HostMem::new("rogue", 4096).unwrap()), 0, 4096).unwrap();
+    let mut conn = rogue.connect(&d.data).unwrap();
+    let regions = conn.remote().regions.clone();
+    assert!(!regions.is_empty());
+    assert!(regions.iter().all(|r| r.addr == 0), "the tcp hello tells where memory lies: {regions:?}");
+    let key = regions[0].key;
+    let before = rss_kib(d.pid());
+    // 20k one-byte writes, each under a tag no transfer declared.
+    let mut refused = 0;
+    for i in 0..20_000u32 {
+        let tag = Tag { slot: (i % 256) as u16, layer: (i / 256 % 256) as u16 };
+        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: u64::from(i % 64), len: 1 };
+        conn.post(Batch { tag, writes: vec![w] }).unwrap();
+        if i % 256 == 255 {
+            while conn.pending() > 0 {
+                refused += conn.poll(Duration::from_secs(5)).unwrap().iter().filter(|c| c.result.is_err()).count();
+            }
+        }
+    }
+    while conn.pending() > 0 {
+        refused += conn.poll(Duration::from_secs(5)).unwrap().iter().filter(|c| c.result.is_err()).count();
+    }
+    assert_eq!(refused, 20_000, "every write under an undeclared tag is refused");
+    let grown = rss_kib(d.pid()).saturating_sub(before);
+    assert!(grown < 4096, "the daemon grew {grown} KiB for 20k refused writes");
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}

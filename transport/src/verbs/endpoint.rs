@@ -148,7 +148,9 @@ impl VerbsEndpoint {
             Some(s) => s,
             None => {
                 let flags = FlagTable::new(limits.slots, limits.layers)?;
-                (Arc::new(Registry::new(limits.max_regions)), Arc::new(Placement::new(flags, Arc::new(Hops::default()))))
+                let placement = Placement::new(flags, Arc::new(Hops::default()));
+                let placement = if limits.declared_only { placement.declared_only() } else { placement };
+                (Arc::new(Registry::new(limits.max_regions)), Arc::new(placement))
             }
         };
         let listener = TcpListener::bind(&limits.listen).map_err(TransportError::io("bind handshake listener"))?;

@@ -102,6 +102,9 @@ pub struct VerbsLimits {
     pub recv_depth: u32,
     /// Limit on each handshake read and write.
     pub handshake_timeout: Duration,
+    /// Count bytes only toward (slot, layer)s declared before they arrive
+    /// ([`crate::Placement::declared_only`]).
+    pub declared_only: bool,
 }
 
 impl Default for VerbsLimits {
@@ -115,6 +118,7 @@ impl Default for VerbsLimits {
             send_depth: 256,
             recv_depth: 256,
             handshake_timeout: Duration::from_secs(10),
+            declared_only: false,
         }
     }
 }

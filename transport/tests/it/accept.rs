@@ -100,3 +100,17 @@ fn refusal_texts_are_the_protocol_ones() {
     let overrun = PlacementError::Overrun { slot: 1, layer: 2, placed: 3, expected: 2 };
     assert_eq!(Refusal::Overrun { slot: 1, layer: 2, placed: 3, expected: 2 }.to_string(), overrun.to_string());
 }
+
+#[test]
+fn a_declared_only_placement_refuses_bytes_no_transfer_declared() {
+    let registry = Registry::new(8);
+    let p = Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())).declared_only();
+    let key = registry.register_all(Arc::new(HostMem::new("accept-declared", 4096).unwrap())).unwrap().key;
+    // In the table, but nobody declared it: refused before a byte lands.
+    assert_eq!(accept::accept(&registry, &p, at(T, key, 0, 16), landed), Err(Refusal::UnknownTag { slot: T.slot, layer: T.layer }));
+    assert_eq!(p.placed_bytes(T), 0);
+    // Declared, then taken.
+    p.expect(T, 16).unwrap();
+    assert_eq!(accept::accept(&registry, &p, at(T, key, 0, 16), landed), Ok(16));
+    assert!(p.flags().ready(T).is_some());
+}
