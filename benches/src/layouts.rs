@@ -268,7 +268,14 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
             let base_ns = base.iter().min().map_or(1, |d| d.as_nanos() as u64).max(1);
             let gbps = payload as f64 / best_ns as f64;
             let baseline_gbps = payload as f64 / base_ns as f64;
-            ca.release(&sg, 0).ok();
+            // Every rank of both groups goes, so the next point's memory
+            // does not add to this one's (limits.max_memory_bytes).
+            for rank in 0..src.shard.ranks.len() as u32 {
+                ca.release(&sg, rank).ok();
+            }
+            for rank in 0..dst.shard.ranks.len() as u32 {
+                cb.release(&dg, rank).ok();
+            }
             points.push(LayoutPoint {
                 kind: "layout_point",
                 model: a.model.clone(),

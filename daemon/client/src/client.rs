@@ -15,9 +15,10 @@ use std::time::Duration;
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
-    /// The socket failed or the daemon went away.
+    /// The socket failed or the daemon went away. (Named in the message,
+    /// not as a cause: an error chain would print it twice.)
     #[error("daemon connection: {0}")]
-    Wire(#[from] WireError),
+    Wire(WireError),
     /// The daemon answered with an error.
     #[error("daemon error {code}: {message}")]
     Daemon {
@@ -35,6 +36,12 @@ pub enum ClientError {
     /// The flag page could not be mapped.
     #[error("flag page: {0}")]
     FlagPage(String),
+}
+
+impl From<WireError> for ClientError {
+    fn from(e: WireError) -> ClientError {
+        ClientError::Wire(e)
+    }
 }
 
 /// A transfer the daemon accepted ([`Client::submit`]).
@@ -64,7 +71,7 @@ pub struct Client {
 impl Client {
     /// Connects and maps the daemon's flag page.
     pub fn connect(path: &Path, name: &str) -> Result<Client, ClientError> {
-        let sock = UnixStream::connect(path).map_err(|e| WireError::Io { op: "connect", source: e })?;
+        let sock = UnixStream::connect(path).map_err(|e| WireError::Io { op: "connect", cause: e })?;
         wire::send_unix(&sock, &Request::Hello { client: name.into() }, &[])?;
         let (body, mut fds) = wire::recv_unix(&sock)?;
         let (node, slots, columns) = match wire::parse::<Reply>(&body)? {

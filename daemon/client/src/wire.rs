@@ -19,13 +19,14 @@ pub enum WireError {
     /// The peer closed the connection between messages.
     #[error("connection closed")]
     Closed,
-    /// A socket error.
-    #[error("{op}: {source}")]
+    /// A socket error. The OS error is part of the message, not a
+    /// separate cause, so an error chain names it once.
+    #[error("{op}: {cause}")]
     Io {
         /// What was being done.
         op: &'static str,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Length beyond [`MAX_MESSAGE`].
     #[error("message of {0} bytes exceeds the {MAX_MESSAGE}-byte limit")]
@@ -42,12 +43,12 @@ impl WireError {
     /// Whether a read timeout (SO_RCVTIMEO) ended the wait: the peer went
     /// silent, rather than away.
     pub fn is_timeout(&self) -> bool {
-        matches!(self, WireError::Io { source, .. } if matches!(source.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
+        matches!(self, WireError::Io { cause, .. } if matches!(cause.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
     }
 }
 
 fn io(op: &'static str) -> impl Fn(std::io::Error) -> WireError {
-    move |source| WireError::Io { op, source }
+    move |cause| WireError::Io { op, cause }
 }
 
 /// Encodes `msg` as one frame.
@@ -96,7 +97,7 @@ pub fn send_unix<T: serde::Serialize>(s: &UnixStream, msg: &T, fds: &[RawFd]) ->
         let cmsg = [ControlMessage::ScmRights(fds)];
         let cmsgs: &[ControlMessage<'_>] = if sent == 0 && !fds.is_empty() { &cmsg } else { &[] };
         let n = sendmsg::<()>(s.as_raw_fd(), &iov, cmsgs, MsgFlags::MSG_NOSIGNAL, None)
-            .map_err(|e| WireError::Io { op: "sendmsg", source: e.into() })?;
+            .map_err(|e| WireError::Io { op: "sendmsg", cause: e.into() })?;
         sent += n;
     }
     Ok(())
@@ -115,8 +116,8 @@ fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: boo
         let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
         let mut iov = [IoSliceMut::new(&mut buf[got..])];
         let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
-            .map_err(|e| WireError::Io { op: "recvmsg", source: e.into() })?;
-        for c in msg.cmsgs().map_err(|e| WireError::Io { op: "recvmsg", source: e.into() })? {
+            .map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })?;
+        for c in msg.cmsgs().map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })? {
             if let ControlMessageOwned::ScmRights(raw) = c {
                 for fd in raw {
                     // SAFETY: the kernel just installed `fd` in this process
@@ -129,7 +130,7 @@ fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: boo
             return Err(WireError::Fds(format!("more than {MAX_FDS} descriptors in one message")));
         }
         if msg.bytes == 0 {
-            return Err(if first && got == 0 { WireError::Closed } else { WireError::Io { op: "recvmsg", source: std::io::ErrorKind::UnexpectedEof.into() } });
+            return Err(if first && got == 0 { WireError::Closed } else { WireError::Io { op: "recvmsg", cause: std::io::ErrorKind::UnexpectedEof.into() } });
         }
         got += msg.bytes;
     }

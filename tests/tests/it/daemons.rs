@@ -220,8 +220,16 @@ fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
     }
     // The destination names the checksum and the place.
     let st = p.cb.status(0).or_else(|_| p.cb.status(1)).unwrap();
-    let err = st.error.unwrap_or_default();
+    let err = st.error.clone().unwrap_or_default();
     assert!(err.contains("checksum mismatch: dst rank"), "{err}");
+    // Nothing from the corrupted layer on is published: not that layer's
+    // flag, no later one, and not decoder_usable (layers verified before it
+    // may have been, rightly).
+    let bad: u16 = err.split("layer ").nth(1).and_then(|t| t.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no layer in {err}"));
+    for l in bad..st.layers {
+        assert!(!p.cb.ready(st.slot, FlagName::LayerReady(l)), "layer {l} published after layer {bad} failed its checksum");
+    }
+    assert!(!p.cb.ready(st.slot, FlagName::DecoderUsable));
 }
 
 #[test]

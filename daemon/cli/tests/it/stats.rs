@@ -255,3 +255,12 @@ fn promtext_errors_name_the_line_or_the_metric() {
     assert!(e.to_string().contains("+Inf"), "{e}");
     assert!(promtext::parse("").unwrap().is_empty());
 }
+
+#[test]
+fn a_connect_error_names_its_cause_once() {
+    let o = crate::kvwire(&["stats", "--socket", "/nonexistent-kvwire-dir/x.sock"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches("No such file or directory").count(), 1, "{err}");
+    assert!(err.contains("/nonexistent-kvwire-dir/x.sock"), "{err}");
+}
