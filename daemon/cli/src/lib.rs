@@ -572,6 +572,7 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
         ("wire_bytes", c.wire_bytes),
         ("reused_bytes", c.reused_bytes),
         ("retransmitted_bytes", c.retransmitted_bytes),
+        ("compressed_bytes", c.compressed_bytes),
         ("received_bytes", c.received_bytes),
     ] {
         let _ = writeln!(out, "{name:<44} {:>26}", bytes(v));

@@ -218,6 +218,8 @@ pub struct ByteCounters {
     pub reused_bytes: u64,
     /// `kvwire_retransmitted_bytes_total`.
     pub retransmitted_bytes: u64,
+    /// `kvwire_compressed_bytes_total` (0 from a daemon that does not report it).
+    pub compressed_bytes: u64,
     /// `kvwire_received_bytes_total`.
     pub received_bytes: u64,
 }
@@ -325,6 +327,7 @@ impl Stats {
             wire_bytes: counter("kvwire_wire_bytes_total")?,
             reused_bytes: counter("kvwire_reused_bytes_total")?,
             retransmitted_bytes: counter("kvwire_retransmitted_bytes_total")?,
+            compressed_bytes: samples.iter().find(|s| s.name == "kvwire_compressed_bytes_total").map(count).transpose()?.unwrap_or(0),
             received_bytes: counter("kvwire_received_bytes_total")?,
         };
         let node = samples.iter().find_map(|s| s.label("node")).map(str::to_string);

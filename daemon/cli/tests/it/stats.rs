@@ -54,7 +54,7 @@ fn refused_peers(v: &Value) -> u64 {
 fn check_fresh(v: &Value, node: &str, source: &str) {
     assert_eq!(v["node"], node, "{v:#}");
     assert_eq!(v["source"], source, "{v:#}");
-    for k in ["payload_bytes", "wire_bytes", "reused_bytes", "retransmitted_bytes", "received_bytes"] {
+    for k in ["payload_bytes", "wire_bytes", "reused_bytes", "retransmitted_bytes", "compressed_bytes", "received_bytes"] {
         assert_eq!(v["counters"][k], 0, "{k}: {v:#}");
     }
     let transfers: Vec<(String, String, u64)> = v["transfers"]
@@ -107,7 +107,7 @@ fn stats_over_metrics_endpoint_and_control_socket_agree() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let table = String::from_utf8(out.stdout).unwrap();
     assert!(table.starts_with(&format!("node stats-live  from {url}")), "{table}");
-    for row in ["payload_bytes", "retransmitted_bytes", "transfers role=source outcome=done", "refused peer"] {
+    for row in ["payload_bytes", "retransmitted_bytes", "compressed_bytes", "transfers role=source outcome=done", "refused peer"] {
         assert!(table.contains(row), "table lacks {row}:\n{table}");
     }
     let refused = table.lines().find(|l| l.starts_with("refused peer")).unwrap();
