@@ -1,7 +1,7 @@
 //! The in-run baselines: `memcpy` and a plain TCP socket pair, with the
 //! point's concurrency.
 
-use super::measure::lockstep;
+use super::lockstep::lockstep;
 use anyhow::anyhow;
 use kvwire_transport::HostMem;
 use std::io::{Read as _, Write as _};

@@ -3,63 +3,20 @@
 
 use super::baselines::{memcpy_baseline, socket_baseline};
 use super::figures::{chunks, figures, Sample};
+use super::lockstep::lockstep;
 use super::records::{Baseline, HopStat, Point, PointHops};
 use super::settings::Settings;
 use kvwire_core::protocol::TransportKind;
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hop, Hops, Placement, Registry, Tag, TransportError, WriteOp};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// How long one completion or flag may take before the campaign gives up.
 const TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Transfers at once, in lock-step rounds: `work(state, round)` runs on one
-/// thread per state, all threads released together by a barrier each
-/// round. After a failure every thread stops working (but keeps meeting the
-/// barrier, so none waits forever); the first error is returned.
-pub(super) fn lockstep<S, T, F>(states: Vec<S>, rounds: usize, work: F) -> anyhow::Result<Vec<Vec<T>>>
-where
-    S: Send,
-    T: Send,
-    F: Fn(usize, &mut S) -> anyhow::Result<T> + Sync,
-{
-    let barrier = Barrier::new(states.len());
-    let failed = AtomicBool::new(false);
-    let results: Vec<anyhow::Result<Vec<T>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = states
-            .into_iter()
-            .enumerate()
-            .map(|(lane, mut state)| {
-                let (barrier, failed, work) = (&barrier, &failed, &work);
-                scope.spawn(move || {
-                    let mut out = Vec::with_capacity(rounds);
-                    let mut err = None;
-                    for _ in 0..rounds {
-                        barrier.wait();
-                        if failed.load(Ordering::Acquire) {
-                            continue;
-                        }
-                        match work(lane, &mut state) {
-                            Ok(t) => out.push(t),
-                            Err(e) => {
-                                failed.store(true, Ordering::Release);
-                                err = Some(e.context(format!("stream {lane}")));
-                            }
-                        }
-                    }
-                    err.map_or(Ok(out), Err)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a campaign thread panicked")))).collect()
-    });
-    results.into_iter().collect()
-}
 
 fn placement(slots: u16) -> anyhow::Result<Arc<Placement>> {
     Ok(Arc::new(Placement::new(FlagTable::new(slots, 1)?, Arc::new(Hops::default()))))

@@ -49,6 +49,7 @@
 
 mod baselines;
 mod figures;
+mod lockstep;
 mod measure;
 mod plots;
 mod records;
