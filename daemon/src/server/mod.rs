@@ -16,6 +16,7 @@ mod control;
 mod destination;
 mod device;
 mod error;
+mod kept;
 mod link;
 mod rails;
 mod source;
@@ -44,6 +45,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Idle connections kept per peer or rail: as many as transfers to one
+/// peer usually overlap.
+const KEEP_PER_KEY: usize = 4;
 
 /// How long a source waits for the destination's answer to an offer or an expect.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -84,10 +89,14 @@ pub struct Daemon {
     // (device, inode) of the control socket this daemon bound: shutdown
     // unlinks the path only while it is still this one.
     control_id: (u64, u64),
-    // Authenticated peer-control connections kept between transfers.
-    peer_conns: link::PeerConns,
-    // Data-plane connections kept between transfers.
-    data_conns: rails::DataConns,
+    // Authenticated peer-control connections kept between transfers, by
+    // (peer name, address): the next transfer to that peer skips connect and
+    // handshake; one the peer closed meanwhile costs a failed offer, then a
+    // new connection.
+    peer_conns: kept::Kept<(String, String), std::net::TcpStream>,
+    // Data-plane connections kept between transfers, by (local rail, peer's
+    // rail address), where the transport says they are reusable (tcp).
+    data_conns: kept::Kept<(usize, String), Box<dyn kvwire_transport::Connection>>,
     // Threads kept for transfers' work.
     workers: workers::Workers,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
@@ -132,10 +141,13 @@ fn read_mem(mem: &HostMem, offset: u64, len: u64) -> Option<Vec<u8>> {
 /// allocation each cost more than hashing them), looking a region up once
 /// per run of the same region.
 struct RunReader<'a> {
-    regions: &'a HashMap<(u32, RegionId), Arc<Region>>,
+    regions: &'a HashMap<RegionKey, Arc<Region>>,
     buf: RefCell<Vec<u8>>,
-    last: RefCell<Option<((u32, RegionId), Arc<Region>)>>,
+    last: RefCell<Option<(RegionKey, Arc<Region>)>>,
 }
+
+/// A registered region of a rank.
+type RegionKey = (u32, RegionId);
 
 /// Bytes a [`RunReader`] hands out: its buffer, or a converted copy.
 enum RunBytes<'a> {
@@ -153,7 +165,7 @@ impl AsRef<[u8]> for RunBytes<'_> {
 }
 
 impl<'a> RunReader<'a> {
-    fn new(regions: &'a HashMap<(u32, RegionId), Arc<Region>>) -> RunReader<'a> {
+    fn new(regions: &'a HashMap<RegionKey, Arc<Region>>) -> RunReader<'a> {
         RunReader { regions, buf: RefCell::new(Vec::new()), last: RefCell::new(None) }
     }
 
@@ -212,8 +224,8 @@ impl Daemon {
             device,
             stage_pool,
             control_id,
-            peer_conns: link::PeerConns::default(),
-            data_conns: rails::DataConns::default(),
+            peer_conns: kept::Kept::new(KEEP_PER_KEY),
+            data_conns: kept::Kept::new(KEEP_PER_KEY),
             workers: workers::Workers::default(),
             discovery: std::sync::OnceLock::new(),
         });
@@ -342,9 +354,12 @@ impl Daemon {
     }
 }
 
+/// The first rail's endpoint, and the verbs endpoint behind it, if verbs.
+type FirstRail = (Arc<dyn Endpoint>, Option<Arc<VerbsEndpoint>>);
+
 /// The data plane's first rail, and the verbs endpoint that opens the
 /// other devices as rails.
-fn open_endpoint(cfg: &Config) -> anyhow::Result<(Arc<dyn Endpoint>, Option<Arc<VerbsEndpoint>>)> {
+fn open_endpoint(cfg: &Config) -> anyhow::Result<FirstRail> {
     let t = &cfg.transport;
     // Clients register at most `max_regions`; each transfer into this
     // host adds its own keys for the same regions (`Slot::keys`), so the

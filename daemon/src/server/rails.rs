@@ -69,8 +69,6 @@ impl Daemon {
         out
     }
 
-    /// Where peer `name` listens: the static `[[peers]]` list, then etcd
-
     /// Sends every batch, cut into slices striped across the destination's
     /// rails (`stripe`), until each completed at least once; records per
     /// rail what it carried and what was sent again, either way.
@@ -104,13 +102,13 @@ impl Daemon {
         // QP can only reach what its own device reaches); with fewer rails
         // here, ours are reused in turn.
         let connect = |i: usize, rail: &RailAddr| {
-            if let Some(c) = self.data_conns.take(i, &rail.addr) {
+            if let Some(c) = self.data_conns.take(&(i, rail.addr.clone()), |c| c.reusable()) {
                 return Ok(c);
             }
             let local = &self.rails[i % self.rails.len()];
             local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr)
         };
-        let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| self.data_conns.keep(i, &rail.addr, c, || self.keeping());
+        let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| self.data_conns.keep((i, rail.addr.clone()), c, || self.keeping());
         // Setup ends at the first post, on whichever rail: handshake,
         // planning, manifest, packing, data-plane connect.
         let posting = std::sync::Once::new();
@@ -208,53 +206,5 @@ impl Daemon {
                 r.resent_bytes += resent;
             }
         }
-    }
-}
-
-/// Data-plane connections left idle by transfers that ended well, by
-/// (local rail, peer's rail address): the next transfer over that rail
-/// skips the connect and the hello. Only connections that say they are
-/// reusable are kept (tcp); a peer that closed one meanwhile fails that
-/// rail of the next transfer, whose slices go to the others.
-#[derive(Default)]
-pub(super) struct DataConns {
-    idle: Mutex<HashMap<(usize, String), Vec<Box<dyn Connection>>>>,
-}
-
-impl std::fmt::Debug for DataConns {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DataConns").field("idle", &self.idle.lock().map(|m| m.values().map(Vec::len).sum::<usize>()).unwrap_or(0)).finish()
-    }
-}
-
-/// Idle data connections kept per rail and peer address.
-const KEEP_PER_RAIL: usize = 4;
-
-impl DataConns {
-    fn take(&self, rail: usize, addr: &str) -> Option<Box<dyn Connection>> {
-        let mut idle = self.idle.lock().expect("data conns lock");
-        let v = idle.get_mut(&(rail, addr.to_string()))?;
-        while let Some(mut c) = v.pop() {
-            if c.reusable() {
-                return Some(c);
-            }
-        }
-        None
-    }
-
-    fn keep(&self, rail: usize, addr: &str, c: Box<dyn Connection>, wanted: impl Fn() -> bool) {
-        let mut idle = self.idle.lock().expect("data conns lock");
-        if !wanted() {
-            return;
-        }
-        let v = idle.entry((rail, addr.to_string())).or_default();
-        if v.len() < KEEP_PER_RAIL {
-            v.push(c);
-        }
-    }
-
-    /// Closes every kept connection.
-    pub fn clear(&self) {
-        self.idle.lock().expect("data conns lock").clear();
     }
 }

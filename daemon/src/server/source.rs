@@ -173,7 +173,7 @@ impl Daemon {
             transfer: Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
         };
         self.with_slot(id, |sl| sl.peer = peer.name.clone());
-        let answer = match self.peer_conns.take(&peer.name, &peer.address) {
+        let answer = match self.peer_conns.take(&(peer.name.clone(), peer.address.clone()), |_| true) {
             Some(kept) => match self.offer_on(kept, peer, offer.clone(), timeouts, link) {
                 Err(LinkError::Wire(why)) => {
                     tracing::debug!(peer = peer.name, why, "kept peer connection is gone; connecting anew");
@@ -322,7 +322,7 @@ impl Daemon {
                     Metrics::add(&d.metrics.wire_bytes, bytes + outcome.framing);
                     d.complete(id, SOURCE_RELEASED, Boundary::SourceReleased);
                     if let Some(conn) = thread_link.done() {
-                        d.peer_conns.keep(&peer_name, &peer_addr, conn, || d.keeping());
+                        d.peer_conns.keep((peer_name, peer_addr), conn, || d.keeping());
                     }
                     tracing::info!(bytes, writes, "source released");
                 }
