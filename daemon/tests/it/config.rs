@@ -12,13 +12,6 @@ const EXAMPLE: &str = include_str!("../../../config/kvwired.example.toml");
 const SECRET: &str = "a-secret-of-at-least-16-bytes\n";
 
 /// The example with `secret_file` pointed at `secret`.
-/// A secret file as kvwired wants it: readable by its owner only.
-fn private(dir: &TempDir, name: &str, text: &str) -> PathBuf {
-    let p = dir.write(name, text);
-    std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    p
-}
-
 fn example_with_secret(secret: &Path) -> String {
     let line = EXAMPLE.lines().find(|l| l.starts_with("secret_file =")).expect("example sets secret_file");
     EXAMPLE.replacen(line, &format!("secret_file = {:?}", secret.display().to_string()), 1)
@@ -26,7 +19,7 @@ fn example_with_secret(secret: &Path) -> String {
 
 /// A valid config as TOML text: `top` at top level, then `tables`.
 fn minimal(dir: &TempDir, top: &str, tables: &str) -> String {
-    let secret = private(&dir, "secret", SECRET);
+    let secret = dir.write_private("secret", SECRET);
     format!("node = \"n1\"\nsecret_file = {:?}\n{top}\n{tables}", secret.display().to_string())
 }
 
@@ -126,7 +119,7 @@ fn example_uncommented() -> String {
 #[test]
 fn example_parses_validates_and_sets_only_defaults() {
     let dir = TempDir::new("config-example");
-    let secret = private(&dir, "secret", SECRET);
+    let secret = dir.write_private("secret", SECRET);
     let text = example_with_secret(&secret);
     let c = load(&text).unwrap_or_else(|e| panic!("example config refused: {e}"));
     assert_eq!(c.secret_file.as_deref(), Some(secret.as_path()));
@@ -165,7 +158,7 @@ fn example_documents_every_key_of_config_and_nothing_else() {
     // And the parser knows every documented key, commented-out ones included
     // (Config refuses unknown keys).
     let dir = TempDir::new("config-uncommented");
-    let secret = private(&dir, "secret", SECRET);
+    let secret = dir.write_private("secret", SECRET);
     let all = example_uncommented().replacen("secret_file = \"/etc/kvwire/secret\"", &format!("secret_file = {:?}", secret.display().to_string()), 1);
     let c = load(&all).unwrap_or_else(|e| panic!("example with every setting enabled refused: {e}\n{all}"));
     assert_eq!(c.transport.verbs_device.as_deref(), Some("mlx5_0"));
@@ -180,7 +173,7 @@ fn unknown_keys_are_refused_naming_them() {
     assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight = 3\n"), &["max_inflight"]);
     assert_refused(&minimal(&dir, "", "[[peers]]\nname = \"b\"\naddress = \"127.0.0.1:1\"\nsecret = \"x\"\n"), &["secret"]);
     // The example plus one unknown key.
-    let secret = private(&dir, "secret", SECRET);
+    let secret = dir.write_private("secret", SECRET);
     let text = format!("not_a_setting = true\n{}", example_with_secret(&secret));
     assert_refused(&text, &["not_a_setting"]);
 }
@@ -228,7 +221,7 @@ fn bad_values_are_refused_naming_the_key() {
         &["limits.peer_timeout_secs", "transfer_timeout_secs"],
     );
     // A node name outside [A-Za-z0-9-_.].
-    assert_refused(&format!("node = \"bad name!\"\nsecret_file = {:?}\n", private(&dir, "s", SECRET).display().to_string()), &["node"]);
+    assert_refused(&format!("node = \"bad name!\"\nsecret_file = {:?}\n", dir.write_private("s", SECRET).display().to_string()), &["node"]);
 }
 
 #[test]
@@ -268,10 +261,10 @@ fn secret_file_missing_absent_or_short_is_refused() {
     let gone = dir.join("no-such-secret");
     assert_refused(&format!("secret_file = {:?}\n", gone.display().to_string()), &["secret_file", "no-such-secret"]);
     // Shorter than 16 bytes once the trailing newline is dropped (15 + "\n").
-    let short = private(&dir, "short", "fifteen-bytes!!\n");
+    let short = dir.write_private("short", "fifteen-bytes!!\n");
     assert_refused(&format!("secret_file = {:?}\n", short.display().to_string()), &["secret_file", "shorter than 16"]);
     // Exactly 16 is enough.
-    let ok = private(&dir, "ok", "sixteen-bytes!!!\n");
+    let ok = dir.write_private("ok", "sixteen-bytes!!!\n");
     assert_eq!(load(&format!("secret_file = {:?}\n", ok.display().to_string())).unwrap().secret().unwrap(), b"sixteen-bytes!!!");
 }
 
@@ -327,7 +320,7 @@ fn assert_check_fails(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
 #[test]
 fn kvwired_check_accepts_the_example_and_refuses_bad_settings() {
     let dir = TempDir::new("config-bin");
-    let secret = private(&dir, "secret", SECRET);
+    let secret = dir.write_private("secret", SECRET);
     let good = dir.write("good.toml", &example_with_secret(&secret));
     let good = good.to_str().unwrap();
     let out = kvwired(&["--config", good, "--check"], &[]);
@@ -348,7 +341,7 @@ fn kvwired_check_accepts_the_example_and_refuses_bad_settings() {
     let out = kvwired(&["--config", good, "--check", "--node", "flag-wins"], &[("KVWIRED_NODE", "has space")]);
     assert_eq!(out.status.code(), Some(0), "a flag must override the environment: {}", String::from_utf8_lossy(&out.stderr));
     assert_check_fails(&["--config", good, "--check", "--peer-listen", "nope"], &[("KVWIRED_PEER_LISTEN", "127.0.0.1:1")], &["peer_listen", "nope"]);
-    let short = private(&dir, "short", "short\n");
+    let short = dir.write_private("short", "short\n");
     assert_check_fails(&["--config", good, "--check"], &[("KVWIRED_SECRET_FILE", short.to_str().unwrap())], &["secret_file", "shorter than 16"]);
 }
 
@@ -356,13 +349,13 @@ fn kvwired_check_accepts_the_example_and_refuses_bad_settings() {
 fn a_secret_file_others_can_read_is_refused_naming_its_mode() {
     let dir = TempDir::new("config-secret-mode");
     for mode in [0o644, 0o640, 0o604, 0o660] {
-        let p = private(&dir, "secret", SECRET);
+        let p = dir.write_private("secret", SECRET);
         std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(mode)).unwrap();
         let text = format!("node = \"n1\"\nsecret_file = {:?}\n", p.display().to_string());
         let e = load(&text).unwrap_err().to_string();
         assert!(e.contains("secret_file") && e.contains(&format!("{mode:03o}")) && e.contains("chmod 600"), "{mode:o}: {e}");
     }
-    let p = private(&dir, "secret", SECRET);
+    let p = dir.write_private("secret", SECRET);
     let text = format!("node = \"n1\"\nsecret_file = {:?}\n", p.display().to_string());
     assert!(load(&text).is_ok());
 }

@@ -120,15 +120,19 @@ fn prepared_receives_no_source_offered_into_expire_after_the_transfer_timeout() 
     }
 }
 
+/// A config for kvwired `node` whose control socket is `socket`.
+fn config_at(dir: &TempDir, node: &str, socket: &std::path::Path) -> std::path::PathBuf {
+    let secret = dir.write_private(format!("{node}.secret"), SECRET);
+    dir.write(
+        format!("{node}.toml"),
+        format!("node = \"{node}\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nsecret_file = {:?}\n", socket.display().to_string(), secret.display().to_string()),
+    )
+}
+
 /// Runs kvwired with its control socket at `socket`, expecting it to refuse
 /// to start; returns what it printed.
 fn refused_start(dir: &TempDir, socket: &std::path::Path) -> String {
-    let secret = dir.write("refused.secret", SECRET);
-    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let cfg = dir.write(
-        "refused.toml",
-        &format!("node = \"r\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nsecret_file = {:?}\n", socket.display().to_string(), secret.display().to_string()),
-    );
+    let cfg = config_at(dir, "r", socket);
     let out = std::process::Command::new(kvwire_testkit::kvwired_bin()).arg("--config").arg(&cfg).output().unwrap();
     assert!(!out.status.success(), "kvwired started on {}", socket.display());
     String::from_utf8_lossy(&out.stderr).into_owned()
@@ -185,12 +189,7 @@ fn a_daemon_shutting_down_leaves_another_daemons_socket_alone() {
 
 /// Starts a daemon whose control socket is `socket` (free now).
 fn take_socket(dir: &TempDir, socket: &std::path::Path) -> std::process::Child {
-    let secret = dir.write("c.secret", SECRET);
-    std::fs::set_permissions(&secret, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
-    let cfg = dir.write(
-        "c.toml",
-        &format!("node = \"c\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nsecret_file = {:?}\n", socket.display().to_string(), secret.display().to_string()),
-    );
+    let cfg = config_at(dir, "c", socket);
     let mut child = std::process::Command::new(kvwire_testkit::kvwired_bin()).arg("--config").arg(&cfg).stdout(std::process::Stdio::piped()).spawn().unwrap();
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(child.stdout.take().unwrap()), &mut line).unwrap();

@@ -58,6 +58,14 @@ impl TempDir {
         p
     }
 
+    /// [`TempDir::write`], readable by its owner only: what kvwired wants
+    /// of a secret file.
+    pub fn write_private(&self, rel: impl AsRef<Path>, text: impl AsRef<[u8]>) -> PathBuf {
+        let p = self.write(rel, "");
+        write_private(&p, text).unwrap_or_else(|e| panic!("{e}"));
+        p
+    }
+
     /// The directory as text (panics on a non-UTF-8 temp dir).
     pub fn as_str(&self) -> &str {
         self.0.to_str().expect("temp dir is UTF-8")
@@ -68,6 +76,13 @@ impl Drop for TempDir {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Writes `text` to `path`, readable by its owner only (kvwired refuses a
+/// secret file others could read).
+pub fn write_private(path: &Path, text: impl AsRef<[u8]>) -> Result<(), String> {
+    std::fs::write(path, text).map_err(|e| format!("write {}: {e}", path.display()))?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", path.display()))
 }
 
 /// A loopback TCP port that was free a moment ago.
@@ -175,9 +190,7 @@ pub fn try_start_daemon_in(
     extra: &str,
 ) -> Result<DaemonProc, String> {
     let secret_file = dir.join(format!("{node}.secret"));
-    std::fs::write(&secret_file, secret).map_err(|e| format!("write {}: {e}", secret_file.display()))?;
-    // kvwired refuses a secret others could read.
-    std::fs::set_permissions(&secret_file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).map_err(|e| format!("chmod {}: {e}", secret_file.display()))?;
+    write_private(&secret_file, secret)?;
     let socket = dir.join(format!("{node}.sock"));
     let mut cfg = format!(
         "node = \"{node}\"\ncontrol_socket = \"{}\"\npeer_listen = \"{ip}:0\"\nsecret_file = \"{}\"\n",

@@ -824,8 +824,7 @@ fn a_rail_device_that_does_not_exist_stops_the_daemon_by_name() {
     let _shared = crate::shared();
     let d = TempDir::new("faults-nodev");
     let cfg = d.join("bad.toml");
-    std::fs::write(d.join("s"), SECRET).unwrap();
-    std::fs::set_permissions(d.join("s"), std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    d.write_private("s", SECRET);
     std::fs::write(
         &cfg,
         format!(
