@@ -9,6 +9,7 @@
 //! transfer simulator: every roof is a measured per-hop bandwidth
 //! (`bytes / sum_ns`), and the achieved rate is the campaign's `gbps_avg`.
 
+use crate::campaign::{Baseline, HopStat, LatNs};
 use crate::Error;
 use anyhow::{anyhow, Context};
 use clap::Args;
@@ -198,52 +199,8 @@ pub fn roofline_cmd(a: RooflineArgs, out: &mut String) -> Result<(), Error> {
 
 // ------------------------------------------------------------ campaign JSONL
 
-/// End-to-end latency of a point's transfers, nanoseconds.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Latency {
-    /// Fastest.
-    pub min: u64,
-    /// Median.
-    pub p50: u64,
-    /// 99th percentile.
-    pub p99: u64,
-    /// 99.9th percentile.
-    pub p999: u64,
-    /// Slowest.
-    pub max: u64,
-}
-
-/// A baseline measured in the same run.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Baseline {
-    /// What was measured, e.g. `memcpy`.
-    pub name: String,
-    /// Its throughput, GB/s.
-    pub gbps: f64,
-}
-
-/// One hop's histogram summary over a point's transfers.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Hop {
-    /// Recorded events.
-    pub count: u64,
-    /// Total time spent in the hop, ns.
-    pub sum_ns: u64,
-    /// Median event, ns.
-    pub p50_ns: u64,
-    /// 99th-percentile event, ns.
-    pub p99_ns: u64,
-    /// Bytes that went through the hop.
-    pub bytes: u64,
-}
-
-impl Hop {
-    /// Effective bandwidth, GB/s: `bytes / (sum_ns / 1e9) / 1e9`; `None`
-    /// when the hop moved no bytes or took no time.
-    pub fn gbps(&self) -> Option<f64> {
-        (self.bytes > 0 && self.sum_ns > 0).then(|| self.bytes as f64 / (self.sum_ns as f64 / 1e9) / 1e9)
-    }
-}
+// The leaf records (latency, baselines, hops) are the campaign's own:
+// the writer and this reader share one type for each.
 
 /// One `{"kind":"point",…}` line of `campaign.jsonl`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -265,7 +222,7 @@ pub struct Point {
     /// Best throughput, GB/s.
     pub gbps_peak: f64,
     /// End-to-end latency.
-    pub lat_ns: Latency,
+    pub lat_ns: LatNs,
     /// Payload bytes moved.
     pub payload_bytes: u64,
     /// Bytes on the wire, framing included.
@@ -275,7 +232,7 @@ pub struct Point {
     pub baselines: Vec<Baseline>,
     /// Per-hop summaries, by hop name.
     #[serde(default)]
-    pub hops: BTreeMap<String, Hop>,
+    pub hops: BTreeMap<String, HopStat>,
 }
 
 /// The hops in transfer order; a hop not listed here sorts after them, by name.
@@ -296,7 +253,7 @@ pub struct Roof {
 
 impl Point {
     /// The point's hops in transfer order, as they appear in the JSON.
-    pub fn hops_in_order(&self) -> Vec<(&str, &Hop)> {
+    pub fn hops_in_order(&self) -> Vec<(&str, &HopStat)> {
         let mut v: Vec<_> = self.hops.iter().map(|(k, h)| (k.as_str(), h)).collect();
         v.sort_by_key(|(k, _)| hop_rank(k));
         v
@@ -631,7 +588,7 @@ fn plots(points: &[Point], series: &[Series]) -> String {
     for hop in hop_names {
         let mut ls = Vec::new();
         for s in series {
-            let get = |p: &Point, f: fn(&Hop) -> u64| p.hops.get(hop).filter(|h| h.count > 0).map(|h| f(h) as f64);
+            let get = |p: &Point, f: fn(&HopStat) -> u64| p.hops.get(hop).filter(|h| h.count > 0).map(|h| f(h) as f64);
             ls.push(Line { color: s.color, dashed: false, title: format!("{} {hop} p50", s.label), xy: xy(s, &|p| get(p, |h| h.p50_ns)) });
             ls.push(Line { color: s.color, dashed: true, title: format!("{} {hop} p99", s.label), xy: xy(s, &|p| get(p, |h| h.p99_ns)) });
         }

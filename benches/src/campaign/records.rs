@@ -2,10 +2,10 @@
 //! [`Skipped`] per transport that could not run, each a JSONL line.
 
 use kvwire_transport::{Hop, Hops};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Latency figures of a point, nanoseconds.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LatNs {
     /// Fastest transfer.
     pub min: u64,
@@ -20,7 +20,7 @@ pub struct LatNs {
 }
 
 /// One in-run baseline.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Baseline {
     /// `memcpy`, `tcp socket pair` or `ib_write_bw`.
     pub name: String,
@@ -29,7 +29,7 @@ pub struct Baseline {
 }
 
 /// One hop's histogram summary over a point.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct HopStat {
     /// Samples.
     pub count: u64,
