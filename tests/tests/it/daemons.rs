@@ -46,8 +46,10 @@ fn run(p: &Pair, sc: &Scenario) -> Result<scenario::Outcome, ScenarioError> {
 /// and the wake-up of its wait on the last flag.
 fn assert_between_bounds(t: &kvwire_core::timing::Prediction) {
     let m = t.measured_ns.unwrap();
-    let slack = (t.pipelined_ns / 50).max(5_000_000);
-    let above = (t.sequential_ns / 50).max(2_000_000);
+    // One rule for both sides: 2% of the bound, and at least 5 ms (on 2
+    // cores a test running beside others loses a few ms to scheduling).
+    let slack_of = |bound: u64| (bound / 50).max(5_000_000);
+    let (slack, above) = (slack_of(t.pipelined_ns), slack_of(t.sequential_ns));
     assert!(
         t.pipelined_ns <= m + slack && m <= t.sequential_ns + above,
         "measured {m} outside [{} - {slack}, {} + {above}]",
