@@ -927,7 +927,14 @@ fn verbs_rails_a_netdev_taken_down_mid_transfer_fails_over_with_exact_bytes() {
     let table: Vec<u32> = (0..c.blocks).collect();
     let t0 = Instant::now();
     let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r", &table);
-    cb.wait(dslot, FlagName::LayerReady(0), Duration::from_secs(60)).expect("the first layer arrives over both rails");
+    // Down as soon as rail1 has completed a slice: it still holds slices in
+    // flight then (waiting for a whole layer let a fast run finish rail1's
+    // share first, leaving nothing to fail over).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ca.status(sslot).unwrap().rails.iter().any(|r| r.name == "rail1" && r.slices > 0) {
+        assert!(Instant::now() < deadline, "rail1 completed no slice within 60 s");
+        std::thread::sleep(Duration::from_millis(2));
+    }
     let down = std::process::Command::new("ip").args(["link", "set", &net1, "down"]).status().expect("run ip");
     assert!(down.success(), "ip link set {net1} down");
     eprintln!("{net1} (rxe1) down after {:?}", t0.elapsed());
