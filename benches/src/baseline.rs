@@ -9,7 +9,7 @@ use anyhow::{bail, Context};
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
-use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hops, Placement, Registry, Tag, WriteOp};
+use kvwire_transport::{Batch, Connection, Credential, Endpoint, FlagTable, Grant, HostMem, Hops, Placement, Registry, Tag, WriteOp};
 use serde::Serialize;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -56,17 +56,27 @@ fn shm_endpoint(node: &str) -> anyhow::Result<Arc<ShmEndpoint>> {
     Ok(ShmEndpoint::new(node, None, Arc::new(Registry::new(16)), placement()?, ShmLimits::default())?)
 }
 
+/// A data-plane session for `src`'s connections, open on `dst` (what the
+/// daemons' peer handshake does for them).
+pub fn session(src: &dyn Endpoint, dst: &dyn Endpoint) -> anyhow::Result<Credential> {
+    let cred = Credential::random();
+    dst.registry().open_session(&cred, src.node())?;
+    Ok(cred)
+}
+
 /// Times `iters` transfers of `size` bytes through `conn` into `dst`, each
-/// from post until the destination's layer flag is seen.
-fn time_writes(src: &dyn Endpoint, dst: &dyn Endpoint, conn: &mut dyn Connection, size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+/// from post until the destination's layer flag is seen. Every transfer
+/// uses slot 0 of session `cred`, reset between them.
+fn time_writes(src: &dyn Endpoint, dst: &dyn Endpoint, cred: &Credential, conn: &mut dyn Connection, size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
     let src_mem = Arc::new(HostMem::new("kvwire-bench-src", size)?);
     src_mem.write(0, &vec![0x5Au8; size as usize])?;
     let dst_mem = Arc::new(HostMem::new("kvwire-bench-dst", size)?);
-    let s = src.register(src_mem, 0, size)?;
-    let d = dst.register(dst_mem, 0, size)?;
+    let s = src.register(src_mem, 0, size, None)?;
+    let d = dst.register(dst_mem, 0, size, Some(Grant { session: cred.session, slot: 0 }))?;
     let mut samples = Vec::new();
     for i in 0..=iters {
-        let tag = Tag { slot: i as u16, layer: 0 };
+        let tag = Tag { slot: 0, layer: 0 };
+        dst.placement().reset_slot(0);
         dst.placement().expect(tag, size)?;
         let start = Instant::now();
         conn.post(Batch { tag, writes: vec![WriteOp { src_key: s.key, src_offset: 0, dst_key: d.key, dst_offset: 0, len: size }] })?;
@@ -93,12 +103,13 @@ fn time_verbs(src: &VerbsEndpoint, dst: &VerbsEndpoint, size: u64, iters: u32) -
     struct Lazy<'a> {
         src: &'a VerbsEndpoint,
         peer: String,
+        cred: Credential,
         conn: Option<Box<dyn Connection>>,
     }
     impl Lazy<'_> {
         fn get(&mut self) -> Result<&mut Box<dyn Connection>, kvwire_transport::TransportError> {
             if self.conn.is_none() {
-                self.conn = Some(self.src.connect(&self.peer)?);
+                self.conn = Some(self.src.connect(&self.peer, &self.cred)?);
             }
             Ok(self.conn.as_mut().expect("connected"))
         }
@@ -123,8 +134,9 @@ fn time_verbs(src: &VerbsEndpoint, dst: &VerbsEndpoint, size: u64, iters: u32) -
             self.conn.as_ref().map_or(0, |c| c.answer_bytes())
         }
     }
-    let mut lazy = Lazy { src, peer: dst.local_addr(), conn: None };
-    time_writes(src, dst, &mut lazy, size, iters)
+    let cred = session(src, dst)?;
+    let mut lazy = Lazy { src, peer: dst.local_addr(), cred: cred.clone(), conn: None };
+    time_writes(src, dst, &cred, &mut lazy, size, iters)
 }
 
 /// `ib_write_bw` loopback on `device`: server and client on the same
@@ -231,14 +243,16 @@ pub fn transport(transport: TransportKind, size: u64, iters: u32) -> anyhow::Res
     let (samples, baseline, base) = match transport {
         TransportKind::Tcp => {
             let (src, dst) = (endpoint("bench-src")?, endpoint("bench-dst")?);
-            let mut conn = src.connect(&dst.local_addr())?;
-            let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("tcp transfers")?;
+            let cred = session(&*src, &*dst)?;
+            let mut conn = src.connect(&dst.local_addr(), &cred)?;
+            let s = time_writes(&*src, &*dst, &cred, &mut *conn, size, iters).context("tcp transfers")?;
             (s, "tcp socket pair (loopback)", tcp_baseline(size, iters)?)
         }
         TransportKind::Shm => {
             let (src, dst) = (shm_endpoint("bench-src")?, shm_endpoint("bench-dst")?);
-            let mut conn = src.connect(&dst.local_addr())?;
-            let s = time_writes(&*src, &*dst, &mut *conn, size, iters).context("shm transfers")?;
+            let cred = session(&*src, &*dst)?;
+            let mut conn = src.connect(&dst.local_addr(), &cred)?;
+            let s = time_writes(&*src, &*dst, &cred, &mut *conn, size, iters).context("shm transfers")?;
             (s, "single-thread memcpy", memcpy_baseline(size, iters)?)
         }
         TransportKind::Verbs => {

@@ -69,13 +69,21 @@ impl std::str::FromStr for TransportKind {
 }
 
 /// Version of this protocol; peers speaking another are refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// 3: the destination challenges first and the source proves its session
+/// (see [`Hello::session`]).
+pub const PROTOCOL_VERSION: u32 = 3;
 /// `KVW1` in wire order.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVW1");
 /// Size of a frame header.
 pub const HEADER_LEN: usize = 40;
 /// Largest `Hello` payload accepted.
 pub const MAX_HELLO: u64 = 1 << 20;
+/// Largest `Hello` a destination reads before the sender proved its
+/// session: a source's hello carries no regions, so a few KiB is plenty,
+/// and an outsider cannot make the destination hold more.
+pub const MAX_UNAUTHENTICATED_HELLO: u64 = 4096;
+/// Bytes of a handshake nonce (a `Challenge` payload).
+pub const NONCE_LEN: usize = 32;
 
 /// Identifies what a write belongs to: a transfer slot the destination
 /// assigned, and a layer. Carried by TCP frame headers and by verbs write
@@ -112,6 +120,8 @@ pub enum Kind {
     Ack = 3,
     /// The write `seq` was refused; payload is the reason.
     Nack = 4,
+    /// The destination's first frame: payload is its [`NONCE_LEN`]-byte nonce.
+    Challenge = 5,
 }
 
 /// A decoded frame header.
@@ -193,6 +203,7 @@ impl Header {
             2 => Kind::Write,
             3 => Kind::Ack,
             4 => Kind::Nack,
+            5 => Kind::Challenge,
             k => return Err(FrameError::Kind(k)),
         };
         let flags = u16_at(6);
@@ -205,6 +216,7 @@ impl Header {
             Kind::Write => max_write,
             Kind::Ack => 0,
             Kind::Nack => 4096,
+            Kind::Challenge => NONCE_LEN as u64,
         };
         if len > limit {
             return Err(FrameError::TooLong { kind, len, limit });
@@ -258,6 +270,17 @@ pub struct Hello {
     pub regions: Vec<RegionDesc>,
     /// Verbs connection data (verbs only).
     pub verbs: Option<VerbsAddr>,
+    /// (source) The data-plane session it proves, as the peer-control
+    /// handshake named it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<u64>,
+    /// The sender's nonce, hex (sources; destinations sent theirs in the `Challenge`).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub nonce: String,
+    /// HMAC-SHA256 under the session key over both nonces, the transport
+    /// and the sender's node, hex: proves the sender holds the session.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub proof: String,
 }
 
 /// Why a peer's hello was refused.

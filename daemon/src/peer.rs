@@ -5,18 +5,26 @@
 //! 1. server → `Challenge { node, version, nonce_s }`
 //! 2. client → `Auth { node, nonce_c, mac = HMAC(secret, "kvwire-peer-client-v1" ‖ nonce_s ‖ nonce_c ‖ client node) }`
 //! 3. server → `AuthOk { mac = HMAC(secret, "kvwire-peer-server-v1" ‖ nonce_c ‖ nonce_s ‖ server node) }` or `Refused`
+//! 4. from here on, every message in either direction is sealed
+//!    ([`Sealed`]): an HMAC under a key derived from the session, over a
+//!    per-direction sequence number and the message, so nothing can be
+//!    forged, replayed, reordered or cut out of the stream.
+//!
+//! Both sides derive the data-plane session of the connection from the
+//! handshake ([`Credential::derive`]): the destination opens it for the
+//! peer's data connections, the source proves it on each.
 //!
 //! Then the source sends `Offer`, the destination answers `Accept` with its
-//! layout, block table, data-plane address and region keys; the source plans
-//! and sends `Expect` (bytes per layer); bytes flow on the data plane;
-//! `Abort` fails the destination's flags when the source gives up.
+//! layout, block table, data-plane address and the keys of regions granted
+//! to this transfer alone; the source plans and sends `Expect` (bytes per
+//! layer); bytes flow on the data plane; `Abort` fails the destination's
+//! flags when the source gives up.
 
-use kvwire_client::wire::{read_msg, write_msg, WireError};
-use hmac::{Hmac, Mac};
+use kvwire_client::wire::{read_msg, write_msg, WireError, MAX_MESSAGE};
 pub use kvwire_core::session::msg::{PeerMsg, PEER_VERSION};
 use kvwire_core::session::kind;
-use sha2::Sha256;
-use std::io::Read;
+use kvwire_transport::auth::{self, Credential};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 
 /// Why authentication failed.
@@ -30,54 +38,19 @@ pub enum AuthError {
     Denied(String),
 }
 
-type HmacSha256 = Hmac<Sha256>;
+const NONCE: usize = 32;
 
-fn mac(secret: &[u8], label: &str, parts: &[&[u8]]) -> Vec<u8> {
-    let mut m = HmacSha256::new_from_slice(secret).expect("HMAC takes any key length");
-    m.update(label.as_bytes());
-    for p in parts {
-        m.update(&(p.len() as u32).to_le_bytes());
-        m.update(p);
-    }
-    m.finalize().into_bytes().to_vec()
-}
-
-fn verify(secret: &[u8], label: &str, parts: &[&[u8]], proof_hex: &str) -> bool {
-    let Some(proof) = unhex(proof_hex) else { return false };
-    let mut m = HmacSha256::new_from_slice(secret).expect("HMAC takes any key length");
-    m.update(label.as_bytes());
-    for p in parts {
-        m.update(&(p.len() as u32).to_le_bytes());
-        m.update(p);
-    }
-    // Constant-time comparison.
-    m.verify_slice(&proof).is_ok()
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 || s.len() > 128 {
-        return None;
-    }
-    (0..s.len()).step_by(2).map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok()).collect()
-}
-
-/// 32 random bytes from the kernel.
-pub fn nonce() -> Vec<u8> {
-    let mut b = vec![0u8; 32];
-    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).expect("/dev/urandom is readable");
-    b
+fn nonce_of(hex: &str, what: &str) -> Result<Vec<u8>, AuthError> {
+    auth::unhex(hex, NONCE).filter(|n| n.len() == NONCE).ok_or_else(|| AuthError::Denied(format!("malformed {what} nonce")))
 }
 
 /// Server side of the handshake; returns the authenticated client's node
-/// name. On failure the caller counts the refusal, then sends
-/// [`PeerMsg::Refused`] so the client's error names the cause.
-pub fn accept_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<String, AuthError> {
-    let ns = nonce();
-    write_msg(s, &PeerMsg::Challenge { node: node.into(), version: PEER_VERSION, nonce: hex(&ns) })?;
+/// name and the session's credential. On failure the caller counts the
+/// refusal, then sends [`PeerMsg::Refused`] so the client's error names
+/// the cause.
+pub fn accept_auth(s: &mut (impl Read + Write), secret: &[u8], node: &str) -> Result<(String, Credential), AuthError> {
+    let ns = auth::random_bytes::<NONCE>();
+    write_msg(s, &PeerMsg::Challenge { node: node.into(), version: PEER_VERSION, nonce: auth::hex(&ns) })?;
     let (client, nc, proof) = match read_msg::<PeerMsg>(s)? {
         PeerMsg::Auth { node, nonce, mac } => (node, nonce, mac),
         other => return Err(AuthError::Denied(format!("expected auth, got {}", kind(&other)))),
@@ -87,17 +60,20 @@ pub fn accept_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<Strin
     if !crate::config::is_node_name(&client) {
         return Err(AuthError::Denied(format!("malformed node name ({} bytes)", client.len())));
     }
-    let nc_bytes = unhex(&nc).filter(|n| n.len() == 32).ok_or_else(|| AuthError::Denied("malformed client nonce".into()))?;
-    if !verify(secret, "kvwire-peer-client-v1", &[&ns, &nc_bytes, client.as_bytes()], &proof) {
+    let nc = nonce_of(&nc, "client")?;
+    let proof = auth::unhex(&proof, 32).unwrap_or_default();
+    if !auth::verify(secret, "kvwire-peer-client-v1", &[&ns, &nc, client.as_bytes()], &proof) {
         return Err(AuthError::Denied(format!("peer `{client}` does not hold the shared secret")));
     }
-    let m = mac(secret, "kvwire-peer-server-v1", &[&nc_bytes, &ns, node.as_bytes()]);
-    write_msg(s, &PeerMsg::AuthOk { mac: hex(&m) })?;
-    Ok(client)
+    let m = auth::mac(secret, "kvwire-peer-server-v1", &[&nc, &ns, node.as_bytes()]);
+    write_msg(s, &PeerMsg::AuthOk { mac: auth::hex(&m) })?;
+    let cred = Credential::derive(secret, &ns, &nc, &client, node);
+    Ok((client, cred))
 }
 
-/// Client side of the handshake; returns the authenticated server's node name.
-pub fn connect_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<String, AuthError> {
+/// Client side of the handshake; returns the authenticated server's node
+/// name and the session's credential.
+pub fn connect_auth(s: &mut (impl Read + Write), secret: &[u8], node: &str) -> Result<(String, Credential), AuthError> {
     let (server, version, ns) = match read_msg::<PeerMsg>(s)? {
         PeerMsg::Challenge { node, version, nonce } => (node, version, nonce),
         other => return Err(AuthError::Denied(format!("expected a challenge, got {}", kind(&other)))),
@@ -108,14 +84,142 @@ pub fn connect_auth(s: &mut TcpStream, secret: &[u8], node: &str) -> Result<Stri
     if version != PEER_VERSION {
         return Err(AuthError::Denied(format!("peer `{server}` speaks peer protocol {version}, this daemon {PEER_VERSION}")));
     }
-    let ns_bytes = unhex(&ns).filter(|n| n.len() == 32).ok_or_else(|| AuthError::Denied("malformed server nonce".into()))?;
-    let nc = nonce();
-    let m = mac(secret, "kvwire-peer-client-v1", &[&ns_bytes, &nc, node.as_bytes()]);
-    write_msg(s, &PeerMsg::Auth { node: node.into(), nonce: hex(&nc), mac: hex(&m) })?;
+    let ns = nonce_of(&ns, "server")?;
+    let nc = auth::random_bytes::<NONCE>();
+    let m = auth::mac(secret, "kvwire-peer-client-v1", &[&ns, &nc, node.as_bytes()]);
+    write_msg(s, &PeerMsg::Auth { node: node.into(), nonce: auth::hex(&nc), mac: auth::hex(&m) })?;
     match read_msg::<PeerMsg>(s)? {
-        PeerMsg::AuthOk { mac: proof } if verify(secret, "kvwire-peer-server-v1", &[&nc, &ns_bytes, server.as_bytes()], &proof) => Ok(server),
+        PeerMsg::AuthOk { mac: proof } if auth::verify(secret, "kvwire-peer-server-v1", &[&nc, &ns, server.as_bytes()], &auth::unhex(&proof, 32).unwrap_or_default()) => {
+            let cred = Credential::derive(secret, &ns, &nc, node, &server);
+            Ok((server, cred))
+        }
         PeerMsg::AuthOk { .. } => Err(AuthError::Denied(format!("peer `{server}` failed to prove the shared secret"))),
         PeerMsg::Refused { reason } => Err(AuthError::Denied(format!("peer `{server}` refused: {reason}"))),
         other => Err(AuthError::Denied(format!("expected auth_ok, got {}", kind(&other)))),
+    }
+}
+
+/// Bytes of the seal after each message.
+pub const SEAL_LEN: usize = 32;
+
+/// An authenticated peer connection: every message framed as a u32
+/// length, its JSON, and `HMAC(direction key, sequence ‖ JSON)`. Each side
+/// counts the messages it sent and received, so a replayed, reordered,
+/// dropped or altered message fails its check and ends the connection.
+#[derive(Debug)]
+pub struct Sealed {
+    stream: TcpStream,
+    credential: Credential,
+    send_key: [u8; 32],
+    recv_key: [u8; 32],
+    sent: u64,
+    received: u64,
+}
+
+impl Sealed {
+    /// Seals `stream` under `cred`; `client` is the side that connected
+    /// (each direction has its own key).
+    pub fn new(stream: TcpStream, cred: Credential, client: bool) -> Sealed {
+        let (c2s, s2c) = (cred.subkey("kvwire-peer-client-to-server-v1"), cred.subkey("kvwire-peer-server-to-client-v1"));
+        let (send_key, recv_key) = if client { (c2s, s2c) } else { (s2c, c2s) };
+        Sealed { stream, credential: cred, send_key, recv_key, sent: 0, received: 0 }
+    }
+
+    /// The connection's data-plane session.
+    pub fn credential(&self) -> &Credential {
+        &self.credential
+    }
+
+    /// The socket (for timeouts).
+    pub fn stream(&self) -> &TcpStream {
+        &self.stream
+    }
+
+    /// Sends one sealed message.
+    pub fn send(&mut self, m: &PeerMsg) -> Result<(), WireError> {
+        let body = serde_json::to_vec(m).expect("messages serialize");
+        let seal = auth::mac(&self.send_key, "kvwire-peer-frame-v1", &[&self.sent.to_le_bytes(), &body]);
+        self.sent += 1;
+        let mut out = Vec::with_capacity(4 + body.len() + SEAL_LEN);
+        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        out.extend_from_slice(&body);
+        out.extend_from_slice(&seal);
+        let io = |cause| WireError::Io { op: "send", cause };
+        self.stream.write_all(&out).map_err(io)?;
+        self.stream.flush().map_err(io)
+    }
+
+    /// Receives one message and checks its seal before parsing it.
+    pub fn recv(&mut self) -> Result<PeerMsg, WireError> {
+        let (body, seal) = read_sealed(&mut self.stream)?;
+        if !auth::verify(&self.recv_key, "kvwire-peer-frame-v1", &[&self.received.to_le_bytes(), &body], &seal) {
+            return Err(WireError::Json(format!("message {} fails its seal: forged, replayed or out of order", self.received)));
+        }
+        self.received += 1;
+        kvwire_client::wire::parse(&body)
+    }
+}
+
+/// Reads one sealed frame: its body and its seal, unchecked.
+pub fn read_sealed(r: &mut impl Read) -> Result<(Vec<u8>, [u8; SEAL_LEN]), WireError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
+        Err(cause) => return Err(WireError::Io { op: "receive", cause }),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_MESSAGE {
+        return Err(WireError::TooLong(len));
+    }
+    let mut body = vec![0u8; len];
+    let mut seal = [0u8; SEAL_LEN];
+    r.read_exact(&mut body).and_then(|()| r.read_exact(&mut seal)).map_err(|cause| WireError::Io { op: "receive", cause })?;
+    Ok((body, seal))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn pair() -> (Sealed, Sealed, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        let raw = c.try_clone().unwrap();
+        let cred = Credential::derive(b"secret", b"ns", b"nc", "a", "b");
+        (Sealed::new(c, cred.clone(), true), Sealed::new(s, cred, false), raw)
+    }
+
+    #[test]
+    fn sealed_messages_pass_and_forged_or_replayed_ones_do_not() {
+        let (mut a, mut b, mut raw) = pair();
+        a.send(&PeerMsg::Ping).unwrap();
+        b.send(&PeerMsg::Pong).unwrap();
+        assert_eq!(b.recv().unwrap(), PeerMsg::Ping);
+        assert_eq!(a.recv().unwrap(), PeerMsg::Pong);
+        // A frame written around the seal: valid framing, no valid seal.
+        let body = serde_json::to_vec(&PeerMsg::Ping).unwrap();
+        raw.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+        raw.write_all(&body).unwrap();
+        raw.write_all(&[0u8; SEAL_LEN]).unwrap();
+        assert!(b.recv().unwrap_err().to_string().contains("fails its seal"));
+    }
+
+    #[test]
+    fn a_message_sealed_for_one_place_in_the_stream_fails_at_another() {
+        let (mut a, mut b, _raw) = pair();
+        // The second message's seal covers sequence 1: replaying the first
+        // one's bytes there fails.
+        let body = serde_json::to_vec(&PeerMsg::Ping).unwrap();
+        let first = auth::mac(&a.send_key, "kvwire-peer-frame-v1", &[&0u64.to_le_bytes(), &body]);
+        a.send(&PeerMsg::Ping).unwrap();
+        assert_eq!(b.recv().unwrap(), PeerMsg::Ping);
+        let mut s = a.stream.try_clone().unwrap();
+        s.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+        s.write_all(&body).unwrap();
+        s.write_all(&first).unwrap();
+        assert!(b.recv().is_err(), "a replayed message was accepted");
     }
 }

@@ -3,7 +3,9 @@
 //! A write reaching a destination is accepted in this order, and only
 //! here:
 //!
-//! 1. **key**: its region is registered (not unknown, not revoked);
+//! 1. **key**: its region is registered (not unknown, not revoked) and
+//!    granted to this connection's session and to the write's slot
+//!    ([`crate::registry::Grant`]); a local region takes no remote write;
 //! 2. **bounds**: it has bytes, and all of them lie inside the region;
 //! 3. **tag**: its (slot, layer) has a flag in this endpoint's table;
 //! 4. **room**: the bytes it adds do not take the layer past what the plan
@@ -58,6 +60,19 @@ pub enum Refusal {
     /// No region has this key: never registered, or revoked.
     #[error("unknown or revoked remote key {0:#010x}")]
     UnknownKey(u32),
+    /// The region is local, or granted to another session.
+    #[error("region {0:#010x} is not open to this connection's session")]
+    NotGranted(u32),
+    /// The region belongs to another transfer slot.
+    #[error("region {key:#010x} belongs to slot {granted}, not to slot {slot}")]
+    OtherSlot {
+        /// Region key.
+        key: u32,
+        /// The write's slot.
+        slot: u16,
+        /// The slot the region was granted to.
+        granted: u16,
+    },
     /// The write reaches past its region.
     #[error("write of {len} bytes at offset {offset} exceeds region {key:#010x} of {region_len} bytes")]
     OutOfBounds {
@@ -168,9 +183,19 @@ impl Admitted {
     }
 }
 
-/// Steps 1–4: key, bounds, tag, room. Touches nothing.
-pub fn admit(registry: &Registry, placement: &Placement, w: Incoming) -> Result<Admitted, Refusal> {
+/// Steps 1–4 for a write arriving on a connection that proved `session`:
+/// key, bounds, tag, room. Touches nothing.
+pub fn admit(registry: &Registry, placement: &Placement, session: u64, w: Incoming) -> Result<Admitted, Refusal> {
     let region = registry.get(w.key);
+    match region.as_ref().map(|r| r.grant) {
+        None => return Err(Refusal::UnknownKey(w.key)),
+        Some(Some(g)) if g.session == session => {
+            if g.slot != w.tag.slot {
+                return Err(Refusal::OtherSlot { key: w.key, slot: w.tag.slot, granted: g.slot });
+            }
+        }
+        Some(_) => return Err(Refusal::NotGranted(w.key)),
+    }
     check_write(w.key, region.as_ref().map(|r| r.len), w.offset, w.len)?;
     let region = region.ok_or(Refusal::UnknownKey(w.key))?;
     if !placement.flags().contains(w.tag) {
@@ -199,10 +224,11 @@ pub fn count(registry: &Registry, placement: &Placement, a: Admitted, seen_at: I
 pub fn accept<E: From<Refusal>>(
     registry: &Registry,
     placement: &Placement,
+    session: u64,
     w: Incoming,
     place: impl FnOnce(&Admitted) -> Result<Instant, E>,
 ) -> Result<u64, E> {
-    let a = admit(registry, placement, w)?;
+    let a = admit(registry, placement, session, w)?;
     let seen_at = place(&a)?;
     Ok(count(registry, placement, a, seen_at)?)
 }

@@ -6,9 +6,9 @@
 //!   counts bytes placed per (transfer slot, layer) and publishes the layer's
 //!   flag once the count reaches what the plan declared with
 //!   [`Placement::expect`];
-//! - [`Endpoint::connect`] does the out-of-band TCP handshake (protocol
-//!   version, transport, region descriptors, verbs QP data) and returns a
-//!   [`Connection`];
+//! - [`Endpoint::connect`] does the out-of-band handshake (protocol
+//!   version, transport, proof of a data-plane session, verbs QP data and
+//!   the regions granted to the session) and returns a [`Connection`];
 //! - [`Connection::post`] takes a [`Batch`] of writes tagged with
 //!   (slot, layer); [`Connection::poll`] returns one [`Completion`] per
 //!   batch once every write in it completed locally — the `source_released`
@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod accept;
+pub mod auth;
 pub mod device;
 pub mod flags;
 mod hello;
@@ -43,7 +44,8 @@ pub use kvwire_core::protocol::{Hello, RegionDesc, Tag};
 pub use mem::HostMem;
 pub use metrics::{Hop, Hops};
 pub use placement::Placement;
-pub use registry::{Region, Registry};
+pub use auth::Credential;
+pub use registry::{Grant, Region, Registry};
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -222,6 +224,9 @@ pub trait Endpoint: Send + Sync {
     /// Where peers connect (e.g. `127.0.0.1:40123`).
     fn local_addr(&self) -> String;
 
+    /// This endpoint's node name, as its hellos give it.
+    fn node(&self) -> &str;
+
     /// Local regions: register here what peers may write into and what
     /// local writes read from.
     fn registry(&self) -> &Arc<Registry>;
@@ -229,13 +234,15 @@ pub trait Endpoint: Send + Sync {
     /// Incoming-byte accounting and flags.
     fn placement(&self) -> &Arc<Placement>;
 
-    /// Connects to the endpoint at `peer` (as printed by its `local_addr`).
-    fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError>;
+    /// Connects to the endpoint at `peer` (as printed by its `local_addr`),
+    /// proving the session of `cred`, which the peer must have open.
+    fn connect(&self, peer: &str, cred: &Credential) -> Result<Box<dyn Connection>, TransportError>;
 
-    /// Registers `mem[offset..offset+len]` for local reads and remote
-    /// writes. Backends that must also register with hardware override it.
-    fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
-        Ok(self.registry().register(mem, offset, len)?)
+    /// Registers `mem[offset..offset+len]` for local reads, and for remote
+    /// writes by the session and slot of `grant` (None: local only).
+    /// Backends that must also register with hardware override it.
+    fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
+        Ok(self.registry().register(mem, offset, len, grant)?)
     }
 
     /// Revokes a region: every later write to `key` fails. Returns whether it was registered.

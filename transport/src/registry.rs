@@ -1,14 +1,46 @@
-//! Registered regions of one endpoint, by remote key.
+//! Registered regions of one endpoint, by remote key, and the data-plane
+//! sessions peers may prove ([`crate::auth`]).
 //!
-//! Keys are never reused: a key combines a counter with a per-registry
-//! salt, so a write aimed at a revoked region can never land in the region
-//! registered after it. Revoking a key makes every later write to it fail —
-//! how a destination fences stale writes after an abort.
+//! A region is local (what this side's writes read from; no peer may
+//! write into it) or granted to one session and one transfer slot
+//! ([`Grant`]): only a connection that proved that session may write
+//! into it, and only with that slot's tag. A cache's own regions are
+//! local; a destination grants each transfer windows of its own.
+//!
+//! Keys are random and never reused within a registry, so a write aimed
+//! at a revoked region can never land in the region registered after it,
+//! and no key can be guessed from another. Revoking a key makes every
+//! later write to it fail — how a destination fences stale writes after
+//! an abort.
 
+use crate::auth::Credential;
 use crate::mem::{HostMem, MemError};
 use kvwire_core::protocol::RegionDesc;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+/// Whom a region is open to for remote writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Grant {
+    /// The data-plane session whose connections may write.
+    pub session: u64,
+    /// The slot every write into it must be tagged with.
+    pub slot: u16,
+}
+
+/// `n` through a four-round Feistel network keyed by `key`: a permutation
+/// of u32, so distinct counters give distinct keys.
+fn permuted(key: &[u8; 32], n: u32) -> u32 {
+    let (mut l, mut r) = ((n >> 16) as u16, n as u16);
+    for round in 0u8..4 {
+        let f = crate::auth::mac(key, "kvwire-region-key-v1", &[&[round], &r.to_le_bytes()]);
+        (l, r) = (r, l ^ u16::from_le_bytes([f[0], f[1]]));
+    }
+    (u32::from(l) << 16) | u32::from(r)
+}
+
+/// Most sessions one registry holds (each is an authenticated peer connection).
+pub const MAX_SESSIONS: usize = 4096;
 
 /// One registered region: a window of a [`HostMem`].
 #[derive(Debug)]
@@ -21,6 +53,8 @@ pub struct Region {
     pub offset: u64,
     /// Length of the window.
     pub len: u64,
+    /// Who may write into it from afar; None: nobody (a local region).
+    pub grant: Option<Grant>,
 }
 
 impl Region {
@@ -42,41 +76,53 @@ pub enum RegistryError {
     /// The key chosen for a region is already registered.
     #[error("key {0:#010x} is already registered")]
     KeyInUse(u32),
+    /// Too many sessions.
+    #[error("session limit of {MAX_SESSIONS} reached")]
+    Sessions,
+}
+
+/// A data-plane session as the destination knows it.
+#[derive(Debug, Clone)]
+pub struct Session {
+    /// Its credential.
+    pub credential: Credential,
+    /// The node that authenticated it: the only name its connections may give.
+    pub peer: String,
 }
 
 /// The regions of one endpoint.
 #[derive(Debug)]
 pub struct Registry {
     regions: Mutex<HashMap<u32, Arc<Region>>>,
+    // Keys are a keyed permutation of a counter: distinct for 2^32
+    // registrations, and unpredictable without `permute`.
     next: Mutex<u32>,
-    salt: u32,
+    permute: [u8; 32],
+    sessions: Mutex<HashMap<u64, Session>>,
     limit: usize,
 }
 
 impl Registry {
     /// An empty registry holding at most `limit` regions.
     pub fn new(limit: usize) -> Registry {
-        // The salt only has to differ between registries and runs; the
-        // clock and address are enough for that.
-        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
-        let salt = t ^ (&t as *const u32 as usize as u32).rotate_left(13);
-        Registry { regions: Mutex::new(HashMap::new()), next: Mutex::new(1), salt: salt & 0xFFF0_0000, limit }
+        Registry { regions: Mutex::new(HashMap::new()), next: Mutex::new(0), permute: crate::auth::random_bytes(), sessions: Mutex::new(HashMap::new()), limit }
     }
 
-    /// Registers `mem[offset..offset+len]` and returns it.
-    pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, RegistryError> {
-        self.insert(mem, offset, len, None)
+    /// Registers `mem[offset..offset+len]`, open to remote writes as
+    /// `grant` says (None: local only), and returns it.
+    pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, RegistryError> {
+        self.insert(mem, offset, len, None, grant)
     }
 
     /// Registers a window under a key chosen by the caller (a NIC's rkey,
     /// so local and remote names agree). Refuses a key already in use.
-    pub fn register_with_key(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: u32) -> Result<Arc<Region>, RegistryError> {
-        self.insert(mem, offset, len, Some(key))
+    pub fn register_with_key(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: u32, grant: Option<Grant>) -> Result<Arc<Region>, RegistryError> {
+        self.insert(mem, offset, len, Some(key), grant)
     }
 
     /// Checks the window and the limit, then inserts under `key`, or under
-    /// the next salted counter value.
-    fn insert(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: Option<u32>) -> Result<Arc<Region>, RegistryError> {
+    /// a fresh random key.
+    fn insert(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: Option<u32>, grant: Option<Grant>) -> Result<Arc<Region>, RegistryError> {
         mem.check(offset, len)?;
         if len == 0 {
             return Err(RegistryError::Window(MemError::Empty));
@@ -89,21 +135,26 @@ impl Registry {
             Some(k) if regions.contains_key(&k) => return Err(RegistryError::KeyInUse(k)),
             Some(k) => k,
             None => {
-                let mut next = self.next.lock().expect("key counter lock");
-                let k = self.salt ^ (*next & 0x000F_FFFF) ^ ((*next >> 20) << 20);
-                *next = next.wrapping_add(1);
-                k
+                let mut next = self.next.lock().expect("key lock");
+                loop {
+                    let k = permuted(&self.permute, *next);
+                    *next = next.wrapping_add(1);
+                    // 0 reads as "no key" in logs; a key a NIC chose may be in use.
+                    if k != 0 && !regions.contains_key(&k) {
+                        break k;
+                    }
+                }
             }
         };
-        let region = Arc::new(Region { key, mem, offset, len });
+        let region = Arc::new(Region { key, mem, offset, len, grant });
         regions.insert(key, region.clone());
         Ok(region)
     }
 
-    /// Registers a whole mapping.
+    /// Registers a whole mapping, local only.
     pub fn register_all(&self, mem: Arc<HostMem>) -> Result<Arc<Region>, RegistryError> {
         let len = mem.len();
-        self.register(mem, 0, len)
+        self.register(mem, 0, len, None)
     }
 
     /// Revokes `key`; returns whether it was registered.
@@ -121,5 +172,41 @@ impl Registry {
         let mut v: Vec<RegionDesc> = self.regions.lock().expect("registry lock").values().map(|r| r.desc()).collect();
         v.sort_by_key(|d| d.key);
         v
+    }
+
+    /// Opens a session that connections of node `peer` may prove.
+    pub fn open_session(&self, credential: &Credential, peer: &str) -> Result<(), RegistryError> {
+        let mut s = self.sessions.lock().expect("session lock");
+        if s.len() >= MAX_SESSIONS && !s.contains_key(&credential.session) {
+            return Err(RegistryError::Sessions);
+        }
+        s.insert(credential.session, Session { credential: credential.clone(), peer: peer.into() });
+        Ok(())
+    }
+
+    /// Closes a session: no new connection can prove it. (Its regions
+    /// are revoked by whoever granted them.)
+    pub fn close_session(&self, session: u64) {
+        self.sessions.lock().expect("session lock").remove(&session);
+    }
+
+    /// The session `id`, while open.
+    pub fn session(&self, id: u64) -> Option<Session> {
+        self.sessions.lock().expect("session lock").get(&id).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn region_keys_are_distinct_and_not_a_counter() {
+        let key = crate::auth::random_bytes();
+        let keys: std::collections::HashSet<u32> = (0..100_000).map(|n| permuted(&key, n)).collect();
+        assert_eq!(keys.len(), 100_000);
+        let steps = (1..1000).filter(|&n| permuted(&key, n).wrapping_sub(permuted(&key, n - 1)) == 1).count();
+        assert!(steps < 10, "{steps} consecutive keys differ by one");
+        assert_ne!(permuted(&crate::auth::random_bytes(), 7), permuted(&key, 7));
     }
 }

@@ -20,12 +20,12 @@
 //! Every message is a [`Header`] (40 bytes, little-endian),
 //! optionally followed by a payload of `len` bytes.
 //!
-//! Handshake (three messages, so `connect` returns only once the
-//! destination accepted):
-//! 1. both sides send `Hello` (payload: JSON [`Hello`], transport `shm`,
-//!    [`kvwire_core::protocol::PROTOCOL_VERSION`]); each side checks the other's;
-//! 2. the destination answers the initiator's hello with `Ack` (len 0), or
-//!    `Nack` (payload: why) and closes.
+//! Handshake: the destination first checks the peer's credentials (the
+//! socket's peer must run as this process's uid), then the shared
+//! exchange of [`crate::hello`]: `Challenge`, the source's `Hello` proving
+//! its data-plane session, the destination's `Hello` proving it back (or
+//! `Nack` with the reason, and the connection closes). Neither hello lists
+//! regions: the source learns its keys from the peer's `Accept`.
 //!
 //! A write request is a `Write` header with `len` = [`TRAILER_LEN`] and a
 //! fixed trailer instead of data:
@@ -61,6 +61,7 @@
 //! same window). [`HostMem::from_file`] insists the memfd is sealed
 //! against shrinking, so a peer cannot turn a copy into SIGBUS.
 
+use crate::auth::{ConnectionCaps, Credential, Gate, Pass};
 use crate::mem::HostMem;
 use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
@@ -97,13 +98,18 @@ const READ_BUF: usize = 64 * 1024;
 pub struct ShmLimits {
     /// Most source regions one peer connection may share with this endpoint.
     pub max_sources: usize,
-    /// How long a handshake may take, each way.
+    /// How long a whole handshake may take.
     pub handshake_timeout: Duration,
+    /// How long an authenticated connection may stay silent, and one
+    /// answer take to send, before the destination closes it.
+    pub idle_timeout: Duration,
+    /// Caps on the listener's connections.
+    pub caps: ConnectionCaps,
 }
 
 impl Default for ShmLimits {
     fn default() -> Self {
-        ShmLimits { max_sources: 1024, handshake_timeout: Duration::from_secs(5) }
+        ShmLimits { max_sources: 1024, handshake_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(300), caps: ConnectionCaps::default() }
     }
 }
 
@@ -123,6 +129,7 @@ struct Serve {
     limits: ShmLimits,
     shutdown: AtomicBool,
     live: Mutex<Live>,
+    gate: Arc<Gate>,
 }
 
 /// A shared-memory endpoint: listens on a Unix socket, serves peers' writes
@@ -138,13 +145,8 @@ pub struct ShmEndpoint {
 
 static NEXT_SOCKET: AtomicU64 = AtomicU64::new(0);
 
-fn hello_of(node: &str, registry: &Registry) -> Hello {
-    // Addresses mean nothing to another process; keep them private.
-    let regions = registry.descs().into_iter().map(|mut d| {
-        d.addr = 0;
-        d
-    });
-    hello::ours(TRANSPORT, node, regions.collect(), None)
+fn hello_of(node: &str) -> Hello {
+    hello::ours(TRANSPORT, node, Vec::new(), None)
 }
 
 impl ShmEndpoint {
@@ -192,7 +194,8 @@ impl ShmEndpoint {
                 return Err(TransportError::io("bind shm socket")(e));
             }
         };
-        let serve = Arc::new(Serve { node: node.into(), registry, placement, limits, shutdown: AtomicBool::new(false), live: Mutex::new(Live::default()) });
+        let gate = Gate::new(limits.caps);
+        let serve = Arc::new(Serve { node: node.into(), registry, placement, limits, shutdown: AtomicBool::new(false), live: Mutex::new(Live::default()), gate });
         let s = serve.clone();
         let acceptor = std::thread::Builder::new()
             .name("kvwire-shm-accept".into())
@@ -246,6 +249,10 @@ impl Endpoint for ShmEndpoint {
         self.path.display().to_string()
     }
 
+    fn node(&self) -> &str {
+        &self.serve.node
+    }
+
     fn registry(&self) -> &Arc<Registry> {
         &self.serve.registry
     }
@@ -254,8 +261,8 @@ impl Endpoint for ShmEndpoint {
         &self.serve.placement
     }
 
-    fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError> {
-        Ok(Box::new(ShmConnection::connect(peer, &self.serve.node, self.serve.registry.clone(), self.hops.clone(), self.serve.limits.handshake_timeout)?))
+    fn connect(&self, peer: &str, cred: &Credential) -> Result<Box<dyn Connection>, TransportError> {
+        Ok(Box::new(ShmConnection::connect(peer, &self.serve.node, cred, self.serve.registry.clone(), self.hops.clone(), self.serve.limits.handshake_timeout)?))
     }
 }
 
@@ -274,6 +281,13 @@ fn accept_loop(listener: UnixListener, serve: Arc<Serve>) {
                 continue;
             }
         };
+        let pass = match serve.gate.enter() {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::debug!(why, "shm connection refused");
+                continue;
+            }
+        };
         let id = match (stream.try_clone(), serve.live.lock()) {
             (Ok(clone), Ok(mut live)) => {
                 live.next += 1;
@@ -289,7 +303,7 @@ fn accept_loop(listener: UnixListener, serve: Arc<Serve>) {
         };
         let s = serve.clone();
         let spawned = std::thread::Builder::new().name("kvwire-shm-conn".into()).spawn(move || {
-            let node = match serve_conn(stream, &s) {
+            let node = match serve_conn(stream, pass, &s) {
                 Ok(node) => node,
                 Err(Closing { node, reason }) if s.shutdown.load(Ordering::SeqCst) => {
                     tracing::debug!(peer = %node, %reason, "shm connection closed: endpoint shutting down");
@@ -337,6 +351,8 @@ struct FdReader {
     end: usize,
     fds: VecDeque<OwnedFd>,
     cmsg: Vec<u8>,
+    // While set, every read ends by then (the handshake).
+    deadline: Option<Instant>,
 }
 
 /// How a read ended early.
@@ -350,7 +366,7 @@ enum ReadEnd {
 
 impl FdReader {
     fn new(sock: UnixStream) -> FdReader {
-        FdReader { sock, buf: vec![0u8; READ_BUF].into_boxed_slice(), start: 0, end: 0, fds: VecDeque::new(), cmsg: nix::cmsg_space!([RawFd; SCM_MAX_FD]) }
+        FdReader { sock, buf: vec![0u8; READ_BUF].into_boxed_slice(), start: 0, end: 0, fds: VecDeque::new(), cmsg: nix::cmsg_space!([RawFd; SCM_MAX_FD]), deadline: None }
     }
 
     fn buffered(&self) -> usize {
@@ -363,6 +379,13 @@ impl FdReader {
             self.buf.copy_within(self.start..self.end, 0);
             self.end -= self.start;
             self.start = 0;
+        }
+        if let Some(until) = self.deadline {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(ReadEnd::Failed("handshake deadline passed".into()));
+            }
+            let _ = self.sock.set_read_timeout(Some(left));
         }
         let fd = self.sock.as_raw_fd();
         let mut iov = [IoSliceMut::new(&mut self.buf[self.end..])];
@@ -427,32 +450,42 @@ impl Read for FdReader {
 
 /// Serves one accepted connection; returns the peer's node name when it
 /// closed cleanly.
-fn serve_conn(stream: UnixStream, serve: &Serve) -> Result<String, Closing> {
+fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<String, Closing> {
     let mut node = String::from("?");
     let closing = |node: &str, reason: String| Closing { node: node.into(), reason };
+    // Only this uid's processes: the socket's directory may be shared.
+    let uid = nix::sys::socket::getsockopt(&stream, nix::sys::socket::sockopt::PeerCredentials).map(|c| c.uid());
+    let ours = nix::unistd::geteuid().as_raw();
+    match uid {
+        Ok(u) if u == ours => {}
+        Ok(u) => return Err(closing(&node, format!("peer process runs as uid {u}, not this daemon's {ours}"))),
+        Err(e) => return Err(closing(&node, format!("cannot read the peer's credentials: {e}"))),
+    }
     let writer = stream.try_clone().map_err(|e| closing(&node, format!("clone socket: {e}")))?;
-    let mut out = std::io::BufWriter::new(writer);
-    let timeout = Some(serve.limits.handshake_timeout);
-    let _ = stream.set_read_timeout(timeout);
-    let _ = stream.set_write_timeout(timeout);
     let mut rd = FdReader::new(stream);
-
-    // Handshake: our hello, theirs, then our verdict.
-    let ours = hello::control(Kind::Hello, &hello_of(&serve.node, &serve.registry).encode());
-    hello::send(&mut out, &ours, "send hello").map_err(|e| closing(&node, e.to_string()))?;
-    let theirs = match hello::read_hello(&mut rd, TRANSPORT) {
-        Ok(h) => h,
-        Err(TransportError::Hello(e)) => {
-            let reason = e.to_string();
-            let _ = hello::send_refusal(&mut out, &reason);
-            return Err(closing(&node, format!("handshake refused: {reason}")));
-        }
-        Err(e) => return Err(closing(&node, format!("handshake: {e}"))),
+    rd.deadline = Some(Instant::now() + serve.limits.handshake_timeout);
+    let session = {
+        let mut out = hello::Deadline::new(&writer, serve.limits.handshake_timeout);
+        let proven = match hello::challenge(&mut rd, &mut out, TRANSPORT, &serve.registry) {
+            Ok(p) => p,
+            Err(e) => {
+                let reason = e.to_string();
+                if matches!(e, TransportError::Hello(_) | TransportError::Refused(_) | TransportError::Frame(_)) {
+                    let _ = hello::send_refusal(&mut out, &reason);
+                }
+                return Err(closing(&node, format!("handshake refused: {reason}")));
+            }
+        };
+        node = proven.hello.node.clone();
+        hello::send_hello(&mut out, &hello::prove(TRANSPORT, &proven, hello_of(&serve.node))).map_err(|e| closing(&node, e.to_string()))?;
+        proven.session.credential.session
     };
-    node = theirs.node;
-    hello::send(&mut out, &hello::control(Kind::Ack, &[]), "send hello ack").map_err(|e| closing(&node, e.to_string()))?;
-    let _ = rd.sock.set_read_timeout(None);
-    let _ = out.get_ref().set_write_timeout(None);
+    pass.authenticated();
+    rd.deadline = None;
+    let idle = Some(serve.limits.idle_timeout);
+    let _ = rd.sock.set_read_timeout(idle);
+    let _ = writer.set_write_timeout(idle);
+    let mut out = std::io::BufWriter::new(writer);
 
     let mut sources: HashMap<u32, Source> = HashMap::new();
     loop {
@@ -503,7 +536,7 @@ fn serve_conn(stream: UnixStream, serve: &Serve) -> Result<String, Closing> {
         let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len };
         let result = match refused {
             Some(r) => Err(r),
-            None => place(serve, &sources, w, src_key, src_offset),
+            None => place(serve, session, &sources, w, src_key, src_offset),
         };
         if let Err(why) = &result {
             accept::log_refusal(TRANSPORT, &node, w, why);
@@ -515,8 +548,8 @@ fn serve_conn(stream: UnixStream, serve: &Serve) -> Result<String, Closing> {
 
 /// Accepts one write: the shared checks, then a copy from the shared
 /// source (step 5 of [`accept`]), then the count.
-fn place(serve: &Serve, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64) -> Result<u64, Refusal> {
-    accept::accept(&serve.registry, &serve.placement, w, |a: &Admitted| {
+fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64) -> Result<u64, Refusal> {
+    accept::accept(&serve.registry, &serve.placement, session, w, |a: &Admitted| {
         let src = sources.get(&src_key).ok_or(Refusal::SourceNotShared(src_key))?;
         match src_offset.checked_add(w.len) {
             Some(end) if end <= src.len => {}
@@ -610,19 +643,10 @@ fn read_answers(mut rd: UnixStream, tx: mpsc::Sender<Event>) {
 }
 
 impl ShmConnection {
-    fn connect(peer: &str, node: &str, registry: Arc<Registry>, hops: Arc<Hops>, timeout: Duration) -> Result<ShmConnection, TransportError> {
-        let mut stream = UnixStream::connect(peer).map_err(TransportError::io("connect to shm peer"))?;
-        stream.set_read_timeout(Some(timeout)).map_err(TransportError::io("set shm handshake timeout"))?;
-        stream.set_write_timeout(Some(timeout)).map_err(TransportError::io("set shm handshake timeout"))?;
-        let ours = hello::control(Kind::Hello, &hello_of(node, &registry).encode());
-        hello::send(&mut stream, &ours, "send shm hello")?;
-        let remote = hello::read_hello(&mut stream, TRANSPORT)?;
-        let (h, payload) = hello::read_frame(&mut stream, 0, "receive hello ack")?;
-        match h.kind {
-            Kind::Ack => {}
-            Kind::Nack => return Err(hello::refused(&payload)),
-            k => return Err(TransportError::Refused(format!("expected the hello's Ack from {peer}, got {k:?}"))),
-        }
+    fn connect(peer: &str, node: &str, cred: &Credential, registry: Arc<Registry>, hops: Arc<Hops>, timeout: Duration) -> Result<ShmConnection, TransportError> {
+        let stream = UnixStream::connect(peer).map_err(TransportError::io("connect to shm peer"))?;
+        let hs = hello::Deadline::new(&stream, timeout);
+        let remote = hello::initiate(&mut hs.again(), &mut hs.again(), TRANSPORT, cred, hello_of(node))?;
         stream.set_read_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
         stream.set_write_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
         let rd = stream.try_clone().map_err(TransportError::io("clone shm socket"))?;

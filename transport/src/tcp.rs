@@ -8,7 +8,14 @@
 //! `Nack` with the refusal's text). A refused frame's payload is drained
 //! and discarded, so the connection stays in sync and keeps serving later
 //! writes; a malformed header closes that connection only.
+//!
+//! A connection first proves its data-plane session ([`crate::hello`]);
+//! until then the destination says nothing about its memory, reads at most
+//! a few KiB, and gives up at one deadline. Its hello lists no regions:
+//! a source learns the keys of its transfer's regions from the peer's
+//! `Accept`, and the destination takes writes only into those.
 
+use crate::auth::{ConnectionCaps, Credential, Gate, Pass};
 use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
@@ -16,7 +23,7 @@ use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{Header, Hello, Kind, RegionDesc, HEADER_LEN};
+use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,13 +39,18 @@ const TRANSPORT: &str = crate::TransportKind::Tcp.as_str();
 pub struct TcpLimits {
     /// Largest write frame payload, sent or accepted; larger writes are split.
     pub max_frame: u64,
-    /// How long a handshake may take.
+    /// How long a whole handshake may take.
     pub handshake_timeout: Duration,
+    /// How long an authenticated connection may stay silent, and how long
+    /// one answer may take to send, before the destination closes it.
+    pub idle_timeout: Duration,
+    /// Caps on the listener's connections.
+    pub caps: ConnectionCaps,
 }
 
 impl Default for TcpLimits {
     fn default() -> Self {
-        TcpLimits { max_frame: 16 << 20, handshake_timeout: Duration::from_secs(5) }
+        TcpLimits { max_frame: 16 << 20, handshake_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(300), caps: ConnectionCaps::default() }
     }
 }
 
@@ -98,11 +110,10 @@ impl Drop for TcpEndpoint {
     }
 }
 
-fn hello(node: &str, registry: &Registry) -> Hello {
-    // The peer writes by key and offset: this process's addresses are of
-    // no use to it, and would tell anyone who connects where memory lies.
-    let regions = registry.descs().into_iter().map(|d| RegionDesc { addr: 0, ..d }).collect();
-    hello::ours(TRANSPORT, node, regions, None)
+fn hello(node: &str) -> Hello {
+    // Writes go by key and offset, and a source learns its keys from the
+    // peer's `Accept`: neither side lists regions or addresses here.
+    hello::ours(TRANSPORT, node, Vec::new(), None)
 }
 
 fn read_header(s: &mut impl Read, max_frame: u64, op: &'static str) -> Result<Header, TransportError> {
@@ -119,16 +130,28 @@ fn accept_loop(
     limits: TcpLimits,
     stop: Arc<AtomicBool>,
 ) {
+    let gate = Gate::new(limits.caps);
     for stream in listener.incoming() {
         if stop.load(Ordering::Acquire) {
             return;
         }
         let Ok(stream) = stream else { continue };
+        let pass = match gate.enter() {
+            Ok(p) => p,
+            Err(why) => {
+                tracing::debug!(peer = ?stream.peer_addr().ok(), why, "tcp connection refused");
+                continue;
+            }
+        };
         let (node, registry, placement) = (node.clone(), registry.clone(), placement.clone());
         let spawned = std::thread::Builder::new().name("kvwire-tcp-recv".into()).spawn(move || {
             let peer = stream.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-            if let Err(e) = serve(stream, &node, &registry, &placement, limits) {
-                tracing::warn!(peer, error = %e, "tcp peer connection closed");
+            match serve(stream, pass, &node, &registry, &placement, limits) {
+                Ok(()) => {}
+                Err(TransportError::Io { kind: std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut, .. }) => {
+                    tracing::debug!(peer, "tcp peer connection closed: idle")
+                }
+                Err(e) => tracing::warn!(peer, error = %e, "tcp peer connection closed"),
             }
         });
         if let Err(e) = spawned {
@@ -138,18 +161,25 @@ fn accept_loop(
 }
 
 /// Serves one initiating peer until it closes.
-fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Placement, limits: TcpLimits) -> Result<(), TransportError> {
+fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, placement: &Placement, limits: TcpLimits) -> Result<(), TransportError> {
     stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
-    stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
-    let peer_hello = hello::read_hello(&mut stream, TRANSPORT);
-    if let Err(TransportError::Hello(e)) = &peer_hello {
-        // Tell the peer why before hanging up: its error then names the cause.
-        let _ = hello::send_refusal(&mut stream, &e.to_string());
-    }
-    let peer = peer_hello?;
-    hello::send_hello(&mut stream, &hello(node, registry))?;
-    stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
-    tracing::debug!(peer = peer.node, "tcp peer connected");
+    let mut hs = hello::Deadline::new(&stream, limits.handshake_timeout);
+    let proven = match hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, registry) {
+        Ok(p) => p,
+        Err(e) => {
+            // Tell the peer why before hanging up: its error then names the cause.
+            if matches!(e, TransportError::Hello(_) | TransportError::Refused(_) | TransportError::Frame(_)) {
+                let _ = hello::send_refusal(&mut hs, &e.to_string());
+            }
+            return Err(e);
+        }
+    };
+    hello::send_hello(&mut hs, &hello::prove(TRANSPORT, &proven, hello(node)))?;
+    pass.authenticated();
+    let (peer, session) = (proven.hello, proven.session.credential.session);
+    stream.set_read_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
+    stream.set_write_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
+    tracing::debug!(peer = peer.node, session = format_args!("{session:016x}"), "tcp peer connected");
     // Buffered both ways: headers of frames that arrived together are read
     // from memory, and their answers leave together, flushed only when no
     // further frame is already here (the source is waiting for them then).
@@ -167,7 +197,7 @@ fn serve(mut stream: TcpStream, node: &str, registry: &Registry, placement: &Pla
         }
         let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len };
         let mut payload_read = false;
-        let result = accept::accept(registry, placement, w, |a: &Admitted| {
+        let result = accept::accept(registry, placement, session, w, |a: &Admitted| {
             payload_read = true;
             // SAFETY: `mem_offset()..+len` lies inside the region's live
             // mapping (admit checked it against the registry; the region
@@ -230,6 +260,10 @@ impl Endpoint for TcpEndpoint {
         self.addr.to_string()
     }
 
+    fn node(&self) -> &str {
+        &self.node
+    }
+
     fn registry(&self) -> &Arc<Registry> {
         &self.registry
     }
@@ -238,8 +272,8 @@ impl Endpoint for TcpEndpoint {
         &self.placement
     }
 
-    fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError> {
-        Ok(Box::new(TcpConnection::open(peer, &self.node, self.registry.clone(), self.hops.clone(), self.limits)?))
+    fn connect(&self, peer: &str, cred: &Credential) -> Result<Box<dyn Connection>, TransportError> {
+        Ok(Box::new(TcpConnection::open(peer, &self.node, cred, self.registry.clone(), self.hops.clone(), self.limits)?))
     }
 }
 
@@ -308,13 +342,13 @@ fn read_answer(reader: &mut impl Read) -> Event {
 }
 
 impl TcpConnection {
-    fn open(peer: &str, node: &str, registry: Arc<Registry>, hops: Arc<Hops>, limits: TcpLimits) -> Result<TcpConnection, TransportError> {
-        let mut stream = TcpStream::connect(peer).map_err(TransportError::io("connect"))?;
+    fn open(peer: &str, node: &str, cred: &Credential, registry: Arc<Registry>, hops: Arc<Hops>, limits: TcpLimits) -> Result<TcpConnection, TransportError> {
+        let stream = TcpStream::connect(peer).map_err(TransportError::io("connect"))?;
         stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
-        stream.set_read_timeout(Some(limits.handshake_timeout)).map_err(TransportError::io("set timeout"))?;
-        hello::send_hello(&mut stream, &hello(node, &registry))?;
-        let remote = hello::read_hello(&mut stream, TRANSPORT)?;
+        let hs = hello::Deadline::new(&stream, limits.handshake_timeout);
+        let remote = hello::initiate(&mut hs.again(), &mut hs.again(), TRANSPORT, cred, hello(node))?;
         stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
+        stream.set_write_timeout(None).map_err(TransportError::io("set timeout"))?;
         let (tx, events) = mpsc::channel();
         let reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
         std::thread::Builder::new()

@@ -97,15 +97,17 @@ fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32,
 /// connection per lane (after registering: a verbs peer learns regions from
 /// the hello), and runs `rounds` lock-step rounds.
 fn run_rounds(src: &dyn Endpoint, dst: &dyn Endpoint, mem: &[(Arc<HostMem>, Arc<HostMem>)], s: &Settings, size: u64, rounds: usize) -> anyhow::Result<Vec<Vec<Sample>>> {
+    let cred = crate::baseline::session(src, dst)?;
     let mut lanes = Vec::with_capacity(mem.len());
     for (i, (a, b)) in mem.iter().enumerate() {
-        let sr = src.register(a.clone(), 0, size).context("register source region")?;
-        let dr = dst.register(b.clone(), 0, size).context("register destination region")?;
+        let sr = src.register(a.clone(), 0, size, None).context("register source region")?;
+        let grant = kvwire_transport::Grant { session: cred.session, slot: i as u16 };
+        let dr = dst.register(b.clone(), 0, size, Some(grant)).context("register destination region")?;
         lanes.push((i, sr.key, dr.key));
     }
     let mut states = Vec::with_capacity(lanes.len());
     for (i, src_key, dst_key) in lanes {
-        let conn = src.connect(&dst.local_addr()).with_context(|| format!("connect to {}", dst.local_addr()))?;
+        let conn = src.connect(&dst.local_addr(), &cred).with_context(|| format!("connect to {}", dst.local_addr()))?;
         states.push(Lane { conn, tag: Tag { slot: i as u16, layer: 0 }, src_key, dst_key });
     }
     let origin = Instant::now();

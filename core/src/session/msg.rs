@@ -12,7 +12,8 @@ use crate::shard::RegionId;
 use serde::{Deserialize, Serialize};
 
 /// Peer protocol version.
-pub const PEER_VERSION: u32 = 2;
+/// 3: messages after the handshake are sealed, and data connections prove the session.
+pub const PEER_VERSION: u32 = 3;
 
 /// Messages on a peer connection.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -40,7 +40,7 @@ fn hostile_headers_are_refused_by_name() {
 
 #[test]
 fn hello_checks_version_and_transport() {
-    let h = Hello { version: PROTOCOL_VERSION, transport: "tcp".into(), node: "a".into(), regions: vec![], verbs: None };
+    let h = Hello { version: PROTOCOL_VERSION, transport: "tcp".into(), node: "a".into(), regions: vec![], verbs: None, session: None, nonce: String::new(), proof: String::new() };
     assert_eq!(Hello::decode(&h.encode(), "tcp").unwrap(), h);
     let old = Hello { version: 0, ..h.clone() };
     let e = Hello::decode(&old.encode(), "tcp").unwrap_err();

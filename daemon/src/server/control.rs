@@ -348,7 +348,9 @@ impl Daemon {
         let mut windows = BTreeMap::new();
         let mut offset = 0;
         for (id, len) in regions {
-            match self.register_region(mem.clone(), offset, *len) {
+            // A cache's own windows are local: peers write only into the
+            // windows granted to each transfer.
+            match self.register_region(mem.clone(), offset, *len, None) {
                 Ok(region) => {
                     windows.insert(*id, region);
                 }

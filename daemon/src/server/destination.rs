@@ -8,9 +8,9 @@ use super::error::Refusal;
 use super::state::{Boundary, Role, SlotId};
 use super::{read_mem, Daemon, RunReader};
 use crate::metrics::Metrics;
-use crate::peer;
+use crate::peer::{self, Sealed};
 use kvwire_client::control::*;
-use kvwire_client::wire::{read_msg, write_msg, WireError};
+use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
@@ -22,12 +22,16 @@ use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::BoundMem;
-use kvwire_transport::{Hop, Region, Tag};
+use kvwire_transport::auth::{ConnectionCaps, Deadline, Gate, Pass};
+use kvwire_transport::{Grant, Hop, Region, Tag};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// How long a peer may take over its whole handshake.
+const PEER_HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// What the receive thread of one transfer works from.
 struct Receive {
@@ -46,20 +50,33 @@ struct Receive {
 
 impl Daemon {
     pub(super) fn peer_loop(self: Arc<Self>, l: TcpListener) {
+        let gate = Gate::new(ConnectionCaps::default());
         for s in l.incoming() {
             if self.stop.load(Ordering::Acquire) {
                 return;
             }
             let Ok(s) = s else { continue };
+            let pass = match gate.enter() {
+                Ok(p) => p,
+                Err(why) => {
+                    Metrics::add(&self.metrics.peers_refused, 1);
+                    tracing::debug!(from = ?s.peer_addr().ok(), why, "peer connection refused");
+                    continue;
+                }
+            };
             let d = self.clone();
-            let _ = std::thread::Builder::new().name("kvwired-peer".into()).spawn(move || d.serve_peer(s));
+            let _ = std::thread::Builder::new().name("kvwired-peer".into()).spawn(move || d.serve_peer(s, pass));
         }
     }
 
-    fn serve_peer(self: &Arc<Self>, mut s: TcpStream) {
+    fn serve_peer(self: &Arc<Self>, mut s: TcpStream, mut pass: Pass) {
         let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
-        let _ = s.set_read_timeout(Some(Duration::from_secs(30)));
-        let peer = match peer::accept_auth(&mut s, &self.secret, &self.cfg.node) {
+        // One deadline for the whole handshake, however slowly its bytes come.
+        let authed = peer::accept_auth(&mut Deadline::new(&s, PEER_HANDSHAKE), &self.secret, &self.cfg.node).and_then(|(peer, cred)| {
+            self.ep.registry().open_session(&cred, &peer).map_err(|e| peer::AuthError::Denied(e.to_string()))?;
+            Ok((peer, cred))
+        });
+        let (peer, cred) = match authed {
             Ok(p) => p,
             Err(e) => {
                 Metrics::add(&self.metrics.peers_refused, 1);
@@ -68,6 +85,10 @@ impl Daemon {
                 return;
             }
         };
+        pass.authenticated();
+        let _ = s.set_write_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
+        let session_id = cred.session;
+        let mut s = Sealed::new(s, cred, false);
         let l = &self.cfg.limits;
         let transfer = Duration::from_secs(l.transfer_timeout_secs);
         let timeouts = Timeouts { reply: transfer, peer: Duration::from_secs(l.peer_timeout_secs), transfer };
@@ -77,8 +98,8 @@ impl Daemon {
         let mut mine: HashMap<u16, SlotId> = HashMap::new();
         let ended = loop {
             let wait = session.poll_timeout().saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-            let _ = s.set_read_timeout(Some(wait));
-            let msg = match read_msg::<PeerMsg>(&mut s) {
+            let _ = s.stream().set_read_timeout(Some(wait));
+            let msg = match s.recv() {
                 Ok(m) => m,
                 Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
                 Err(e) if e.is_timeout() => match session.handle_timeout(Instant::now()) {
@@ -87,11 +108,14 @@ impl Daemon {
                 },
                 Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),
             };
-            let reply = self.peer_step(&peer, &mut session, &mut mine, msg);
-            if let Err(e) = write_msg(&mut s, &reply) {
+            let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, msg);
+            if let Err(e) = s.send(&reply) {
                 break format!("peer `{peer}` connection failed mid-transfer: {e}");
             }
         };
+        // No new data connection can prove this session now; its transfers'
+        // regions are revoked as each ends.
+        self.ep.registry().close_session(session_id);
         // A source that ends its connection without `Done` will write no
         // more: what has not arrived never will.
         for slot in session.closed() {
@@ -104,10 +128,10 @@ impl Daemon {
     }
 
     /// One message of a peer connection, through its session; returns the answer.
-    fn peer_step(self: &Arc<Self>, peer: &str, session: &mut DestinationSession, mine: &mut HashMap<u16, SlotId>, msg: PeerMsg) -> PeerMsg {
+    fn peer_step(self: &Arc<Self>, peer: &str, session_id: u64, session: &mut DestinationSession, mine: &mut HashMap<u16, SlotId>, msg: PeerMsg) -> PeerMsg {
         match session.handle(Instant::now(), msg) {
             DestinationStep::Reply(m) => m,
-            DestinationStep::Offer(o) => match self.offer(peer, *o) {
+            DestinationStep::Offer(o) => match self.offer(peer, session_id, *o) {
                 Ok((a, id)) => {
                     mine.insert(id.slot, id);
                     session.accept(a)
@@ -117,7 +141,7 @@ impl Daemon {
             DestinationStep::Expect(e) => {
                 let slot = e.slot;
                 let Some(&id) = mine.get(&slot) else { return session.refuse_slot(slot, format!("slot {slot} is not receiving")) };
-                match self.expect(id, *e) {
+                match self.expect(id, session_id, *e) {
                     Ok((key, len)) => session.staging(slot, key, len).unwrap_or_else(|e| PeerMsg::Refused { reason: e.to_string() }),
                     Err(r) => {
                         self.fail(id, &r.message);
@@ -141,8 +165,9 @@ impl Daemon {
     }
 
     /// An offer into a prepared request: checks it against the group and
-    /// the request, and grants this transfer its own keys.
-    fn offer(&self, peer: &str, o: Offer) -> Result<(Accept, SlotId), String> {
+    /// the request, and grants this transfer its own keys, writable only
+    /// by connections of `session` and only for this slot.
+    fn offer(&self, peer: &str, session: u64, o: Offer) -> Result<(Accept, SlotId), String> {
         let groups = self.groups.lock().expect("groups lock");
         let mut slots = self.slots.lock().expect("slots lock");
         let Some(g) = groups.map.get(&o.dst_group) else { return Err(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
@@ -164,7 +189,7 @@ impl Daemon {
         let mut regions = Vec::new();
         for (rank, rc) in &g.ranks {
             for (region, r) in &rc.regions {
-                match self.register_region(r.mem.clone(), r.offset, r.len) {
+                match self.register_region(r.mem.clone(), r.offset, r.len, Some(Grant { session, slot })) {
                     Ok(w) => regions.push(PeerRegion { rank: *rank, region: *region, key: w.key, len: w.len }),
                     Err(e) => {
                         for r in &regions {
@@ -203,8 +228,8 @@ impl Daemon {
     /// registration, checks the manifest field by field, and only then
     /// expects bytes; a receive thread verifies each layer and publishes
     /// it. Returns the staging buffer's key and size.
-    fn expect(self: &Arc<Self>, id: SlotId, e: Expect) -> Result<(u32, u64), Refusal> {
-        let mut r = self.receive_of(id, &e)?;
+    fn expect(self: &Arc<Self>, id: SlotId, session: u64, e: Expect) -> Result<(u32, u64), Refusal> {
+        let mut r = self.receive_of(id, session, &e)?;
         let n = r.model.layers.len();
         let c = &r.plan.counters;
         self.with_slot(id, |sl| sl.sized(n, c, r.schedule.wire_bytes()));
@@ -233,7 +258,7 @@ impl Daemon {
     /// Everything the receive thread needs, checked: the plan from both
     /// sides' layouts, the manifest against this side's registration, the
     /// schedule and its staging buffer.
-    fn receive_of(&self, id: SlotId, e: &Expect) -> Result<Receive, Refusal> {
+    fn receive_of(&self, id: SlotId, session: u64, e: &Expect) -> Result<Receive, Refusal> {
         let refuse = |m: String| Refusal::new(Code::TransferFailed, m);
         let recv = {
             let st = self.slots.lock().expect("slots lock");
@@ -262,7 +287,7 @@ impl Daemon {
                 self.stage_pool
                     .take(n)
                     .map_err(|e| e.to_string())
-                    .and_then(|m| self.register_region(m, 0, n).map_err(|e| e.to_string()))
+                    .and_then(|m| self.register_region(m, 0, n, Some(Grant { session, slot: id.slot })).map_err(|e| e.to_string()))
                     .map_err(|err| refuse(format!("staging: {err}")))?,
             ),
         };

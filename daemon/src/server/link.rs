@@ -5,10 +5,10 @@
 //! destination lost.
 
 use crate::config::PeerConfig;
-use kvwire_client::wire::{read_msg, write_msg};
+use crate::peer::Sealed;
 use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
-use std::net::TcpStream;
+use kvwire_transport::Credential;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -28,7 +28,9 @@ pub(super) struct PeerLink {
     // One lock for the stream and the session: a ping and the final
     // message never interleave on the wire. The stream is taken out when
     // the transfer ends well, to serve the next transfer to this peer.
-    conn: Mutex<(Option<TcpStream>, SourceSession)>,
+    conn: Mutex<(Option<Sealed>, SourceSession)>,
+    /// The connection's data-plane session, which every data connection proves.
+    pub credential: Credential,
     pub peer: String,
     /// The peer's control address.
     pub addr: String,
@@ -38,8 +40,9 @@ pub(super) struct PeerLink {
 }
 
 impl PeerLink {
-    pub fn new(stream: TcpStream, session: SourceSession, peer: &PeerConfig, peer_timeout: Duration) -> PeerLink {
-        PeerLink { conn: Mutex::new((Some(stream), session)), peer: peer.name.clone(), addr: peer.address.clone(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
+    pub fn new(stream: Sealed, session: SourceSession, peer: &PeerConfig, peer_timeout: Duration) -> PeerLink {
+        let credential = stream.credential().clone();
+        PeerLink { conn: Mutex::new((Some(stream), session)), credential, peer: peer.name.clone(), addr: peer.address.clone(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
     }
 
     /// Sends `m` and hands the answer to the session.
@@ -47,7 +50,7 @@ impl PeerLink {
         let mut c = self.conn.lock().expect("peer link lock");
         let (s, session) = &mut *c;
         let s = s.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
-        let answer = write_msg(s, m).and_then(|()| read_msg::<PeerMsg>(s)).map_err(|e| match e {
+        let answer = s.send(m).and_then(|()| s.recv()).map_err(|e| match e {
             e if e.is_timeout() => LinkError::Wire(format!("peer `{}` silent for {}s", self.peer, self.peer_timeout.as_secs())),
             e => LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)),
         })?;
@@ -62,7 +65,7 @@ impl PeerLink {
     /// Sets the stream's read timeout (the reply timeout, then the peer timeout while bytes flow).
     pub fn read_timeout(&self, t: Duration) {
         if let Some(s) = &self.conn.lock().expect("peer link lock").0 {
-            let _ = s.set_read_timeout(Some(t));
+            let _ = s.stream().set_read_timeout(Some(t));
         }
     }
 
@@ -104,7 +107,7 @@ impl PeerLink {
     /// Every write completed: stops the heartbeat and sends `Done`. Returns
     /// the connection once the destination acknowledged it, for the next
     /// transfer to the same peer.
-    pub fn done(&self) -> Option<TcpStream> {
+    pub fn done(&self) -> Option<Sealed> {
         self.ended.store(true, Ordering::Release);
         let m = self.session(|s| s.moved()).ok()?;
         if self.lost().is_some() {

@@ -93,10 +93,11 @@ pub struct Daemon {
     // (peer name, address): the next transfer to that peer skips connect and
     // handshake; one the peer closed meanwhile costs a failed offer, then a
     // new connection.
-    peer_conns: kept::Kept<(String, String), std::net::TcpStream>,
+    peer_conns: kept::Kept<(String, String), crate::peer::Sealed>,
     // Data-plane connections kept between transfers, by (local rail, peer's
-    // rail address), where the transport says they are reusable (tcp).
-    data_conns: kept::Kept<(usize, String), Box<dyn kvwire_transport::Connection>>,
+    // rail address, data-plane session), where the transport says they are
+    // reusable (tcp).
+    data_conns: kept::Kept<(usize, String, u64), Box<dyn kvwire_transport::Connection>>,
     // Threads kept for transfers' work.
     workers: workers::Workers,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at

@@ -9,17 +9,19 @@ use crate::metrics::Metrics;
 use crate::stripe;
 use kvwire_client::control::RailUse;
 use kvwire_core::session::msg::{RailAddr, RankRails};
-use kvwire_transport::{Batch, Connection, Hop, HostMem, Region, TransportError, WriteOp};
+use kvwire_transport::{Batch, Connection, Grant, Hop, HostMem, Region, TransportError, WriteOp};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 impl Daemon {
-    /// Registers a window on the data plane and with every rail's device.
-    /// Nothing stays registered when one of them refuses.
-    pub(super) fn register_region(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
-        let region = self.ep.register(mem, offset, len)?;
+    /// Registers a window on the data plane and with every rail's device,
+    /// writable from afar only as `grant` says (None: a local window, which
+    /// no peer may write into). Nothing stays registered when one of them
+    /// refuses.
+    pub(super) fn register_region(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
+        let region = self.ep.register(mem, offset, len, grant)?;
         for r in self.rails.iter().filter_map(|r| r.ep.as_ref()) {
             if let Err(e) = r.attach(&region) {
                 self.revoke_key(region.key);
@@ -100,15 +102,17 @@ impl Daemon {
         };
         // The peer's rail i from our rail i (the same fabric, for verbs: a
         // QP can only reach what its own device reaches); with fewer rails
-        // here, ours are reused in turn.
+        // here, ours are reused in turn. A kept connection proved the
+        // session it was made in, so only that session's transfers take it.
+        let cred = &link.credential;
         let connect = |i: usize, rail: &RailAddr| {
-            if let Some(c) = self.data_conns.take(&(i, rail.addr.clone()), |c| c.reusable()) {
+            if let Some(c) = self.data_conns.take(&(i, rail.addr.clone(), cred.session), |c| c.reusable()) {
                 return Ok(c);
             }
             let local = &self.rails[i % self.rails.len()];
-            local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr)
+            local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr, cred)
         };
-        let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| self.data_conns.keep((i, rail.addr.clone()), c, || self.keeping());
+        let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| self.data_conns.keep((i, rail.addr.clone(), cred.session), c, || self.keeping());
         // Setup ends at the first post, on whichever rail: handshake,
         // planning, manifest, packing, data-plane connect.
         let posting = std::sync::Once::new();

@@ -27,6 +27,8 @@ use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::BoundMem;
 use kvwire_transport::{Batch, Hop, Region, Tag, WriteOp};
 use std::collections::HashMap;
+use crate::peer::Sealed;
+use kvwire_transport::auth::Deadline;
 use std::net::TcpStream;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
@@ -190,21 +192,23 @@ impl Daemon {
     }
 
     /// Opens the transfer's session on `stream` and sends its offer.
-    fn offer_on(&self, stream: TcpStream, peer: &PeerConfig, offer: Offer, timeouts: Timeouts, link: &mut Option<Arc<PeerLink>>) -> Result<SourceEvent, LinkError> {
-        let _ = stream.set_read_timeout(Some(REPLY_TIMEOUT));
+    fn offer_on(&self, stream: Sealed, peer: &PeerConfig, offer: Offer, timeouts: Timeouts, link: &mut Option<Arc<PeerLink>>) -> Result<SourceEvent, LinkError> {
+        let _ = stream.stream().set_read_timeout(Some(REPLY_TIMEOUT));
         let (session, first) = SourceSession::start(Instant::now(), offer, self.ep.transport(), timeouts);
         link.insert(Arc::new(PeerLink::new(stream, session, peer, timeouts.peer))).exchange(&first)
     }
 
-    /// Connects to `peer` and authenticates both ways.
-    fn connect_peer(&self, peer: &PeerConfig) -> Result<TcpStream, Refusal> {
+    /// Connects to `peer` and authenticates both ways; the peer must be
+    /// the node configured (or discovered) at that address.
+    fn connect_peer(&self, peer: &PeerConfig) -> Result<Sealed, Refusal> {
         let unreachable = |e: &dyn std::fmt::Display| Refusal::new(Code::PeerUnreachable, format!("peer `{}` at {}: {e}", peer.name, peer.address));
         let addr = peer.address.parse().map_err(|e| unreachable(&e))?;
-        let mut pc = TcpStream::connect_timeout(&addr, Duration::from_secs(self.cfg.limits.peer_timeout_secs)).map_err(|e| unreachable(&e))?;
-        let _ = pc.set_read_timeout(Some(REPLY_TIMEOUT));
-        match peer::connect_auth(&mut pc, &self.secret, &self.cfg.node) {
-            Ok(name) if name == peer.name => Ok(pc),
-            Ok(name) => Err(Refusal::new(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name))),
+        let pc = TcpStream::connect_timeout(&addr, Duration::from_secs(self.cfg.limits.peer_timeout_secs)).map_err(|e| unreachable(&e))?;
+        let authed = peer::connect_auth(&mut Deadline::new(&pc, REPLY_TIMEOUT), &self.secret, &self.cfg.node);
+        let _ = pc.set_write_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
+        match authed {
+            Ok((name, cred)) if name == peer.name => Ok(Sealed::new(pc, cred, true)),
+            Ok((name, _)) => Err(Refusal::new(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name))),
             Err(e) => Err(Refusal::new(Code::AuthFailed, e)),
         }
     }
@@ -269,7 +273,7 @@ impl Daemon {
             let bytes = schedule::pack(seg, st, &g.format, codec, |o, l| read_mem(&r.mem, r.offset + o, l)).ok_or_else(|| failed(&"cannot read a packed source run"))?;
             mem.write(st.offset, &bytes).map_err(|e| failed(&e))?;
         }
-        let region = self.register_region(mem, 0, total).map_err(|e| failed(&e))?;
+        let region = self.register_region(mem, 0, total, None).map_err(|e| failed(&e))?;
         self.slot_hop(id, Hop::Pack, started.elapsed(), total);
         Ok(Some(region))
     }

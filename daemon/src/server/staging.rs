@@ -66,7 +66,7 @@ mod tests {
     use kvwire_transport::Registry;
 
     fn region(reg: &Registry, mem: Arc<HostMem>, len: u64) -> Arc<Region> {
-        let r = reg.register(mem, 0, len).unwrap();
+        let r = reg.register(mem, 0, len, None).unwrap();
         reg.revoke(r.key);
         r
     }

@@ -358,8 +358,7 @@ fn a_client_touches_only_the_groups_and_transfers_it_registered() {
 
 #[test]
 fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
-    use kvwired::peer::{connect_auth, PeerMsg};
-    use kvwire_client::wire::{read_msg, write_msg};
+    use kvwired::peer::{connect_auth, PeerMsg, Sealed};
     let dir = TempDir::new("peerscope");
     let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
     let cb = Client::connect(&b.socket, "decode").unwrap();
@@ -371,10 +370,11 @@ fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
         .unwrap();
     // An authenticated peer that never offered anything.
     let mut s = std::net::TcpStream::connect(&b.peer).unwrap();
-    connect_auth(&mut s, b"a-secret-of-at-least-16-bytes", "a").unwrap();
+    let (_, cred) = connect_auth(&mut s, b"a-secret-of-at-least-16-bytes", "a").unwrap();
+    let mut s = Sealed::new(s, cred, true);
     for m in [PeerMsg::Abort { slot, reason: "hostile".into() }, PeerMsg::Done { slot }] {
-        write_msg(&mut s, &m).unwrap();
-        match read_msg::<PeerMsg>(&mut s).unwrap() {
+        s.send(&m).unwrap();
+        match s.recv().unwrap() {
             PeerMsg::Refused { reason } => assert!(reason.contains("not a transfer of this connection"), "{reason}"),
             other => panic!("{other:?}"),
         }

@@ -281,44 +281,163 @@ fn rss_kib(pid: u32) -> u64 {
     line.split_whitespace().nth(1).unwrap().parse().unwrap()
 }
 
+/// Every byte of a side's memfds.
+fn snapshot(s: &crate::daemons::Side_) -> Vec<Vec<u8>> {
+    s.mems
+        .iter()
+        .map(|m| {
+            let mut v = vec![0u8; m.len() as usize];
+            m.read(0, &mut v).unwrap();
+            v
+        })
+        .collect()
+}
+
+/// The data port to a party without a session: a challenge and then a
+/// refusal, never a key, an address or a placed byte; and a thousand such
+/// tries leave the daemon's memory and descriptors where they were.
 #[test]
-fn writes_with_made_up_tags_are_refused_and_grow_nothing_and_the_tcp_hello_shows_no_addresses() {
+fn the_data_port_tells_an_outsider_nothing_and_places_no_byte() {
     use crate::daemons::{identity_of, register, side};
+    use kvwire_core::protocol::{Header, Kind, Tag, HEADER_LEN};
     use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
-    use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
+    use kvwire_transport::{Credential, Endpoint, FlagTable, Hops, Placement, Registry};
+    use std::io::Write;
     use std::sync::Arc;
-    let dir = TempDir::new("hostile-tags");
+    let dir = TempDir::new("hostile-data");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "");
     let c = Client::connect(&d.socket, "victim").unwrap();
     let s = side(crate::daemons::DST, 20);
-    let _mem = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
-    // A rogue source with no secret: its own endpoint, straight to the data port.
+    let victim = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    let before_bytes = snapshot(&victim);
     let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
     let rogue = TcpEndpoint::bind("rogue", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement, TcpLimits::default()).unwrap();
-    let src = rogue.register(Arc::new(HostMem::new("rogue", 4096).unwrap()), 0, 4096).unwrap();
-    let mut conn = rogue.connect(&d.data).unwrap();
-    let regions = conn.remote().regions.clone();
-    assert!(!regions.is_empty());
-    assert!(regions.iter().all(|r| r.addr == 0), "the tcp hello tells where memory lies: {regions:?}");
-    let key = regions[0].key;
-    let before = rss_kib(d.pid());
-    // 20k one-byte writes, each under a tag no transfer declared.
-    let mut refused = 0;
-    for i in 0..20_000u32 {
-        let tag = Tag { slot: (i % 256) as u16, layer: (i / 256 % 256) as u16 };
-        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: u64::from(i % 64), len: 1 };
-        conn.post(Batch { tag, writes: vec![w] }).unwrap();
-        if i % 256 == 255 {
-            while conn.pending() > 0 {
-                refused += conn.poll(Duration::from_secs(5)).unwrap().iter().filter(|c| c.result.is_err()).count();
-            }
+    // Warm up the daemon's accept path before the baseline.
+    let _ = rogue.connect(&d.data, &Credential::random());
+    let (fds0, rss0) = (fds(d.pid()), rss_kib(d.pid()));
+    for i in 0..1000u32 {
+        if i % 2 == 0 {
+            // A made-up session, proven properly: refused by name.
+            let e = rogue.connect(&d.data, &Credential::random()).err().expect("an unknown session connects");
+            assert!(e.to_string().contains("not open here"), "{e}");
+        } else {
+            // A write in place of a hello, at a guessed key.
+            let mut raw = std::net::TcpStream::connect(&d.data).unwrap();
+            let mut b = [0u8; HEADER_LEN];
+            raw.read_exact(&mut b).unwrap();
+            assert_eq!(Header::decode(&b, 0).unwrap().kind, Kind::Challenge);
+            let mut challenge = [0u8; 32];
+            raw.read_exact(&mut challenge).unwrap();
+            let w = Header { kind: Kind::Write, tag: Tag { slot: 0, layer: 0 }, key: i, seq: 1, offset: 0, len: 8 };
+            let _ = raw.write_all(&w.encode()).and_then(|()| raw.write_all(b"intruder"));
+            let mut rest = Vec::new();
+            let _ = raw.read_to_end(&mut rest);
+            assert!(rest.len() >= HEADER_LEN && Header::decode(&rest, 0).unwrap().kind == Kind::Nack, "no refusal: {} bytes", rest.len());
         }
     }
+    assert_eq!(snapshot(&victim), before_bytes, "an outsider's byte landed in a registered cache");
+    let fds1 = settle(d.pid(), fds0);
+    assert!(fds1 <= fds0 + 2, "descriptors {fds0} -> {fds1} after 1000 refused connections");
+    let grown = rss_kib(d.pid()).saturating_sub(rss0);
+    assert!(grown < 8192, "the daemon grew {grown} KiB for 1000 refused connections");
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}
+
+/// A party holding the cluster secret gets a session for the life of its
+/// peer connection, no more: its data connection sees no region (none was
+/// granted to it), its writes land nowhere, an unsealed message on the
+/// peer connection ends that connection, and the session ends with it.
+#[test]
+fn a_secret_holder_gets_a_session_and_nothing_it_was_not_granted() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_core::session::msg::PeerMsg;
+    use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+    use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
+    use std::sync::Arc;
+    let dir = TempDir::new("hostile-holder");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let c = Client::connect(&d.socket, "victim").unwrap();
+    let s = side(crate::daemons::DST, 20);
+    let victim = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    let before_bytes = snapshot(&victim);
+    let mut pc = std::net::TcpStream::connect(&d.peer).unwrap();
+    let (name, cred) = kvwired::peer::connect_auth(&mut pc, SECRET.as_bytes(), "holder").unwrap();
+    assert_eq!(name, "h");
+    let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
+    let ep = TcpEndpoint::bind("holder", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement.clone(), TcpLimits::default()).unwrap();
+    let src = ep.register(Arc::new(HostMem::new("holder", 4096).unwrap()), 0, 4096, None).unwrap();
+    // Its own session, but under another node's name: refused.
+    let other = TcpEndpoint::bind("someone-else", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement, TcpLimits::default()).unwrap();
+    let e = other.connect(&d.data, &cred).err().expect("a session proven under another name");
+    assert!(e.to_string().contains("belongs to `holder`"), "{e}");
+    let mut conn = ep.connect(&d.data, &cred).unwrap();
+    assert!(conn.remote().regions.is_empty(), "the hello lists regions: {:?}", conn.remote().regions);
+    // Guessed keys, every slot: all refused, nothing placed.
+    for i in 0..64u32 {
+        let key = u32::from_le_bytes(kvwire_transport::auth::random_bytes());
+        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: 0, len: 64 };
+        conn.post(Batch { tag: Tag { slot: i as u16, layer: 0 }, writes: vec![w] }).unwrap();
+    }
+    let mut refused = 0;
     while conn.pending() > 0 {
         refused += conn.poll(Duration::from_secs(5)).unwrap().iter().filter(|c| c.result.is_err()).count();
     }
-    assert_eq!(refused, 20_000, "every write under an undeclared tag is refused");
-    let grown = rss_kib(d.pid()).saturating_sub(before);
-    assert!(grown < 4096, "the daemon grew {grown} KiB for 20k refused writes");
+    assert_eq!(refused, 64);
+    assert_eq!(snapshot(&victim), before_bytes);
+    // A message after the handshake with a seal that is not one: the
+    // daemon hangs up without answering.
+    let mut forged = kvwire_client::wire::frame(&PeerMsg::Ping);
+    forged.extend_from_slice(&[0u8; kvwired::peer::SEAL_LEN]);
+    std::io::Write::write_all(&mut pc, &forged).unwrap();
+    pc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut rest = Vec::new();
+    pc.read_to_end(&mut rest).expect("the daemon hangs up");
+    assert!(rest.is_empty(), "the daemon answered a forged message");
+    // With its peer connection gone, the session proves nothing.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        match ep.connect(&d.data, &cred) {
+            Err(e) if e.to_string().contains("not open here") => break,
+            Err(e) => panic!("{e}"),
+            Ok(_) => assert!(std::time::Instant::now() < deadline, "the session outlived its peer connection"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}
+
+/// Connections still in their handshake are capped on the peer port and
+/// on the data port: one past the cap is closed before it gets a
+/// challenge, and their places come back when they go.
+#[test]
+fn the_peer_and_data_ports_cap_connections_still_in_their_handshake() {
+    use std::net::TcpStream;
+    let dir = TempDir::new("hostile-caps");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    for port in [&d.peer, &d.data] {
+        let held: Vec<TcpStream> = (0..16).map(|_| TcpStream::connect(port).unwrap()).collect();
+        for mut s in &held {
+            let mut b = [0u8; 1];
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s.read_exact(&mut b).unwrap();
+        }
+        let mut past = TcpStream::connect(port).unwrap();
+        past.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut got = Vec::new();
+        let _ = past.read_to_end(&mut got);
+        assert!(got.is_empty(), "{port}: a connection past the cap got {} bytes", got.len());
+        drop(held);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let mut again = TcpStream::connect(port).unwrap();
+            again.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+            let mut b = [0u8; 1];
+            if again.read_exact(&mut b).is_ok() {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "{port}: places never came back");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
     assert!(Client::connect(&d.socket, "still").is_ok());
 }

@@ -7,6 +7,7 @@ use super::handshake;
 use super::notes::NoteRing;
 use super::qp::{wc_error, Qp, WC_FLUSH, WC_SUCCESS};
 use super::{chain, os_code, verbs_err, MAX_WR_BYTES, NOTES_PER_SEND, NOTE_BUF};
+use crate::auth::Credential;
 use crate::accept::Refusal;
 use crate::ledger::Ledger;
 use crate::metrics::Hop;
@@ -72,15 +73,12 @@ pub struct VerbsConnection {
 }
 
 impl VerbsConnection {
-    pub(super) fn connect(shared: Arc<Shared>, peer: &str) -> Result<VerbsConnection, TransportError> {
-        let mut stream = TcpStream::connect(peer).map_err(TransportError::io("connect handshake"))?;
-        let t = Some(shared.limits.handshake_timeout);
-        stream.set_read_timeout(t).map_err(TransportError::io("handshake socket"))?;
-        stream.set_write_timeout(t).map_err(TransportError::io("handshake socket"))?;
+    pub(super) fn connect(shared: Arc<Shared>, peer: &str, cred: &Credential) -> Result<VerbsConnection, TransportError> {
+        let stream = TcpStream::connect(peer).map_err(TransportError::io("connect handshake"))?;
         let _ = stream.set_nodelay(true);
         let mut qp = Qp::new(&shared, shared.limits.send_depth, 1)?;
         let notes = NoteRing::new(&shared, shared.limits.send_depth)?;
-        let remote = handshake::initiate(&shared, &mut stream, &mut qp)?;
+        let remote = handshake::initiate(&shared, &stream, &mut qp, cred)?;
         let remote_regions = remote.regions.iter().map(|d| (d.key, *d)).collect();
         Ok(VerbsConnection {
             qp,

@@ -9,7 +9,8 @@ use crate::flags::FlagTable;
 use crate::mem::HostMem;
 use crate::metrics::Hops;
 use crate::placement::Placement;
-use crate::registry::{Region, Registry};
+use crate::auth::Credential;
+use crate::registry::{Grant, Region, Registry};
 use crate::{Connection, Endpoint, TransportError};
 use kvwire_core::protocol::RegionDesc;
 use sideway::ibverbs::address::Gid;
@@ -180,13 +181,14 @@ impl VerbsEndpoint {
         &self.shared.info
     }
 
-    /// Registers `mem[offset..offset+len]` with the NIC (local and remote
-    /// write) and in the registry under the MR's rkey, so the region's `key`
-    /// is both what [`crate::WriteOp::src_key`] names locally and what
-    /// peers write to.
-    pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
-        let mr = self.reg_mr(&mem, offset, len)?;
-        let region = self.shared.registry.register_with_key(mem, offset, len, mr.rkey())?;
+    /// Registers `mem[offset..offset+len]` with the NIC and in the
+    /// registry under the MR's rkey, so the region's `key` is both what
+    /// [`crate::WriteOp::src_key`] names locally and what peers write to.
+    /// Only a granted region's MR allows remote writes: the NIC itself
+    /// refuses a write into a local one, whoever sends it.
+    pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
+        let mr = self.reg_mr(&mem, offset, len, grant.is_some())?;
+        let region = self.shared.registry.register_with_key(mem, offset, len, mr.rkey(), grant)?;
         self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
         Ok(region)
     }
@@ -195,7 +197,7 @@ impl VerbsEndpoint {
     /// this rail's device too, so writes through this rail can read from
     /// it and peers of this rail can write into it (under its shared key).
     pub fn attach(&self, region: &Arc<Region>) -> Result<(), TransportError> {
-        let mr = self.reg_mr(&region.mem, region.offset, region.len)?;
+        let mr = self.reg_mr(&region.mem, region.offset, region.len, region.grant.is_some())?;
         self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
         // Revoked while this MR was being made: do not keep it.
         if self.shared.registry.get(region.key).is_none() {
@@ -207,13 +209,13 @@ impl VerbsEndpoint {
 
     /// An MR of this device over `mem[offset..offset+len]`. The caller
     /// stores it next to an `Arc` of `mem` that outlives it.
-    fn reg_mr(&self, mem: &Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<MemoryRegion>, TransportError> {
+    fn reg_mr(&self, mem: &Arc<HostMem>, offset: u64, len: u64, remote: bool) -> Result<Arc<MemoryRegion>, TransportError> {
         mem.check(offset, len)?;
         if len == 0 {
             return Err(crate::mem::MemError::Empty.into());
         }
         let ptr = mem.as_ptr() as usize + offset as usize;
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
+        let access = if remote { AccessFlags::LocalWrite | AccessFlags::RemoteWrite } else { AccessFlags::LocalWrite };
         // SAFETY: `ptr..ptr+len` is inside the live mapping of `mem`
         // (checked above). Callers store the MR in a `RegionMr` whose field
         // order drops the MR before the `Arc<Region>` holding the mapping,
@@ -237,9 +239,9 @@ impl VerbsEndpoint {
     }
 
     /// Registers a whole mapping, as [`VerbsEndpoint::register`].
-    pub fn register_all(&self, mem: Arc<HostMem>) -> Result<Arc<Region>, TransportError> {
+    pub fn register_all(&self, mem: Arc<HostMem>, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
         let len = mem.len();
-        self.register(mem, 0, len)
+        self.register(mem, 0, len, grant)
     }
 
     /// What a peer uses to write into the region of local `key`: its
@@ -278,6 +280,10 @@ impl Endpoint for VerbsEndpoint {
         self.addr.clone()
     }
 
+    fn node(&self) -> &str {
+        &self.shared.limits.node
+    }
+
     fn registry(&self) -> &Arc<Registry> {
         &self.shared.registry
     }
@@ -286,12 +292,12 @@ impl Endpoint for VerbsEndpoint {
         &self.shared.placement
     }
 
-    fn connect(&self, peer: &str) -> Result<Box<dyn Connection>, TransportError> {
-        Ok(Box::new(VerbsConnection::connect(self.shared.clone(), peer)?))
+    fn connect(&self, peer: &str, cred: &Credential) -> Result<Box<dyn Connection>, TransportError> {
+        Ok(Box::new(VerbsConnection::connect(self.shared.clone(), peer, cred)?))
     }
 
-    fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64) -> Result<Arc<Region>, TransportError> {
-        VerbsEndpoint::register(self, mem, offset, len)
+    fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
+        VerbsEndpoint::register(self, mem, offset, len, grant)
     }
 
     fn revoke(&self, key: u32) -> bool {

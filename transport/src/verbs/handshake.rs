@@ -1,60 +1,67 @@
-//! The out-of-band handshake over TCP: each side's hello carries its
-//! regions and its queue pair's address (QPN, PSN, GID, LID, MTU); the
-//! source sends first, the destination answers with its hello or a `Nack`
-//! saying why. Both bring their QP to RTR/RTS against the other's.
+//! The out-of-band handshake over TCP: the shared exchange of
+//! [`crate::hello`] (challenge, the source's hello proving its session,
+//! the destination's proving it back), each hello carrying its queue
+//! pair's address (QPN, PSN, GID, LID, MTU); the destination's also lists
+//! the regions granted to that session, and no others. Both bring their
+//! QP to RTR/RTS against the other's.
 
 use super::shared::Shared;
 use super::notes::NoteRing;
 use super::qp::Qp;
 use super::TRANSPORT;
-use crate::hello;
+use crate::auth::Credential;
+use crate::hello::{self, Deadline, Proven};
 use crate::TransportError;
 use kvwire_core::protocol::{Hello, VerbsAddr};
 use sideway::ibverbs::queue_pair::QueuePair;
 use std::net::TcpStream;
 
 impl Shared {
-    /// This endpoint's hello for a connection through `qp`.
-    pub(super) fn hello(&self, qp: &Qp) -> Hello {
+    /// This endpoint's hello for a connection through `qp`: with the
+    /// regions granted to `session` (a destination's), or none (a source's).
+    pub(super) fn hello(&self, qp: &Qp, session: Option<u64>) -> Hello {
         let qp = VerbsAddr { qpn: qp.qp.qp_number(), psn: qp.psn, gid: self.info.gid, lid: self.info.lid, mtu: self.info.mtu };
-        hello::ours(TRANSPORT, &self.limits.node, self.descs(), Some(qp))
+        let regions = session.map(|s| self.descs(s)).unwrap_or_default();
+        hello::ours(TRANSPORT, &self.limits.node, regions, Some(qp))
     }
 }
 
-/// The source's side: sends our hello, reads the peer's and brings `qp`
-/// to RTS against it. Returns the peer's hello.
-pub(super) fn initiate(shared: &Shared, stream: &mut TcpStream, qp: &mut Qp) -> Result<Hello, TransportError> {
-    hello::send_hello(stream, &shared.hello(qp))?;
-    let remote = hello::read_hello(stream, TRANSPORT)?;
+/// The source's side: proves `cred`, reads the peer's hello and brings
+/// `qp` to RTS against it. Returns the peer's hello.
+pub(super) fn initiate(shared: &Shared, stream: &TcpStream, qp: &mut Qp, cred: &Credential) -> Result<Hello, TransportError> {
+    let hs = Deadline::new(stream, shared.limits.handshake_timeout);
+    let remote = hello::initiate(&mut hs.again(), &mut hs.again(), TRANSPORT, cred, shared.hello(qp, None))?;
     let pv = peer_verbs(&remote)?;
     qp.connect(shared, &pv)?;
     Ok(remote)
 }
 
-/// The destination's side: reads the peer's hello, makes a QP that
+/// The destination's side: checks the peer's proof, makes a QP that
 /// receives its notes into `ring`, and answers with our hello — or with a
-/// `Nack` saying why not.
-pub(super) fn answer(shared: &Shared, stream: &mut TcpStream, ring: &NoteRing) -> Result<(Hello, Qp), TransportError> {
-    match ready_for(shared, stream, ring) {
-        Ok((peer, qp)) => {
-            hello::send_hello(stream, &shared.hello(&qp))?;
-            Ok((peer, qp))
+/// `Nack` saying why not. Returns the peer's hello, the QP and the session.
+pub(super) fn answer(shared: &Shared, stream: &TcpStream, ring: &NoteRing) -> Result<(Hello, Qp, u64), TransportError> {
+    let hs = Deadline::new(stream, shared.limits.handshake_timeout);
+    match ready_for(shared, &hs, ring) {
+        Ok((proven, qp)) => {
+            let session = proven.session.credential.session;
+            hello::send_hello(&mut hs.again(), &hello::prove(TRANSPORT, &proven, shared.hello(&qp, Some(session))))?;
+            Ok((proven.hello, qp, session))
         }
         Err(e) => {
-            let _ = hello::send_refusal(stream, &e.to_string());
+            let _ = hello::send_refusal(&mut hs.again(), &e.to_string());
             Err(e)
         }
     }
 }
 
-fn ready_for(shared: &Shared, stream: &mut TcpStream, ring: &NoteRing) -> Result<(Hello, Qp), TransportError> {
-    let peer = hello::read_hello(stream, TRANSPORT)?;
-    let pv = peer_verbs(&peer)?;
+fn ready_for(shared: &Shared, hs: &Deadline<'_, TcpStream>, ring: &NoteRing) -> Result<(Proven, Qp), TransportError> {
+    let proven = hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, &shared.registry)?;
+    let pv = peer_verbs(&proven.hello)?;
     let mut qp = Qp::new(shared, 1, ring.slots)?;
     qp.post_recvs(ring, 0..ring.slots)?;
     // RTR before answering, so the peer's first write finds us ready.
     qp.connect(shared, &pv)?;
-    Ok((peer, qp))
+    Ok((proven, qp))
 }
 
 fn peer_verbs(hello: &Hello) -> Result<VerbsAddr, TransportError> {

@@ -100,8 +100,13 @@ pub struct VerbsLimits {
     /// Receives pre-posted per accepted connection (note credits), each
     /// with a buffer of its own.
     pub recv_depth: u32,
-    /// Limit on each handshake read and write.
+    /// How long a whole handshake may take.
     pub handshake_timeout: Duration,
+    /// How long an accepted connection may go without a write note
+    /// before the destination closes it.
+    pub idle_timeout: Duration,
+    /// Caps on the handshake listener's connections.
+    pub caps: crate::auth::ConnectionCaps,
     /// Count bytes only toward (slot, layer)s declared before they arrive
     /// ([`crate::Placement::declared_only`]).
     pub declared_only: bool,
@@ -118,6 +123,8 @@ impl Default for VerbsLimits {
             send_depth: 256,
             recv_depth: 256,
             handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(300),
+            caps: crate::auth::ConnectionCaps::default(),
             declared_only: false,
         }
     }

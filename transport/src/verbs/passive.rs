@@ -8,6 +8,7 @@ use super::notes::NoteRing;
 use super::qp::{wc_error, Wc, WC_RECV, WC_SUCCESS};
 use super::TRANSPORT;
 use crate::accept::{self, Admitted, Incoming, Refusal};
+use crate::auth::{Gate, Pass};
 use crate::hello;
 use crate::TransportError;
 use std::io::Read;
@@ -20,12 +21,20 @@ use std::time::{Duration, Instant};
 pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let mut children: Vec<JoinHandle<()>> = Vec::new();
     let mut last_sweep = Instant::now();
+    let gate = Gate::new(shared.limits.caps);
     while !shared.stop.load(Ordering::Acquire) {
         match listener.accept() {
             Ok((stream, from)) => {
+                let pass = match gate.enter() {
+                    Ok(p) => p,
+                    Err(why) => {
+                        tracing::debug!(peer = %from, why, "verbs connection refused");
+                        continue;
+                    }
+                };
                 let s = shared.clone();
                 match std::thread::Builder::new().name("kvwire-verbs-recv".into()).spawn(move || {
-                    if let Err(e) = serve(&s, stream) {
+                    if let Err(e) = serve(&s, stream, pass) {
                         tracing::warn!(peer = %from, error = %e, "verbs connection ended with an error");
                     }
                 }) {
@@ -54,10 +63,10 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 /// shared acceptance path (the NIC placed the bytes already). A refused
 /// note counts nothing. A malformed note message ends the connection,
 /// as a malformed frame does on every backend.
-fn count_notes(shared: &Shared, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
+fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
     for n in ring.read(wc.wr_id, wc.byte_len)? {
         let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len };
-        if let Err(why) = accept::accept(&shared.registry, &shared.placement, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
+        if let Err(why) = accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
             accept::log_refusal(TRANSPORT, peer, w, &why);
         }
     }
@@ -66,11 +75,8 @@ fn count_notes(shared: &Shared, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer
 
 /// One accepted connection: handshake, then count the ranges of received
 /// write notes until the peer closes the TCP stream or the endpoint stops.
-fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
-    let t = Some(shared.limits.handshake_timeout);
+fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), TransportError> {
     stream.set_nonblocking(false).map_err(TransportError::io("handshake socket"))?;
-    stream.set_read_timeout(t).map_err(TransportError::io("handshake socket"))?;
-    stream.set_write_timeout(t).map_err(TransportError::io("handshake socket"))?;
     let _ = stream.set_nodelay(true);
     // Declared before the QP, so dropped after it: the NIC may write into
     // these buffers until the QP is destroyed.
@@ -81,9 +87,11 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
             return Err(e);
         }
     };
-    let (peer, mut qp) = handshake::answer(shared, &mut stream, &ring)?;
+    let (peer, mut qp, session) = handshake::answer(shared, &stream, &ring)?;
+    pass.authenticated();
     stream.set_nonblocking(true).map_err(TransportError::io("connection socket"))?;
     let mut idle = 0u32;
+    let mut last_note = Instant::now();
     let mut last_check = Instant::now();
     let mut failed = false;
     loop {
@@ -99,7 +107,8 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
                 continue;
             }
             if wc.opcode == WC_RECV {
-                count_notes(shared, &ring, wc, seen_at, &peer.node)?;
+                count_notes(shared, session, &ring, wc, seen_at, &peer.node)?;
+                last_note = seen_at;
             } else {
                 tracing::warn!(peer = %peer.node, opcode = wc.opcode, "unexpected receive completion (not a write note); ignored");
             }
@@ -121,6 +130,10 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
         if shared.stop.load(Ordering::Acquire) {
             return Ok(());
         }
+        if last_note.elapsed() >= shared.limits.idle_timeout {
+            tracing::debug!(peer = %peer.node, "verbs connection closed: idle");
+            return Ok(());
+        }
         if last_check.elapsed() >= Duration::from_millis(10) {
             last_check = Instant::now();
             let mut b = [0u8; 64];
@@ -130,7 +143,7 @@ fn serve(shared: &Shared, mut stream: TcpStream) -> Result<(), TransportError> {
                     // its side; take what is left in the CQ, then go.
                     for wc in qp.drain()? {
                         if wc.status == WC_SUCCESS && wc.opcode == WC_RECV {
-                            count_notes(shared, &ring, &wc, Instant::now(), &peer.node)?;
+                            count_notes(shared, session, &ring, &wc, Instant::now(), &peer.node)?;
                         }
                     }
                     return Ok(());

@@ -50,9 +50,11 @@ impl Shared {
         mrs.retain(|key, _| self.registry.get(*key).is_some());
     }
 
-    pub(super) fn descs(&self) -> Vec<RegionDesc> {
+    /// What a peer of `session` may write into: the regions granted to it.
+    pub(super) fn descs(&self, session: u64) -> Vec<RegionDesc> {
         self.sweep();
-        let mut v: Vec<RegionDesc> = self.mrs.lock().expect("mr lock").values().map(|m| m.rdesc()).collect();
+        let mrs = self.mrs.lock().expect("mr lock");
+        let mut v: Vec<RegionDesc> = mrs.values().filter(|m| m.region.grant.is_some_and(|g| g.session == session)).map(|m| m.rdesc()).collect();
         v.sort_by_key(|d| d.key);
         v
     }

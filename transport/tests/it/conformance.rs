@@ -3,8 +3,8 @@
 //! returns a fresh (source, destination) pair of endpoints.
 
 use kvwire_transport::accept::Refusal;
-use kvwire_transport::{Batch, Completion, Connection, Endpoint, HostMem, Placement, Region, Tag, TransportError, WriteOp};
-use std::sync::Arc;
+use kvwire_transport::{Batch, Completion, Connection, Credential, Endpoint, Grant, HostMem, Placement, Region, Tag, TransportError, WriteOp};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 pub const CANARY: u8 = 0xC3;
@@ -20,20 +20,39 @@ pub struct Pair {
     pub conn: Option<Box<dyn Connection>>,
 }
 
+/// The data-plane session every test connection proves.
+pub fn cred() -> &'static Credential {
+    static C: OnceLock<Credential> = OnceLock::new();
+    C.get_or_init(Credential::random)
+}
+
+/// Opens the test session on `dst` for connections from `src`, as a
+/// destination daemon does once the peer handshake authenticated `src`.
+pub fn open_session(src: &dyn Endpoint, dst: &dyn Endpoint) {
+    dst.registry().open_session(cred(), src.node()).expect("open the test session");
+}
+
+/// Remote writes into a region by the test session, tagged with `slot`.
+pub fn grant(slot: u16) -> Option<Grant> {
+    Some(Grant { session: cred().session, slot })
+}
+
 impl Pair {
     pub fn new(src: Arc<dyn Endpoint>, dst: Arc<dyn Endpoint>) -> Pair {
+        open_session(&*src, &*dst);
         Pair { src, dst, conn: None }
     }
 
     pub fn conn(&mut self) -> &mut dyn Connection {
         if self.conn.is_none() {
-            self.conn = Some(self.src.connect(&self.dst.local_addr()).expect("connect"));
+            self.conn = Some(self.src.connect(&self.dst.local_addr(), cred()).expect("connect"));
         }
         &mut **self.conn.as_mut().expect("connected")
     }
 }
 
-/// A destination window of `len` bytes inside a canary-filled mapping.
+/// A destination window of `len` bytes inside a canary-filled mapping,
+/// open to the test session's writes tagged with `slot`.
 pub struct Window {
     pub mem: Arc<HostMem>,
     pub region: Arc<Region>,
@@ -41,10 +60,10 @@ pub struct Window {
 }
 
 impl Window {
-    pub fn new(ep: &dyn Endpoint, len: u64) -> Window {
+    pub fn new(ep: &dyn Endpoint, slot: u16, len: u64) -> Window {
         let mem = Arc::new(HostMem::new("kvwire-test-dst", len + 2 * GUARD).unwrap());
         mem.write(0, &vec![CANARY; (len + 2 * GUARD) as usize]).unwrap();
-        let region = ep.register(mem.clone(), GUARD, len).unwrap();
+        let region = ep.register(mem.clone(), GUARD, len, grant(slot)).unwrap();
         Window { mem, region, len }
     }
 
@@ -69,7 +88,7 @@ pub fn source(ep: &dyn Endpoint, len: u64, seed: u8) -> (Arc<Region>, Vec<u8>) {
     let data: Vec<u8> = (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect();
     let mem = Arc::new(HostMem::new("kvwire-test-src", len).unwrap());
     mem.write(0, &data).unwrap();
-    (ep.register(mem, 0, len).unwrap(), data)
+    (ep.register(mem, 0, len, None).unwrap(), data)
 }
 
 pub fn tag(slot: u16, layer: u16) -> Tag {
@@ -92,7 +111,7 @@ pub fn complete(conn: &mut dyn Connection, n: usize) -> Vec<Completion> {
 }
 
 pub fn one_segment(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 8192);
+    let dst = Window::new(&*p.dst, 1, 8192);
     let (src, data) = source(&*p.src, 8192, 7);
     p.dst.placement().expect(tag(1, 0), 8192).unwrap();
     p.conn().post(Batch { tag: tag(1, 0), writes: vec![w(&src, 0, &dst.region, 0, 8192)] }).unwrap();
@@ -106,7 +125,7 @@ pub fn one_segment(p: &mut Pair) {
 
 pub fn scatter(p: &mut Pair) {
     // 64 runs of 100 bytes, reversed order and spaced at the destination.
-    let dst = Window::new(&*p.dst, 64 * 128);
+    let dst = Window::new(&*p.dst, 2, 64 * 128);
     let (src, data) = source(&*p.src, 64 * 100, 3);
     let writes: Vec<WriteOp> = (0..64).map(|i| w(&src, i * 100, &dst.region, (63 - i) * 128, 100)).collect();
     p.dst.placement().expect(tag(2, 5), 6400).unwrap();
@@ -123,7 +142,7 @@ pub fn scatter(p: &mut Pair) {
 }
 
 pub fn layers_publish_only_after_their_last_byte(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 3 * 4096);
+    let dst = Window::new(&*p.dst, 3, 3 * 4096);
     let (src, data) = source(&*p.src, 3 * 4096, 11);
     let pl = p.dst.placement().clone();
     // Layer 0 declared before its bytes, layer 1 after, layer 2 in between.
@@ -157,7 +176,7 @@ pub fn layers_publish_only_after_their_last_byte(p: &mut Pair) {
 }
 
 pub fn source_released_after_local_completion(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 1 << 20);
+    let dst = Window::new(&*p.dst, 4, 1 << 20);
     let (src, data) = source(&*p.src, 1 << 20, 5);
     p.dst.placement().expect(tag(4, 0), 1 << 20).unwrap();
     let id = p.conn().post(Batch { tag: tag(4, 0), writes: vec![w(&src, 0, &dst.region, 0, 1 << 20)] }).unwrap();
@@ -183,8 +202,8 @@ fn refused(p: &mut Pair, op: WriteOp, t: Tag) -> TransportError {
 }
 
 pub fn bad_writes_fail_alone(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 4096);
-    let other = Window::new(&*p.dst, 4096);
+    let dst = Window::new(&*p.dst, 5, 4096);
+    let other = Window::new(&*p.dst, 5, 4096);
     let (src, data) = source(&*p.src, 4096, 9);
     let before = dst.bytes();
     let cases: Vec<(&str, WriteOp)> = vec![
@@ -221,7 +240,7 @@ pub fn bad_writes_fail_alone(p: &mut Pair) {
 }
 
 pub fn local_source_checked_before_sending(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 4096);
+    let dst = Window::new(&*p.dst, 6, 4096);
     let (src, _) = source(&*p.src, 4096, 1);
     let e = p.conn().post(Batch { tag: tag(6, 0), writes: vec![w(&src, 4000, &dst.region, 0, 200)] }).unwrap_err();
     assert!(matches!(e, TransportError::Source(_)), "{e}");
@@ -237,7 +256,7 @@ pub fn local_source_checked_before_sending(p: &mut Pair) {
 /// transports refuse before placing; RDMA learns of it only at the
 /// destination's completion, after the bytes landed.
 pub fn overrun_never_publishes(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 4096);
+    let dst = Window::new(&*p.dst, 7, 4096);
     let (src, _) = source(&*p.src, 4096, 2);
     p.dst.placement().expect(tag(7, 0), 1024).unwrap();
     match p.conn().post(Batch { tag: tag(7, 0), writes: vec![w(&src, 0, &dst.region, 0, 2048)] }) {
@@ -276,7 +295,7 @@ fn post_one(p: &mut Pair, op: WriteOp, t: Tag) -> Result<(), TransportError> {
 /// another rail) counts once, whether repeated whole or overlapping, and
 /// repeating it after the layer published changes nothing.
 pub fn a_range_written_twice_counts_once(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 8192);
+    let dst = Window::new(&*p.dst, 8, 8192);
     let (src, data) = source(&*p.src, 8192, 13);
     let pl = p.dst.placement().clone();
     let t = tag(8, 0);
@@ -309,19 +328,29 @@ pub fn a_range_written_twice_counts_once(p: &mut Pair) {
 /// hear back about a tag: its note is refused at the destination), no
 /// byte is counted, and the connection serves the next write.
 pub fn refusals_are_the_shared_ones(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 4096);
+    let dst = Window::new(&*p.dst, 10, 4096);
     let (src, _) = source(&*p.src, 4096, 14);
+    // A region of this side (local only) and one granted to slot 9.
+    let local = p.dst.register(Arc::new(HostMem::new("kvwire-test-local", 4096).unwrap()), 0, 4096, None).unwrap();
+    let slot9 = Window::new(&*p.dst, 9, 4096);
     let pl = p.dst.placement().clone();
     let key = dst.region.key;
-    let no_tag = tag(u16::MAX, u16::MAX);
+    let no_tag = tag(10, u16::MAX);
+    let verbs = p.dst.transport() == kvwire_transport::TransportKind::Verbs;
     let cases = [
         (WriteOp { dst_key: 0xDEAD_BEEF, ..w(&src, 0, &dst.region, 0, 16) }, tag(10, 0), Refusal::UnknownKey(0xDEAD_BEEF)),
         (w(&src, 0, &dst.region, 4090, 16), tag(10, 1), Refusal::OutOfBounds { key, offset: 4090, len: 16, region_len: 4096 }),
         (w(&src, 0, &dst.region, 0, 0), tag(10, 2), Refusal::ZeroLength),
-        (w(&src, 0, &dst.region, 0, 16), no_tag, Refusal::UnknownTag { slot: u16::MAX, layer: u16::MAX }),
+        (w(&src, 0, &dst.region, 0, 16), no_tag, Refusal::UnknownTag { slot: 10, layer: u16::MAX }),
+        // Verbs never learns the key of a region not granted to its
+        // session, so its own check refuses it as unknown; the NIC would
+        // refuse it too (the MR allows no remote write).
+        (w(&src, 0, &local, 0, 16), tag(10, 3), if verbs { Refusal::UnknownKey(local.key) } else { Refusal::NotGranted(local.key) }),
+        (w(&src, 0, &slot9.region, 0, 16), tag(10, 4), Refusal::OtherSlot { key: slot9.region.key, slot: 10, granted: 9 }),
     ];
     for (i, (op, t, want)) in cases.into_iter().enumerate() {
         let before = dst.bytes();
+        let before9 = slot9.bytes();
         let answered = match p.conn().post(Batch { tag: t, writes: vec![op] }) {
             Err(TransportError::Refused(text)) => {
                 assert!(text.contains(&want.to_string()), "refused before sending, not as {want:?}: {text}");
@@ -334,23 +363,28 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
                     true
                 }
                 Ok(()) => {
-                    assert_eq!(p.dst.transport(), kvwire_transport::TransportKind::Verbs, "only a one-sided write may complete unrefused: {want:?}");
-                    assert_eq!(want, Refusal::UnknownTag { slot: u16::MAX, layer: u16::MAX });
+                    // A one-sided write completes before its note is refused.
+                    assert!(verbs, "only a one-sided write may complete unrefused: {want:?}");
+                    assert!(matches!(want, Refusal::UnknownTag { .. } | Refusal::OtherSlot { .. }), "{want:?}");
                     false
                 }
             },
         };
         if answered {
             assert_eq!(dst.bytes(), before, "{want:?}: a refused write touched the destination");
+            assert_eq!(slot9.bytes(), before9, "{want:?}: a refused write touched slot 9's region");
         }
         // A later good write on the same connection is counted, so the
         // destination has handled the refused one by then: it counted nothing.
-        let fence = tag(11, i as u16);
+        let fence = tag(10, 8 + i as u16);
         pl.expect(fence, 64).unwrap();
         post_one(p, w(&src, 0, &dst.region, 1024, 64), fence).unwrap();
         pl.wait(fence, WAIT).unwrap();
         assert_eq!(pl.placed_bytes(t), 0, "{want:?}: counted");
     }
+    let mut b = vec![0u8; 4096];
+    local.mem.read(0, &mut b).unwrap();
+    assert!(b.iter().all(|&x| x == 0), "a write reached the local region");
     dst.assert_guards();
 }
 
@@ -359,7 +393,7 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
 /// 40-byte header and 40-byte trailer per shm request, a 24-byte note per
 /// verbs write; each TCP and shm write is answered by a 40-byte `Ack`.
 pub fn framing_bytes_are_what_the_connection_sent(p: &mut Pair) {
-    let dst = Window::new(&*p.dst, 4096);
+    let dst = Window::new(&*p.dst, 12, 4096);
     let (src, _) = source(&*p.src, 4096, 15);
     let (framing0, answers0) = (p.conn().framing_bytes(), p.conn().answer_bytes());
     let writes = (0..3).map(|i| w(&src, i * 1000, &dst.region, i * 1000, 1000)).collect();

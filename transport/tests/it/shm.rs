@@ -3,7 +3,8 @@
 //! handshakes, peers vanishing).
 
 use crate::conformance::{self, complete, source, tag, w, Pair, Window};
-use kvwire_core::protocol::{Header, HelloError, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION as V};
+use kvwire_core::protocol::{Header, HelloError, Kind, Tag, HEADER_LEN, NONCE_LEN, PROTOCOL_VERSION as V};
+use kvwire_transport::auth;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits, TRAILER_LEN};
 use kvwire_transport::{Batch, Endpoint, FlagTable, Hop, Hops, Placement, Registry, TransportError, WriteOp};
 use std::io::{Read, Write};
@@ -23,10 +24,15 @@ pub fn endpoint(node: &str) -> Arc<ShmEndpoint> {
 }
 
 pub fn pair() -> Pair {
-    let src = endpoint("src");
-    let dst = endpoint("dst");
-    let conn = src.connect(&dst.local_addr()).unwrap();
-    Pair { src, dst, conn: Some(conn) }
+    let mut p = Pair::new(endpoint("src"), endpoint("dst"));
+    p.conn();
+    p
+}
+
+/// A connection from `src` to `dst`, once `dst` has the test session open.
+fn connect(src: &Arc<ShmEndpoint>, dst: &Arc<ShmEndpoint>) -> Box<dyn kvwire_transport::Connection> {
+    conformance::open_session(&**src, &**dst);
+    src.connect(&dst.local_addr(), conformance::cred()).unwrap()
 }
 
 mod contract {
@@ -50,15 +56,30 @@ fn hello_json(version: u32, transport: &str, node: &str) -> Vec<u8> {
     format!(r#"{{"version":{version},"transport":"{transport}","node":"{node}","regions":[],"verbs":null}}"#).into_bytes()
 }
 
-/// A raw client that completed the handshake with `path`.
+/// A source's hello proving the test session as node `src`, answering the
+/// challenge `nd` (the protocol of kvwire_transport::hello, written out).
+fn proving_hello(nd: &[u8]) -> Vec<u8> {
+    let ns = [5u8; NONCE_LEN];
+    let cred = conformance::cred();
+    let proof = auth::mac(cred.key(), "kvwire-data-source-v1", &[b"shm", nd, &ns, b"src"]);
+    let h = format!(
+        r#"{{"version":{V},"transport":"shm","node":"src","regions":[],"verbs":null,"session":{},"nonce":"{}","proof":"{}"}}"#,
+        cred.session,
+        auth::hex(&ns),
+        auth::hex(&proof)
+    );
+    [hdr(Kind::Hello, 0, 0, 0, h.len() as u64).encode().as_slice(), h.as_bytes()].concat()
+}
+
+/// A raw client that completed the handshake with `path` (whose endpoint
+/// has the test session open for `src`).
 fn raw_client(path: &str) -> UnixStream {
     let mut s = UnixStream::connect(path).unwrap();
     s.set_read_timeout(Some(WAIT)).unwrap();
-    let hello = hello_json(V, "shm", "raw");
-    s.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
-    s.write_all(&hello).unwrap();
+    let (h, nd) = read_frame(&mut s);
+    assert_eq!(h.kind, Kind::Challenge);
+    s.write_all(&proving_hello(&nd)).unwrap();
     assert_eq!(read_frame(&mut s).0.kind, Kind::Hello);
-    assert_eq!(read_frame(&mut s).0.kind, Kind::Ack);
     s
 }
 
@@ -98,7 +119,7 @@ fn interleaved_layers_count_bytes_not_order() {
     const RUN: u64 = 512;
     const LAYER: u64 = 4 * 8 * RUN;
     let mut p = pair();
-    let dst = Window::new(&*p.dst, 4 * LAYER);
+    let dst = Window::new(&*p.dst, 9, 4 * LAYER);
     let (src, data) = source(&*p.src, 4 * LAYER, 17);
     let pl = p.dst.placement().clone();
     // Layers 0 and 1 declared before any byte; 2 midway; 3 after all bytes.
@@ -162,8 +183,8 @@ fn batch_from_more_source_regions_than_one_message_can_carry() {
     const N: u64 = 260;
     let src_ep = endpoint_with("src", 512, ShmLimits::default());
     let dst_ep = endpoint("dst");
-    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
-    let dst = Window::new(&*dst_ep, N * 64);
+    let mut conn = connect(&src_ep, &dst_ep);
+    let dst = Window::new(&*dst_ep, 1, N * 64);
     let sources: Vec<_> = (0..N).map(|i| source(&*src_ep, 64, i as u8)).collect();
     let writes = sources.iter().enumerate().map(|(i, (r, _))| w(r, 0, &dst.region, i as u64 * 64, 64)).collect();
     dst_ep.placement().expect(tag(1, 1), N * 64).unwrap();
@@ -174,7 +195,7 @@ fn batch_from_more_source_regions_than_one_message_can_carry() {
     assert_eq!(dst.bytes(), want);
     dst.assert_guards();
     // Reusing the already-shared sources sends no fd and still works.
-    let dst2 = Window::new(&*dst_ep, 64);
+    let dst2 = Window::new(&*dst_ep, 1, 64);
     dst_ep.placement().expect(tag(1, 2), 64).unwrap();
     conn.post(Batch { tag: tag(1, 2), writes: vec![w(&sources[200].0, 0, &dst2.region, 0, 64)] }).unwrap();
     assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
@@ -185,7 +206,7 @@ fn batch_from_more_source_regions_than_one_message_can_carry() {
 #[test]
 fn revoke_after_use_refuses_later_writes_exactly() {
     let mut p = pair();
-    let dst = Window::new(&*p.dst, 4096);
+    let dst = Window::new(&*p.dst, 2, 4096);
     let (src, data) = source(&*p.src, 8192, 4);
     p.dst.placement().expect(tag(2, 0), 4096).unwrap();
     p.conn().post(Batch { tag: tag(2, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
@@ -204,7 +225,7 @@ fn revoke_after_use_refuses_later_writes_exactly() {
     assert_eq!(p.dst.placement().placed_bytes(tag(2, 1)), 0);
     // A batch mixing a good and a refused write fails as a whole, once
     // both were answered; the connection keeps serving.
-    let other = Window::new(&*p.dst, 4096);
+    let other = Window::new(&*p.dst, 2, 4096);
     let mixed = vec![w(&src, 0, &other.region, 0, 1024), w(&src, 0, &dst.region, 0, 16)];
     p.conn().post(Batch { tag: tag(2, 2), writes: mixed }).unwrap();
     let c = complete(p.conn(), 1);
@@ -221,7 +242,7 @@ fn revoke_after_use_refuses_later_writes_exactly() {
 #[test]
 fn unknown_slot_is_refused_before_any_byte_lands() {
     let mut p = pair();
-    let dst = Window::new(&*p.dst, 256);
+    let dst = Window::new(&*p.dst, 999, 256);
     let (src, _) = source(&*p.src, 256, 8);
     let before = dst.bytes();
     p.conn().post(Batch { tag: tag(999, 0), writes: vec![w(&src, 0, &dst.region, 0, 256)] }).unwrap();
@@ -239,7 +260,7 @@ fn hostile_raw_clients_close_only_their_connection() {
     let mut p = pair();
     let addr = p.dst.local_addr();
     let pl = p.dst.placement().clone();
-    let dst = Window::new(&*p.dst, 4096);
+    let dst = Window::new(&*p.dst, 3, 4096);
     pl.expect(tag(3, 0), 4096).unwrap();
 
     // Garbage instead of a hello.
@@ -294,7 +315,7 @@ fn hostile_raw_clients_close_only_their_connection() {
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     pl.wait(tag(3, 0), WAIT).unwrap();
     assert_eq!(dst.bytes(), data);
-    conformance::one_segment(&mut Pair { conn: Some(p.src.connect(&addr).unwrap()), src: p.src.clone(), dst: p.dst.clone() });
+    conformance::one_segment(&mut Pair { conn: Some(p.src.connect(&addr, conformance::cred()).unwrap()), src: p.src.clone(), dst: p.dst.clone() });
 }
 
 #[test]
@@ -306,7 +327,7 @@ fn version_mismatch_is_refused_by_name_at_the_destination() {
     raw.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
     raw.write_all(&hello).unwrap();
     let (h, _) = read_frame(&mut raw);
-    assert_eq!(h.kind, Kind::Hello, "the destination introduces itself first");
+    assert_eq!(h.kind, Kind::Challenge, "the destination challenges first");
     let (h, why) = read_frame(&mut raw);
     assert_eq!(h.kind, Kind::Nack);
     let why = String::from_utf8(why).unwrap();
@@ -318,29 +339,48 @@ fn version_mismatch_is_refused_by_name_at_the_destination() {
 
 fn pair_to(dst: &Arc<ShmEndpoint>) -> Pair {
     let src = endpoint("src");
-    let conn = src.connect(&dst.local_addr()).unwrap();
+    let conn = connect(&src, dst);
     Pair { src, dst: dst.clone(), conn: Some(conn) }
 }
 
-/// A fake destination on a fresh socket: sends `hello`, reads the
-/// initiator's, answers with `verdict`, then runs `then` on the stream.
-fn fake_destination(
-    hello: Vec<u8>,
-    verdict: Option<Header>,
-    then: impl FnOnce(UnixStream) + Send + 'static,
-) -> (String, std::thread::JoinHandle<()>, tempdir::Dir) {
+/// What a fake destination answers the initiator's hello with.
+enum Answer {
+    /// A hello (version, transport, node) proving the test session.
+    Hello(u32, &'static str, &'static str),
+    /// A refusal with this reason.
+    Nack(&'static [u8]),
+}
+
+/// A fake destination on a fresh socket: challenges, reads the
+/// initiator's hello, answers, then runs `then` on the stream.
+fn fake_destination(answer: Answer, then: impl FnOnce(UnixStream) + Send + 'static) -> (String, std::thread::JoinHandle<()>, tempdir::Dir) {
     let dir = tempdir::Dir::new();
     let path = dir.0.join("fake.sock");
     let listener = UnixListener::bind(&path).unwrap();
     let t = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();
-        s.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
-        s.write_all(&hello).unwrap();
-        let (h, _) = read_frame(&mut s);
+        let nd = [3u8; NONCE_LEN];
+        s.write_all(&hdr(Kind::Challenge, 0, 0, 0, NONCE_LEN as u64).encode()).unwrap();
+        s.write_all(&nd).unwrap();
+        let (h, theirs) = read_frame(&mut s);
         assert_eq!(h.kind, Kind::Hello);
-        if let Some(v) = verdict {
-            s.write_all(&v.encode()).unwrap();
+        let theirs: serde_json::Value = serde_json::from_slice(&theirs).unwrap();
+        let ns = auth::unhex(theirs["nonce"].as_str().unwrap(), NONCE_LEN).unwrap();
+        match answer {
+            Answer::Hello(version, transport, node) => {
+                let proof = auth::mac(conformance::cred().key(), "kvwire-data-destination-v1", &[transport.as_bytes(), &ns, &nd, node.as_bytes()]);
+                let hello = format!(
+                    r#"{{"version":{version},"transport":"{transport}","node":"{node}","regions":[],"verbs":null,"proof":"{}"}}"#,
+                    auth::hex(&proof)
+                );
+                s.write_all(&hdr(Kind::Hello, 0, 0, 0, hello.len() as u64).encode()).unwrap();
+                s.write_all(hello.as_bytes()).unwrap();
+            }
+            Answer::Nack(why) => {
+                s.write_all(&hdr(Kind::Nack, 0, 0, 0, why.len() as u64).encode()).unwrap();
+                s.write_all(why).unwrap();
+            }
         }
         then(s);
     });
@@ -370,27 +410,22 @@ mod tempdir {
 #[test]
 fn version_mismatch_is_refused_by_name_at_the_initiator() {
     let src = endpoint("src");
-    let (addr, fake, _dir) = fake_destination(hello_json(V + 1, "shm", "future-peer"), None, |s| drop(closed_by_peer(s)));
-    let e = src.connect(&addr).err().expect("connect must fail");
+    let (addr, fake, _dir) = fake_destination(Answer::Hello(V + 1, "shm", "future-peer"), |s| drop(closed_by_peer(s)));
+    let e = src.connect(&addr, conformance::cred()).err().expect("connect must fail");
     assert_eq!(e, TransportError::Hello(HelloError::Version { node: "future-peer".into(), theirs: V + 1, ours: V }));
     let text = e.to_string();
     assert!(text.contains(&format!("version {}", V + 1)) && text.contains(&format!("speaks {V}")), "{text}");
     fake.join().unwrap();
 
-    let (addr, fake, _dir) = fake_destination(hello_json(V, "tcp", "tcp-peer"), None, |s| drop(closed_by_peer(s)));
-    let e = src.connect(&addr).err().expect("connect must fail");
+    let (addr, fake, _dir) = fake_destination(Answer::Hello(V, "tcp", "tcp-peer"), |s| drop(closed_by_peer(s)));
+    let e = src.connect(&addr, conformance::cred()).err().expect("connect must fail");
     assert!(matches!(e, TransportError::Hello(HelloError::Transport { .. })), "{e}");
     assert!(e.to_string().contains("`tcp`") && e.to_string().contains("`shm`"), "{e}");
     fake.join().unwrap();
 
     // A destination that accepts our hello's format but refuses it anyway.
-    let why = b"no room for another peer";
-    let nack = hdr(Kind::Nack, 0, 0, 0, why.len() as u64);
-    let (addr, fake, _dir) = fake_destination(hello_json(V, "shm", "full"), Some(nack), move |mut s| {
-        s.write_all(why).unwrap();
-        drop(closed_by_peer(s));
-    });
-    let e = src.connect(&addr).err().expect("connect must fail");
+    let (addr, fake, _dir) = fake_destination(Answer::Nack(b"no room for another peer"), move |s| drop(closed_by_peer(s)));
+    let e = src.connect(&addr, conformance::cred()).err().expect("connect must fail");
     assert!(e.to_string().contains("no room for another peer"), "{e}");
     fake.join().unwrap();
 }
@@ -400,12 +435,12 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     let src = endpoint("src");
     let (go, wait) = std::sync::mpsc::channel::<()>();
     // Reads the first write request (and its fd), then vanishes on cue.
-    let (addr, fake, _dir) = fake_destination(hello_json(V, "shm", "fake"), Some(hdr(Kind::Ack, 0, 0, 0, 0)), move |mut s| {
+    let (addr, fake, _dir) = fake_destination(Answer::Hello(V, "shm", "fake"), move |mut s| {
         let mut first = vec![0u8; HEADER_LEN + TRAILER_LEN as usize];
         s.read_exact(&mut first).unwrap();
         wait.recv_timeout(WAIT).unwrap();
     });
-    let mut conn = src.connect(&addr).unwrap();
+    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     assert_eq!(conn.remote().node, "fake");
     let (region, _) = source(&*src, 1 << 16, 1);
     for layer in 0..3 {
@@ -428,14 +463,14 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
 fn an_answer_for_no_outstanding_write_closes_the_connection() {
     let src = endpoint("src");
     // Acks a write that was never requested, as a peer out of sync would.
-    let (addr, fake, _dir) = fake_destination(hello_json(V, "shm", "fake"), Some(hdr(Kind::Ack, 0, 0, 0, 0)), move |mut s| {
+    let (addr, fake, _dir) = fake_destination(Answer::Hello(V, "shm", "fake"), move |mut s| {
         let mut first = vec![0u8; HEADER_LEN + TRAILER_LEN as usize];
         s.read_exact(&mut first).unwrap();
         let seq = Header::decode(&first, TRAILER_LEN).unwrap().seq;
         s.write_all(&hdr(Kind::Ack, 0, seq + 1000, 0, 0).encode()).unwrap();
         drop(closed_by_peer(s));
     });
-    let mut conn = src.connect(&addr).unwrap();
+    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = source(&*src, 64, 1);
     let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 };
     conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).unwrap();
@@ -449,11 +484,11 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
 fn initiator_vanishing_mid_layer_publishes_no_flag() {
     let dst_ep = endpoint("dst");
     let src_ep = endpoint("src");
-    let dst = Window::new(&*dst_ep, 8192);
+    let dst = Window::new(&*dst_ep, 4, 8192);
     let (src, data) = source(&*src_ep, 8192, 12);
     let pl = dst_ep.placement().clone();
     pl.expect(tag(4, 0), 8192).unwrap();
-    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    let mut conn = connect(&src_ep, &dst_ep);
     conn.post(Batch { tag: tag(4, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
     assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
     drop(conn);
@@ -464,7 +499,7 @@ fn initiator_vanishing_mid_layer_publishes_no_flag() {
     assert_eq!(pl.placed_bytes(tag(4, 0)), 4096);
     assert!(pl.flags().ready(tag(4, 0)).is_none(), "half a layer is not a layer");
     // A new connection finishes the layer.
-    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    let mut conn = connect(&src_ep, &dst_ep);
     conn.post(Batch { tag: tag(4, 0), writes: vec![w(&src, 4096, &dst.region, 4096, 4096)] }).unwrap();
     assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
     pl.wait(tag(4, 0), WAIT).unwrap();
@@ -477,8 +512,8 @@ fn too_many_shared_sources_close_the_connection() {
     let src_ep = endpoint("src");
     let limits = ShmLimits { max_sources: 2, ..ShmLimits::default() };
     let dst_ep = endpoint_with("dst", 64, limits);
-    let dst = Window::new(&*dst_ep, 3 * 64);
-    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    let dst = Window::new(&*dst_ep, 5, 3 * 64);
+    let mut conn = connect(&src_ep, &dst_ep);
     let sources: Vec<_> = (0..3).map(|i| source(&*src_ep, 64, i)).collect();
     let writes = sources.iter().enumerate().map(|(i, (r, _))| w(r, 0, &dst.region, i as u64 * 64, 64)).collect();
     conn.post(Batch { tag: tag(5, 0), writes }).unwrap();
@@ -493,7 +528,7 @@ fn too_many_shared_sources_close_the_connection() {
 fn dropping_the_destination_fails_the_initiators_batches() {
     let src_ep = endpoint("src");
     let dst_ep = endpoint("dst");
-    let mut conn = src_ep.connect(&dst_ep.local_addr()).unwrap();
+    let mut conn = connect(&src_ep, &dst_ep);
     drop(dst_ep);
     let (src, _) = source(&*src_ep, 64, 1);
     let op = WriteOp { src_key: src.key, src_offset: 0, dst_key: 1, dst_offset: 0, len: 64 };

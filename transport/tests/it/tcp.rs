@@ -1,12 +1,56 @@
 //! TCP emulation: the conformance suite on loopback, plus TCP-only cases.
 
 use crate::conformance::{self, Pair};
-use kvwire_core::protocol::{Header, Kind, Tag, HEADER_LEN, PROTOCOL_VERSION as V};
+use kvwire_core::protocol::{Header, Kind, Tag, HEADER_LEN, NONCE_LEN, PROTOCOL_VERSION as V};
+use kvwire_transport::auth::{self, ConnectionCaps, Credential};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::{Endpoint, FlagTable, Hops, Placement, Registry};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn frame(kind: Kind, payload: &[u8]) -> Vec<u8> {
+    let mut v = Header { kind, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: payload.len() as u64 }.encode().to_vec();
+    v.extend_from_slice(payload);
+    v
+}
+
+fn read_frame(s: &mut TcpStream) -> (Header, Vec<u8>) {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).unwrap();
+    let h = Header::decode(&b, u64::MAX).unwrap();
+    let mut payload = vec![0u8; h.len as usize];
+    s.read_exact(&mut payload).unwrap();
+    (h, payload)
+}
+
+/// A destination's side of the handshake, written out from the protocol
+/// (kvwire_transport::hello's module docs): challenge, check nothing,
+/// prove `cred` back as node `fake`.
+fn fake_destination_handshake(s: &mut TcpStream, cred: &Credential) {
+    let nd = [7u8; NONCE_LEN];
+    s.write_all(&frame(Kind::Challenge, &nd)).unwrap();
+    let (_, hello) = read_frame(s);
+    let hello: serde_json::Value = serde_json::from_slice(&hello).unwrap();
+    let ns = auth::unhex(hello["nonce"].as_str().unwrap(), NONCE_LEN).unwrap();
+    let proof = auth::mac(cred.key(), "kvwire-data-destination-v1", &[b"tcp", &ns, &nd, b"fake"]);
+    let ours = format!(r#"{{"version":{V},"transport":"tcp","node":"fake","regions":[],"verbs":null,"proof":"{}"}}"#, auth::hex(&proof));
+    s.write_all(&frame(Kind::Hello, ours.as_bytes())).unwrap();
+}
+
+/// A source's hello as an outsider would send it: `node`, claiming
+/// `session`, proving it with `key`.
+fn hello_from(nd: &[u8], node: &str, session: u64, key: &[u8]) -> Vec<u8> {
+    let ns = [9u8; NONCE_LEN];
+    let proof = auth::mac(key, "kvwire-data-source-v1", &[b"tcp", nd, &ns, node.as_bytes()]);
+    let h = format!(
+        r#"{{"version":{V},"transport":"tcp","node":"{node}","regions":[],"verbs":null,"session":{session},"nonce":"{}","proof":"{}"}}"#,
+        auth::hex(&ns),
+        auth::hex(&proof)
+    );
+    frame(Kind::Hello, h.as_bytes())
+}
 
 pub fn endpoint(node: &str) -> Arc<TcpEndpoint> {
     endpoint_at(node, "127.0.0.1:0")
@@ -49,6 +93,7 @@ fn hostile_bytes_close_only_that_connection() {
 fn version_mismatch_is_refused_by_name() {
     let dst = endpoint("dst");
     let mut raw = TcpStream::connect(dst.local_addr()).unwrap();
+    assert_eq!(read_frame(&mut raw).0.kind, Kind::Challenge);
     let hello = br#"{"version":99,"transport":"tcp","node":"old-peer","regions":[],"verbs":null}"#;
     let h = Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: hello.len() as u64 };
     raw.write_all(&h.encode()).unwrap();
@@ -72,19 +117,11 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     let addr = listener.local_addr().unwrap();
     let fake = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        let mut b = [0u8; HEADER_LEN];
-        s.read_exact(&mut b).unwrap();
-        let h = Header::decode(&b, 0).unwrap();
-        let mut payload = vec![0u8; h.len as usize];
-        s.read_exact(&mut payload).unwrap();
-        let hello = format!(r#"{{"version":{V},"transport":"tcp","node":"fake","regions":[],"verbs":null}}"#).into_bytes();
-        let h = Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: hello.len() as u64 };
-        s.write_all(&h.encode()).unwrap();
-        s.write_all(&hello).unwrap();
+        fake_destination_handshake(&mut s, conformance::cred());
         let mut some = vec![0u8; 1000];
         s.read_exact(&mut some).unwrap();
     });
-    let mut conn = src.connect(&addr.to_string()).unwrap();
+    let mut conn = src.connect(&addr.to_string(), conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 1 << 16, 1);
     let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 << 16 };
     // The post may itself fail if the peer is already gone; either way nothing completes OK.
@@ -105,22 +142,16 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
     let addr = listener.local_addr().unwrap();
     let fake = std::thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
-        let mut b = [0u8; HEADER_LEN];
-        s.read_exact(&mut b).unwrap();
-        let mut payload = vec![0u8; Header::decode(&b, 0).unwrap().len as usize];
-        s.read_exact(&mut payload).unwrap();
-        let hello = format!(r#"{{"version":{V},"transport":"tcp","node":"fake","regions":[],"verbs":null}}"#).into_bytes();
-        let h = Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: hello.len() as u64 };
-        s.write_all(&h.encode()).unwrap();
-        s.write_all(&hello).unwrap();
+        fake_destination_handshake(&mut s, conformance::cred());
         // Wait for the write frame's header, then answer another seq.
+        let mut b = [0u8; HEADER_LEN];
         s.read_exact(&mut b).unwrap();
         let write = Header::decode(&b, u64::MAX).unwrap();
         s.write_all(&Header { kind: Kind::Ack, seq: write.seq + 1000, len: 0, ..write }.encode()).unwrap();
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink);
     });
-    let mut conn = src.connect(&addr.to_string()).unwrap();
+    let mut conn = src.connect(&addr.to_string(), conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64, 1);
     let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 };
     conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).unwrap();
@@ -141,9 +172,10 @@ fn tcp_across_two_network_namespaces() {
     let ns = crate::netns::Link::new("tcp").expect("create namespaces");
     let dst_ep = ns.a.run(|| endpoint_at("host-a", &format!("{}:0", ns.a.ip)));
     let dst_addr = dst_ep.local_addr();
+    dst_ep.registry().open_session(conformance::cred(), "host-b").unwrap();
     let mut p = ns.b.run(|| {
         let src = endpoint_at("host-b", &format!("{}:0", ns.b.ip));
-        let conn = src.connect(&dst_addr).unwrap();
+        let conn = src.connect(&dst_addr, conformance::cred()).unwrap();
         let src: Arc<dyn Endpoint> = src;
         let dst: Arc<dyn Endpoint> = dst_ep.clone();
         Pair { src, dst, conn: Some(conn) }
@@ -163,8 +195,8 @@ fn a_connection_is_reusable_only_when_open_and_idle() {
     conformance::scatter(&mut p);
     assert!(p.conn().reusable());
     // With a batch outstanding it is not: its answer has not come yet.
-    let dst = conformance::Window::new(&*p.dst, 1 << 20);
-    let src = conformance::Window::new(&*p.src, 1 << 20);
+    let dst = conformance::Window::new(&*p.dst, 3, 1 << 20);
+    let src = conformance::Window::new(&*p.src, 3, 1 << 20);
     let tag = Tag { slot: 3, layer: 0 };
     p.dst.placement().expect(tag, 1 << 20).unwrap();
     p.conn().post(kvwire_transport::Batch { tag, writes: vec![conformance::w(&src.region, 0, &dst.region, 0, 1 << 20)] }).unwrap();
@@ -181,4 +213,122 @@ fn a_connection_is_reusable_only_when_open_and_idle() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     panic!("a broken connection still says it is reusable");
+}
+
+/// What an outsider on the data port gets: a challenge, and nothing about
+/// memory; a hello that proves no open session is refused by name, and
+/// a write frame in place of a hello closes the connection. Meanwhile the
+/// real source's writes land.
+#[test]
+fn an_unproven_connection_learns_nothing_and_places_nothing() {
+    let mut p = pair();
+    let dst = conformance::Window::new(&*p.dst, 1, 4096);
+    let before = dst.bytes();
+    let open = conformance::cred();
+    type Hello<'a> = Box<dyn Fn(&[u8]) -> Vec<u8> + 'a>;
+    let cases: [(&str, Hello<'_>, &str); 4] = [
+        ("no session", Box::new(|nd| hello_from(nd, "src", 0, b"x")), "not open here"),
+        ("wrong key", Box::new(|nd| hello_from(nd, "src", open.session, b"guess")), "did not prove"),
+        ("other node", Box::new(|nd| hello_from(nd, "intruder", open.session, open.key())), "belongs to `src`"),
+        ("a write first", Box::new(|_| {
+            let mut v = Header { kind: Kind::Write, tag: Tag { slot: 1, layer: 0 }, key: dst.region.key, seq: 1, offset: 0, len: 4 }.encode().to_vec();
+            v.extend_from_slice(b"evil");
+            v
+        }), "Write frame"),
+    ];
+    for (what, hello, why) in cases {
+        let mut raw = TcpStream::connect(p.dst.local_addr()).unwrap();
+        let (h, nd) = read_frame(&mut raw);
+        assert_eq!((h.kind, nd.len()), (Kind::Challenge, NONCE_LEN), "{what}");
+        raw.write_all(&hello(&nd)).unwrap();
+        let mut rest = Vec::new();
+        let _ = raw.read_to_end(&mut rest);
+        let reply = Header::decode(&rest, 0).unwrap();
+        assert_eq!(reply.kind, Kind::Nack, "{what}: the connection ends with the reason, not a hello");
+        let text = String::from_utf8_lossy(&rest[HEADER_LEN..]);
+        assert!(text.contains(why), "{what}: {text}");
+        assert!(!text.contains(&format!("{}", dst.region.key)) && !text.contains("regions"), "{what}: {text}");
+        assert_eq!(rest.len(), HEADER_LEN + reply.len as usize, "{what}: nothing after the refusal");
+    }
+    assert_eq!(dst.bytes(), before);
+    conformance::one_segment(&mut p);
+}
+
+/// Before its proof a connection may send a few KiB at most, and the whole
+/// handshake must end by one deadline however slowly its bytes come.
+#[test]
+fn an_unauthenticated_peer_can_send_little_and_hold_on_only_so_long() {
+    let limits = TcpLimits { handshake_timeout: Duration::from_millis(600), ..TcpLimits::default() };
+    let placement = Arc::new(Placement::new(FlagTable::new(16, 64).unwrap(), Arc::new(Hops::default())));
+    let dst = TcpEndpoint::bind("dst", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(8)), placement, limits).unwrap();
+    // A hello header claiming 5000 bytes: refused before they are read.
+    let mut raw = TcpStream::connect(dst.local_addr()).unwrap();
+    read_frame(&mut raw);
+    raw.write_all(&frame(Kind::Hello, &[b' '; 5000])[..HEADER_LEN]).unwrap();
+    let (h, why) = read_frame(&mut raw);
+    assert_eq!(h.kind, Kind::Nack);
+    assert!(String::from_utf8_lossy(&why).contains("5000 bytes exceeds the limit of 4096"), "{}", String::from_utf8_lossy(&why));
+    // One byte every 100 ms never ends the handshake: the deadline does.
+    let mut raw = TcpStream::connect(dst.local_addr()).unwrap();
+    read_frame(&mut raw);
+    let started = Instant::now();
+    let hello = frame(Kind::Hello, &[b' '; 100]);
+    let mut closed = false;
+    for b in hello.iter().cycle().take(200) {
+        if raw.write_all(&[*b]).is_err() {
+            closed = true;
+            break;
+        }
+        let mut probe = [0u8; 1];
+        raw.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        match raw.read(&mut probe) {
+            Ok(0) => {
+                closed = true;
+                break;
+            }
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(_) => {
+                closed = true;
+                break;
+            }
+        }
+    }
+    assert!(closed, "a trickling handshake was still open after {:?}", started.elapsed());
+}
+
+/// Connections still in their handshake are capped per listener; one
+/// past the cap is closed before it gets a challenge, and a proven
+/// connection is served all the while.
+#[test]
+fn unauthenticated_connections_are_capped() {
+    let limits = TcpLimits { caps: ConnectionCaps { unauthenticated: 2, total: 4 }, ..TcpLimits::default() };
+    let placement = Arc::new(Placement::new(FlagTable::new(16, 64).unwrap(), Arc::new(Hops::default())));
+    let dst = TcpEndpoint::bind("dst", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(8)), placement, limits).unwrap();
+    let mut p = Pair::new(endpoint("src"), dst.clone());
+    p.conn();
+    let mut idle: Vec<TcpStream> = (0..2).map(|_| TcpStream::connect(dst.local_addr()).unwrap()).collect();
+    for s in &mut idle {
+        assert_eq!(read_frame(s).0.kind, Kind::Challenge);
+    }
+    let mut third = TcpStream::connect(dst.local_addr()).unwrap();
+    let mut got = Vec::new();
+    third.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = third.read_to_end(&mut got);
+    assert!(got.is_empty(), "a connection past the cap got {} bytes", got.len());
+    conformance::one_segment(&mut p);
+    drop(idle);
+    // Their places come back.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut again = TcpStream::connect(dst.local_addr()).unwrap();
+        again.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut b = [0u8; HEADER_LEN];
+        if again.read_exact(&mut b).is_ok() {
+            assert_eq!(Header::decode(&b, 0).unwrap().kind, Kind::Challenge);
+            break;
+        }
+        assert!(Instant::now() < deadline, "closed connections never gave their places back");
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -86,11 +86,12 @@ struct Dst {
 }
 
 impl Dst {
-    fn new(ep: &VerbsEndpoint, win: u64) -> Dst {
+    /// Open to the test session's writes tagged with `slot`.
+    fn new(ep: &VerbsEndpoint, slot: u16, win: u64) -> Dst {
         let total = win + 2 * PAD;
         let mem = Arc::new(HostMem::new("verbs-dst", total).expect("destination memory"));
         mem.write(0, &vec![CANARY; total as usize]).expect("canary fill");
-        let region = ep.register(mem.clone(), PAD, win).expect("register destination window");
+        let region = ep.register(mem.clone(), PAD, win, crate::conformance::grant(slot)).expect("register destination window");
         let desc = ep.desc(region.key).expect("descriptor of a registered region");
         assert_eq!(desc.addr, mem.as_ptr() as u64 + PAD, "descriptor address is the window's address");
         assert_eq!(desc.len, win);
@@ -117,6 +118,13 @@ impl Dst {
             );
         }
     }
+}
+
+/// A connection from `src` to `dst`, once `dst` has the test session open
+/// for `src`, as a destination daemon does after the peer handshake.
+fn connect(src: &VerbsEndpoint, dst: &VerbsEndpoint) -> Result<Box<dyn Connection>, TransportError> {
+    crate::conformance::open_session(src, dst);
+    src.connect(&dst.local_addr(), crate::conformance::cred())
 }
 
 /// Polls until `n` completions arrived.
@@ -161,9 +169,9 @@ fn verbs_no_device_or_unknown_device_is_a_clear_error() {
 fn verbs_one_segment_write() {
     let Some((src, dst_ep)) = pair(limits("src")) else { return };
     let (smem, sbytes) = source(64 * 1024, 7);
-    let sreg = src.register_all(smem).expect("register source");
-    let mut dst = Dst::new(&dst_ep, 16 * 1024);
-    let mut conn = src.connect(&dst_ep.local_addr()).expect("connect");
+    let sreg = src.register_all(smem, None).expect("register source");
+    let mut dst = Dst::new(&dst_ep, 1, 16 * 1024);
+    let mut conn = connect(&src, &dst_ep).expect("connect");
     assert_eq!(conn.remote().transport, "verbs");
     assert!(conn.remote().regions.iter().any(|d| d.key == dst.rkey), "peer hello lists the region by rkey");
 
@@ -186,9 +194,9 @@ fn verbs_scatter_write_of_many_segments() {
     // A small send queue, so the 600 writes are posted in several chunks.
     let Some((src, dst_ep)) = pair(VerbsLimits { send_depth: 64, ..limits("src") }) else { return };
     let (smem, sbytes) = source(1 << 20, 3);
-    let sreg = src.register_all(smem).expect("register source");
-    let mut dst = Dst::new(&dst_ep, 2 << 20);
-    let mut conn = src.connect(&dst_ep.local_addr()).expect("connect");
+    let sreg = src.register_all(smem, None).expect("register source");
+    let mut dst = Dst::new(&dst_ep, 2, 2 << 20);
+    let mut conn = connect(&src, &dst_ep).expect("connect");
 
     // Segments of varied length at scattered, non-overlapping destination
     // offsets, posted in a permuted order.
@@ -230,11 +238,11 @@ fn verbs_scatter_write_of_many_segments() {
 fn verbs_layer_flags_only_after_the_last_byte() {
     let Some((src, dst_ep)) = pair(limits("src")) else { return };
     let (smem, sbytes) = source(256 * 1024, 11);
-    let sreg = src.register_all(smem).expect("register source");
+    let sreg = src.register_all(smem, None).expect("register source");
     let layer_len = 48 * 1024u64;
     let layers = 4u16;
-    let mut dst = Dst::new(&dst_ep, layer_len * u64::from(layers));
-    let mut conn = src.connect(&dst_ep.local_addr()).expect("connect");
+    let mut dst = Dst::new(&dst_ep, 3, layer_len * u64::from(layers));
+    let mut conn = connect(&src, &dst_ep).expect("connect");
     let slot = 3;
 
     // Each layer: three batches of unequal size; the last one is held back.
@@ -303,9 +311,9 @@ fn verbs_layer_flags_only_after_the_last_byte() {
 fn verbs_source_released_only_after_local_completion() {
     let Some((src, dst_ep)) = pair(limits("src")) else { return };
     let (smem, sbytes) = source(1 << 20, 5);
-    let sreg = src.register_all(smem.clone()).expect("register source");
-    let mut dst = Dst::new(&dst_ep, 1 << 20);
-    let mut conn = src.connect(&dst_ep.local_addr()).expect("connect");
+    let sreg = src.register_all(smem.clone(), None).expect("register source");
+    let mut dst = Dst::new(&dst_ep, 4, 1 << 20);
+    let mut conn = connect(&src, &dst_ep).expect("connect");
     let hops = src.placement().hops().clone();
     let (wire0, post0) = (hops.summary(Hop::Wire).count, hops.summary(Hop::Post).count);
     let wire_bytes0 = hops.summary(Hop::Wire).bytes;
@@ -339,9 +347,9 @@ fn verbs_source_released_only_after_local_completion() {
 fn verbs_bad_writes_are_refused_locally_before_posting() {
     let Some((src, dst_ep)) = pair(limits("src")) else { return };
     let (smem, sbytes) = source(64 * 1024, 9);
-    let sreg = src.register_all(smem).expect("register source");
-    let mut dst = Dst::new(&dst_ep, 8192);
-    let mut conn = src.connect(&dst_ep.local_addr()).expect("connect");
+    let sreg = src.register_all(smem, None).expect("register source");
+    let mut dst = Dst::new(&dst_ep, 5, 8192);
+    let mut conn = connect(&src, &dst_ep).expect("connect");
     let tag = Tag { slot: 5, layer: 1 };
     let good = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: dst.rkey, dst_offset: 0, len: 1024 };
     let unknown_rkey = dst.rkey.wrapping_add(0x1234_5678);
@@ -389,10 +397,10 @@ fn verbs_bad_writes_are_refused_locally_before_posting() {
 fn verbs_write_after_revoke_fails_and_leaves_the_destination_untouched() {
     let Some((src, dst_ep)) = pair(limits("src")) else { return };
     let (smem, sbytes) = source(64 * 1024, 13);
-    let sreg = src.register_all(smem).expect("register source");
-    let revoked = Dst::new(&dst_ep, 16 * 1024);
-    let mut other = Dst::new(&dst_ep, 16 * 1024);
-    let mut conn = src.connect(&dst_ep.local_addr()).expect("connect");
+    let sreg = src.register_all(smem, None).expect("register source");
+    let revoked = Dst::new(&dst_ep, 6, 16 * 1024);
+    let mut other = Dst::new(&dst_ep, 6, 16 * 1024);
+    let mut conn = connect(&src, &dst_ep).expect("connect");
     assert!(conn.remote().regions.iter().any(|d| d.key == revoked.rkey));
 
     // The destination fences the region after the handshake advertised it.
@@ -420,7 +428,7 @@ fn verbs_write_after_revoke_fails_and_leaves_the_destination_untouched() {
 
     // The endpoint keeps serving: a new connection writes into the other region,
     // and no longer sees the revoked one.
-    let mut conn2 = src.connect(&dst_ep.local_addr()).expect("reconnect");
+    let mut conn2 = connect(&src, &dst_ep).expect("reconnect");
     assert!(!conn2.remote().regions.iter().any(|d| d.key == revoked.rkey), "revoked region still advertised");
     let err = conn2.post(Batch { tag, writes: vec![w] }).expect_err("revoked key refused locally on a new connection");
     assert!(matches!(err, TransportError::Refused(_)), "{err:?}");
@@ -457,6 +465,9 @@ fn fake_hello(version: u32, transport: &str) -> Hello {
         node: "impostor".into(),
         regions: vec![],
         verbs: Some(VerbsAddr { qpn: 0x42, psn: 1, gid: [0; 16], lid: 0, mtu: 3 }),
+        session: None,
+        nonce: String::new(),
+        proof: String::new(),
     }
 }
 
@@ -468,6 +479,7 @@ fn verbs_handshake_refuses_another_protocol_version() {
     for (hello, want) in [(fake_hello(999, "verbs"), "protocol version 999"), (fake_hello(PROTOCOL_VERSION, "tcp"), "transport `tcp`")] {
         let mut s = TcpStream::connect(ep.local_addr()).expect("connect");
         s.set_read_timeout(Some(WAIT)).expect("timeout");
+        assert_eq!(recv_frame(&mut s).0.kind, Kind::Challenge);
         send_frame(&mut s, Kind::Hello, &hello.encode());
         let (h, p) = recv_frame(&mut s);
         let msg = String::from_utf8_lossy(&p);
@@ -481,13 +493,14 @@ fn verbs_handshake_refuses_another_protocol_version() {
     let addr = l.local_addr().expect("addr").to_string();
     let server = std::thread::spawn(move || {
         let (mut s, _) = l.accept().expect("accept");
+        send_frame(&mut s, Kind::Challenge, &[1u8; 32]);
         let (h, p) = recv_frame(&mut s);
         assert_eq!(h.kind, Kind::Hello);
         let theirs = Hello::decode(&p, "verbs").expect("the endpoint's hello is valid");
         assert!(theirs.verbs.is_some(), "a verbs hello carries QP data");
         send_frame(&mut s, Kind::Hello, &fake_hello(999, "verbs").encode());
     });
-    let err = ep.connect(&addr).map(|_| ()).expect_err("connect to a version-999 peer");
+    let err = ep.connect(&addr, crate::conformance::cred()).map(|_| ()).expect_err("connect to a version-999 peer");
     server.join().expect("fake server");
     eprintln!("connect error: {err}");
     assert_eq!(
@@ -497,7 +510,7 @@ fn verbs_handshake_refuses_another_protocol_version() {
 
     // And the endpoint still serves a real peer afterwards.
     let Some(other) = endpoint(limits("other")) else { return };
-    let conn = other.connect(&ep.local_addr()).expect("real peer connects after the refusals");
+    let conn = connect(&other, &ep).expect("real peer connects after the refusals");
     assert_eq!(conn.remote().node, "ep");
 }
 
@@ -537,9 +550,9 @@ fn verbs_rails_share_keys_and_count_a_range_written_twice_once() {
     assert_ne!(src.info().device, src1.info().device, "the rail is another device");
     let len = 256 * 1024u64;
     let (smem, sbytes) = source(len, 21);
-    let sreg = src.register_all(smem).expect("register source");
+    let sreg = src.register_all(smem, None).expect("register source");
     src1.attach(&sreg).expect("attach source to rail 1");
-    let mut dst = Dst::new(&dst_ep, len);
+    let mut dst = Dst::new(&dst_ep, 4, len);
     let dreg = dst_ep.registry().get(dst.key).expect("destination region");
     dst1.attach(&dreg).expect("attach destination to rail 1");
     // One key on both rails, each rail's own rkey.
@@ -551,8 +564,8 @@ fn verbs_rails_share_keys_and_count_a_range_written_twice_once() {
 
     let tag = Tag { slot: 4, layer: 2 };
     dst_ep.placement().expect(tag, len).expect("expect");
-    let mut c0 = src.connect(&dst_ep.local_addr()).expect("connect rail 0");
-    let mut c1 = src1.connect(&dst1.local_addr()).expect("connect rail 1");
+    let mut c0 = connect(&src, &dst_ep).expect("connect rail 0");
+    let mut c1 = connect(&src1, &dst1).expect("connect rail 1");
     assert!(c1.remote().regions.iter().any(|d| d.key == dst.key && d.rkey == d1.rkey), "rail 1's hello: shared key, own rkey");
     // Rail 0 carries the first half; then rail 1 carries everything, as
     // when a slice is sent again after its first rail failed midway.
