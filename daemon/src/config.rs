@@ -123,6 +123,9 @@ pub struct Limits {
     pub max_regions: usize,
     /// Most transfers in flight, both directions.
     pub max_inflight_transfers: usize,
+    /// Most receives one client may hold prepared (not yet offered into),
+    /// so no single client can take every slot.
+    pub max_prepared_per_client: usize,
     /// Most bytes of client memory registered at once.
     pub max_memory_bytes: u64,
     /// Most concurrent control clients.
@@ -142,6 +145,7 @@ impl Default for Limits {
         Limits {
             max_regions: 4096,
             max_inflight_transfers: 64,
+            max_prepared_per_client: 32,
             max_memory_bytes: 64 << 30,
             max_clients: 256,
             transfer_timeout_secs: 120,
@@ -384,6 +388,7 @@ impl Config {
         for (key, v) in [
             ("limits.max_regions", l.max_regions as u64),
             ("limits.max_inflight_transfers", l.max_inflight_transfers as u64),
+            ("limits.max_prepared_per_client", l.max_prepared_per_client as u64),
             ("limits.max_memory_bytes", l.max_memory_bytes),
             ("limits.max_clients", l.max_clients as u64),
             ("limits.transfer_timeout_secs", l.transfer_timeout_secs),

@@ -137,13 +137,8 @@ impl Sealed {
 
     /// Sends one sealed message.
     pub fn send(&mut self, m: &PeerMsg) -> Result<(), WireError> {
-        let body = serde_json::to_vec(m).expect("messages serialize");
-        let seal = auth::mac(&self.send_key, "kvwire-peer-frame-v1", &[&self.sent.to_le_bytes(), &body]);
+        let out = seal_frame(&self.send_key, self.sent, m);
         self.sent += 1;
-        let mut out = Vec::with_capacity(4 + body.len() + SEAL_LEN);
-        out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-        out.extend_from_slice(&body);
-        out.extend_from_slice(&seal);
         let io = |cause| WireError::Io { op: "send", cause };
         self.stream.write_all(&out).map_err(io)?;
         self.stream.flush().map_err(io)
@@ -151,17 +146,36 @@ impl Sealed {
 
     /// Receives one message and checks its seal before parsing it.
     pub fn recv(&mut self) -> Result<PeerMsg, WireError> {
-        let (body, seal) = read_sealed(&mut self.stream)?;
-        if !auth::verify(&self.recv_key, "kvwire-peer-frame-v1", &[&self.received.to_le_bytes(), &body], &seal) {
-            return Err(WireError::Json(format!("message {} fails its seal: forged, replayed or out of order", self.received)));
-        }
+        let m = open_frame(&self.recv_key, self.received, &mut self.stream)?;
         self.received += 1;
-        kvwire_client::wire::parse(&body)
+        Ok(m)
     }
 }
 
+/// Message number `seq` of a direction whose key is `key`, as it goes on
+/// the wire: length, JSON, seal.
+pub fn seal_frame(key: &[u8; 32], seq: u64, m: &PeerMsg) -> Vec<u8> {
+    let body = serde_json::to_vec(m).expect("messages serialize");
+    let seal = auth::mac(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &body]);
+    let mut out = Vec::with_capacity(4 + body.len() + SEAL_LEN);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    out.extend_from_slice(&seal);
+    out
+}
+
+/// Reads message number `seq` of a direction whose key is `key`; its seal
+/// is checked before a byte of it is parsed.
+pub fn open_frame(key: &[u8; 32], seq: u64, r: &mut impl Read) -> Result<PeerMsg, WireError> {
+    let (body, seal) = read_sealed(r)?;
+    if !auth::verify(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &body], &seal) {
+        return Err(WireError::Json(format!("message {seq} fails its seal: forged, replayed or out of order")));
+    }
+    kvwire_client::wire::parse(&body)
+}
+
 /// Reads one sealed frame: its body and its seal, unchecked.
-pub fn read_sealed(r: &mut impl Read) -> Result<(Vec<u8>, [u8; SEAL_LEN]), WireError> {
+fn read_sealed(r: &mut impl Read) -> Result<(Vec<u8>, [u8; SEAL_LEN]), WireError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}

@@ -22,6 +22,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+/// Takes a client thread off the live count when it ends.
+struct Leave<'a>(&'a AtomicU64);
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// A rank's memory and, for a device-resident rank, its allocation.
 type RankMemory = (Arc<HostMem>, Option<DeviceRank>);
 
@@ -42,8 +51,9 @@ impl Daemon {
             let live = live.clone();
             live.fetch_add(1, Ordering::AcqRel);
             let spawned = std::thread::Builder::new().name("kvwired-client".into()).spawn(move || {
+                // Counted out however the thread ends, a panic included.
+                let _out = Leave(&live);
                 d.serve_client(s);
-                live.fetch_sub(1, Ordering::AcqRel);
             });
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "cannot spawn a client thread");
@@ -137,14 +147,24 @@ impl Daemon {
             let span = tracing::debug_span!("control", client);
             let _g = span.enter();
             let send_page = matches!(req, Request::Hello { .. });
-            let reply = self.handle(client, req, fds).unwrap_or_else(Refusal::reply);
+            // A request that panics fails alone: the client hears so, and
+            // what it holds is still let go when it leaves.
+            let reply = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(client, req, fds))) {
+                Ok(r) => r.unwrap_or_else(Refusal::reply),
+                Err(_) => {
+                    tracing::error!(client, "a control request panicked");
+                    Refusal::new(Code::TransferFailed, "internal error: this request failed; the daemon's log says where").reply()
+                }
+            };
             let page = self.page.mem().clone();
             let fds = if send_page && !matches!(reply, Reply::Error { .. }) { vec![page.fd().as_raw_fd()] } else { vec![] };
             if wire::send_unix(&s, &reply, &fds).is_err() {
                 break;
             }
         }
-        self.release_client(client);
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.release_client(client))).is_err() {
+            tracing::error!(client, "releasing a client panicked");
+        }
         if self.clients.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.drop_kept();
         }
@@ -400,12 +420,20 @@ impl Daemon {
             }
             Side::with_table(&g.model, &g.layout, g.format, p.tokens, p.block_table.clone(), g.num_blocks).map_err(refused(Code::BadRequest))?;
         }
-        let dup = self.slots.lock().expect("slots lock").map.values().any(|s| {
-            matches!(s.state, TransferState::Prepared | TransferState::Running)
-                && s.recv.as_ref().is_some_and(|r| r.group == p.group && r.request == p.request)
-        });
+        let (dup, mine) = {
+            let slots = self.slots.lock().expect("slots lock");
+            let dup = slots.map.values().any(|s| {
+                matches!(s.state, TransferState::Prepared | TransferState::Running)
+                    && s.recv.as_ref().is_some_and(|r| r.group == p.group && r.request == p.request)
+            });
+            (dup, slots.map.values().filter(|s| s.owner == client && s.state == TransferState::Prepared).count())
+        };
         if dup {
             return Err(Refusal::new(Code::BadRequest, format!("request `{}` of group `{}` is already prepared", p.request, p.group)));
+        }
+        let quota = self.cfg.limits.max_prepared_per_client;
+        if mine >= quota {
+            return Err(Refusal::new(Code::Limit, format!("limits.max_prepared_per_client {quota} reached: this client holds {mine} receives no source has offered into")));
         }
         let (request, group) = (p.request.clone(), p.group.clone());
         let (SlotId { slot, .. }, _) = self.alloc_slot(Role::Destination, &request, &group, client, Some(p))?;

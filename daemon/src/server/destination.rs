@@ -241,13 +241,18 @@ impl Daemon {
         }
         let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.schedule.stage_bytes);
         let stage = r.stage.clone();
-        let d = self.clone();
+        let (d, pd) = (self.clone(), self.clone());
+        let on_panic = move |why: String| {
+            let why = format!("internal error: the receive thread panicked: {why}");
+            tracing::error!(slot = id.slot, why, "transfer failed");
+            pd.fail(id, why);
+        };
         let spawned = self.workers.spawn("kvwired-recv", move || {
             let span = tracing::info_span!("receive", slot = id.slot, request = r.request);
             let _g = span.enter();
             d.receive(&r);
             d.drop_stage(r.stage.take());
-        });
+        }, on_panic);
         if let Err(err) = spawned {
             self.drop_stage(stage);
             return Err(Refusal::new(Code::TransferFailed, format!("cannot start the receive thread: {err}")));

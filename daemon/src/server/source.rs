@@ -131,7 +131,7 @@ impl Daemon {
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
         let beat = l.clone();
         self.workers
-            .spawn("kvwired-beat", move || beat.heartbeat())
+            .spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked"))
             .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
         let src_stage = self.pack(id, &g, &p, codec)?;
         let batches = match batches(&g, &p, &accept, src_stage.as_ref(), dst_stage_key) {
@@ -307,6 +307,13 @@ impl Daemon {
         let d = self.clone();
         let thread_link = link.clone();
         let (peer_name, peer_addr) = (link.peer.clone(), link.addr.clone());
+        let (pd, panic_link) = (self.clone(), link.clone());
+        let on_panic = move |why: String| {
+            let why = format!("internal error: the transfer thread panicked: {why}");
+            tracing::error!(slot = id.slot, why, "transfer failed");
+            panic_link.abort(&why);
+            pd.fail(id, why);
+        };
         let spawned = self.workers.spawn("kvwired-xfer", move || {
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
@@ -336,7 +343,7 @@ impl Daemon {
                     d.fail(id, e);
                 }
             }
-        });
+        }, on_panic);
         spawned.map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the transfer thread: {e}")))?;
         Ok(reply)
     }

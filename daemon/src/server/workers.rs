@@ -33,8 +33,16 @@ impl std::fmt::Debug for Workers {
 }
 
 impl Workers {
-    /// Runs `job` on an idle worker, or on a new thread named `name`.
-    pub fn spawn(&self, name: &str, job: impl FnOnce() + Send + 'static) -> std::io::Result<()> {
+    /// Runs `job` on an idle worker, or on a new thread named `name`. A
+    /// panic in `job` is caught and handed to `on_panic` (which fails the
+    /// job's transfer), and the worker lives on.
+    pub fn spawn(&self, name: &str, job: impl FnOnce() + Send + 'static, on_panic: impl FnOnce(String) + Send + 'static) -> std::io::Result<()> {
+        let job = move || {
+            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
+                let text = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into());
+                on_panic(text);
+            }
+        };
         let (lock, cv) = &*self.q;
         let mut q = lock.lock().expect("workers lock");
         q.draining = false;
@@ -97,7 +105,7 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         for i in 0..3 {
             let tx = tx.clone();
-            w.spawn("t", move || tx.send(i).unwrap()).unwrap();
+            w.spawn("t", move || tx.send(i).unwrap(), |_| {}).unwrap();
             assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), i);
             // Let the worker go idle before the next job.
             while w.q.0.lock().unwrap().idle == 0 {
@@ -118,5 +126,20 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         panic!("an idle worker outlived shrink");
+    }
+
+    #[test]
+    fn a_panicking_job_is_reported_and_its_worker_serves_the_next() {
+        let w = Workers::default();
+        let (tx, rx) = mpsc::channel();
+        let t = tx.clone();
+        w.spawn("t", || panic!("boom"), move |why| t.send(why).unwrap()).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "boom");
+        while w.q.0.lock().unwrap().idle == 0 {
+            std::thread::yield_now();
+        }
+        w.spawn("t", move || tx.send("next".into()).unwrap(), |_| {}).unwrap();
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "next");
+        assert_eq!(w.q.0.lock().unwrap().idle, 1, "the worker that caught the panic took the next job");
     }
 }

@@ -97,6 +97,36 @@ fn prepared_receives_go_with_their_client_and_free_their_slots() {
 }
 
 #[test]
+fn one_client_cannot_hold_more_prepared_receives_than_its_quota() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_client::control::PrepareReceive;
+    let dir = TempDir::new("hostile-quota");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\nmax_inflight_transfers = 8\nmax_prepared_per_client = 3\n");
+    let tokens = 20;
+    let s = side(crate::daemons::DST, tokens);
+    let prepare = |c: &Client, group: &str, request: &str| {
+        c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 })
+    };
+    let a = Client::connect(&d.socket, "greedy").unwrap();
+    let _ma = register(&a, "ga", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    let first = prepare(&a, "ga", "r1").unwrap();
+    for r in ["r2", "r3"] {
+        prepare(&a, "ga", r).unwrap();
+    }
+    let e = prepare(&a, "ga", "r4").unwrap_err();
+    assert!(e.to_string().contains("limits.max_prepared_per_client 3"), "{e}");
+    // Another client still gets slots.
+    let b = Client::connect(&d.socket, "other").unwrap();
+    let _mb = register(&b, "gb", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
+    for r in ["r1", "r2", "r3"] {
+        prepare(&b, "gb", r).unwrap();
+    }
+    // A cancelled receive gives the client its place back.
+    a.cancel(first).unwrap();
+    prepare(&a, "ga", "r4").unwrap();
+}
+
+#[test]
 fn prepared_receives_no_source_offered_into_expire_after_the_transfer_timeout() {
     use crate::daemons::{identity_of, register, side};
     use kvwire_client::control::{PrepareReceive, TransferState};
