@@ -33,6 +33,7 @@ fuzz_target!(|data: &[u8]| {
         Kind::Write => limit,
         Kind::Ack => 0,
         Kind::Nack => 4096,
+        Kind::Challenge => 32,
     };
     assert!(header.len <= kind_limit, "{:?} len {} past its limit {kind_limit}", header.kind, header.len);
 
@@ -62,7 +63,7 @@ fuzz_target!(|data: &[u8]| {
         Kind::Nack => {
             let _ = String::from_utf8_lossy(payload);
         }
-        Kind::Ack => {}
+        Kind::Ack | Kind::Challenge => {}
     }
 });
 

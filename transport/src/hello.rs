@@ -42,7 +42,7 @@ pub(crate) fn ours(transport: &str, node: &str, regions: Vec<RegionDesc>, verbs:
 /// The source's side, on a fresh stream: reads the challenge, sends `ours`
 /// with the proof of `cred`, and returns the destination's hello once it
 /// proved the same session.
-pub(crate) fn initiate(r: &mut impl Read, w: &mut impl Write, transport: &str, cred: &Credential, mut ours: Hello) -> Result<Hello, TransportError> {
+pub fn initiate(r: &mut impl Read, w: &mut impl Write, transport: &str, cred: &Credential, mut ours: Hello) -> Result<Hello, TransportError> {
     let (h, nd) = read_frame(r, 0, "receive challenge")?;
     match h.kind {
         Kind::Challenge if nd.len() == NONCE_LEN => {}
@@ -65,7 +65,7 @@ pub(crate) fn initiate(r: &mut impl Read, w: &mut impl Write, transport: &str, c
 
 /// A source that proved its session (step 2).
 #[derive(Debug)]
-pub(crate) struct Proven {
+pub struct Proven {
     /// Its hello.
     pub hello: Hello,
     /// The session it proved.
@@ -76,7 +76,7 @@ pub(crate) struct Proven {
 
 /// The destination's steps 1 and 2: challenges, then reads and checks the
 /// source's hello. On a refusal the caller sends it with [`send_refusal`].
-pub(crate) fn challenge(r: &mut impl Read, w: &mut impl Write, transport: &str, registry: &Registry) -> Result<Proven, TransportError> {
+pub fn challenge(r: &mut impl Read, w: &mut impl Write, transport: &str, registry: &Registry) -> Result<Proven, TransportError> {
     let nd = auth::random_bytes::<NONCE_LEN>();
     send(w, &control(Kind::Challenge, &nd), "send challenge")?;
     let (h, payload) = read_frame_within(r, 0, MAX_UNAUTHENTICATED_HELLO, "receive hello")?;
@@ -99,7 +99,7 @@ pub(crate) fn challenge(r: &mut impl Read, w: &mut impl Write, transport: &str, 
 }
 
 /// The destination's step 3: `ours`, proving the session back.
-pub(crate) fn prove(transport: &str, proven: &Proven, mut ours: Hello) -> Hello {
+pub fn prove(transport: &str, proven: &Proven, mut ours: Hello) -> Hello {
     let proof = auth::mac(proven.session.credential.key(), DESTINATION_PROOF, &[transport.as_bytes(), &proven.ns, &proven.nd, ours.node.as_bytes()]);
     ours.proof = auth::hex(&proof);
     ours

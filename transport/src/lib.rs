@@ -27,7 +27,7 @@ pub mod accept;
 pub mod auth;
 pub mod device;
 pub mod flags;
-mod hello;
+pub mod hello;
 mod ledger;
 pub mod mem;
 pub mod metrics;

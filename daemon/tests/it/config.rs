@@ -321,17 +321,17 @@ fn assert_check_fails(args: &[&str], env: &[(&str, &str)], needles: &[&str]) {
 fn kvwired_check_accepts_the_example_and_refuses_bad_settings() {
     let dir = TempDir::new("config-bin");
     let secret = dir.write_private("secret", SECRET);
-    let good = dir.write("good.toml", &example_with_secret(&secret));
+    let good = dir.write("good.toml", example_with_secret(&secret));
     let good = good.to_str().unwrap();
     let out = kvwired(&["--config", good, "--check"], &[]);
     assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
     assert!(String::from_utf8_lossy(&out.stdout).contains("settings ok"));
 
-    let bad = dir.write("bad.toml", &minimal(&dir, "", "[limits]\nmax_inflight_transfers = 0\n"));
+    let bad = dir.write("bad.toml", minimal(&dir, "", "[limits]\nmax_inflight_transfers = 0\n"));
     assert_check_fails(&["--config", bad.to_str().unwrap(), "--check"], &[], &["limits.max_inflight_transfers"]);
-    let unknown = dir.write("unknown.toml", &minimal(&dir, "colour = \"blue\"", ""));
+    let unknown = dir.write("unknown.toml", minimal(&dir, "colour = \"blue\"", ""));
     assert_check_fails(&["--config", unknown.to_str().unwrap(), "--check"], &[], &["colour", "unknown.toml"]);
-    let typo = dir.write("type.toml", &minimal(&dir, "", "[transport]\nverbs_port = \"one\"\n"));
+    let typo = dir.write("type.toml", minimal(&dir, "", "[transport]\nverbs_port = \"one\"\n"));
     assert_check_fails(&["--config", typo.to_str().unwrap(), "--check"], &[], &["verbs_port"]);
     assert_check_fails(&["--config", dir.join("absent.toml").to_str().unwrap(), "--check"], &[], &["absent.toml"]);
 
