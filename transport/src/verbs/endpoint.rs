@@ -182,13 +182,19 @@ impl VerbsEndpoint {
     }
 
     /// Registers `mem[offset..offset+len]` with the NIC and in the
-    /// registry under the MR's rkey, so the region's `key` is both what
-    /// [`crate::WriteOp::src_key`] names locally and what peers write to.
+    /// registry; a granted region under the MR's rkey, so its `key` is both
+    /// what [`crate::WriteOp::src_key`] names locally and what peers write to.
     /// Only a granted region's MR allows remote writes: the NIC itself
     /// refuses a write into a local one, whoever sends it.
     pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
         let mr = self.reg_mr(&mem, offset, len, grant.is_some())?;
-        let region = self.shared.registry.register_with_key(mem, offset, len, mr.rkey(), grant)?;
+        // A granted region is named by its rkey, so the peer's writes and
+        // notes agree; a local one has no rkey worth the name (rxe gives
+        // every MR without remote access rkey 0), so the registry names it.
+        let region = match grant {
+            Some(_) => self.shared.registry.register_with_key(mem, offset, len, mr.rkey(), grant)?,
+            None => self.shared.registry.register(mem, offset, len, None)?,
+        };
         self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
         Ok(region)
     }
