@@ -179,12 +179,22 @@ impl Daemon {
         };
         let recv = sl.recv.clone().expect("prepared slots hold their receive");
         let id = SlotId { slot, gen: sl.gen };
-        if o.tokens != recv.tokens {
-            return Err(format!("offer has {} tokens, the prepared request {}", o.tokens, recv.tokens));
-        }
         // The source must hold the cache this side was registered for; the
-        // reuse check names the first field that differs.
-        check_prefix(&g.identity, &o.identity, recv.prefix_tokens, recv.tokens).map_err(|e| e.to_string())?;
+        // reuse check names the first field that differs. A source offering
+        // something else into this request ends it: the decode side's waits
+        // fail now, with the reason, instead of at their own timeout.
+        let mismatch = if o.tokens != recv.tokens {
+            Some(format!("offer has {} tokens, the prepared request {}", o.tokens, recv.tokens))
+        } else {
+            check_prefix(&g.identity, &o.identity, recv.prefix_tokens, recv.tokens).err().map(|e| e.to_string())
+        };
+        if let Some(why) = mismatch {
+            if let Some(sl) = slots.get_mut(id) {
+                self.end(id, sl, TransferState::Failed, Some(format!("refused the offer of `{peer}` (request `{}`): {why}", o.src_request)));
+            }
+            tracing::warn!(peer, slot, request = o.dst_request, why, "offer refused; the prepared receive fails");
+            return Err(why);
+        }
         // Keys for this transfer alone (see `Slot::keys`).
         let mut regions = Vec::new();
         for (rank, rc) in &g.ranks {

@@ -87,7 +87,7 @@ impl Daemon {
     }
 
     /// Records the outcome in the slot (whose lock the caller holds).
-    fn end(&self, id: SlotId, s: &mut Slot, state: TransferState, error: Option<String>) {
+    pub(super) fn end(&self, id: SlotId, s: &mut Slot, state: TransferState, error: Option<String>) {
         s.state = state;
         s.error = error;
         s.elapsed = Some(s.started.elapsed());

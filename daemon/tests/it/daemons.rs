@@ -194,6 +194,16 @@ fn identity_mismatch_is_refused_by_field() {
     let e = submit(&ca, &ss, tokens, "r").unwrap_err();
     assert!(e.to_string().contains("adapter digest mismatch"), "{e}");
     assert!(!cb.ready(slot, FlagName::DecoderUsable));
+    // The decode side hears it at once: its prepared receive failed with
+    // the reason, and a wait on it ends instead of running to its timeout.
+    let st = cb.status(slot).unwrap();
+    assert_eq!(st.state, TransferState::Failed, "{st:?}");
+    let why = st.error.unwrap_or_default();
+    assert!(why.contains("adapter digest mismatch") && why.contains("refused the offer of `a`"), "{why}");
+    let started = std::time::Instant::now();
+    let e = cb.wait(slot, FlagName::DecoderUsable, std::time::Duration::from_secs(30)).unwrap_err();
+    assert!(e.to_string().contains("failed"), "{e}");
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "the wait ran to its timeout");
 }
 
 #[test]
