@@ -15,11 +15,12 @@
 //! | `Accepted` | the daemon's manifest | `Expect` is sent |
 //! | `Expecting` | `Staging` / `Refused` | the daemon posts the writes |
 //! | `Moving` | its own completions (pings keep the peer told) | `Done`, or `Abort` |
+//! | `Done` | the destination's verdict: `Ok` once it published `decoder_usable`, `Refused` with its reason when it failed | the transfer is done, or failed with that reason |
 //!
 //! | destination phase (per slot) | accepts | then |
 //! |---|---|---|
 //! | `Accepted` | `Expect` for that slot | the daemon checks the manifest and answers `Staging` |
-//! | `Receiving` | `Done`, `Abort`, `Ping` | bytes are counted by the data plane |
+//! | `Receiving` | `Done`, `Abort`, `Ping` | bytes are counted by the data plane; `Done` is answered with the verdict |
 
 pub mod destination;
 pub mod msg;
@@ -84,6 +85,10 @@ pub enum SessionError {
     /// The source aborted, with its reason.
     #[error("source aborted: {0}")]
     Aborted(String),
+    /// Every byte arrived, and the destination failed the transfer (a
+    /// checksum, a device copy...), with its reason.
+    #[error("the destination failed the transfer: {0}")]
+    Rejected(String),
     /// The daemon asked the session for a step its phase does not allow.
     #[error("{step} is not allowed while {phase}")]
     OutOfOrder {

@@ -115,6 +115,10 @@ impl SourceSession {
             (SourcePhase::Expecting, PeerMsg::Staging { len, .. }) => Err(SessionError::StagingSize { got: len, want: self.stage_bytes }),
             (SourcePhase::Moving, PeerMsg::Pong) => Ok(SourceEvent::Alive),
             (SourcePhase::Done | SourcePhase::Failed, PeerMsg::Ok) => Ok(SourceEvent::Closed),
+            // The destination's verdict on what arrived: it failed there.
+            (SourcePhase::Done, PeerMsg::Refused { reason }) => Err(SessionError::Rejected(reason)),
+            // The answer to an `Abort`: the destination had failed it first, and why.
+            (SourcePhase::Failed, PeerMsg::Refused { reason }) => Err(SessionError::Rejected(reason)),
             (phase, other) => Err(SessionError::Unexpected { phase: phase.name(), got: kind(&other) }),
         };
         self.waiting_since = now;
@@ -169,7 +173,7 @@ impl SourceSession {
     /// send when the destination holds a slot for this transfer and was not
     /// told yet. Only the first failure is kept.
     pub fn abort(&mut self, reason: &str) -> Option<PeerMsg> {
-        let told = self.phase == SourcePhase::Failed && self.error.as_ref().is_some_and(|e| matches!(e, SessionError::Refused(_)));
+        let told = self.phase == SourcePhase::Failed && self.error.as_ref().is_some_and(|e| matches!(e, SessionError::Refused(_) | SessionError::Rejected(_)));
         if self.phase == SourcePhase::Done {
             return None;
         }

@@ -131,6 +131,34 @@ fn a_transfer_runs_offer_to_done_on_both_sides() {
 }
 
 #[test]
+fn a_destination_that_fails_the_transfer_answers_done_with_its_reason() {
+    let mut p = Pair::new();
+    p.to_moving();
+    p.in_flight = Some(p.src.moved().unwrap());
+    let verdict = p.step(|d, s| match s {
+        DestinationStep::Done { .. } => PeerMsg::Refused { reason: "layer 3 checksum mismatch".into() },
+        s => default_daemon(d, s),
+    });
+    assert_eq!(verdict, Err(SessionError::Rejected("layer 3 checksum mismatch".into())));
+    assert_eq!(p.src.phase(), SourcePhase::Failed);
+    assert_eq!(p.src.error(), Some(&SessionError::Rejected("layer 3 checksum mismatch".into())));
+    // Nothing to abort: the destination decided.
+    assert_eq!(p.src.abort("late"), None);
+}
+
+#[test]
+fn an_abort_answered_with_the_destinations_own_failure_names_it() {
+    let mut p = Pair::new();
+    p.to_moving();
+    let abort = p.src.abort("rail0: peer refused a write: unknown or revoked remote key").unwrap();
+    assert!(matches!(abort, PeerMsg::Abort { .. }));
+    let got = p.src.handle(p.now, PeerMsg::Refused { reason: "checksum mismatch: dst rank 0 layer 2".into() });
+    assert_eq!(got, Err(SessionError::Rejected("checksum mismatch: dst rank 0 layer 2".into())));
+    // The first failure stays the session's: the local one.
+    assert!(matches!(p.src.error(), Some(SessionError::Local(_))));
+}
+
+#[test]
 fn a_refused_offer_fails_the_source_without_an_abort() {
     let mut p = Pair::new();
     let r = p.step(|d, _| d.refuse("request `r1` is not prepared".into()));

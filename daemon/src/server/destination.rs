@@ -153,14 +153,44 @@ impl Daemon {
             DestinationStep::Aborted { slot, reason, reply } => {
                 if let Some(id) = mine.remove(&slot) {
                     tracing::warn!(peer, slot, reason, "source aborted");
-                    self.fail(id, format!("source aborted: {reason}"));
+                    if !self.fail(id, format!("source aborted: {reason}")) {
+                        // It had failed here first: say why, so the source
+                        // reports the cause rather than its echo.
+                        let st = self.slots.lock().expect("slots lock");
+                        let first = st.map.get(&slot).filter(|s| s.gen == id.gen && s.state == TransferState::Failed).and_then(|s| s.error.clone());
+                        if let Some(why) = first {
+                            return PeerMsg::Refused { reason: why };
+                        }
+                    }
                 }
                 reply
             }
-            DestinationStep::Done { slot, reply } => {
-                mine.remove(&slot);
-                reply
+            DestinationStep::Done { slot, reply } => match mine.remove(&slot) {
+                // The verdict: the source is done only once this side is.
+                Some(id) => match self.verdict(id) {
+                    Ok(()) => reply,
+                    Err(reason) => PeerMsg::Refused { reason },
+                },
+                None => reply,
+            },
+        }
+    }
+
+    /// Waits for transfer `id`'s end here: Ok once it published
+    /// `decoder_usable`, else why it failed (or that it had not ended by
+    /// the transfer timeout).
+    fn verdict(&self, id: SlotId) -> Result<(), String> {
+        let tag = Tag { slot: id.slot, layer: DECODER_USABLE };
+        let waited = self.page.wait(tag, Duration::from_secs(self.cfg.limits.transfer_timeout_secs));
+        let st = self.slots.lock().expect("slots lock");
+        match st.map.get(&id.slot).filter(|s| s.gen == id.gen) {
+            Some(s) if s.state == TransferState::Done => Ok(()),
+            Some(s) if s.state == TransferState::Failed || s.state == TransferState::Cancelled => {
+                Err(s.error.clone().unwrap_or_else(|| format!("{:?}", s.state).to_lowercase()))
             }
+            Some(_) => Err(format!("not done within {}s of the last byte", self.cfg.limits.transfer_timeout_secs)),
+            // The slot was taken again already: its flag tells how it ended.
+            None => waited.map(|_| ()).map_err(|e| e.to_string()),
         }
     }
 

@@ -104,29 +104,40 @@ impl PeerLink {
         }
     }
 
-    /// Every write completed: stops the heartbeat and sends `Done`. Returns
-    /// the connection once the destination acknowledged it, for the next
-    /// transfer to the same peer.
-    pub fn done(&self) -> Option<Sealed> {
+    /// Every write completed: stops the heartbeat, sends `Done` and waits
+    /// up to `verdict` for the destination's verdict. Ok with the
+    /// connection, for the next transfer to the same peer, once the
+    /// destination published `decoder_usable`; else why not (its own
+    /// reason when it failed the transfer).
+    pub fn done(&self, verdict: Duration) -> Result<Option<Sealed>, String> {
         self.ended.store(true, Ordering::Release);
-        let m = self.session(|s| s.moved()).ok()?;
-        if self.lost().is_some() {
-            return None;
+        let m = self.session(|s| s.moved()).map_err(|e| e.to_string())?;
+        if let Some(lost) = self.lost() {
+            return Err(format!("no verdict from the destination: {lost}"));
         }
+        self.read_timeout(verdict);
         match self.exchange(&m) {
-            Ok(SourceEvent::Closed) => self.conn.lock().expect("peer link lock").0.take(),
-            _ => None,
+            Ok(SourceEvent::Closed) => Ok(self.conn.lock().expect("peer link lock").0.take()),
+            Ok(other) => Err(format!("peer `{}` answered done with {other:?}", self.peer)),
+            Err(LinkError::Session(e)) => Err(format!("peer `{}`: {e}", self.peer)),
+            Err(LinkError::Wire(e)) => Err(format!("no verdict from the destination: {e}")),
         }
     }
 
     /// The transfer failed here: stops the heartbeat and sends `Abort` when
     /// the destination holds a slot and was not told already.
-    pub fn abort(&self, reason: &str) {
+    /// Returns the destination's own reason when it had failed the
+    /// transfer first (its refusals of the source's writes then only
+    /// echo that).
+    pub fn abort(&self, reason: &str) -> Option<String> {
         self.ended.store(true, Ordering::Release);
-        if let Some(m) = self.session(|s| s.abort(reason)) {
-            if self.lost().is_none() {
-                let _ = self.exchange(&m);
-            }
+        let m = self.session(|s| s.abort(reason))?;
+        if self.lost().is_some() {
+            return None;
+        }
+        match self.exchange(&m) {
+            Err(LinkError::Session(SessionError::Rejected(theirs))) => Some(theirs),
+            _ => None,
         }
     }
 }

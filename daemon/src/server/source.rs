@@ -311,7 +311,7 @@ impl Daemon {
         let on_panic = move |why: String| {
             let why = format!("internal error: the transfer thread panicked: {why}");
             tracing::error!(slot = id.slot, why, "transfer failed");
-            panic_link.abort(&why);
+            let _ = panic_link.abort(&why);
             pd.fail(id, why);
         };
         let spawned = self.workers.spawn("kvwired-xfer", move || {
@@ -331,15 +331,32 @@ impl Daemon {
                     }
                     // What the connections say they sent, not a guess at their framing.
                     Metrics::add(&d.metrics.wire_bytes, bytes + outcome.framing);
-                    d.complete(id, SOURCE_RELEASED, Boundary::SourceReleased);
-                    if let Some(conn) = thread_link.done() {
-                        d.peer_conns.keep((peer_name, peer_addr), conn, || d.keeping());
-                    }
+                    // The source's memory is free now; the transfer is done
+                    // only once the destination says it landed.
+                    d.slot_mark(id, Boundary::SourceReleased);
+                    d.publish(id, SOURCE_RELEASED);
                     tracing::info!(bytes, writes, "source released");
+                    match thread_link.done(Duration::from_secs(d.cfg.limits.transfer_timeout_secs)) {
+                        Ok(conn) => {
+                            // The source's own decoder_usable: the destination's
+                            // verdict, published as the transfer ends here.
+                            d.complete(id, DECODER_USABLE, Boundary::DecoderUsable);
+                            if let Some(conn) = conn {
+                                d.peer_conns.keep((peer_name, peer_addr), conn, || d.keeping());
+                            }
+                        }
+                        Err(why) => {
+                            tracing::warn!(why, "transfer failed after the source was released");
+                            d.fail(id, why);
+                        }
+                    }
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "transfer failed");
-                    thread_link.abort(&e);
+                    let e = match thread_link.abort(&e) {
+                        Some(theirs) => format!("the destination failed the transfer: {theirs} (here: {e})"),
+                        None => e,
+                    };
                     d.fail(id, e);
                 }
             }

@@ -146,6 +146,8 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     }
     cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
     ca.wait(sslot, FlagName::SourceReleased, WAIT).unwrap();
+    // The source is done when the destination says so: its decoder_usable.
+    ca.wait(sslot, FlagName::DecoderUsable, WAIT).unwrap();
     let want = verify::expected_destination(&model(), &ds, tokens, 0);
     assert!(read_back(&dst) == want, "destination bytes differ from the independent expectation");
     assert_eq!(cb.status(slot).unwrap().state, TransferState::Done);

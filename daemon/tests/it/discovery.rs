@@ -221,6 +221,8 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
     assert_eq!(peer_slot, slot);
     cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
     ca.wait(sslot, FlagName::SourceReleased, WAIT).unwrap();
+    // The source is done when the destination says so: its decoder_usable.
+    ca.wait(sslot, FlagName::DecoderUsable, WAIT).unwrap();
     let want = verify::expected_destination(&model(), &ds, tokens, 0);
     assert!(read_back(&dst) == want, "destination bytes differ from the independent expectation");
     assert_eq!(ca.status(sslot).unwrap().state, TransferState::Done);

@@ -393,6 +393,10 @@ fn a_secret_holder_gets_a_session_and_nothing_it_was_not_granted() {
     let mut pc = std::net::TcpStream::connect(&d.peer).unwrap();
     let (name, cred) = kvwired::peer::connect_auth(&mut pc, SECRET.as_bytes(), "holder").unwrap();
     assert_eq!(name, "h");
+    // One sealed exchange: the daemon has opened the session by its answer.
+    let mut sealed = kvwired::peer::Sealed::new(pc.try_clone().unwrap(), cred.clone(), true);
+    sealed.send(&PeerMsg::Ping).unwrap();
+    assert_eq!(sealed.recv().unwrap(), PeerMsg::Pong);
     let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
     let ep = TcpEndpoint::bind("holder", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement.clone(), TcpLimits::default()).unwrap();
     let src = ep.register(Arc::new(HostMem::new("holder", 4096).unwrap()), 0, 4096, None).unwrap();
@@ -418,6 +422,7 @@ fn a_secret_holder_gets_a_session_and_nothing_it_was_not_granted() {
     // daemon hangs up without answering.
     let mut forged = kvwire_client::wire::frame(&PeerMsg::Ping);
     forged.extend_from_slice(&[0u8; kvwired::peer::SEAL_LEN]);
+    drop(sealed);
     std::io::Write::write_all(&mut pc, &forged).unwrap();
     pc.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
     let mut rest = Vec::new();

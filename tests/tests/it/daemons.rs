@@ -232,6 +232,20 @@ fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
         assert!(!p.cb.ready(st.slot, FlagName::LayerReady(l)), "layer {l} published after layer {bad} failed its checksum");
     }
     assert!(!p.cb.ready(st.slot, FlagName::DecoderUsable));
+    // One verdict: the source's transfer fails too, with the destination's reason.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let src = loop {
+        let s = (0..8).filter_map(|i| p.ca.status(i).ok()).find(|s| s.role == "source");
+        if let Some(s) = s.filter(|s| s.state != kvwire_client::control::TransferState::Running) {
+            break s;
+        }
+        assert!(std::time::Instant::now() < deadline, "the source never heard the destination's verdict");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(src.state, kvwire_client::control::TransferState::Failed, "{src:?}");
+    let why = src.error.unwrap_or_default();
+    assert!(why.contains("the destination failed the transfer") && why.contains("checksum mismatch"), "{why}");
+    assert!(!p.ca.ready(src.slot, FlagName::DecoderUsable), "the source published decoder_usable for a failed transfer");
 }
 
 #[test]
