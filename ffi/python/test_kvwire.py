@@ -250,6 +250,8 @@ def test_transfer_every_layer_and_every_byte(d):
         b.decoder_usable(slot, timeout_ms=20000)
         # Prefill side: the source blocks are the engine's again.
         a.source_released(sslot, timeout_ms=20000)
+        # The source is done once the destination's verdict came back.
+        a.decoder_usable(sslot, timeout_ms=20000)
         assert b.is_ready(slot, kvwire.DECODER_USABLE)
         assert b.status(slot) == "done" and a.status(sslot) == "done", (b.status(slot), a.status(sslot))
         for rank, m in enumerate(dst):

@@ -283,6 +283,9 @@ static void test_transfer(const char *sock_a, const char *sock_b, const char *pe
   CHECK(r == KVW_OK, "decoder_usable: %u %s", r, client_error(b));
   r = kvw_wait(a, sslot, KVW_FLAG_SOURCE_RELEASED, 0, 20000, &ns);
   CHECK(r == KVW_OK, "source_released: %u %s", r, client_error(a));
+  /* The source is done once the destination's verdict came back: its own decoder_usable. */
+  r = kvw_wait(a, sslot, KVW_FLAG_DECODER_USABLE, 0, 20000, &ns);
+  CHECK(r == KVW_OK, "source decoder_usable (the destination's verdict): %u %s", r, client_error(a));
   bool ready = false;
   CHECK(kvw_is_ready(b, slot, KVW_FLAG_DECODER_USABLE, 0, &ready) == KVW_OK && ready, "decoder_usable is set");
   CHECK(kvw_is_ready(b, slot, KVW_FLAG_LAYER_READY, LAYERS - 1, &ready) == KVW_OK && ready, "last layer is set");
