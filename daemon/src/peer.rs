@@ -20,7 +20,7 @@
 //! layer); bytes flow on the data plane; `Abort` fails the destination's
 //! flags when the source gives up.
 
-use kvwire_client::wire::{read_msg, write_msg, WireError, MAX_MESSAGE};
+use kvwire_client::wire::{write_msg, WireError, MAX_MESSAGE};
 pub use kvwire_core::session::msg::{PeerMsg, PEER_VERSION};
 use kvwire_core::session::kind;
 use kvwire_transport::auth::{self, Credential};
@@ -40,6 +40,29 @@ pub enum AuthError {
 
 const NONCE: usize = 32;
 
+/// Largest handshake message read before the other side proved the
+/// secret: a challenge or an auth is a few hundred bytes, and an outsider
+/// must not make the daemon hold more.
+pub const MAX_HANDSHAKE_MESSAGE: usize = 4096;
+
+/// Reads one handshake message, refusing a length over
+/// [`MAX_HANDSHAKE_MESSAGE`] before reading its body.
+fn read_handshake(r: &mut impl Read) -> Result<PeerMsg, WireError> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
+        Err(cause) => return Err(WireError::Io { op: "receive", cause }),
+    }
+    let len = u32::from_le_bytes(len) as usize;
+    if len > MAX_HANDSHAKE_MESSAGE {
+        return Err(WireError::Json(format!("handshake message of {len} bytes; at most {MAX_HANDSHAKE_MESSAGE} before authentication")));
+    }
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body).map_err(|cause| WireError::Io { op: "receive", cause })?;
+    kvwire_client::wire::parse(&body)
+}
+
 fn nonce_of(hex: &str, what: &str) -> Result<Vec<u8>, AuthError> {
     auth::unhex(hex, NONCE).filter(|n| n.len() == NONCE).ok_or_else(|| AuthError::Denied(format!("malformed {what} nonce")))
 }
@@ -51,7 +74,7 @@ fn nonce_of(hex: &str, what: &str) -> Result<Vec<u8>, AuthError> {
 pub fn accept_auth(s: &mut (impl Read + Write), secret: &[u8], node: &str) -> Result<(String, Credential), AuthError> {
     let ns = auth::random_bytes::<NONCE>();
     write_msg(s, &PeerMsg::Challenge { node: node.into(), version: PEER_VERSION, nonce: auth::hex(&ns) })?;
-    let (client, nc, proof) = match read_msg::<PeerMsg>(s)? {
+    let (client, nc, proof) = match read_handshake(s)? {
         PeerMsg::Auth { node, nonce, mac } => (node, nonce, mac),
         other => return Err(AuthError::Denied(format!("expected auth, got {}", kind(&other)))),
     };
@@ -74,7 +97,7 @@ pub fn accept_auth(s: &mut (impl Read + Write), secret: &[u8], node: &str) -> Re
 /// Client side of the handshake; returns the authenticated server's node
 /// name and the session's credential.
 pub fn connect_auth(s: &mut (impl Read + Write), secret: &[u8], node: &str) -> Result<(String, Credential), AuthError> {
-    let (server, version, ns) = match read_msg::<PeerMsg>(s)? {
+    let (server, version, ns) = match read_handshake(s)? {
         PeerMsg::Challenge { node, version, nonce } => (node, version, nonce),
         other => return Err(AuthError::Denied(format!("expected a challenge, got {}", kind(&other)))),
     };
@@ -88,7 +111,7 @@ pub fn connect_auth(s: &mut (impl Read + Write), secret: &[u8], node: &str) -> R
     let nc = auth::random_bytes::<NONCE>();
     let m = auth::mac(secret, "kvwire-peer-client-v1", &[&ns, &nc, node.as_bytes()]);
     write_msg(s, &PeerMsg::Auth { node: node.into(), nonce: auth::hex(&nc), mac: auth::hex(&m) })?;
-    match read_msg::<PeerMsg>(s)? {
+    match read_handshake(s)? {
         PeerMsg::AuthOk { mac: proof } if auth::verify(secret, "kvwire-peer-server-v1", &[&nc, &ns, server.as_bytes()], &auth::unhex(&proof, 32).unwrap_or_default()) => {
             let cred = Credential::derive(secret, &ns, &nc, node, &server);
             Ok((server, cred))

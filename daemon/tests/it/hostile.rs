@@ -201,6 +201,27 @@ fn a_peer_claiming_a_malformed_node_name_is_refused_before_it_is_used() {
     assert!(Client::connect(&d.socket, "still").is_ok());
 }
 
+/// Before it proves the secret, a peer may send a few KiB per message: a
+/// length past that is refused at once, before its body is waited for.
+#[test]
+fn the_peer_port_refuses_a_large_message_before_authentication() {
+    use kvwire_client::wire::read_msg;
+    use kvwire_core::session::msg::PeerMsg;
+    use std::io::Write;
+    let dir = TempDir::new("hostile-preauth");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let mut s = std::net::TcpStream::connect(&d.peer).unwrap();
+    assert!(matches!(read_msg::<PeerMsg>(&mut s).unwrap(), PeerMsg::Challenge { .. }));
+    s.write_all(&(16u32 << 20).to_le_bytes()).unwrap();
+    // Well inside the handshake's 10 s deadline: the answer comes without the body.
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    match read_msg::<PeerMsg>(&mut s) {
+        Ok(PeerMsg::Refused { reason }) => assert!(reason.contains("authentication failed"), "{reason}"),
+        other => panic!("a 16 MiB pre-auth message was not refused at once: {other:?}"),
+    }
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}
+
 #[test]
 fn a_daemon_shutting_down_leaves_another_daemons_socket_alone() {
     use nix::sys::signal::{kill, Signal};
