@@ -454,6 +454,17 @@ kvw_result kvw_cancel(const struct kvw_client *client, uint16_t slot);
 // `client` NULL or live; `group` NULL or NUL-terminated.
 kvw_result kvw_release_cache(const struct kvw_client *client, const char *group, uint32_t rank);
 
+// Shares group `group` among the clients that present `token` (16 bytes
+// at least): each process registering ranks of one group calls this with
+// the same token before `kvw_register_cache`.
+// The first caller owns the group; another token is
+// `KVW_PERMISSION_DENIED`. A group nobody shared belongs to the client
+// that registered its first rank. The strings stay the caller's.
+//
+// # Safety
+// `client` NULL or live; `group` and `token` NULL or NUL-terminated.
+kvw_result kvw_share_group(const struct kvw_client *client, const char *group, const char *token);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -260,6 +260,28 @@ pub unsafe extern "C" fn kvw_release_cache(client: *const kvw_client, group: *co
     })
 }
 
+/// Shares group `group` among the clients that present `token` (16 bytes
+/// at least): each process registering ranks of one group calls this with
+/// the same token before `kvw_register_cache`.
+/// The first caller owns the group; another token is
+/// `KVW_PERMISSION_DENIED`. A group nobody shared belongs to the client
+/// that registered its first rank. The strings stay the caller's.
+///
+/// # Safety
+/// `client` NULL or live; `group` and `token` NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvw_share_group(client: *const kvw_client, group: *const c_char, token: *const c_char) -> kvw_result {
+    client_guard(client, |c| {
+        // SAFETY: forwarded caller contract.
+        let group = unsafe { text(group, "group")? };
+        // SAFETY: forwarded caller contract.
+        let token = unsafe { text(token, "token")? };
+        let _call = lock(&c.call);
+        c.client.share_group(group, token)?;
+        Ok(())
+    })
+}
+
 pub(crate) fn flag_name(flag: kvw_flag, layer: u32) -> Result<FlagName, Fail> {
     match flag {
         KVW_FLAG_LAYER_READY => match u16::try_from(layer) {

@@ -152,6 +152,12 @@ impl Client {
         self.call(&Request::Cancel { slot }, &[]).map(|_| ())
     }
 
+    /// Joins (or creates) the sharing of `group` under `token`, before
+    /// registering a rank of a group other clients register ranks of.
+    pub fn share_group(&self, group: &str, token: &str) -> Result<(), ClientError> {
+        self.call(&Request::ShareGroup { group: group.into(), token: token.into() }, &[]).map(|_| ())
+    }
+
     /// Releases a rank's cache.
     pub fn release(&self, group: &str, rank: u32) -> Result<(), ClientError> {
         self.call(&Request::ReleaseCache { group: group.into(), rank }, &[]).map(|_| ())

@@ -151,6 +151,17 @@ pub enum Request {
     RegisterCache(RegisterCache),
     /// Register one rank's cache in device memory (see [`RegisterDeviceCache`]).
     RegisterDeviceCache(RegisterDeviceCache),
+    /// Share group `group` with the clients that present `token`: the first
+    /// client to name the group this way owns it; every other client must
+    /// present the same token (each rank's process of one engine, say)
+    /// before it may register a rank of it. A group nobody shared belongs
+    /// to the client that registered it first.
+    ShareGroup {
+        /// Group.
+        group: String,
+        /// What the sharing clients agree on (16 bytes at least).
+        token: String,
+    },
     /// Unregister a rank's cache: its regions are revoked.
     ReleaseCache {
         /// Group.
@@ -307,6 +318,8 @@ pub enum Reply {
     },
     /// Rank released.
     Released,
+    /// This client may register ranks of the shared group.
+    Shared,
     /// Receive prepared in `slot`.
     Prepared {
         /// Slot.

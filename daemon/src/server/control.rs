@@ -2,7 +2,7 @@
 //! prepare receives, submit transfers, wait on flags and read status.
 
 use super::error::{refused, Refusal};
-use super::state::{DeviceRank, Group, Groups, RankCache, Role, SlotId};
+use super::state::{DeviceRank, Group, Groups, RankCache, Role, Share, SlotId};
 use super::Daemon;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -21,6 +21,10 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Most groups shared at once (each share is a few bytes, but a client
+/// could make them without end).
+const MAX_SHARES: usize = 4096;
 
 /// Takes a client thread off the live count when it ends.
 struct Leave<'a>(&'a AtomicU64);
@@ -188,6 +192,11 @@ impl Daemon {
             }
         }
         st.map.retain(|_, g| !g.ranks.is_empty());
+        // Its shares: a share nobody is left in goes with its last member.
+        for s in st.shares.values_mut() {
+            s.members.remove(&client);
+        }
+        st.shares.retain(|_, s| !s.members.is_empty());
         drop(guard);
         // Receives it prepared and no source has offered into: nobody is
         // left to wait on them, and they would hold slots for good.
@@ -218,6 +227,7 @@ impl Daemon {
             Request::RegisterCache(r) => self.register(client, r, fds),
             Request::RegisterDeviceCache(r) => self.register_device(client, r, fds),
             Request::ReleaseCache { group, rank } => self.release(client, &group, rank),
+            Request::ShareGroup { group, token } => self.share_group(client, &group, &token),
             Request::PrepareReceive(p) => self.prepare(client, p),
             Request::Submit(s) => Ok(self.submit(client, s)),
             Request::Wait { slot, flag, timeout_ms } => self.wait(client, slot, flag, timeout_ms),
@@ -322,6 +332,7 @@ impl Daemon {
         let total: u64 = regions.iter().map(|(_, l)| l).sum();
         let (mem, device) = memory(r.rank, regions.len(), total).map_err(refused(Code::BadRegion))?;
         let mut st = self.groups.lock().expect("groups lock");
+        st.may_register(client, &r.group)?;
         self.fits(&st, &mem, regions.len())?;
         if let Some(g) = st.map.get(&r.group) {
             if let Some(field) = mismatch(g, &model, format, &r) {
@@ -384,6 +395,38 @@ impl Daemon {
             offset += len;
         }
         Ok(windows)
+    }
+
+    /// The first client to share `group` sets its token; later ones join
+    /// with the same token. A group already registered can be shared only
+    /// by a client holding a rank of it.
+    fn share_group(&self, client: u64, group: &str, token: &str) -> Result<Reply, Refusal> {
+        if token.len() < 16 {
+            return Err(Refusal::new(Code::BadRequest, format!("share_group token of {} bytes; at least 16", token.len())));
+        }
+        let hash = kvwire_transport::auth::mac(b"kvwire-group-share-v1", group, &[token.as_bytes()]);
+        let mut st = self.groups.lock().expect("groups lock");
+        if let Some(s) = st.shares.get_mut(group) {
+            // Constant-time: the token is a secret among the sharing clients.
+            if !kvwire_transport::auth::verify(b"kvwire-group-share-v1", group, &[token.as_bytes()], &s.token) {
+                return Err(Refusal::new(Code::PermissionDenied, format!("group `{group}` is shared under another token")));
+            }
+            s.members.insert(client);
+            return Ok(Reply::Shared);
+        }
+        if let Some(g) = st.map.get(group) {
+            if !g.ranks.values().any(|r| r.client == client) {
+                return Err(Refusal::new(Code::PermissionDenied, format!("group `{group}` belongs to another client; only it can share it")));
+            }
+        }
+        if st.shares.len() >= MAX_SHARES {
+            return Err(Refusal::new(Code::Limit, format!("{MAX_SHARES} shared groups already")));
+        }
+        // The clients holding ranks already are members from the start.
+        let mut members: std::collections::BTreeSet<u64> = st.map.get(group).map(|g| g.ranks.values().map(|r| r.client).collect()).unwrap_or_default();
+        members.insert(client);
+        st.shares.insert(group.to_string(), Share { token: hash, members });
+        Ok(Reply::Shared)
     }
 
     fn release(&self, client: u64, group: &str, rank: u32) -> Result<Reply, Refusal> {

@@ -73,6 +73,15 @@ pub(crate) struct Groups {
     pub map: HashMap<String, Group>,
     pub memory: u64,
     pub regions: usize,
+    /// Groups shared under a token, by name: who presented it.
+    pub shares: HashMap<String, Share>,
+}
+
+/// A group shared among the clients that presented one token.
+pub(crate) struct Share {
+    /// A hash of the token (the token itself is not kept).
+    pub token: [u8; 32],
+    pub members: std::collections::BTreeSet<u64>,
 }
 
 impl Groups {
@@ -85,6 +94,25 @@ impl Groups {
             return Err(Refusal::new(Code::PermissionDenied, format!("group `{name}` was registered by another client")));
         }
         Ok(g)
+    }
+
+    /// Whether `client` may register a rank of group `name`: a new group
+    /// anyone may start unless it is shared; an existing one only its own
+    /// registrants, or the clients that presented its token.
+    pub fn may_register(&self, client: u64, name: &str) -> Result<(), Refusal> {
+        if let Some(s) = self.shares.get(name) {
+            if s.members.contains(&client) {
+                return Ok(());
+            }
+            return Err(Refusal::new(Code::PermissionDenied, format!("group `{name}` is shared under a token this client has not presented (share_group)")));
+        }
+        match self.map.get(name) {
+            Some(g) if !g.ranks.values().any(|r| r.client == client) => Err(Refusal::new(
+                Code::PermissionDenied,
+                format!("group `{name}` belongs to another client; to register its ranks from several clients, each calls share_group with one token first"),
+            )),
+            _ => Ok(()),
+        }
     }
 }
 

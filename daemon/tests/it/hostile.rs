@@ -126,6 +126,61 @@ fn one_client_cannot_hold_more_prepared_receives_than_its_quota() {
     prepare(&a, "ga", "r4").unwrap();
 }
 
+/// A group belongs to the client that registered it: another client can
+/// neither register its missing rank nor touch its transfers, unless the
+/// group was shared under a token that client presented.
+#[test]
+fn a_group_is_joined_only_by_the_clients_it_was_shared_with() {
+    use crate::daemons::{identity_of, side};
+    use kvwire_client::control::{ModelSource, PrepareReceive, RegisterCache};
+    use kvwire_transport::HostMem;
+    let dir = TempDir::new("hostile-groups");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let s = side(crate::daemons::DST, 20);
+    let m = crate::daemons::model();
+    let reg = |c: &Client, group: &str, rank: u32| {
+        let total: u64 = s.regions(&m, rank).iter().map(|(_, l)| l).sum();
+        let mem = HostMem::new("rank", total).unwrap();
+        let r = RegisterCache {
+            group: group.into(),
+            model: ModelSource::Toml(crate::daemons::MODEL.into()),
+            format: "bf16".into(),
+            layout: crate::daemons::DST.into(),
+            rank,
+            num_blocks: s.num_blocks,
+            identity: identity_of("toy-digest", "t1"),
+        };
+        c.register(r, &mem).map(|(_, _, complete)| (complete, mem))
+    };
+    let (a, b, intruder) = (Client::connect(&d.socket, "rank0").unwrap(), Client::connect(&d.socket, "rank1").unwrap(), Client::connect(&d.socket, "other").unwrap());
+    // Not shared: the missing rank of a's group is a's alone to register.
+    let (_, _ma) = reg(&a, "private", 0).unwrap();
+    let e = reg(&intruder, "private", 1).unwrap_err();
+    assert!(e.to_string().contains("belongs to another client"), "{e}");
+    // Nor can another client share it on a's behalf.
+    let e = intruder.share_group("private", "a-token-of-16-bytes+").unwrap_err();
+    assert!(e.to_string().contains("only it can share it"), "{e}");
+    // Shared before anyone registers: each rank's client presents the token.
+    let token = "engine-7f3a9c-tp2-shared-token";
+    a.share_group("engine", token).unwrap();
+    b.share_group("engine", token).unwrap();
+    let e = intruder.share_group("engine", "a-guessed-token-of-some-length").unwrap_err();
+    assert!(e.to_string().contains("another token"), "{e}");
+    assert!(intruder.share_group("engine", "short").unwrap_err().to_string().contains("at least 16"));
+    let (c0, _m0) = reg(&a, "engine", 0).unwrap();
+    let e = reg(&intruder, "engine", 1).unwrap_err();
+    assert!(e.to_string().contains("has not presented"), "{e}");
+    let (c1, _m1) = reg(&b, "engine", 1).unwrap();
+    assert!(!c0 && c1, "the second rank completes the shared group");
+    // The intruder holds no rank: it can neither prepare on the group nor
+    // cancel the receive its owners prepared.
+    let prep = PrepareReceive { group: "engine".into(), request: "r".into(), block_table: s.block_table.clone(), tokens: 20, prefix_tokens: 0 };
+    assert!(intruder.prepare(prep.clone()).unwrap_err().to_string().contains("registered by another client"));
+    let slot = a.prepare(prep).unwrap();
+    assert!(intruder.cancel(slot).is_err());
+    assert_eq!(a.status(slot).unwrap().state, kvwire_client::control::TransferState::Prepared);
+}
+
 #[test]
 fn prepared_receives_no_source_offered_into_expire_after_the_transfer_timeout() {
     use crate::daemons::{identity_of, register, side};

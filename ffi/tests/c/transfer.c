@@ -158,6 +158,7 @@ static void test_local_errors(void) {
   CHECK(kvw_is_ready(NULL, 0, KVW_FLAG_DECODER_USABLE, 0, &ready) == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(kvw_cancel(NULL, 0) == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(kvw_release_cache(NULL, "g", 0) == KVW_NULL_ARGUMENT, "NULL client");
+  CHECK(kvw_share_group(NULL, "g", "0123456789abcdef") == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(kvw_client_last_error(NULL, buf, sizeof buf, &n) == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(slot == 7 && ready, "out-parameters untouched on failure");
 
@@ -339,6 +340,16 @@ static void test_transfer(const char *sock_a, const char *sock_b, const char *pe
   free(want);
   kvw_mem_free(src);
   kvw_mem_free(dst);
+  /* A group is shared only among the clients presenting its token. */
+  kvw_client *other = NULL;
+  CHECK(kvw_client_connect(sock_a, "c-other", &other) == KVW_OK, "third client: %s", client_error(other));
+  CHECK(kvw_share_group(a, "c-shared", "0123456789abcdef") == KVW_OK, "share: %s", client_error(a));
+  CHECK(kvw_share_group(other, "c-shared", "fedcba9876543210") == KVW_PERMISSION_DENIED, "another token refused");
+  CHECK(kvw_share_group(other, "c-shared", "short") == KVW_BAD_REQUEST, "a short token refused");
+  CHECK(kvw_share_group(other, "c-shared", NULL) == KVW_NULL_ARGUMENT, "NULL token");
+  CHECK(kvw_share_group(other, "c-shared", "0123456789abcdef") == KVW_OK, "the same token joins: %s", client_error(other));
+  kvw_client_free(other);
+
   kvw_client_free(a);
   kvw_client_free(b);
 }
