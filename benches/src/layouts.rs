@@ -246,6 +246,8 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 cb.wait(slot, FlagName::DecoderUsable, Duration::from_secs(300))?;
                 let ns = t.elapsed().as_nanos() as u64;
                 ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(300))?;
+                // The source's status is final once the destination's verdict is back.
+                ca.wait(sslot, FlagName::DecoderUsable, Duration::from_secs(300))?;
                 if it == 0 {
                     continue; // warm-up
                 }

@@ -418,6 +418,8 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     b.wait(slot, FlagName::DecoderUsable, wait).map_err(step("wait decoder_usable"))?;
     let end_to_end = started.elapsed();
     a.wait(sslot, FlagName::SourceReleased, wait).map_err(step("wait source_released"))?;
+    // The source's status is final once the destination's verdict is back.
+    a.wait(sslot, FlagName::DecoderUsable, wait).map_err(step("wait the source's verdict"))?;
 
     let ranks: Vec<BTreeMap<RegionId, Vec<u8>>> =
         dst_mems.iter().enumerate().map(|(r, m)| read_rank(&model, &dst, r as u32, m)).collect();
