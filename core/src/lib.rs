@@ -17,6 +17,7 @@ pub mod reuse;
 pub mod schedule;
 pub mod session;
 pub mod shard;
+pub mod tensors;
 pub mod timing;
 pub mod topology;
 pub mod verify;

@@ -26,6 +26,7 @@
 use crate::format::CacheFormat;
 use crate::layout::{ModelSpec, Retention, Tensor};
 use crate::shard::{LayoutSpec, MemLayout, RegionId, ShardError, ShardMap, TableKind};
+use crate::tensors::{rank_tensors, Expected, KvOrder, Placement, Strides, TensorError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -43,6 +44,10 @@ pub struct Side {
     pub block_table: Vec<u32>,
     /// Capacity of every region in blocks (≥ every id in the table + 1).
     pub num_blocks: u32,
+    /// Engine tensors (`kv=`); `None` is kvwire's contiguous layout.
+    pub kv: Option<KvOrder>,
+    /// With `kv`: per rank, its engine tensors and where each region lives in them.
+    pub engine: Vec<(Vec<Expected>, Vec<Placement>)>,
 }
 
 /// Errors building a side or a plan.
@@ -76,6 +81,9 @@ pub enum PlanError {
         /// Destination format id.
         dst: String,
     },
+    /// The model cannot be held in the engine tensors the layout names.
+    #[error(transparent)]
+    Tensors(#[from] TensorError),
     /// No source rank holds a byte the destination needs.
     #[error("no source rank holds head {head} of layer {layer}")]
     NoSource {
@@ -164,7 +172,11 @@ impl Side {
                 return Err(PlanError::BlockTable(format!("block id {b} appears twice")));
             }
         }
-        let side = Side { shard, geo, mem: layout.mem, block_table, num_blocks };
+        let engine = match &layout.kv {
+            Some(order) => shard.ranks.iter().map(|r| rank_tensors(order, model, r, format, num_blocks, geo.block_size)).collect::<Result<_, _>>()?,
+            None => Vec::new(),
+        };
+        let side = Side { shard, geo, mem: layout.mem, block_table, num_blocks, kv: layout.kv.clone(), engine };
         // Every region length, and their sum over the side, must fit in u64:
         // then every offset, and every plan counter, does too.
         let mut total = 0u64;
@@ -182,6 +194,14 @@ impl Side {
     }
 
     fn regions_checked(&self, model: &ModelSpec, rank: u32) -> Vec<(RegionId, Option<u64>)> {
+        if let Some((tensors, places)) = self.engine.get(rank as usize) {
+            let mut out: Vec<(RegionId, Option<u64>)> = places.iter().map(|p| (p.id, Some(p.len))).collect();
+            // A tensor's size must fit too: regions are windows of it.
+            if tensors.iter().any(|t| t.shape.iter().try_fold(t.elem_bytes, |a, &n| a.checked_mul(n)).is_none()) {
+                out.push((RegionId { layer: 0, tensor: Tensor::K }, None));
+            }
+            return out;
+        }
         let mut out = Vec::new();
         for ls in &self.shard.ranks[rank as usize].layers {
             let spec = &model.layers[ls.layer as usize];
@@ -195,6 +215,21 @@ impl Side {
             }
         }
         out
+    }
+
+    /// Byte strides of `region` on `rank`, which holds `local_heads` rows of `dim` elements per position.
+    pub fn strides(&self, rank: u32, region: RegionId, local_heads: u32, dim: u32) -> Strides {
+        if let Some((_, places)) = self.engine.get(rank as usize) {
+            if let Ok(i) = places.binary_search_by_key(&region, |p| p.id) {
+                return places[i].strides;
+            }
+        }
+        let row = self.geo.row_stride(dim);
+        let block = self.geo.block_bytes(local_heads, dim);
+        match self.mem {
+            MemLayout::Nhd => Strides { block, token: u64::from(local_heads) * row, head: row },
+            MemLayout::Hnd => Strides { block, token: row, head: u64::from(self.geo.block_size) * row },
+        }
     }
 
     /// The regions rank `rank` holds and their byte lengths (checked to fit
@@ -451,24 +486,16 @@ impl Coalescer {
 struct Addr<'a> {
     table: &'a [u32],
     block: u64,
-    block_bytes: u64,
-    row_stride: u64,
-    local_heads: u64,
+    strides: Strides,
     head_off: u64,
-    mem: MemLayout,
 }
 
 impl Addr<'_> {
     /// Offset of (position `p`, first head of the run), token stride, head stride.
     fn at(&self, p: u64) -> (u64, u64, u64) {
-        let base = u64::from(self.table[(p / self.block) as usize]) * self.block_bytes;
-        let slot = p % self.block;
-        match self.mem {
-            MemLayout::Nhd => {
-                (base + (slot * self.local_heads + self.head_off) * self.row_stride, self.local_heads * self.row_stride, self.row_stride)
-            }
-            MemLayout::Hnd => (base + (self.head_off * self.block + slot) * self.row_stride, self.row_stride, self.block * self.row_stride),
-        }
+        let s = self.strides;
+        let base = u64::from(self.table[(p / self.block) as usize]) * s.block;
+        (base + (p % self.block) * s.token + self.head_off * s.head, s.token, s.head)
     }
 }
 
@@ -491,9 +518,9 @@ fn emit_2d(c: &mut Coalescer, src: (u64, u64, u64), dst: (u64, u64, u64), nt: u6
 
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct TemplateKey {
-    src_local_heads: u32,
+    src_strides: Strides,
     src_head_off: u32,
-    dst_local_heads: u32,
+    dst_strides: Strides,
     dst_head_off: u32,
     heads: u32,
     dim: u32,
@@ -501,19 +528,11 @@ struct TemplateKey {
 }
 
 fn template(key: &TemplateKey, src: &Side, dst: &Side) -> Vec<Shape> {
-    fn addr<'a>(key: &TemplateKey, side: &'a Side, lh: u32, off: u32) -> Addr<'a> {
-        Addr {
-        table: &side.block_table,
-        block: u64::from(side.geo.block_size),
-        block_bytes: side.geo.block_bytes(lh, key.dim),
-        row_stride: side.geo.row_stride(key.dim),
-        local_heads: u64::from(lh),
-        head_off: u64::from(off),
-        mem: side.mem,
-        }
+    fn addr(side: &Side, strides: Strides, off: u32) -> Addr<'_> {
+        Addr { table: &side.block_table, block: u64::from(side.geo.block_size), strides, head_off: u64::from(off) }
     }
-    let sa = addr(key, src, key.src_local_heads, key.src_head_off);
-    let da = addr(key, dst, key.dst_local_heads, key.dst_head_off);
+    let sa = addr(src, key.src_strides, key.src_head_off);
+    let da = addr(dst, key.dst_strides, key.dst_head_off);
     let len = src.geo.row_bytes(key.dim);
     let mut c = Coalescer::default();
     for r in &key.ranges {
@@ -593,17 +612,17 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
                     load[rank as usize] += bytes;
                     received[d.rank as usize] += bytes;
                     if bytes > 0 {
+                        let region = RegionId { layer, tensor: t.tensor };
                         let key = TemplateKey {
-                            src_local_heads: sheads.end - sheads.start,
+                            src_strides: src.strides(rank, region, sheads.end - sheads.start, t.dim),
                             src_head_off: h - sheads.start,
-                            dst_local_heads: ls.heads.end - ls.heads.start,
+                            dst_strides: dst.strides(d.rank, region, ls.heads.end - ls.heads.start, t.dim),
                             dst_head_off: h - ls.heads.start,
                             heads,
                             dim: t.dim,
                             ranges: ranges.clone(),
                         };
                         let shapes = templates.entry(key).or_insert_with_key(|k| template(k, src, dst));
-                        let region = RegionId { layer, tensor: t.tensor };
                         segments.extend(shapes.iter().map(|s| Segment {
                             src_rank: rank,
                             src_region: region,

@@ -18,6 +18,7 @@
 //! row alignment — scales of quantized formats live inside their row.
 
 use crate::layout::{Attention, Geometry, ModelSpec, Tensor};
+use crate::tensors::KvOrder;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
@@ -52,6 +53,8 @@ pub struct LayoutSpec {
     pub table: TableKind,
     /// Explicit rank → (layers × heads) entries; overrides `tp`/`pp`.
     pub explicit: Option<Vec<ExplicitEntry>>,
+    /// Engine tensors (`kv=`, see [`crate::tensors`]); `None` is kvwire's contiguous layout.
+    pub kv: Option<KvOrder>,
 }
 
 /// How a request's block table is chosen when none is given explicitly.
@@ -69,7 +72,7 @@ pub enum TableKind {
 
 impl Default for LayoutSpec {
     fn default() -> Self {
-        LayoutSpec { tp: 1, pp: 1, pp_layers: None, block_size: 16, mem: MemLayout::Nhd, row_align: 1, block_align: 1, table: TableKind::Contiguous, explicit: None }
+        LayoutSpec { tp: 1, pp: 1, pp_layers: None, block_size: 16, mem: MemLayout::Nhd, row_align: 1, block_align: 1, table: TableKind::Contiguous, explicit: None, kv: None }
     }
 }
 
@@ -133,6 +136,7 @@ impl LayoutSpec {
     pub fn parse(text: &str) -> Result<Self, ShardError> {
         let mut spec = LayoutSpec::default();
         let mut pairs: Vec<(String, String)> = Vec::new();
+        let mut layout_key = false;
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part.split_once('=') {
                 Some((k, v)) => pairs.push((k.trim().to_string(), v.trim().to_string())),
@@ -171,7 +175,14 @@ impl LayoutSpec {
                         _ => return Err(opt_err(&key, format!("expected contig, shuffle or shuffle:SEED, got `{value}`"))),
                     }
                 }
+                "kv" => {
+                    spec.kv = match value.as_str() {
+                        "contiguous" => None,
+                        v => Some(KvOrder::parse(v).map_err(|e| opt_err(&key, e.to_string()))?),
+                    }
+                }
                 "layout" => {
+                    layout_key = true;
                     spec.mem = match value.as_str() {
                         "nhd" => MemLayout::Nhd,
                         "hnd" => MemLayout::Hnd,
@@ -181,9 +192,16 @@ impl LayoutSpec {
                 _ => {
                     return Err(opt_err(
                         &key,
-                        "unknown key (tp, pp, pp_layers, block, layout, row_align, block_align, table)",
+                        "unknown key (tp, pp, pp_layers, block, layout, row_align, block_align, table, kv)",
                     ))
                 }
+            }
+        }
+        if let Some(order) = &spec.kv {
+            // An engine order places heads and pads nothing itself.
+            let clash = [("layout", layout_key), ("row_align", spec.row_align != 1), ("block_align", spec.block_align != 1)];
+            if let Some((k, _)) = clash.iter().find(|c| c.1) {
+                return Err(opt_err(k, format!("cannot be combined with kv={}: the engine order says where every row lives, unpadded", order.name())));
             }
         }
         if let Some(l) = &spec.pp_layers {

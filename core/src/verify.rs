@@ -10,6 +10,7 @@
 use crate::layout::{ModelSpec, Tensor};
 use crate::plan::{execute, Buffers, ExecError, Plan, Side};
 use crate::shard::{MemLayout, RegionId};
+use crate::tensors::{element_index, Axis, KvOrder, Role};
 
 /// Value every destination byte starts as; no code ever equals it, so a
 /// stray write always shows.
@@ -28,15 +29,42 @@ pub fn code(layer: u32, tensor: Tensor, head: u32, pos: u64, byte: u64) -> u8 {
     }
 }
 
-fn row_offset(side: &Side, local_heads: u32, dim: u32, local_head: u32, pos: u64) -> u64 {
+fn row_offset(side: &Side, rank: u32, region: RegionId, local_heads: u32, dim: u32, local_head: u32, pos: u64) -> u64 {
     let b = u64::from(side.geo.block_size);
     let block = u64::from(side.block_table[(pos / b) as usize]);
     let slot = pos % b;
+    if let Some(order) = &side.kv {
+        return engine_row_offset(side, order, rank, region, block, slot, u64::from(local_head));
+    }
     let row_index = match side.mem {
         MemLayout::Nhd => slot * u64::from(local_heads) + u64::from(local_head),
         MemLayout::Hnd => u64::from(local_head) * b + slot,
     };
     block * side.geo.block_bytes(local_heads, dim) + row_index * side.geo.row_stride(dim)
+}
+
+/// A row's offset in its region under an engine order: its element's
+/// row-major index in the tensor, less that of the region's first element.
+fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, block: u64, slot: u64, head: u64) -> u64 {
+    let tensors = &side.engine[rank as usize].0;
+    let kv = u64::from(region.tensor == Tensor::V);
+    let t = tensors
+        .iter()
+        .find(|t| t.layers.contains(&region.layer) && (order.kv_together() || (t.role == Role::V) == (kv == 1)))
+        .expect("an engine tensor holds every held layer");
+    let li = u64::from(region.layer - t.layers.start);
+    let kv = if order.kv_together() { kv } else { 0 };
+    let index = |b, s, h| {
+        element_index(order, &t.shape, |a| match a {
+            Axis::Layer => li,
+            Axis::Kv => kv,
+            Axis::Block => b,
+            Axis::Token => s,
+            Axis::Head => h,
+            Axis::Dim => 0,
+        })
+    };
+    (index(block, slot, head) - index(0, 0, 0)) * t.elem_bytes
 }
 
 /// Writes the code of every retained row byte (and of every state byte) the
@@ -55,7 +83,7 @@ fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, bufs: &mu
                 for r in spec.retention.ranges(tokens) {
                     for pos in r.start.max(from)..r.end {
                         for (i, head) in ls.heads.clone().enumerate() {
-                            let off = row_offset(side, lh, t.dim, i as u32, pos) as usize;
+                            let off = row_offset(side, rank.rank, RegionId { layer: ls.layer, tensor: t.tensor }, lh, t.dim, i as u32, pos) as usize;
                             for byte in 0..len {
                                 region[off + byte as usize] = code(ls.layer, t.tensor, head, pos, byte);
                             }

@@ -7,5 +7,6 @@ mod plan;
 mod protocol;
 mod schedule;
 mod session;
+mod tensors;
 mod timing;
 mod topology;

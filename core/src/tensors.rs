@@ -1,0 +1,478 @@
+//! Engine tensors: a rank's cache described as the engine holds it.
+//!
+//! A rank's cache is a list of dense tensors, each in some memory (a memfd,
+//! by index in the registration) at some byte offset, with a dtype, a shape
+//! and strides **in elements**, a role and the layers it holds. The axes of
+//! every tensor come from one *order* that the layout string names with
+//! `kv=`: a word of axis letters, outermost first, always ending in `d`:
+//!
+//! | letter | axis | size |
+//! |---|---|---|
+//! | `l` | layer (only in cross-layer tensors) | layers the rank holds |
+//! | `k` | K or V (K first) | 2 |
+//! | `b` | block | the registration's `num_blocks` |
+//! | `t` | position inside a block | `block` |
+//! | `h` | KV head | heads the rank holds |
+//! | `d` | element of a head's row | `head_dim` |
+//!
+//! Without `k`, K and V are separate tensors (roles `k` and `v`); without
+//! `l`, there is one tensor (or one K and one V) per layer. Named presets:
+//!
+//! | preset | order | engine shape |
+//! |---|---|---|
+//! | `vllm_nhd` | `kbthd` | vLLM FlashAttention, per layer `(2, num_blocks, block, heads, dim)` |
+//! | `vllm_hnd` | `kbhtd` | vLLM FlashAttention HND, per layer `(2, num_blocks, heads, block, dim)` |
+//! | `flashinfer` | `bkthd` | FlashInfer NHD, per layer `(num_blocks, 2, block, heads, dim)` |
+//! | `flashinfer_hnd` | `bkhtd` | FlashInfer HND, per layer `(num_blocks, 2, heads, block, dim)` |
+//! | `vllm_cpu` | `bhtkd` | vLLM CPU, per layer `(num_blocks, heads, block, 2*dim)`: K and V packed in the last dim (role `kv_packed`) |
+//! | `vllm_cross` | `blkthd` | vLLM cross-layer, per rank `(num_blocks, layers, 2, block, heads, dim)` |
+//! | `contiguous` | — | kvwire's own layout (no `kv=` key): one memfd, regions back to back |
+//!
+//! The plan never sees the order: each (layer, K or V) becomes a region —
+//! a window of one memory starting at that tensor's element (layer, K/V,
+//! block 0, position 0, head 0) — and three byte strides (block, position,
+//! head). Regions of one tensor may interleave (FlashInfer's K and V
+//! alternate per block); their bytes never do.
+
+use crate::format::{CacheFormat, Scales};
+use crate::layout::{Attention, ModelSpec, Tensor};
+use crate::shard::{RankShard, RegionId};
+use serde::{Deserialize, Serialize};
+use std::ops::Range;
+
+/// One axis of an engine tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Axis {
+    /// Layer, in cross-layer tensors.
+    Layer,
+    /// K (index 0) or V (index 1).
+    Kv,
+    /// Block (page).
+    Block,
+    /// Position inside a block.
+    Token,
+    /// KV head.
+    Head,
+    /// Element of a row.
+    Dim,
+}
+
+impl Axis {
+    fn letter(self) -> char {
+        match self {
+            Axis::Layer => 'l',
+            Axis::Kv => 'k',
+            Axis::Block => 'b',
+            Axis::Token => 't',
+            Axis::Head => 'h',
+            Axis::Dim => 'd',
+        }
+    }
+}
+
+/// The named presets and their orders.
+pub const PRESETS: &[(&str, &str)] = &[
+    ("vllm_nhd", "kbthd"),
+    ("vllm_hnd", "kbhtd"),
+    ("flashinfer", "bkthd"),
+    ("flashinfer_hnd", "bkhtd"),
+    ("vllm_cpu", "bhtkd"),
+    ("vllm_cross", "blkthd"),
+];
+
+/// The axis order of a rank's engine tensors (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KvOrder {
+    axes: Vec<Axis>,
+}
+
+/// Why an order, or a rank's tensors, were refused. Every variant names what was wrong.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum TensorError {
+    /// `kv=` names no preset and is not a valid order word.
+    #[error("kv=`{0}`: expected a preset ({presets}) or an order word of the letters l k b t h d, each at most once, with b, t, h present and d last", presets = PRESETS.iter().map(|p| p.0).collect::<Vec<_>>().join(", "))]
+    Order(String),
+    /// The model or layout cannot be held in engine tensors.
+    #[error("kv={order}: {reason}")]
+    Unsupported {
+        /// The order.
+        order: String,
+        /// Why.
+        reason: String,
+    },
+    /// A tensor the client sent does not match what the layout expects.
+    #[error("tensor {index} ({what}): {reason}")]
+    Tensor {
+        /// Index in the client's list.
+        index: usize,
+        /// Its role and layers, as the client gave them.
+        what: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The list as a whole is wrong (missing tensors, overlaps).
+    #[error("tensors: {0}")]
+    List(String),
+}
+
+impl KvOrder {
+    /// Parses a preset name or an order word.
+    pub fn parse(text: &str) -> Result<KvOrder, TensorError> {
+        let word = PRESETS.iter().find(|p| p.0 == text).map_or(text, |p| p.1);
+        let mut axes = Vec::new();
+        for c in word.chars() {
+            let a = match c {
+                'l' => Axis::Layer,
+                'k' => Axis::Kv,
+                'b' => Axis::Block,
+                't' => Axis::Token,
+                'h' => Axis::Head,
+                'd' => Axis::Dim,
+                _ => return Err(TensorError::Order(text.into())),
+            };
+            if axes.contains(&a) {
+                return Err(TensorError::Order(text.into()));
+            }
+            axes.push(a);
+        }
+        let has = |a| axes.contains(&a);
+        if axes.last() != Some(&Axis::Dim) || !has(Axis::Block) || !has(Axis::Token) || !has(Axis::Head) {
+            return Err(TensorError::Order(text.into()));
+        }
+        Ok(KvOrder { axes })
+    }
+
+    /// The preset name, or the order word.
+    pub fn name(&self) -> String {
+        let word: String = self.axes.iter().map(|a| a.letter()).collect();
+        PRESETS.iter().find(|p| p.1 == word).map_or(word, |p| p.0.to_string())
+    }
+
+    /// The axes, outermost first.
+    pub fn axes(&self) -> &[Axis] {
+        &self.axes
+    }
+
+    /// True when one tensor holds all the rank's layers.
+    pub fn cross_layer(&self) -> bool {
+        self.axes.contains(&Axis::Layer)
+    }
+
+    /// True when K and V share a tensor.
+    pub fn kv_together(&self) -> bool {
+        self.axes.contains(&Axis::Kv)
+    }
+}
+
+/// What a tensor holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    /// Keys only.
+    K,
+    /// Values only.
+    V,
+    /// K and V along their own axis of size 2.
+    Kv,
+    /// K and V packed in the last dimension (`2 * head_dim`, K first).
+    KvPacked,
+}
+
+/// One engine tensor as a client registers it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TensorDesc {
+    /// Which of the registration's memories (file descriptors, in order).
+    pub memory: u32,
+    /// Byte offset of element 0 in that memory.
+    pub offset: u64,
+    /// Element type (`bf16`, `fp16`, `fp32`, `fp8_e4m3`, `fp8_e5m2`, or torch's spelling).
+    pub dtype: String,
+    /// Sizes, outermost first.
+    pub shape: Vec<u64>,
+    /// Strides in elements, one per dimension.
+    pub strides: Vec<u64>,
+    /// What it holds.
+    pub role: Role,
+    /// Half-open layer range `[start, end)` it holds.
+    pub layers: [u32; 2],
+}
+
+/// A tensor the layout expects a rank to hold: dense, row-major in the order's axes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Expected {
+    /// `Kv` when the order holds K and V together; otherwise `K` or `V`.
+    pub role: Role,
+    /// Layers it holds.
+    pub layers: Range<u32>,
+    /// Sizes in the order's axes.
+    pub shape: Vec<u64>,
+    /// Row-major strides in elements.
+    pub strides: Vec<u64>,
+    /// Bytes per element.
+    pub elem_bytes: u64,
+}
+
+impl Expected {
+    /// Bytes the tensor spans.
+    pub fn bytes(&self) -> u64 {
+        self.shape.iter().product::<u64>() * self.elem_bytes
+    }
+}
+
+/// Byte strides of one region's block, position and head axes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Strides {
+    /// Block to next block.
+    pub block: u64,
+    /// Position to next position inside a block.
+    pub token: u64,
+    /// Head to next head.
+    pub head: u64,
+}
+
+/// Where one region lives: in which expected tensor, from which byte, how long.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    /// The region.
+    pub id: RegionId,
+    /// Index into the rank's expected tensors.
+    pub tensor: usize,
+    /// Byte offset of the region's first element in that tensor.
+    pub base: u64,
+    /// Bytes from `base` to the end of its last row.
+    pub len: u64,
+    /// Its strides.
+    pub strides: Strides,
+}
+
+/// The engine element size of `format`, or why engine tensors cannot hold it.
+pub fn elem_bytes(format: CacheFormat) -> Result<u64, String> {
+    if format.scales != Scales::None || format.elem_bits % 8 != 0 {
+        return Err(format!("format {} stores scales or sub-byte elements inside its rows; engine tensors hold plain elements only", format.id()));
+    }
+    Ok(u64::from(format.elem_bits / 8))
+}
+
+/// The geometry of a rank's held layers: (layers, local heads, dim), refusing what engine tensors cannot hold.
+fn rank_geometry(order: &KvOrder, model: &ModelSpec, rank: &RankShard) -> Result<Vec<(u32, u64, u64)>, TensorError> {
+    let unsupported = |reason: String| TensorError::Unsupported { order: order.name(), reason };
+    let mut out = Vec::new();
+    for ls in &rank.layers {
+        let spec = &model.layers[ls.layer as usize];
+        if spec.state_bytes > 0 {
+            return Err(unsupported(format!("layer {} holds {} bytes of constant state; engine tensors hold dense K/V only", ls.layer, spec.state_bytes)));
+        }
+        match spec.attention {
+            Attention::Dense { head_dim, v_head_dim, .. } => {
+                if order.kv_together() && head_dim != v_head_dim {
+                    return Err(unsupported(format!("layer {}: K rows of {head_dim} and V rows of {v_head_dim} elements cannot share a tensor; use an order without `k`", ls.layer)));
+                }
+                out.push((ls.layer, u64::from(ls.heads.end - ls.heads.start), u64::from(head_dim)));
+            }
+            Attention::Mla { .. } => return Err(unsupported(format!("layer {} is an MLA latent; engine tensors hold dense K/V only", ls.layer))),
+            Attention::SharedWith { .. } | Attention::None => {}
+        }
+    }
+    if order.cross_layer() {
+        if let Some(&(_, h, d)) = out.first() {
+            if let Some(&(l, ..)) = out.iter().find(|g| (g.1, g.2) != (h, d)) {
+                return Err(unsupported(format!("layer {l} has another head count or dim than the rank's first layer; a cross-layer tensor needs them equal")));
+            }
+        }
+        if out.windows(2).any(|w| w[1].0 != w[0].0 + 1) {
+            return Err(unsupported("the rank's layers are not consecutive; a cross-layer tensor needs them to be".into()));
+        }
+    }
+    Ok(out)
+}
+
+/// Sizes of the order's axes for a group of `layers` layers.
+fn shape_of(order: &KvOrder, layers: u64, num_blocks: u32, block_size: u32, heads: u64, dim: u64) -> Vec<u64> {
+    order
+        .axes
+        .iter()
+        .map(|a| match a {
+            Axis::Layer => layers,
+            Axis::Kv => 2,
+            Axis::Block => u64::from(num_blocks),
+            Axis::Token => u64::from(block_size),
+            Axis::Head => heads,
+            Axis::Dim => dim,
+        })
+        .collect()
+}
+
+fn row_major(shape: &[u64]) -> Vec<u64> {
+    let mut strides = vec![1u64; shape.len()];
+    for i in (0..shape.len().saturating_sub(1)).rev() {
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
+    }
+    strides
+}
+
+/// The tensors a rank holds under `order`, and where each of its regions lives in them.
+pub fn rank_tensors(
+    order: &KvOrder,
+    model: &ModelSpec,
+    rank: &RankShard,
+    format: CacheFormat,
+    num_blocks: u32,
+    block_size: u32,
+) -> Result<(Vec<Expected>, Vec<Placement>), TensorError> {
+    let es = elem_bytes(format).map_err(|reason| TensorError::Unsupported { order: order.name(), reason })?;
+    let geo = rank_geometry(order, model, rank)?;
+    // Groups of layers sharing a tensor: all of them, or one each.
+    let groups: Vec<Vec<(u32, u64, u64)>> = if order.cross_layer() { vec![geo].into_iter().filter(|g| !g.is_empty()).collect() } else { geo.into_iter().map(|g| vec![g]).collect() };
+    let stride_of = |shape: &[u64], axis: Axis| -> u64 {
+        let strides = row_major(shape);
+        order.axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i] * es)
+    };
+    let mut tensors = Vec::new();
+    let mut places = Vec::new();
+    for group in groups {
+        let (first, heads, dim) = group[0];
+        let layers = first..first + group.len() as u32;
+        let shape = shape_of(order, group.len() as u64, num_blocks, block_size, heads, dim);
+        let strides = row_major(&shape);
+        let s = Strides { block: stride_of(&shape, Axis::Block), token: stride_of(&shape, Axis::Token), head: stride_of(&shape, Axis::Head) };
+        let len = (u64::from(num_blocks) - 1) * s.block + (u64::from(block_size) - 1) * s.token + heads.saturating_sub(1) * s.head + dim * es;
+        let roles: &[(Role, Tensor)] = if order.kv_together() { &[(Role::Kv, Tensor::K)] } else { &[(Role::K, Tensor::K), (Role::V, Tensor::V)] };
+        for &(role, _) in roles {
+            // Without `k`, K and V have their own tensors; V's dim may differ.
+            let (shape, strides, len, s) = if role == Role::V {
+                let vdim = match model.layers[first as usize].attention {
+                    Attention::Dense { v_head_dim, .. } => u64::from(v_head_dim),
+                    _ => dim,
+                };
+                let shape = shape_of(order, group.len() as u64, num_blocks, block_size, heads, vdim);
+                let s = Strides { block: stride_of(&shape, Axis::Block), token: stride_of(&shape, Axis::Token), head: stride_of(&shape, Axis::Head) };
+                let len = (u64::from(num_blocks) - 1) * s.block + (u64::from(block_size) - 1) * s.token + heads.saturating_sub(1) * s.head + vdim * es;
+                (shape.clone(), row_major(&shape), len, s)
+            } else {
+                (shape.clone(), strides.clone(), len, s)
+            };
+            let index = tensors.len();
+            for (i, &(layer, ..)) in group.iter().enumerate() {
+                let l_off = stride_of(&shape, Axis::Layer) * i as u64;
+                let kinds: &[(Tensor, u64)] = match role {
+                    Role::Kv | Role::KvPacked => &[(Tensor::K, 0), (Tensor::V, 1)],
+                    Role::K => &[(Tensor::K, 0)],
+                    Role::V => &[(Tensor::V, 0)],
+                };
+                for &(tensor, kv) in kinds {
+                    let base = l_off + kv * stride_of(&shape, Axis::Kv);
+                    places.push(Placement { id: RegionId { layer, tensor }, tensor: index, base, len, strides: s });
+                }
+            }
+            tensors.push(Expected { role, layers: layers.clone(), shape, strides, elem_bytes: es });
+        }
+    }
+    places.sort_by_key(|p| p.id);
+    Ok((tensors, places))
+}
+
+fn what(t: &TensorDesc) -> String {
+    let role = match t.role {
+        Role::K => "k",
+        Role::V => "v",
+        Role::Kv => "kv",
+        Role::KvPacked => "kv_packed",
+    };
+    format!("{role} of layers [{}, {})", t.layers[0], t.layers[1])
+}
+
+/// A client's tensor with a packed last dimension seen as an order's `k` and `d` axes.
+fn normalized(t: &TensorDesc) -> Option<(Vec<u64>, Vec<u64>)> {
+    if t.role != Role::KvPacked {
+        return Some((t.shape.clone(), t.strides.clone()));
+    }
+    let (&last, &ls) = (t.shape.last()?, t.strides.last()?);
+    if last % 2 != 0 || ls != 1 {
+        return None;
+    }
+    let n = t.shape.len();
+    let mut shape = t.shape[..n - 1].to_vec();
+    let mut strides = t.strides[..n - 1].to_vec();
+    shape.extend([2, last / 2]);
+    strides.extend([last / 2, 1]);
+    Some((shape, strides))
+}
+
+/// Checks a client's tensors against what the layout expects of the rank,
+/// and returns, for each expected tensor, the (memory, byte offset) the
+/// client gave it. `memories` holds each memory's size in bytes.
+pub fn match_tensors(given: &[TensorDesc], expected: &[Expected], format: CacheFormat, memories: &[u64]) -> Result<Vec<(u32, u64)>, TensorError> {
+    let mut at: Vec<Option<(u32, u64)>> = vec![None; expected.len()];
+    for (index, t) in given.iter().enumerate() {
+        let bad = |reason: String| TensorError::Tensor { index, what: what(t), reason };
+        let dtype = CacheFormat::parse(&t.dtype).map_err(|e| bad(format!("dtype: {e}")))?;
+        if dtype.name != format.name || dtype.elem_bits != format.elem_bits {
+            return Err(bad(format!("dtype {} ({} bits) but the cache format is {} ({} bits)", t.dtype, dtype.elem_bits, format.id(), format.elem_bits)));
+        }
+        if t.shape.len() != t.strides.len() {
+            return Err(bad(format!("{} sizes but {} strides", t.shape.len(), t.strides.len())));
+        }
+        let want_role = |r: Role| if r == Role::KvPacked { Role::Kv } else { r };
+        let Some(slot) = expected.iter().position(|e| e.role == want_role(t.role) && e.layers.start == t.layers[0] && e.layers.end == t.layers[1]) else {
+            let list: Vec<String> = expected.iter().map(|e| format!("{:?} [{}, {})", e.role, e.layers.start, e.layers.end).to_lowercase()).collect();
+            return Err(bad(format!("the layout expects no such tensor of this rank (it expects: {})", list.join(", "))));
+        };
+        if at[slot].is_some() {
+            return Err(bad("given twice".into()));
+        }
+        let e = &expected[slot];
+        let (shape, strides) = normalized(t).ok_or_else(|| bad("kv_packed needs an even last dimension of stride 1".into()))?;
+        if shape != e.shape {
+            return Err(bad(format!("shape {:?} but the layout expects {:?}", t.shape, e.shape)));
+        }
+        if strides != e.strides {
+            return Err(bad(format!("strides {:?} (elements) but the layout expects the dense {:?}", t.strides, e.strides)));
+        }
+        let Some(&size) = memories.get(t.memory as usize) else {
+            return Err(bad(format!("memory {} but the registration carries {} file descriptors", t.memory, memories.len())));
+        };
+        let end = t.offset.checked_add(e.bytes());
+        if end.is_none_or(|end| end > size) {
+            return Err(bad(format!("bytes [{}, {}) are past memory {}'s {size} bytes", t.offset, t.offset.saturating_add(e.bytes()), t.memory)));
+        }
+        if t.offset % e.elem_bytes != 0 {
+            return Err(bad(format!("offset {} is not a multiple of the {}-byte element", t.offset, e.elem_bytes)));
+        }
+        at[slot] = Some((t.memory, t.offset));
+    }
+    if let Some(i) = at.iter().position(Option::is_none) {
+        let e = &expected[i];
+        return Err(TensorError::List(format!("missing the {:?} tensor of layers [{}, {})", e.role, e.layers.start, e.layers.end).to_lowercase()));
+    }
+    let at: Vec<(u32, u64)> = at.into_iter().map(|a| a.expect("checked")).collect();
+    // Dense tensors occupy one interval each: no two may share a byte.
+    let mut spans: Vec<(u32, u64, u64, usize)> = at.iter().enumerate().map(|(i, &(m, o))| (m, o, o + expected[i].bytes(), i)).collect();
+    spans.sort();
+    for w in spans.windows(2) {
+        if w[0].0 == w[1].0 && w[1].1 < w[0].2 {
+            let name = |i: usize| format!("{:?} of layers [{}, {})", expected[i].role, expected[i].layers.start, expected[i].layers.end).to_lowercase();
+            return Err(TensorError::List(format!("the {} and {} tensors overlap in memory {} (bytes {}..{})", name(w[0].3), name(w[1].3), w[0].0, w[1].1, w[0].2)));
+        }
+    }
+    Ok(at)
+}
+
+/// The default placement of a rank's expected tensors: back to back in one memory.
+pub fn packed_offsets(expected: &[Expected]) -> Vec<(u32, u64)> {
+    let mut off = 0;
+    expected
+        .iter()
+        .map(|e| {
+            let at = (0, off);
+            off += e.bytes();
+            at
+        })
+        .collect()
+}
+
+/// Row-major index of an element given its coordinate on each of the order's axes.
+/// Written apart from [`rank_tensors`]' stride products, for oracles.
+pub fn element_index(order: &KvOrder, shape: &[u64], coord: impl Fn(Axis) -> u64) -> u64 {
+    order.axes.iter().zip(shape).fold(0, |idx, (&a, &n)| idx * n + coord(a))
+}

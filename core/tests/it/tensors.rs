@@ -1,0 +1,271 @@
+//! Engine tensors: presets, validation of what a client sends, and plans
+//! between engine layouts proven on real tensor buffers.
+//!
+//! Every expected offset comes from a formula written here per preset, from
+//! the engine's published tensor shape, never from the module under test.
+
+use kvwire_core::format::CacheFormat;
+use kvwire_core::layout::{from_toml_spec, ModelSpec, Tensor};
+use kvwire_core::plan::{build, CostModel, Plan, PlanInput, Side};
+use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::tensors::{match_tensors, KvOrder, Role, TensorDesc, TensorError};
+use kvwire_core::verify::verify;
+use proptest::prelude::*;
+
+fn model(layers: u32, heads: u32, dim: u32) -> ModelSpec {
+    from_toml_spec("tiny", &format!("[[layers]]\nrepeat = {layers}\nattention = \"dense\"\nkv_heads = {heads}\nhead_dim = {dim}\n")).unwrap()
+}
+
+fn bf16() -> CacheFormat {
+    CacheFormat::parse("bf16").unwrap()
+}
+
+fn side(model: &ModelSpec, layout: &str, tokens: u64) -> Side {
+    Side::new(model, &LayoutSpec::parse(layout).unwrap(), bf16(), tokens).unwrap()
+}
+
+/// Element index of (layer-in-tensor l, kv, block b, position t, head h) per
+/// preset, from each engine's tensor shape (B blocks, T per block, H heads,
+/// D dim, L layers in a cross-layer tensor).
+fn formula(preset: &str, l: u64, kv: u64, b: u64, t: u64, h: u64, [nl, nb, nt, nh, nd]: [u64; 5]) -> u64 {
+    match preset {
+        // (2, B, T, H, D) per layer
+        "vllm_nhd" => (((kv * nb + b) * nt + t) * nh + h) * nd,
+        // (2, B, H, T, D) per layer
+        "vllm_hnd" => (((kv * nb + b) * nh + h) * nt + t) * nd,
+        // (B, 2, T, H, D) per layer
+        "flashinfer" => (((b * 2 + kv) * nt + t) * nh + h) * nd,
+        // (B, 2, H, T, D) per layer
+        "flashinfer_hnd" => (((b * 2 + kv) * nh + h) * nt + t) * nd,
+        // (B, H, T, 2*D) per layer, K in the first half of the last dim
+        "vllm_cpu" => ((b * nh + h) * nt + t) * 2 * nd + kv * nd,
+        // (B, L, 2, T, H, D) per rank
+        "vllm_cross" => ((((b * nl + l) * 2 + kv) * nt + t) * nh + h) * nd,
+        _ => unreachable!(),
+    }
+}
+
+const PRESETS: [&str; 6] = ["vllm_nhd", "vllm_hnd", "flashinfer", "flashinfer_hnd", "vllm_cpu", "vllm_cross"];
+
+#[test]
+fn every_preset_places_every_row_where_the_engine_shape_says() {
+    let m = model(3, 4, 8);
+    for preset in PRESETS {
+        let s = side(&m, &format!("tp=2,block=4,kv={preset}"), 10);
+        for rank in 0..2u32 {
+            let (tensors, places) = &s.engine[rank as usize];
+            let cross = preset == "vllm_cross";
+            assert_eq!(tensors.len(), if cross { 1 } else { 3 }, "{preset}");
+            for layer in 0..3u32 {
+                for (kv, tensor) in [(0, Tensor::K), (1, Tensor::V)] {
+                    let id = RegionId { layer, tensor };
+                    let p = places.iter().find(|p| p.id == id).unwrap();
+                    let (li, nl) = if cross { (u64::from(layer), 3) } else { (0, 1) };
+                    assert_eq!(p.tensor, if cross { 0 } else { layer as usize });
+                    let dims = [nl, u64::from(s.num_blocks), 4, 2, 8];
+                    let st = s.strides(rank, id, 2, 8);
+                    for (b, t, h) in [(0, 0, 0), (1, 0, 0), (0, 3, 0), (0, 0, 1), (2, 1, 1)] {
+                        let got = p.base + b * st.block + t * st.token + h * st.head;
+                        assert_eq!(got, formula(preset, li, kv, b, t, h, dims) * 2, "{preset} layer {layer} kv {kv} ({b},{t},{h})");
+                    }
+                    // The window ends with the region's last row.
+                    let last = formula(preset, li, kv, dims[1] - 1, 3, 1, dims) * 2 + 16;
+                    assert_eq!(p.base + p.len, last, "{preset} region length");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn presets_and_order_words_parse_and_name_themselves() {
+    assert_eq!(KvOrder::parse("flashinfer").unwrap(), KvOrder::parse("bkthd").unwrap());
+    assert_eq!(KvOrder::parse("bkthd").unwrap().name(), "flashinfer");
+    assert_eq!(KvOrder::parse("bthd").unwrap().name(), "bthd");
+    for bad in ["", "kbth", "kbthdd", "kbtd", "xbthd", "kbtdh"] {
+        assert!(matches!(KvOrder::parse(bad), Err(TensorError::Order(_))), "{bad}");
+    }
+    let e = LayoutSpec::parse("kv=flashinfer,layout=hnd").unwrap_err().to_string();
+    assert!(e.contains("layout") && e.contains("kv=flashinfer"), "{e}");
+    let e = LayoutSpec::parse("kv=vllm_nhd,row_align=64").unwrap_err().to_string();
+    assert!(e.contains("row_align"), "{e}");
+    assert_eq!(LayoutSpec::parse("kv=contiguous").unwrap(), LayoutSpec::parse("").unwrap());
+}
+
+#[test]
+fn models_engine_tensors_cannot_hold_are_refused_by_name() {
+    let mla = from_toml_spec("m", "[[layers]]\nrepeat = 2\nattention = \"mla\"\nkv_lora_rank = 64\nqk_rope_head_dim = 16\n").unwrap();
+    let e = Side::new(&mla, &LayoutSpec::parse("kv=vllm_nhd").unwrap(), bf16(), 4).unwrap_err().to_string();
+    assert!(e.contains("MLA"), "{e}");
+    let fp8 = CacheFormat::parse("fp8_e4m3_pth").unwrap();
+    let e = Side::new(&model(2, 4, 8), &LayoutSpec::parse("kv=vllm_nhd").unwrap(), fp8, 4).unwrap_err().to_string();
+    assert!(e.contains("scales"), "{e}");
+}
+
+/// A plan run on real tensors: each rank's engine tensors are plain byte
+/// vectors, and a segment's region offset lands at the region's base in its tensor.
+fn run_on_tensors(m: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, src_fill: impl Fn(u32, RegionId, u64) -> u8) -> Vec<Vec<Vec<u8>>> {
+    let alloc = |s: &Side| -> Vec<Vec<Vec<u8>>> { s.engine.iter().map(|(ts, _)| ts.iter().map(|t| vec![0xA5u8; t.bytes() as usize]).collect()).collect() };
+    let place = |s: &Side, rank: u32, id: RegionId| {
+        let p = s.engine[rank as usize].1.iter().find(|p| p.id == id).unwrap();
+        (p.tensor, p.base)
+    };
+    let mut src_bufs = alloc(src);
+    // Source: every byte carries a code of (rank, region, offset in region) written through the formula below.
+    for (rank, (_, places)) in src.engine.iter().enumerate() {
+        for p in places {
+            let buf = &mut src_bufs[rank][p.tensor];
+            for o in 0..p.len {
+                buf[(p.base + o) as usize] = src_fill(rank as u32, p.id, o);
+            }
+        }
+    }
+    let _ = m;
+    let mut dst_bufs = alloc(dst);
+    for s in &plan.segments {
+        let (st, sb) = place(src, s.src_rank, s.src_region);
+        let (dt, db) = place(dst, s.dst_rank, s.dst_region);
+        for (so, d) in s.runs() {
+            let from = src_bufs[s.src_rank as usize][st][(sb + so) as usize..(sb + so + s.len) as usize].to_vec();
+            dst_bufs[s.dst_rank as usize][dt][(db + d) as usize..(db + d + s.len) as usize].copy_from_slice(&from);
+        }
+    }
+    dst_bufs
+}
+
+/// (rank, tensor, byte offset) of row (layer, kv, position p, global head) in a side's rank tensors, by the formulas above.
+fn locate(preset: &str, side: &Side, tp: u32, [heads, layers]: [u32; 2], (layer, kv, p, head): (u32, u64, u64, u32)) -> (usize, usize, u64) {
+    let per = heads / tp;
+    let rank = (head / per) as usize;
+    let h = u64::from(head % per);
+    let bs = u64::from(side.geo.block_size);
+    let b = u64::from(side.block_table[(p / bs) as usize]);
+    let cross = preset == "vllm_cross";
+    let (tensor, li, nl) = if cross { (0, u64::from(layer), u64::from(layers)) } else { (layer as usize, 0, 1) };
+    let dims = [nl, u64::from(side.num_blocks), bs, u64::from(per), 8];
+    (rank, tensor, formula(preset, li, kv, b, p % bs, h, dims) * 2)
+}
+
+#[test]
+fn a_transfer_between_any_two_presets_with_a_tp_change_places_every_row_where_the_destination_says() {
+    let (layers, heads, tokens) = (2u32, 4u32, 21u64);
+    let m = model(layers, heads, 8);
+    for (sp, dp, stp, dtp) in [("vllm_cpu", "flashinfer", 2, 1), ("flashinfer", "vllm_cross", 1, 4), ("vllm_cross", "vllm_hnd", 4, 2), ("vllm_nhd", "flashinfer_hnd", 2, 4), ("flashinfer_hnd", "vllm_cpu", 4, 2)] {
+        let src = side(&m, &format!("tp={stp},block=4,table=shuffle:3,kv={sp}"), tokens);
+        let dst = side(&m, &format!("tp={dtp},block=8,table=shuffle:9,kv={dp}"), tokens);
+        let plan = build(&PlanInput { model: &m, tokens, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+        verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
+        // Fill the source through the formula: byte i of row (layer, kv, p, head) is a code of them.
+        let code = |layer: u32, kv: u64, p: u64, head: u32, i: u64| (u64::from(layer) * 131 + kv * 71 + p * 29 + u64::from(head) * 7 + i) as u8 | 1;
+        let mut src_rows = std::collections::HashMap::new();
+        for layer in 0..layers {
+            for kv in 0..2 {
+                for p in 0..tokens {
+                    for head in 0..heads {
+                        let (r, t, off) = locate(sp, &src, stp, [heads, layers], (layer, kv, p, head));
+                        for i in 0..16 {
+                            src_rows.insert((r, t, off + i), code(layer, kv, p, head, i));
+                        }
+                    }
+                }
+            }
+        }
+        let dst_bufs = run_on_tensors(&m, &src, &dst, &plan, |rank, id, o| {
+            let p = src.engine[rank as usize].1.iter().find(|p| p.id == id).unwrap();
+            src_rows.get(&(rank as usize, p.tensor, p.base + o)).copied().unwrap_or(0)
+        });
+        let mut checked = 0;
+        for layer in 0..layers {
+            for kv in 0..2 {
+                for p in 0..tokens {
+                    for head in 0..heads {
+                        let (r, t, off) = locate(dp, &dst, dtp, [heads, layers], (layer, kv, p, head));
+                        for i in 0..16 {
+                            assert_eq!(dst_bufs[r][t][(off + i) as usize], code(layer, kv, p, head, i), "{sp} tp{stp} -> {dp} tp{dtp}: layer {layer} kv {kv} pos {p} head {head} byte {i}");
+                            checked += 1;
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, u64::from(layers) * 2 * tokens * u64::from(heads) * 16);
+        assert_eq!(plan.counters.total_bytes_moved, checked);
+    }
+}
+
+#[test]
+fn same_preset_same_tp_moves_whole_blocks_per_region_as_one_run() {
+    let m = model(4, 4, 8);
+    let (src, dst) = (side(&m, "tp=2,block=16,kv=vllm_nhd", 64), side(&m, "tp=2,block=16,kv=vllm_nhd", 64));
+    let plan = build(&PlanInput { model: &m, tokens: 64, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+    // 4 blocks of a contiguous table are one run per (rank, layer, K/V).
+    assert_eq!(plan.segments.len(), 2 * 4 * 2);
+    assert!(plan.segments.iter().all(|s| s.count == 1 && s.len == 64 * 2 * 8 * 2));
+    // FlashInfer interleaves K and V per block: one strided segment of 4 blocks each.
+    let (src, dst) = (side(&m, "tp=2,block=16,kv=flashinfer", 64), side(&m, "tp=2,block=16,kv=flashinfer", 64));
+    let plan = build(&PlanInput { model: &m, tokens: 64, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+    assert_eq!(plan.segments.len(), 2 * 4 * 2);
+    assert!(plan.segments.iter().all(|s| s.count == 4 && s.len == 16 * 2 * 8 * 2 && s.src_stride == 2 * s.len));
+}
+
+fn desc(memory: u32, offset: u64, dtype: &str, shape: &[u64], role: Role, layers: [u32; 2]) -> TensorDesc {
+    let mut strides = vec![1u64; shape.len()];
+    for i in (0..shape.len() - 1).rev() {
+        strides[i] = strides[i + 1] * shape[i + 1];
+    }
+    TensorDesc { memory, offset, dtype: dtype.into(), shape: shape.to_vec(), strides, role, layers }
+}
+
+#[test]
+fn a_clients_tensors_are_checked_and_each_error_names_what_was_wrong() {
+    let m = model(2, 4, 8);
+    let s = side(&m, "tp=2,block=4,kv=vllm_cpu", 8);
+    let (expected, _) = &s.engine[0];
+    let nb = u64::from(s.num_blocks);
+    let bytes = nb * 2 * 4 * 16 * 2;
+    // vLLM CPU tensors as the engine shapes them: (B, H, T, 2*D), two memfds.
+    let good = vec![desc(0, 0, "torch.bfloat16", &[nb, 2, 4, 16], Role::KvPacked, [0, 1]), desc(1, 64, "bfloat16", &[nb, 2, 4, 16], Role::KvPacked, [1, 2])];
+    assert_eq!(match_tensors(&good, expected, bf16(), &[bytes, bytes + 64]).unwrap(), vec![(0, 0), (1, 64)]);
+    // The same as a 5-D kv tensor.
+    let five = vec![desc(0, 0, "bf16", &[nb, 2, 4, 2, 8], Role::Kv, [0, 1]), desc(0, bytes, "bf16", &[nb, 2, 4, 2, 8], Role::Kv, [1, 2])];
+    match_tensors(&five, expected, bf16(), &[2 * bytes]).unwrap();
+    let err = |given: &[TensorDesc], mems: &[u64]| match_tensors(given, expected, bf16(), mems).unwrap_err().to_string();
+    let mut t = good.clone();
+    t[1].dtype = "float32".into();
+    assert!(err(&t, &[bytes, bytes + 64]).contains("dtype float32 (32 bits) but the cache format is bf16/v1"));
+    let mut t = good.clone();
+    t[0].shape[1] = 4;
+    let e = err(&t, &[bytes, bytes + 64]);
+    assert!(e.starts_with("tensor 0 (kv_packed of layers [0, 1)): shape"), "{e}");
+    let mut t = good.clone();
+    t[0].strides[0] += 1;
+    assert!(err(&t, &[bytes, bytes + 64]).contains("strides"));
+    assert!(err(&good, &[bytes, bytes]).contains("past memory 1's"));
+    assert!(err(&good, &[bytes]).contains("memory 1 but the registration carries 1 file descriptors"));
+    assert!(err(&good[..1], &[bytes, bytes + 64]).contains("missing the kv tensor of layers [1, 2)"));
+    let mut t = good.clone();
+    t[1].memory = 0;
+    t[1].offset = 64;
+    assert!(err(&t, &[bytes + 64]).contains("overlap in memory 0"));
+    let mut t = good.clone();
+    t[1].layers = [2, 3];
+    assert!(err(&t, &[bytes, bytes + 64]).contains("expects no such tensor"));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// Every destination byte written exactly once from the right source byte,
+    /// between any two layouts (engine presets and kvwire's own), checked by the oracle.
+    #[test]
+    fn plans_between_any_two_layouts_verify(si in 0usize..8, di in 0usize..8, stp in 0u32..3, dtp in 0u32..3, sb in 0u32..3, db in 0u32..3, tokens in 1u64..40, prefix in 0u64..40, seed in 0u64..50) {
+        const KV: [&str; 8] = ["kv=vllm_nhd", "kv=vllm_hnd", "kv=flashinfer", "kv=flashinfer_hnd", "kv=vllm_cpu", "kv=vllm_cross", "kv=bthd", "layout=hnd"];
+        let m = model(3, 4, 8);
+        let prefix = prefix % tokens;
+        let src = side(&m, &format!("tp={},block={},table=shuffle:{seed},{}", 1 << stp, 2 << sb, KV[si]), tokens);
+        let dst = side(&m, &format!("tp={},block={},{}", 1 << dtp, 3 << db, KV[di]), tokens);
+        let plan = build(&PlanInput { model: &m, tokens, prefix_tokens: prefix, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+        let report = verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
+        prop_assert_eq!(report.bytes_copied, (tokens - prefix) * 3 * 2 * 4 * 16);
+    }
+}
