@@ -77,11 +77,13 @@ pub(crate) fn request<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> R
     serde_json::from_value(v).map_err(|e| Fail::new(KVW_MALFORMED, format!("building the control request: {e}")))
 }
 
+/// The model argument; an `hf_config` or `toml` value may be the document's text or a path to it.
 pub(crate) fn model_source(json: &str) -> Result<ModelSource, Fail> {
-    serde_json::from_str(json).map_err(|e| {
+    let source: ModelSource = serde_json::from_str(json).map_err(|e| {
         Fail::new(
             KVW_INVALID_JSON,
-            format!("model_json: {e} (expected {{\"builtin\": NAME}}, {{\"hf_config\": TEXT}} or {{\"toml\": TEXT}})"),
+            format!("model_json: {e} (expected {{\"builtin\": NAME}}, {{\"hf_config\": TEXT or PATH}} or {{\"toml\": TEXT or PATH}})"),
         )
-    })
+    })?;
+    source.read_path().map_err(|e| Fail::new(KVW_BAD_MODEL, format!("model_json: {e}")))
 }

@@ -59,7 +59,9 @@ pub enum kvw_result {
     KVW_LIMIT = 108,
     /// No prepared receive matches the submitted transfer.
     KVW_NOT_PREPARED = 109,
-    /// Bad block table or token counts, or a request already prepared.
+    /// A request the daemon cannot carry out as asked: block table or token
+    /// counts, a plan, manifest or codec refusal, a request already prepared
+    /// or a slot already finished (the client's last error names which).
     KVW_BAD_REQUEST = 110,
     /// The destination peer is not configured.
     KVW_UNKNOWN_PEER = 200,
@@ -144,7 +146,7 @@ impl kvw_result {
             KVW_MISMATCH => "two registrations of one cache group disagree",
             KVW_LIMIT => "a daemon limit was reached",
             KVW_NOT_PREPARED => "no prepared receive matches",
-            KVW_BAD_REQUEST => "bad block table or token counts",
+            KVW_BAD_REQUEST => "bad request: block table, token counts, plan, manifest or codec refused it, or the slot already finished (the client's last error names which)",
             KVW_UNKNOWN_PEER => "the peer is not configured",
             KVW_PEER_UNREACHABLE => "the peer cannot be reached",
             KVW_AUTH_FAILED => "peer authentication failed",

@@ -39,7 +39,7 @@ pub const FAILED: u64 = u64::MAX;
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum WaitError {
     /// Not published in time.
-    #[error("layer {layer} of transfer slot {slot} not ready after {waited:?}")]
+    #[error("{flag} of transfer slot {slot} not ready after {waited:?}", flag = column_name(*layer))]
     Timeout {
         /// Slot.
         slot: u16,
@@ -49,13 +49,28 @@ pub enum WaitError {
         waited: Duration,
     },
     /// The transfer failed; the flag will never be published.
-    #[error("transfer slot {slot} failed (layer {layer} will never be ready)")]
+    #[error("transfer slot {slot} failed ({flag} will never be ready)", flag = column_name(*layer))]
     Failed {
         /// Slot.
         slot: u16,
         /// Layer (column).
         layer: u16,
     },
+}
+
+/// Layer columns of a slot in kvwired's flag page; the two after them are
+/// `decoder_usable` and `source_released`.
+pub const LAYER_COLUMNS: u16 = 256;
+
+/// The flag a column holds, as the vocabulary names it: `layer_ready(L)`,
+/// `decoder_usable` or `source_released`.
+pub fn column_name(column: u16) -> String {
+    match column {
+        c if c < LAYER_COLUMNS => format!("layer_ready({c})"),
+        LAYER_COLUMNS => "decoder_usable".into(),
+        c if c == LAYER_COLUMNS + 1 => "source_released".into(),
+        c => format!("flag column {c}"),
+    }
 }
 
 impl FlagTable {

@@ -103,6 +103,16 @@ impl Client {
         }
     }
 
+    /// Registers one rank's cache held in the engine's own tensors; `mems`
+    /// are the memories (memfds) the tensors' `memory` indices name, in order.
+    pub fn register_tensors(&self, r: RegisterTensors, mems: &[std::os::fd::BorrowedFd<'_>]) -> Result<(u32, u64, bool), ClientError> {
+        let fds: Vec<_> = mems.iter().map(|f| f.as_raw_fd()).collect();
+        match self.call(&Request::RegisterTensors(r), &fds)? {
+            Reply::Registered { regions, bytes, complete } => Ok((regions, bytes, complete)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
     /// Registers one rank's cache held in device memory; `fd` travels with
     /// it: the stand-in backend's memfd, or a CUDA allocation's dmabuf fd.
     pub fn register_device(&self, r: RegisterDeviceCache, fd: Option<std::os::fd::BorrowedFd<'_>>) -> Result<(u32, u64, bool), ClientError> {

@@ -12,12 +12,13 @@
 //! [`DECODER_USABLE`], `source_released` at [`SOURCE_RELEASED`].
 
 use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::tensors::TensorDesc;
 use serde::{Deserialize, Serialize};
 
 /// Transfer slots in a daemon's flag page.
 pub const FLAG_SLOTS: u16 = 256;
 /// Most layers a transfer may have.
-pub const MAX_TRANSFER_LAYERS: u16 = 256;
+pub const MAX_TRANSFER_LAYERS: u16 = kvwire_transport::flags::LAYER_COLUMNS;
 /// Flag column: all layers ready and the request's metadata committed.
 pub const DECODER_USABLE: u16 = MAX_TRANSFER_LAYERS;
 /// Flag column: every local completion of the source's writes polled.
@@ -35,6 +36,20 @@ pub enum ModelSource {
     HfConfig(String),
     /// The text of a TOML model spec.
     Toml(String),
+}
+
+impl ModelSource {
+    /// A `hf_config` or `toml` source given as a path (text that cannot be
+    /// the document itself: no `{` first, no newline, no `=`) replaced by the
+    /// file's text, read here, so a client may pass either.
+    pub fn read_path(self) -> Result<ModelSource, String> {
+        let read = |p: &str, what: &str| std::fs::read_to_string(p.trim()).map_err(|e| format!("{what} `{p}` is neither the document's text nor a readable file: {e}"));
+        Ok(match self {
+            ModelSource::HfConfig(t) if !t.trim_start().starts_with('{') => ModelSource::HfConfig(read(&t, "hf_config")?),
+            ModelSource::Toml(t) if !t.contains('\n') && !t.contains('=') => ModelSource::Toml(read(&t, "toml")?),
+            other => other,
+        })
+    }
 }
 
 /// Registers one rank's cache (a memfd travels with the message).
@@ -74,6 +89,20 @@ pub struct RegisterDeviceCache {
     /// CUDA IPC handle of the allocation (64 bytes), for `cuda`.
     #[serde(default)]
     pub ipc: Option<Vec<u8>>,
+}
+
+/// Registers one rank's cache held in the engine's own tensors, for a
+/// layout with `kv=` (see [`kvwire_core::tensors`]). Each tensor names one of
+/// the message's file descriptors (`memory`, in order: memfds the engine
+/// allocated) and the byte offset of its element 0 there; the daemon maps
+/// them as they are and checks every tensor against the layout.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterTensors {
+    /// The cache, as for one memfd.
+    pub cache: RegisterCache,
+    /// The rank's tensors.
+    pub tensors: Vec<TensorDesc>,
 }
 
 /// Prepares a destination group to receive a request.
@@ -151,6 +180,8 @@ pub enum Request {
     RegisterCache(RegisterCache),
     /// Register one rank's cache in device memory (see [`RegisterDeviceCache`]).
     RegisterDeviceCache(RegisterDeviceCache),
+    /// Register one rank's cache as the engine's tensors (memfds attached; see [`RegisterTensors`]).
+    RegisterTensors(RegisterTensors),
     /// Share group `group` with the clients that present `token`: the first
     /// client to name the group this way owns it; every other client must
     /// present the same token (each rank's process of one engine, say)
@@ -383,7 +414,9 @@ pub enum Code {
     Limit = 108,
     /// No prepared receive matches.
     NotPrepared = 109,
-    /// Bad block table or token counts.
+    /// A request the daemon cannot carry out as asked: block table or token
+    /// counts, a plan, manifest or codec refusal, a slot already finished
+    /// (the message names which).
     BadRequest = 110,
     /// The peer is not configured.
     UnknownPeer = 200,

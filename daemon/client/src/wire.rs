@@ -10,8 +10,9 @@ use std::os::unix::net::UnixStream;
 
 /// Largest message accepted (block tables of a million blocks fit).
 pub const MAX_MESSAGE: usize = 16 << 20;
-/// Most descriptors one message may carry.
-pub const MAX_FDS: usize = 4;
+/// Most descriptors one message may carry: a rank's engine tensors may each
+/// live in their own memfd (one per layer); more layers than this share memfds.
+pub const MAX_FDS: usize = 128;
 
 /// Why a message could not be read or written.
 #[derive(Debug, thiserror::Error)]

@@ -11,6 +11,7 @@ use kvwire_client::wire::{self, WireError};
 use kvwire_core::layout::{self, ModelSpec};
 use kvwire_core::plan::Side;
 use kvwire_core::shard::{LayoutSpec, RegionId};
+use kvwire_core::tensors::{self, TensorDesc};
 use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::DeviceHandle;
 use kvwire_transport::{HostMem, Tag};
@@ -35,8 +36,11 @@ impl Drop for Leave<'_> {
     }
 }
 
-/// A rank's memory and, for a device-resident rank, its allocation.
-type RankMemory = (Arc<HostMem>, Option<DeviceRank>);
+/// A rank's memories and, for a device-resident rank, its allocation.
+type RankMemory = (Vec<Arc<HostMem>>, Option<DeviceRank>);
+
+/// Where a region is registered: (region, memory index, byte offset, length).
+type Window = (RegionId, usize, u64, u64);
 
 impl Daemon {
     pub(super) fn control_loop(self: Arc<Self>, l: UnixListener) {
@@ -185,7 +189,7 @@ impl Daemon {
                     for r in rc.regions.values() {
                         self.revoke_key(r.key);
                     }
-                    st.memory -= rc.mem.len();
+                    st.memory -= rc.mems.iter().map(|m| m.len()).sum::<u64>();
                     st.regions -= rc.regions.len();
                     tracing::info!(client, rank, "client gone: its regions are revoked");
                 }
@@ -216,7 +220,7 @@ impl Daemon {
     }
 
     fn handle(self: &Arc<Self>, client: u64, req: Request, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
-        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_)) && !fds.is_empty() {
+        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_) | Request::RegisterTensors(_)) && !fds.is_empty() {
             return Err(Refusal::new(Code::Malformed, "this request carries no file descriptors"));
         }
         match req {
@@ -226,6 +230,7 @@ impl Daemon {
             }
             Request::RegisterCache(r) => self.register(client, r, fds),
             Request::RegisterDeviceCache(r) => self.register_device(client, r, fds),
+            Request::RegisterTensors(r) => self.register_tensors(client, r, fds),
             Request::ReleaseCache { group, rank } => self.release(client, &group, rank),
             Request::ShareGroup { group, token } => self.share_group(client, &group, &token),
             Request::PrepareReceive(p) => self.prepare(client, p),
@@ -287,12 +292,30 @@ impl Daemon {
             return Err(Refusal::new(Code::Malformed, format!("register_cache needs exactly one memfd, got {}", fds.len())));
         }
         let fd = fds.remove(0);
-        self.register_rank(client, r, move |rank, n, total| {
+        self.register_rank(client, r, &[], move |rank, n, total| {
             let mem = HostMem::from_file(File::from(fd)).map_err(|e| format!("memfd: {e}"))?;
             if mem.len() < total {
                 return Err(format!("memfd holds {} bytes but rank {rank}'s {n} regions need {total}", mem.len()));
             }
-            Ok((Arc::new(mem), None))
+            Ok((vec![Arc::new(mem)], None))
+        })
+    }
+
+    /// A rank in the engine's own tensors: the memfds are mapped as they
+    /// are, and every tensor is checked against the layout's `kv=` order.
+    fn register_tensors(&self, client: u64, r: RegisterTensors, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
+        if r.tensors.is_empty() {
+            return Err(Refusal::new(Code::Malformed, "register_tensors lists no tensors (a cache in one memfd of kvwire's layout is register_cache)"));
+        }
+        if fds.is_empty() {
+            return Err(Refusal::new(Code::Malformed, "register_tensors carries no memfd: attach the memories its tensors name"));
+        }
+        self.register_rank(client, r.cache, &r.tensors, move |_, _, _| {
+            fds.into_iter()
+                .enumerate()
+                .map(|(i, fd)| HostMem::from_file(File::from(fd)).map(Arc::new).map_err(|e| format!("memory {i}: {e}")))
+                .collect::<Result<Vec<_>, _>>()
+                .map(|mems| (mems, None))
         })
     }
 
@@ -307,41 +330,50 @@ impl Daemon {
         }
         let (ordinal, len, ipc) = (r.ordinal, r.len, r.ipc.clone());
         let fd = fds.into_iter().next().map(File::from);
-        self.register_rank(client, r.cache, move |rank, _, total| {
+        self.register_rank(client, r.cache, &[], move |rank, _, total| {
             if len < total {
                 return Err(format!("device allocation of {len} bytes but rank {rank}'s regions need {total}"));
             }
             let dev = backend.import(DeviceHandle { ordinal, len, fd, ipc }).map_err(|e| format!("device allocation: {e}"))?;
             let mirror = HostMem::new("kvwire-device-mirror", total).map(Arc::new).map_err(|e| format!("host mirror: {e}"))?;
             let pin = backend.pin(&mirror).map_err(|e| format!("pinning the host mirror: {e}"))?;
-            Ok((mirror, Some(DeviceRank { _pin: pin, dev })))
+            Ok((vec![mirror], Some(DeviceRank { _pin: pin, dev })))
         })
     }
 
     /// Checks a rank's registration, takes its memory from `memory(rank,
     /// regions, bytes)` (an error there is a bad region), and registers
-    /// its regions.
+    /// its regions: where `tensors` (or, without them, the layout) puts them.
     fn register_rank(
         &self,
         client: u64,
         r: RegisterCache,
+        tensors: &[TensorDesc],
         memory: impl FnOnce(u32, usize, u64) -> Result<RankMemory, String>,
     ) -> Result<Reply, Refusal> {
         let (model, format, layout, side) = checked_registration(&r)?;
+        if !tensors.is_empty() && layout.kv.is_none() {
+            return Err(Refusal::new(Code::BadLayout, "engine tensors need a layout with kv= naming their order: a preset (vllm_nhd, vllm_hnd, flashinfer, flashinfer_hnd, vllm_cpu, vllm_cross) or an order word"));
+        }
         let regions = side.regions(&model, r.rank);
-        let total: u64 = regions.iter().map(|(_, l)| l).sum();
-        let (mem, device) = memory(r.rank, regions.len(), total).map_err(refused(Code::BadRegion))?;
+        // Engine tensors' regions interleave: what they need is their tensors' size.
+        let total: u64 = match side.engine.get(r.rank as usize) {
+            Some((expected, _)) => expected.iter().map(|e| e.bytes()).sum(),
+            None => regions.iter().map(|(_, l)| l).sum(),
+        };
+        let (mems, device) = memory(r.rank, regions.len(), total).map_err(refused(Code::BadRegion))?;
+        let windows = windows(&side, r.rank, &regions, tensors, format, &mems)?;
         let mut st = self.groups.lock().expect("groups lock");
         st.may_register(client, &r.group)?;
-        self.fits(&st, &mem, regions.len())?;
+        self.fits(&st, &mems, windows.len())?;
         if let Some(g) = st.map.get(&r.group) {
             if let Some(field) = mismatch(g, &model, format, &r) {
                 return Err(Refusal::new(Code::Mismatch, format!("group `{}`: {field} differs from its earlier registration", r.group)));
             }
         }
-        let windows = self.register_windows(&mem, &regions)?;
-        let n = windows.len();
-        st.memory += mem.len();
+        let registered = self.register_windows(&mems, &windows)?;
+        let n = registered.len();
+        st.memory += mems.iter().map(|m| m.len()).sum::<u64>();
         st.regions += n;
         let g = st.map.entry(r.group.clone()).or_insert_with(|| Group {
             model,
@@ -353,7 +385,7 @@ impl Daemon {
             shard: side.shard.clone(),
             ranks: BTreeMap::new(),
         });
-        g.ranks.insert(r.rank, RankCache { regions: windows, mem, client, device });
+        g.ranks.insert(r.rank, RankCache { regions: registered, mems, client, device });
         tracing::info!(group = r.group, rank = r.rank, regions = n, bytes = total, "rank registered");
         let complete = g.complete();
         drop(st);
@@ -362,9 +394,9 @@ impl Daemon {
     }
 
     /// Refuses a registration past `limits.max_memory_bytes` or `max_regions`.
-    fn fits(&self, st: &Groups, mem: &HostMem, regions: usize) -> Result<(), Refusal> {
+    fn fits(&self, st: &Groups, mems: &[Arc<HostMem>], regions: usize) -> Result<(), Refusal> {
         let l = &self.cfg.limits;
-        if st.memory + mem.len() > l.max_memory_bytes {
+        if st.memory + mems.iter().map(|m| m.len()).sum::<u64>() > l.max_memory_bytes {
             return Err(Refusal::new(Code::Limit, format!("limits.max_memory_bytes {} would be exceeded", l.max_memory_bytes)));
         }
         if st.regions + regions > l.max_regions {
@@ -373,28 +405,25 @@ impl Daemon {
         Ok(())
     }
 
-    /// Registers a rank's regions back to back in `mem`; none stays
-    /// registered when one is refused.
-    fn register_windows(&self, mem: &Arc<HostMem>, regions: &[(RegionId, u64)]) -> Result<BTreeMap<RegionId, Arc<kvwire_transport::Region>>, Refusal> {
-        let mut windows = BTreeMap::new();
-        let mut offset = 0;
-        for (id, len) in regions {
+    /// Registers a rank's region windows; none stays registered when one is refused.
+    fn register_windows(&self, mems: &[Arc<HostMem>], windows: &[Window]) -> Result<BTreeMap<RegionId, Arc<kvwire_transport::Region>>, Refusal> {
+        let mut out = BTreeMap::new();
+        for &(id, mem, offset, len) in windows {
             // A cache's own windows are local: peers write only into the
             // windows granted to each transfer.
-            match self.register_region(mem.clone(), offset, *len, None) {
+            match self.register_region(mems[mem].clone(), offset, len, None) {
                 Ok(region) => {
-                    windows.insert(*id, region);
+                    out.insert(id, region);
                 }
                 Err(e) => {
-                    for w in windows.values() {
+                    for w in out.values() {
                         self.revoke_key(w.key);
                     }
                     return Err(Refusal::new(Code::BadRegion, format!("register {id:?}: {e}")));
                 }
             }
-            offset += len;
         }
-        Ok(windows)
+        Ok(out)
     }
 
     /// The first client to share `group` sets its token; later ones join
@@ -444,7 +473,7 @@ impl Daemon {
         for r in rc.regions.values() {
             self.revoke_key(r.key);
         }
-        st.memory -= rc.mem.len();
+        st.memory -= rc.mems.iter().map(|m| m.len()).sum::<u64>();
         st.regions -= rc.regions.len();
         if g.ranks.is_empty() {
             st.map.remove(group);
@@ -461,7 +490,7 @@ impl Daemon {
             if p.prefix_tokens > p.tokens {
                 return Err(Refusal::new(Code::BadRequest, format!("prefix_tokens {} exceeds tokens {}", p.prefix_tokens, p.tokens)));
             }
-            Side::with_table(&g.model, &g.layout, g.format, p.tokens, p.block_table.clone(), g.num_blocks).map_err(refused(Code::BadRequest))?;
+            Side::with_table(&g.model, &g.layout, g.format, p.tokens, p.block_table.clone(), g.num_blocks).map_err(|e| Refusal::new(Code::BadRequest, format!("destination request: {e}")))?;
         }
         let (dup, mine) = {
             let slots = self.slots.lock().expect("slots lock");
@@ -488,6 +517,9 @@ impl Daemon {
 /// what is wrong with it.
 fn checked_registration(r: &RegisterCache) -> Result<(ModelSpec, CacheFormat, LayoutSpec, Side), Refusal> {
     let model = match &r.model {
+        ModelSource::HfConfig(t) if !t.trim_start().starts_with('{') => {
+            return Err(Refusal::new(Code::BadModel, "model: hf_config is not a config.json's text (it does not start with `{`); a path is read by the client library, not by the daemon"));
+        }
         ModelSource::Builtin(n) => layout::builtin(n),
         ModelSource::HfConfig(t) => layout::from_hf_config(&r.group, t),
         ModelSource::Toml(t) => layout::from_toml_spec(&r.group, t),
@@ -497,6 +529,13 @@ fn checked_registration(r: &RegisterCache) -> Result<(ModelSpec, CacheFormat, La
         return Err(Refusal::new(Code::BadModel, format!("model has {} layers; at most {MAX_TRANSFER_LAYERS}", model.layers.len())));
     }
     let format = CacheFormat::parse(&r.format).map_err(|e| Refusal::new(Code::BadLayout, format!("format: {e}")))?;
+    // The identity states the format the bytes are in; a cache registered
+    // as another would fail every transfer's manifest later.
+    match CacheFormat::parse(&r.identity.format) {
+        Ok(f) if f == format => {}
+        Ok(f) => return Err(Refusal::new(Code::Mismatch, format!("the identity's format is {} but the cache is registered as {}", f.id(), format.id()))),
+        Err(e) => return Err(Refusal::new(Code::BadLayout, format!("identity format: {e}"))),
+    }
     let layout = LayoutSpec::parse(&r.layout).map_err(|e| Refusal::new(Code::BadLayout, format!("layout: {e}")))?;
     if r.num_blocks == 0 {
         return Err(Refusal::new(Code::BadLayout, "num_blocks must be > 0"));
@@ -525,4 +564,31 @@ fn mismatch(g: &Group, model: &ModelSpec, format: CacheFormat, r: &RegisterCache
     } else {
         None
     }
+}
+
+/// Where each of a rank's regions is registered: kvwire's layout back to
+/// back in one memfd; an engine order where the client's tensors are (each
+/// checked), or its tensors back to back in one memfd when none are listed.
+fn windows(side: &Side, rank: u32, regions: &[(RegionId, u64)], tensors: &[TensorDesc], format: CacheFormat, mems: &[Arc<HostMem>]) -> Result<Vec<Window>, Refusal> {
+    let Some((expected, places)) = side.engine.get(rank as usize) else {
+        let mut offset = 0;
+        return Ok(regions
+            .iter()
+            .map(|&(id, len)| {
+                offset += len;
+                (id, 0, offset - len, len)
+            })
+            .collect());
+    };
+    let at = if tensors.is_empty() {
+        let need: u64 = expected.iter().map(|e| e.bytes()).sum();
+        if mems[0].len() < need {
+            return Err(Refusal::new(Code::BadRegion, format!("memfd holds {} bytes but rank {rank}'s {} engine tensors need {need}", mems[0].len(), expected.len())));
+        }
+        tensors::packed_offsets(expected)
+    } else {
+        let sizes: Vec<u64> = mems.iter().map(|m| m.len()).collect();
+        tensors::match_tensors(tensors, expected, format, &sizes).map_err(|e| Refusal::new(Code::BadRegion, format!("rank {rank}: {e}")))?
+    };
+    Ok(places.iter().map(|p| (p.id, at[p.tensor].0 as usize, at[p.tensor].1 + p.base, p.len)).collect())
 }

@@ -57,8 +57,9 @@ impl Daemon {
                 None => {
                     // The client's pages are in this mapping only once touched here:
                     // a read maps the page the client placed (shared memfd).
-                    let _ = rc.mem.read(0, &mut [0u8; 1]);
-                    kvwire_core::topology::MemPlace::Host { numa: kvwire_transport::topology::numa_node_of(rc.mem.as_ptr()) }
+                    // A rank in several memfds goes by its first.
+                    let _ = rc.mems[0].read(0, &mut [0u8; 1]);
+                    kvwire_core::topology::MemPlace::Host { numa: kvwire_transport::topology::numa_node_of(rc.mems[0].as_ptr()) }
                 }
             };
             let ranked = kvwire_core::topology::rank(topo, &mem, &devices);

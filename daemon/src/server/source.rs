@@ -6,7 +6,7 @@
 //! and the client gets the error's code.
 
 use super::device::Direction;
-use super::error::{refused, Refusal};
+use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::state::{Boundary, Role, SlotId};
 use super::{read_mem, Daemon, RunBytes, RunReader, REPLY_TIMEOUT};
@@ -61,7 +61,7 @@ pub(super) type RailPreference = (HashMap<u32, u64>, HashMap<u32, u32>);
 impl Daemon {
     pub(super) fn submit(self: &Arc<Self>, client: u64, s: Submit) -> Reply {
         let start = self.source_group(client, &s).and_then(|g| {
-            let codec = s.codec.as_deref().map(Codec::parse).transpose().map_err(refused(Code::BadRequest))?;
+            let codec = s.codec.as_deref().map(Codec::parse).transpose().map_err(|e| Refusal::new(Code::BadRequest, format!("codec: {e}")))?;
             let peer = self.resolve_peer(&s.peer)?;
             Ok((g, codec, peer))
         });
@@ -151,7 +151,7 @@ impl Daemon {
         let st = self.groups.lock().expect("groups lock");
         let g = st.access(client, &s.group)?;
         g.require_complete(&s.group)?;
-        let side = Side::with_table(&g.model, &g.layout, g.format, s.tokens, s.block_table.clone(), g.num_blocks).map_err(refused(Code::BadRequest))?;
+        let side = Side::with_table(&g.model, &g.layout, g.format, s.tokens, s.block_table.clone(), g.num_blocks).map_err(|e| Refusal::new(Code::BadRequest, format!("source request: {e}")))?;
         Ok(SourceGroup {
             model: g.model.clone(),
             format: g.format,
@@ -420,7 +420,7 @@ fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>) -
     let dst = Side::with_table(&g.model, &dst_layout, dst_format, s.tokens, a.block_table.clone(), a.num_blocks).map_err(|e| failed(&e))?;
     let input = PlanInput { model: &g.model, tokens: s.tokens, prefix_tokens: a.prefix_tokens, src: &g.side, dst: &dst, cost: CostModel::default() };
     let plan = plan::build(&input).map_err(|e| failed(&e))?;
-    let schedule = Schedule::new(&g.model, &g.format, &plan, codec).map_err(refused(Code::BadRequest))?;
+    let schedule = Schedule::new(&g.model, &g.format, &plan, codec).map_err(|e| Refusal::new(Code::BadRequest, format!("schedule: {e}")))?;
     Ok(Planned { dst, plan, schedule })
 }
 

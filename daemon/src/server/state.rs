@@ -18,9 +18,10 @@ use std::time::{Duration, Instant};
 pub(crate) struct RankCache {
     // Field order: regions (revoked on release) before the memory.
     pub regions: BTreeMap<RegionId, Arc<Region>>,
-    pub mem: Arc<HostMem>,
+    /// The memfds its regions are windows of (the first one for a device rank's mirror).
+    pub mems: Vec<Arc<HostMem>>,
     pub client: u64,
-    // A device-resident rank: `mem` is this daemon's host mirror of it.
+    // A device-resident rank: `mems[0]` is this daemon's host mirror of it.
     pub device: Option<DeviceRank>,
 }
 

@@ -5,3 +5,4 @@ mod daemons;
 mod discovery;
 mod hostile;
 mod metrics;
+mod tensors;
