@@ -232,6 +232,15 @@ impl Side {
         }
     }
 
+    /// Bytes rank `rank`'s cache occupies in one memory: its regions back to
+    /// back, or its engine tensors back to back (their regions interleave).
+    pub fn rank_bytes(&self, model: &ModelSpec, rank: u32) -> u64 {
+        match self.engine.get(rank as usize) {
+            Some((tensors, _)) => tensors.iter().map(Expected::bytes).sum(),
+            None => self.regions(model, rank).iter().map(|(_, l)| l).sum(),
+        }
+    }
+
     /// The regions rank `rank` holds and their byte lengths (checked to fit
     /// when the side was built).
     pub fn regions(&self, model: &ModelSpec, rank: u32) -> Vec<(RegionId, u64)> {

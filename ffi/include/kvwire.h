@@ -74,7 +74,9 @@ enum kvw_result
   KVW_LIMIT = 108,
   // No prepared receive matches the submitted transfer.
   KVW_NOT_PREPARED = 109,
-  // Bad block table or token counts, or a request already prepared.
+  // A request the daemon cannot carry out as asked: block table or token
+  // counts, a plan, manifest or codec refusal, a request already prepared
+  // or a slot already finished (the client's last error names which).
   KVW_BAD_REQUEST = 110,
   // The destination peer is not configured.
   KVW_UNKNOWN_PEER = 200,
@@ -231,7 +233,8 @@ void kvw_mem_free(struct kvw_mem *mem);
 
 // How many regions rank `rank` of `layout` holds and how many bytes they
 // take back to back — the size of the [`kvw_mem`] to register for it —
-// computed locally with the daemon's own rules.
+// computed locally with the daemon's own rules. With `kv=` (engine
+// tensors) the bytes are the rank's tensors back to back.
 //
 // `model_json` is the model source as JSON: `{"builtin": "llama-3.1-8b"}`,
 // `{"hf_config": "<config.json text>"}` or `{"toml": "<spec text>"}`;
@@ -349,6 +352,44 @@ kvw_result kvw_register_device_cache(const struct kvw_client *client,
                                      uint32_t *out_regions,
                                      uint64_t *out_bytes,
                                      bool *out_complete);
+
+// Registers rank `rank` of cache group `group` as the engine's own
+// tensors, mapped by the daemon where they are (no copy). The layout must
+// name their order with `kv=` (a preset: `vllm_nhd`, `vllm_hnd`,
+// `flashinfer`, `flashinfer_hnd`, `vllm_cpu`, `vllm_cross`, or an order
+// word); `num_blocks` is the blocks each tensor holds.
+//
+// - `tensors_json`: a JSON list, one object per tensor: `{"memory": I,
+//   "offset": BYTES, "dtype": "bf16", "shape": [...], "strides": [...]
+//   (in elements), "role": "k"|"v"|"kv"|"kv_packed", "layers": [FIRST,
+//   END)}`; `memory` indexes `fds`.
+// - `fds`, `n_fds`: the memfds the tensors live in (shareable memory the
+//   engine allocated), at most 128.
+//
+// The other arguments and the outputs are those of [`kvw_register_cache`].
+// The descriptors stay the caller's (the daemon maps its own copies); keep
+// the memory alive until [`kvw_release_cache`]. A tensor that does not
+// match the layout, reaches past its memfd, overlaps another or has
+// another dtype than `format` is `KVW_BAD_REGION` (103), named in
+// [`kvw_client_last_error`].
+//
+// # Safety
+// As [`kvw_register_cache`]; `fds` readable for `n_fds` ints, each an
+// open descriptor (NULL allowed when `n_fds` is 0).
+kvw_result kvw_register_tensors(const struct kvw_client *client,
+                                const char *group,
+                                const char *model_json,
+                                const char *format,
+                                const char *layout,
+                                uint32_t rank,
+                                uint32_t num_blocks,
+                                const char *identity_json,
+                                const char *tensors_json,
+                                const int *fds,
+                                size_t n_fds,
+                                uint32_t *out_regions,
+                                uint64_t *out_bytes,
+                                bool *out_complete);
 
 // Prepares destination group `group` to receive request `request` into
 // the blocks `block_table[0..n]` (block ids in position order, shared by

@@ -9,18 +9,35 @@ with peer b), on loopback with the tcp transport, and stops them at the end.
 The transfer: source tp=2, block 16, nhd; destination tp=4, block 8, hnd;
 shuffled block tables and a partial final block. Every destination byte is
 checked against offsets computed from the layout definition.
+
+Engine tensors: a source holding vLLM CPU per-layer tensors, one memfd per
+layer, sends to FlashInfer per-layer tensors in one memfd (TP 2 -> 1);
+offsets come from each engine's tensor shape. numpy views are checked when
+numpy is installed, torch views when torch is (each says when skipped).
 """
 
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# KVWIRE_TEST_INSTALLED=1 tests the installed package (a wheel), not the tree's.
+if os.environ.get("KVWIRE_TEST_INSTALLED") != "1":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kvwire  # noqa: E402
+
+try:
+    import numpy  # noqa: F401
+except ImportError:
+    numpy = None
+try:
+    import torch
+except ImportError:
+    torch = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.normpath(os.path.join(HERE, "..", ".."))
@@ -295,6 +312,143 @@ def test_timeout_cancel_and_bad_arguments(d):
             m.close()
 
 
+# Engine tensors: (preset, tp, block, blocks, table).
+ENG_SRC = dict(preset="vllm_cpu", tp=2, block=16, blocks=9, table=[4, 0, 8, 2, 6, 1, 7])
+ENG_DST = dict(preset="flashinfer", tp=1, block=32, blocks=5, table=[3, 0, 4, 1])
+GAP = 4096
+
+
+def eng_index(side, kv, b, t, h):
+    """Element index of (K/V, block, slot, local head) in a per-layer tensor, from the engine's shape."""
+    nt, nh, nd = side["block"], HEADS // side["tp"], ROW // 2
+    if side["preset"] == "vllm_cpu":  # (blocks, heads, block, 2*dim)
+        return ((b * nh + h) * nt + t) * 2 * nd + kv * nd
+    return (((b * 2 + kv) * nt + t) * nh + h) * nd  # flashinfer: (blocks, 2, block, heads, dim)
+
+
+def eng_register(client, group, side, per_layer_memfd):
+    """Allocates the engine's tensors in SharedMemory and registers them; returns per rank [(mem, offset)] by layer."""
+    shape, role = kvwire.preset_shape(side["preset"], side["blocks"], side["block"], HEADS // side["tp"], ROW // 2)
+    nbytes = 2
+    for n in shape:
+        nbytes *= n
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    out = []
+    for rank in range(side["tp"]):
+        if per_layer_memfd:
+            places = [(kvwire.SharedMemory(GAP + nbytes, "layer%d" % l), GAP) for l in range(LAYERS)]
+        else:
+            one = kvwire.SharedMemory(GAP + LAYERS * (nbytes + GAP))
+            places = [(one, GAP + l * (nbytes + GAP)) for l in range(LAYERS)]
+        specs = []
+        for l, (mem, off) in enumerate(places):
+            ctypes_fill(mem, CANARY)
+            spec = kvwire.TensorSpec(mem, off, "bf16", tuple(shape), tuple(strides), role, (l, l + 1))
+            if numpy is not None:
+                # The engine's tensor is a numpy view of the shared memory (fp16: numpy has no
+                # bfloat16, and only the element size matters here); its description is read off it.
+                view = mem.numpy("fp16", shape, off)
+                got = kvwire.TensorSpec.of(view, mem, role, (l, l + 1))
+                assert (got.offset, got.shape, got.strides) == (off, tuple(shape), tuple(strides)), got
+            specs.append(spec)
+        layout = "tp=%d,block=%d,kv=%s" % (side["tp"], side["block"], side["preset"])
+        r, b, complete = client.register_tensors(group, MODEL, "bf16", layout, rank, side["blocks"], IDENTITY, specs)
+        assert (r, b, complete) == (LAYERS * 2, LAYERS * nbytes, rank == side["tp"] - 1), (r, b, complete)
+        out.append(places)
+    return out
+
+
+def ctypes_fill(mem, byte):
+    mem.write(0, bytes([byte]) * len(mem))
+
+
+def eng_locate(side, places, layer, kv, head, pos):
+    per = HEADS // side["tp"]
+    rank = head // per
+    b = side["table"][pos // side["block"]]
+    mem, off = places[rank][layer]
+    return mem, off + eng_index(side, kv, b, pos % side["block"], head % per) * 2
+
+
+def test_views_are_zero_copy(d):
+    with kvwire.Mem(4096) as m:
+        if numpy is None:
+            print("     skipped numpy views: numpy is not installed")
+        else:
+            v = m.numpy("uint8", (16, 256))
+            v[3, 5] = 77
+            assert m.read(3 * 256 + 5, 1) == b"\x4d"
+            m.write(8, struct.pack("<f", 1.5))
+            f = m.numpy("float32", (4,), offset=8)
+            assert f[0] == 1.5, f
+            s = kvwire.SharedMemory(1 << 12)
+            s.numpy("uint8")[100:104] = [1, 2, 3, 4]
+            assert s.read(100, 4) == bytes([1, 2, 3, 4])
+            e = None
+            try:
+                m.numpy("fp32", (2048,))
+            except IndexError as err:
+                e = err
+            assert e is not None and "past" in str(e), e
+        if torch is None:
+            print("     skipped torch views: torch is not installed")
+        else:
+            t = m.torch(torch.bfloat16, (8, 16), offset=64)
+            t[1, 2] = 2.0
+            assert m.read(64 + (16 + 2) * 2, 2) == bytes([0x00, 0x40]), m.read(64 + 36, 2)
+
+
+def test_engine_tensors_move_between_two_layouts(d):
+    a = kvwire.Client(d.sock_a, "py-engine-prefill")
+    b = kvwire.Client(d.sock_b, "py-engine-decode")
+    try:
+        src = eng_register(a, "py-eng-src", ENG_SRC, True)
+        dst = eng_register(b, "py-eng-dst", ENG_DST, False)
+        dst_mem = dst[0][0][0]
+        want = bytearray(dst_mem.read())
+        for layer, kv, h, pos in rows():
+            row = row_code(layer, kv, h, pos)
+            mem, off = eng_locate(ENG_SRC, src, layer, kv, h, pos)
+            mem.write(off, row)
+            _, o = eng_locate(ENG_DST, dst, layer, kv, h, pos)
+            want[o : o + ROW] = row
+        slot = b.prepare_receive("py-eng-dst", "e1", ENG_DST["table"], TOKENS)
+        sslot, _ = a.submit("pe1", "py-eng-src", ENG_SRC["table"], TOKENS, d.peer_b, "py-eng-dst", "e1")
+        b.decoder_usable(slot, timeout_ms=20000)
+        a.source_released(sslot, timeout_ms=20000)
+        got = dst_mem.read()
+        if got != bytes(want):
+            bad = [i for i in range(len(got)) if got[i] != want[i]]
+            raise AssertionError("%d destination bytes differ, first at %d" % (len(bad), bad[0]))
+        if numpy is not None:
+            # The engine reads its tensor through the same zero-copy view.
+            shape, _ = kvwire.preset_shape("flashinfer", ENG_DST["blocks"], ENG_DST["block"], HEADS, ROW // 2)
+            view = dst_mem.numpy("fp16", shape, dst[0][1][1])
+            blk = ENG_DST["table"][0]
+            assert view[blk, 1, 3, 2].tobytes() == row_code(1, 1, 2, 3), "layer 1 V, position 3, head 2"
+        # A tensor that reaches past its memfd is refused by name.
+        mem = kvwire.SharedMemory(1 << 12)
+        bad = kvwire.TensorSpec(mem, 0, "bf16", (2, 2, 16, 4, 16), (2048, 1024, 64, 16, 1), "kv", (0, 1))
+        e = expect_error(kvwire.KVW_BAD_REGION, b.register_tensors, "py-eng-bad", MODEL, "bf16", "tp=1,block=16,kv=vllm_nhd", 0, 2, IDENTITY, [bad])
+        assert "past memory 0" in e.message, e.message
+        # A model given as a path to its config.json is read by the client library.
+        cfg = os.path.join(tempfile.mkdtemp(prefix="kvwire-py-cfg."), "config.json")
+        with open(cfg, "w") as f:
+            f.write('{"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 4, "hidden_size": 256, "torch_dtype": "bfloat16"}')
+        regions, _ = kvwire.cache_size({"hf_config": cfg}, "bf16", "tp=1,block=16", 0, 4)
+        assert regions == 4, regions
+        e = expect_error(kvwire.KVW_BAD_MODEL, kvwire.cache_size, {"hf_config": cfg + ".missing"}, "bf16", "tp=1", 0, 4)
+        assert "neither" in e.message, e.message
+        for rank in range(ENG_SRC["tp"]):
+            a.release_cache("py-eng-src", rank)
+        b.release_cache("py-eng-dst", 0)
+    finally:
+        a.close()
+        b.close()
+
+
 TESTS = [
     test_result_codes_match_the_header,
     test_connect_errors,
@@ -302,6 +456,8 @@ TESTS = [
     test_bad_layout_is_102_with_the_daemons_message,
     test_transfer_every_layer_and_every_byte,
     test_timeout_cancel_and_bad_arguments,
+    test_views_are_zero_copy,
+    test_engine_tensors_move_between_two_layouts,
 ]
 
 

@@ -14,7 +14,8 @@ use std::ffi::c_char;
 
 /// How many regions rank `rank` of `layout` holds and how many bytes they
 /// take back to back — the size of the [`kvw_mem`] to register for it —
-/// computed locally with the daemon's own rules.
+/// computed locally with the daemon's own rules. With `kv=` (engine
+/// tensors) the bytes are the rank's tensors back to back.
 ///
 /// `model_json` is the model source as JSON: `{"builtin": "llama-3.1-8b"}`,
 /// `{"hf_config": "<config.json text>"}` or `{"toml": "<spec text>"}`;
@@ -54,7 +55,7 @@ pub unsafe extern "C" fn kvw_cache_size(
             ));
         }
         let regions = side.regions(&model, rank);
-        let bytes: u64 = regions.iter().map(|(_, l)| l).sum();
+        let bytes = side.rank_bytes(&model, rank);
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe {
             *out_regions = regions.len() as u32;

@@ -1,5 +1,6 @@
-//! Registering a rank's cache, in host memory ([`kvw_register_cache`]) or
-//! device memory ([`kvw_register_device_cache`]).
+//! Registering a rank's cache, in host memory ([`kvw_register_cache`]),
+//! device memory ([`kvw_register_device_cache`]), or the engine's own
+//! tensors in memfds it owns ([`kvw_register_tensors`]).
 
 use crate::args::{model_source, out, request, text};
 use crate::boundary::{client_guard, lock, Fail};
@@ -7,7 +8,8 @@ use crate::codes::kvw_result::{self, *};
 #[cfg(doc)] // for the doc links
 use crate::{kvw_cache_size, kvw_client_free, kvw_client_last_error, kvw_release_cache};
 use crate::{kvw_client, kvw_mem};
-use kvwire_client::control::{RegisterCache, RegisterDeviceCache};
+use kvwire_client::control::{RegisterCache, RegisterDeviceCache, RegisterTensors};
+use kvwire_core::tensors::TensorDesc;
 use kvwire_core::reuse::CacheIdentity;
 use std::ffi::{c_char, c_int};
 
@@ -124,7 +126,80 @@ pub unsafe extern "C" fn kvw_register_device_cache(
     })
 }
 
-/// The cache registration both register calls send.
+/// Registers rank `rank` of cache group `group` as the engine's own
+/// tensors, mapped by the daemon where they are (no copy). The layout must
+/// name their order with `kv=` (a preset: `vllm_nhd`, `vllm_hnd`,
+/// `flashinfer`, `flashinfer_hnd`, `vllm_cpu`, `vllm_cross`, or an order
+/// word); `num_blocks` is the blocks each tensor holds.
+///
+/// - `tensors_json`: a JSON list, one object per tensor: `{"memory": I,
+///   "offset": BYTES, "dtype": "bf16", "shape": [...], "strides": [...]
+///   (in elements), "role": "k"|"v"|"kv"|"kv_packed", "layers": [FIRST,
+///   END)}`; `memory` indexes `fds`.
+/// - `fds`, `n_fds`: the memfds the tensors live in (shareable memory the
+///   engine allocated), at most 128.
+///
+/// The other arguments and the outputs are those of [`kvw_register_cache`].
+/// The descriptors stay the caller's (the daemon maps its own copies); keep
+/// the memory alive until [`kvw_release_cache`]. A tensor that does not
+/// match the layout, reaches past its memfd, overlaps another or has
+/// another dtype than `format` is `KVW_BAD_REGION` (103), named in
+/// [`kvw_client_last_error`].
+///
+/// # Safety
+/// As [`kvw_register_cache`]; `fds` readable for `n_fds` ints, each an
+/// open descriptor (NULL allowed when `n_fds` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn kvw_register_tensors(
+    client: *const kvw_client,
+    group: *const c_char,
+    model_json: *const c_char,
+    format: *const c_char,
+    layout: *const c_char,
+    rank: u32,
+    num_blocks: u32,
+    identity_json: *const c_char,
+    tensors_json: *const c_char,
+    fds: *const c_int,
+    n_fds: usize,
+    out_regions: *mut u32,
+    out_bytes: *mut u64,
+    out_complete: *mut bool,
+) -> kvw_result {
+    client_guard(client, |c| {
+        // SAFETY: forwarded caller contract.
+        let cache = unsafe { register_request(group, model_json, format, layout, rank, num_blocks, identity_json) }?;
+        // SAFETY: NULL or NUL-terminated, per the contract.
+        let tensors_json = unsafe { text(tensors_json, "tensors_json") }?;
+        let tensors: Vec<TensorDesc> = serde_json::from_str(tensors_json).map_err(|e| {
+            Fail::new(KVW_INVALID_JSON, format!("tensors_json: {e} (a list of {{memory, offset, dtype, shape, strides, role, layers}})"))
+        })?;
+        if n_fds > kvwire_client::wire::MAX_FDS {
+            return Err(Fail::new(KVW_INVALID_ARGUMENT, format!("{n_fds} fds; at most {}", kvwire_client::wire::MAX_FDS)));
+        }
+        let raw: &[c_int] = match (fds.is_null(), n_fds) {
+            (_, 0) => &[],
+            (true, _) => return Err(Fail::null("fds")),
+            // SAFETY: readable for n_fds ints, per the contract.
+            (false, n) => unsafe { std::slice::from_raw_parts(fds, n) },
+        };
+        if let Some(bad) = raw.iter().find(|&&fd| fd < 0) {
+            return Err(Fail::new(KVW_INVALID_ARGUMENT, format!("fd {bad} is not an open descriptor")));
+        }
+        // SAFETY: open descriptors per the contract, borrowed for this call only.
+        let borrowed: Vec<_> = raw.iter().map(|&fd| unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).collect();
+        let outs = (out(out_regions, "out_regions")?, out(out_bytes, "out_bytes")?, out(out_complete, "out_complete")?);
+        let done = {
+            let _call = lock(&c.call);
+            c.client.register_tensors(RegisterTensors { cache, tensors }, &borrowed)?
+        };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put_registered(outs, done) };
+        Ok(())
+    })
+}
+
+/// The cache registration the register calls send.
 ///
 /// # Safety
 /// Strings NULL or NUL-terminated.

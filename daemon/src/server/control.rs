@@ -357,10 +357,7 @@ impl Daemon {
         }
         let regions = side.regions(&model, r.rank);
         // Engine tensors' regions interleave: what they need is their tensors' size.
-        let total: u64 = match side.engine.get(r.rank as usize) {
-            Some((expected, _)) => expected.iter().map(|e| e.bytes()).sum(),
-            None => regions.iter().map(|(_, l)| l).sum(),
-        };
+        let total = side.rank_bytes(&model, r.rank);
         let (mems, device) = memory(r.rank, regions.len(), total).map_err(refused(Code::BadRegion))?;
         let windows = windows(&side, r.rank, &regions, tensors, format, &mems)?;
         let mut st = self.groups.lock().expect("groups lock");

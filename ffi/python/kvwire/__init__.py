@@ -1,8 +1,10 @@
 """kvwire's Python client: ctypes over the C ABI (libkvwire_ffi.so).
 
-No third-party packages. The library is found, in order, at
-``$KVWIRE_FFI_LIB``, in the workspace's ``target/debug`` or
-``target/release`` (relative to this file), or by the system loader.
+No third-party packages are needed; ``numpy()`` views need numpy and
+``torch()`` views torch, imported only when asked for. The library is found,
+in order, at ``$KVWIRE_FFI_LIB``, beside this package (an installed wheel
+carries it), in the workspace's ``target/debug`` or ``target/release``
+(relative to this file), or by the system loader.
 
 Ownership follows the C API (ffi/include/kvwire.h): a :class:`Client` or
 :class:`Mem` owns its handle and frees it on :meth:`close` (or at the end of
@@ -11,15 +13,22 @@ Every failure raises :class:`KvwireError`, carrying the numbered code and,
 for daemon errors, the daemon's message.
 """
 
+from __future__ import annotations
+
 import ctypes
 import ctypes.util
 import json
 import os
+from typing import Any, Optional, Sequence, Tuple
 
 __all__ = [
     "KvwireError",
     "Client",
     "Mem",
+    "SharedMemory",
+    "TensorSpec",
+    "preset_shape",
+    "PRESETS",
     "cache_size",
     "strerror",
     "RESULTS",
@@ -74,13 +83,16 @@ STATES = {0: "prepared", 1: "running", 2: "done", 3: "failed", 4: "cancelled"}
 MESSAGE_MAX = 1024  # KVW_MESSAGE_MAX
 
 
-def _find_library():
+def _find_library() -> str:
     env = os.environ.get("KVWIRE_FFI_LIB")
     if env:
         return env
     here = os.path.dirname(os.path.abspath(__file__))
+    bundled = os.path.join(here, "libkvwire_ffi.so")
+    if os.path.exists(bundled):
+        return bundled
     for profile in ("debug", "release"):
-        p = os.path.join(here, "..", "..", "target", profile, "libkvwire_ffi.so")
+        p = os.path.join(here, "..", "..", "..", "target", profile, "libkvwire_ffi.so")
         if os.path.exists(p):
             return os.path.normpath(p)
     found = ctypes.util.find_library("kvwire_ffi")
@@ -122,6 +134,10 @@ _register_device = _sig(
     "kvw_register_device_cache",
     _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _u32, _u64, ctypes.c_int, _P(ctypes.c_uint8), _sz,
     _P(_u32), _P(_u64), _P(ctypes.c_bool),
+)
+_register_tensors = _sig(
+    "kvw_register_tensors",
+    _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _c, _P(ctypes.c_int), _sz, _P(_u32), _P(_u64), _P(ctypes.c_bool),
 )
 _prepare = _sig("kvw_prepare_receive", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _u64, _P(_u16))
 _submit = _sig("kvw_submit", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
@@ -245,6 +261,15 @@ class Mem(_Handle):
     def fill(self, byte):
         ctypes.memset(self.ptr, byte, len(self))
 
+    def numpy(self, dtype: Any = "uint8", shape: Optional[Sequence[int]] = None, offset: int = 0, strides: Optional[Sequence[int]] = None) -> Any:
+        """A zero-copy numpy view of the buffer (``strides`` in elements);
+        it keeps this Mem alive, and must not be used after :meth:`close`."""
+        return _views.numpy_view(self.ptr, len(self), self, dtype, shape, offset, strides)
+
+    def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, strides: Optional[Sequence[int]] = None) -> Any:
+        """A zero-copy torch view of the buffer (torch imported on first use)."""
+        return _views.torch_view(self.ptr, len(self), self, dtype, shape, offset, strides)
+
     _free = staticmethod(lambda h: _mem_free(h))
 
 
@@ -323,6 +348,37 @@ class Client(_Handle):
         )
         return regions.value, nbytes.value, complete.value
 
+    def register_tensors(self, group: str, model: Any, fmt: str, layout: str, rank: int, num_blocks: int, identity: Any, tensors: Sequence["TensorSpec"]) -> Tuple[int, int, bool]:
+        """Registers one rank's cache as the engine's own tensors, living in
+        :class:`SharedMemory` (memfds), with no copy. ``layout`` names their
+        order with ``kv=`` (a preset such as ``vllm_nhd`` or ``flashinfer``);
+        each :class:`TensorSpec` says where a tensor is and what it holds.
+        Returns ``(regions, bytes, complete)``."""
+        mems: list = []
+        for t in tensors:
+            if not any(t.memory is m for m in mems):
+                mems.append(t.memory)
+        listed = [t.describe(next(i for i, m in enumerate(mems) if m is t.memory)) for t in tensors]
+        fds = (ctypes.c_int * max(len(mems), 1))(*[m.fd for m in mems])
+        regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
+        self._call(
+            _register_tensors,
+            _b(group),
+            _json(model),
+            _b(fmt),
+            _b(layout),
+            rank,
+            num_blocks,
+            _json(identity),
+            _json(listed),
+            fds,
+            len(mems),
+            ctypes.byref(regions),
+            ctypes.byref(nbytes),
+            ctypes.byref(complete),
+        )
+        return regions.value, nbytes.value, complete.value
+
     def prepare_receive(self, group, request, block_table, tokens, prefix_tokens=0):
         """Prepares to receive ``request``; returns the slot to wait on."""
         arr, n = _table(block_table)
@@ -383,3 +439,7 @@ class Client(_Handle):
         self._call(_release, _b(group), rank)
 
     _free = staticmethod(lambda h: _client_free(h))
+
+
+from . import _views  # noqa: E402  (after the ABI: the views use nothing of it)
+from ._views import PRESETS, SharedMemory, TensorSpec, preset_shape  # noqa: E402

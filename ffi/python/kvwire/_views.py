@@ -1,0 +1,204 @@
+"""Zero-copy views of kvwire memory, engine-owned shareable memory, and the
+description of an engine's tensors for ``Client.register_tensors``.
+
+numpy and torch are imported only when a view of that kind is asked for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence, Tuple
+
+# kv= presets and their order words (core/src/tensors.rs).
+PRESETS = {
+    "vllm_nhd": "kbthd",
+    "vllm_hnd": "kbhtd",
+    "flashinfer": "bkthd",
+    "flashinfer_hnd": "bkhtd",
+    "vllm_cpu": "bhtkd",
+    "vllm_cross": "blkthd",
+}
+
+# kvwire dtype names -> (bytes, numpy name or None, torch attribute or None)
+_DTYPES = {
+    "bf16": (2, None, "bfloat16"),
+    "fp16": (2, "float16", "float16"),
+    "fp32": (4, "float32", "float32"),
+    "fp8_e4m3": (1, None, "float8_e4m3fn"),
+    "fp8_e5m2": (1, None, "float8_e5m2"),
+    "uint8": (1, "uint8", "uint8"),
+}
+_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32", "float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2", "u8": "uint8"}
+
+
+def dtype_name(dtype: Any) -> str:
+    """kvwire's name of a dtype given as text, a numpy dtype or a torch dtype."""
+    text = str(dtype)
+    for prefix in ("torch.", "numpy."):
+        if text.startswith(prefix):
+            text = text[len(prefix):]
+    text = _ALIASES.get(text, text)
+    if text not in _DTYPES:
+        raise TypeError("dtype %r: kvwire knows %s" % (dtype, ", ".join(sorted(_DTYPES))))
+    return text
+
+
+def preset_shape(preset: str, num_blocks: int, block_size: int, heads: int, head_dim: int, layers: int = 1) -> Tuple[Tuple[int, ...], str]:
+    """The engine tensor shape of ``preset`` and the role to register it with,
+    for a rank holding ``heads`` KV heads (``layers`` layers for ``vllm_cross``)."""
+    sizes = {"l": layers, "k": 2, "b": num_blocks, "t": block_size, "h": heads, "d": head_dim}
+    word = PRESETS.get(preset, preset)
+    if preset == "vllm_cpu":
+        return (num_blocks, heads, block_size, 2 * head_dim), "kv_packed"
+    return tuple(sizes[c] for c in word), ("kv" if "k" in word else "k")
+
+
+def _check_span(nbytes: int, offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> None:
+    if any(n <= 0 for n in shape):
+        raise ValueError("shape %r: every size must be > 0" % (tuple(shape),))
+    last = offset + (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * itemsize
+    if offset < 0 or last > nbytes:
+        raise IndexError("a view of shape %r at byte %d reaches byte %d, past the memory's %d" % (tuple(shape), offset, last, nbytes))
+
+
+def _row_major(shape: Sequence[int]) -> Tuple[int, ...]:
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return tuple(out)
+
+
+def _array(ptr: int, nbytes: int, owner: Any) -> Any:
+    arr = (ctypes.c_uint8 * nbytes).from_address(ptr)
+    arr._kvwire_owner = owner  # the view keeps the memory mapped
+    return arr
+
+
+def numpy_view(ptr: int, nbytes: int, owner: Any, dtype: Any = "uint8", shape: Optional[Sequence[int]] = None, offset: int = 0, strides: Optional[Sequence[int]] = None) -> Any:
+    import numpy as np
+
+    name = dtype_name(dtype)
+    size, np_name, _ = _DTYPES[name]
+    if np_name is None:
+        raise TypeError("numpy has no %s: take a torch() view, or numpy() with a same-size integer dtype" % name)
+    shape = tuple(shape) if shape is not None else ((nbytes - offset) // size,)
+    strides = tuple(strides) if strides is not None else _row_major(shape)
+    _check_span(nbytes, offset, shape, strides, size)
+    return np.ndarray(shape, dtype=np.dtype(np_name), buffer=_array(ptr, nbytes, owner), offset=offset, strides=tuple(s * size for s in strides))
+
+
+def torch_view(ptr: int, nbytes: int, owner: Any, dtype: Any, shape: Sequence[int], offset: int = 0, strides: Optional[Sequence[int]] = None) -> Any:
+    import torch
+
+    name = dtype_name(dtype)
+    size, _, attr = _DTYPES[name]
+    shape = tuple(shape)
+    strides = tuple(strides) if strides is not None else _row_major(shape)
+    _check_span(nbytes, offset, shape, strides, size)
+    span = sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    flat = torch.frombuffer(_array(ptr, nbytes, owner), dtype=getattr(torch, attr), count=span, offset=offset)
+    return flat.as_strided(shape, strides)
+
+
+class SharedMemory:
+    """Engine-owned, shareable host memory: a memfd mapped into this process.
+    Tensors made over it (:meth:`numpy`, :meth:`torch`) are the engine's
+    cache; :meth:`kvwire.Client.register_tensors` hands the memfd to the
+    daemon, which maps the same pages, so nothing is copied."""
+
+    def __init__(self, nbytes: int, name: str = "kvwire-engine") -> None:
+        if nbytes <= 0:
+            raise ValueError("cannot make shared memory of %d bytes" % nbytes)
+        # The daemon seals it against shrinking before it maps it.
+        self.fd: int = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self._map: Optional[mmap.mmap] = mmap.mmap(self.fd, nbytes)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._arr = (ctypes.c_uint8 * nbytes).from_buffer(self._map)
+        self.ptr: int = ctypes.addressof(self._arr)
+        self._len = nbytes
+
+    def __len__(self) -> int:
+        return self._len
+
+    def numpy(self, dtype: Any = "uint8", shape: Optional[Sequence[int]] = None, offset: int = 0, strides: Optional[Sequence[int]] = None) -> Any:
+        """A zero-copy numpy view (``offset`` in bytes, ``strides`` in elements)."""
+        return numpy_view(self.ptr, self._len, self, dtype, shape, offset, strides)
+
+    def torch(self, dtype: Any, shape: Sequence[int], offset: int = 0, strides: Optional[Sequence[int]] = None) -> Any:
+        """A zero-copy torch view (``offset`` in bytes, ``strides`` in elements)."""
+        return torch_view(self.ptr, self._len, self, dtype, shape, offset, strides)
+
+    def read(self, offset: int = 0, length: Optional[int] = None) -> bytes:
+        length = self._len - offset if length is None else length
+        return ctypes.string_at(self.ptr + offset, length)
+
+    def write(self, offset: int, data: bytes) -> None:
+        if offset < 0 or offset + len(data) > self._len:
+            raise IndexError("write of %d bytes at %d past %d" % (len(data), offset, self._len))
+        ctypes.memmove(self.ptr + offset, data, len(data))
+
+    def close(self) -> None:
+        """Closes the fd; the mapping goes with the last view of it."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "SharedMemory":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+@dataclass
+class TensorSpec:
+    """One engine tensor: where it lives (``memory`` at byte ``offset``), its
+    dtype, shape and strides (in elements), its role (``k``, ``v``, ``kv``
+    or ``kv_packed``) and the half-open layer range it holds."""
+
+    memory: SharedMemory
+    offset: int
+    dtype: str
+    shape: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    role: str
+    layers: Tuple[int, int]
+
+    @classmethod
+    def of(cls, view: Any, memory: SharedMemory, role: str, layers: Tuple[int, int]) -> "TensorSpec":
+        """The description of a numpy array or torch tensor that lives in ``memory``."""
+        if hasattr(view, "data_ptr"):  # torch
+            addr, shape, strides = view.data_ptr(), tuple(view.shape), tuple(view.stride())
+        else:  # numpy
+            item = view.dtype.itemsize
+            addr, shape = view.ctypes.data, tuple(view.shape)
+            if any(s % item for s in view.strides):
+                raise ValueError("strides %r are not whole elements" % (view.strides,))
+            strides = tuple(s // item for s in view.strides)
+        offset = addr - memory.ptr
+        if offset < 0 or offset >= len(memory):
+            raise ValueError("the tensor does not live in this SharedMemory (it is at %#x, the memory at %#x..%#x)" % (addr, memory.ptr, memory.ptr + len(memory)))
+        return cls(memory, offset, dtype_name(view.dtype), shape, strides, role, (int(layers[0]), int(layers[1])))
+
+    def describe(self, memory_index: int) -> dict:
+        return {
+            "memory": memory_index,
+            "offset": self.offset,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "strides": list(self.strides),
+            "role": self.role,
+            "layers": list(self.layers),
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _DTYPES[dtype_name(self.dtype)][0]
