@@ -26,9 +26,16 @@ import tempfile
 import traceback
 
 # KVWIRE_TEST_INSTALLED=1 tests the installed package (a wheel), not the tree's.
-if os.environ.get("KVWIRE_TEST_INSTALLED") != "1":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+_here = os.path.dirname(os.path.abspath(__file__))
+if os.environ.get("KVWIRE_TEST_INSTALLED") == "1":
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+else:
+    sys.path.insert(0, _here)
 import kvwire  # noqa: E402
+
+if os.environ.get("KVWIRE_TEST_INSTALLED") == "1":
+    assert not os.path.abspath(kvwire.__file__).startswith(_here), "testing the tree's kvwire, not the installed one: " + kvwire.__file__
+    assert os.path.dirname(kvwire._find_library()) == os.path.dirname(kvwire.__file__) or os.environ.get("KVWIRE_FFI_LIB"), kvwire._find_library()
 
 try:
     import numpy  # noqa: F401
