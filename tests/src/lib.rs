@@ -8,5 +8,6 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod engine;
 pub mod scenario;
 pub mod tinylm;

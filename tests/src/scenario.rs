@@ -4,6 +4,7 @@
 //! daemon B, prepares the request, and after the transfer gathers the cache,
 //! runs one decode step and compares the logits with a local computation.
 
+use crate::engine::EngineCache;
 use crate::tinylm::{self, Adapter, KvCache, Weights};
 use kvwire_core::layout::{inventory, Inventory};
 use kvwire_core::plan::Side;
@@ -358,24 +359,40 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     let src_group = format!("{}-prefill", sc.name);
     register_group(a, &src_group, &toml, &sc.src_layout, &src, &src_mems, &sid, sc.memory)?;
 
-    // Decode side: its own layout; a prefix it computed itself, if any.
+    // Decode side: its own layout; a prefix it computed itself, if any. A
+    // layout with `kv=` is an engine holding its own per-layer tensors.
     let dst = side(&model, &sc.dst_layout, sc.tokens)?;
-    let held: Option<KvCache> = (sc.prefix > 0).then(|| tinylm::prefill(&w, adapter.as_ref(), &tokens[..sc.prefix as usize]).0);
-    let dst_mems = (0..dst.shard.ranks.len() as u32)
-        .map(|r| {
-            let regions = held.as_ref().map(|h| {
-                let short = side(&model, &sc.dst_layout, sc.prefix).expect("prefix side");
-                // Same table prefix: place the held positions where the request's blocks are.
-                let short = Side { block_table: dst.block_table.clone(), num_blocks: dst.num_blocks, ..short };
-                tinylm::scatter(h, &model, &short, r)
-            });
-            rank_mem(sc.memory, &model, &dst, r, regions.as_ref())
-        })
-        .collect::<Result<Vec<_>, _>>()?;
+    let dst_group = format!("{}-decode", sc.name);
     let mut did = identity(&w, adapter.as_ref(), &cfg);
     (sc.dst_identity)(&mut did);
-    let dst_group = format!("{}-decode", sc.name);
-    register_group(b, &dst_group, &toml, &sc.dst_layout, &dst, &dst_mems, &did, sc.memory)?;
+    let engine = match &dst.kv {
+        Some(order) => {
+            if sc.prefix > 0 || sc.memory != Memory::Host {
+                return Err(ScenarioError::Setup("an engine-tensor destination holds no prefix and lives in host memory".into()));
+            }
+            let shape = (cfg.kv_heads as u64, cfg.head_dim as u64);
+            Some(EngineCache::register(b, &dst_group, &toml, &sc.dst_layout, &order.name(), &dst, cfg.layers as u64, shape, &did)?)
+        }
+        None => None,
+    };
+    let held: Option<KvCache> = (sc.prefix > 0).then(|| tinylm::prefill(&w, adapter.as_ref(), &tokens[..sc.prefix as usize]).0);
+    let dst_mems = match engine {
+        Some(_) => Vec::new(),
+        None => (0..dst.shard.ranks.len() as u32)
+            .map(|r| {
+                let regions = held.as_ref().map(|h| {
+                    let short = side(&model, &sc.dst_layout, sc.prefix).expect("prefix side");
+                    // Same table prefix: place the held positions where the request's blocks are.
+                    let short = Side { block_table: dst.block_table.clone(), num_blocks: dst.num_blocks, ..short };
+                    tinylm::scatter(h, &model, &short, r)
+                });
+                rank_mem(sc.memory, &model, &dst, r, regions.as_ref())
+            })
+            .collect::<Result<Vec<_>, _>>()?,
+    };
+    if engine.is_none() {
+        register_group(b, &dst_group, &toml, &sc.dst_layout, &dst, &dst_mems, &did, sc.memory)?;
+    }
 
     let request = format!("{}-req", sc.name);
     let slot = b
@@ -421,9 +438,14 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     // The source's status is final once the destination's verdict is back.
     a.wait(sslot, FlagName::DecoderUsable, wait).map_err(step("wait the source's verdict"))?;
 
-    let ranks: Vec<BTreeMap<RegionId, Vec<u8>>> =
-        dst_mems.iter().enumerate().map(|(r, m)| read_rank(&model, &dst, r as u32, m)).collect();
-    let got = tinylm::gather(&ranks, &model, &dst, sc.tokens);
+    let got = match &engine {
+        Some(e) => e.gather(sc.tokens),
+        None => {
+            let ranks: Vec<BTreeMap<RegionId, Vec<u8>>> =
+                dst_mems.iter().enumerate().map(|(r, m)| read_rank(&model, &dst, r as u32, m)).collect();
+            tinylm::gather(&ranks, &model, &dst, sc.tokens)
+        }
+    };
     let remote = tinylm::decode_step(&w, adapter.as_ref(), &got, next, sc.tokens);
     Ok(Outcome {
         inventory: inv,

@@ -88,6 +88,27 @@ fn lossless_remapped_transfers_decode_bitwise_identical() {
 }
 
 #[test]
+fn a_destination_holding_engine_per_layer_tensors_decodes_bitwise_identical() {
+    let _shared = crate::shared();
+    let p = pair("engine", "");
+    // The decode engine's cache is its own tensors, one memfd per layer
+    // (per rank for the cross-layer one), registered as they are; it reads
+    // them back by its own shape after the transfer.
+    for (name, dst) in [
+        ("engine-vllm-nhd", "tp=2,block=32,table=shuffle:2,kv=vllm_nhd"),
+        ("engine-flashinfer", "tp=1,block=16,table=shuffle:3,kv=flashinfer"),
+        ("engine-vllm-cpu", "tp=4,block=8,table=shuffle:5,kv=vllm_cpu"),
+        ("engine-vllm-cross", "tp=2,block=16,kv=vllm_cross"),
+    ] {
+        let mut sc = Scenario::new(name);
+        sc.dst_layout = dst.into();
+        let o = run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_bitwise(&o);
+        assert_eq!(o.destination.bytes, 4 * 4 * 32 * 2 * 4 * 100, "{name}");
+    }
+}
+
+#[test]
 fn a_kept_peer_connection_the_destination_closed_is_replaced_by_a_new_one() {
     let _shared = crate::shared();
     // The destination closes a peer connection idle for its transfer

@@ -1,0 +1,140 @@
+//! A decode engine that keeps its cache as its own tensors: per layer (or
+//! one cross-layer tensor per rank) in the engine's layout, each in its own
+//! memfd, registered as they are (`register_tensors`). After a transfer the
+//! engine reads its tensors by its own shape formula, written here from the
+//! engines' published shapes, not from kvwire's placement code.
+
+use crate::scenario::ScenarioError;
+use crate::tinylm::KvCache;
+use kvwire_client::client::Client;
+use kvwire_client::control::{ModelSource, RegisterCache, RegisterTensors};
+use kvwire_core::plan::Side;
+use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::tensors::{Role, TensorDesc};
+use kvwire_transport::HostMem;
+
+/// The engine's cache: per rank, one memfd per tensor.
+#[derive(Debug)]
+pub struct EngineCache {
+    preset: String,
+    layers: u64,
+    tp: u64,
+    block: u64,
+    num_blocks: u64,
+    table: Vec<u32>,
+    kv_heads: u64,
+    head_dim: u64,
+    mems: Vec<Vec<HostMem>>,
+}
+
+const F32: u64 = 4;
+
+impl EngineCache {
+    /// The engine tensor shape of the preset for one rank, and its role.
+    fn shape(&self) -> (Vec<u64>, Role) {
+        let (nb, t, h, d) = (self.num_blocks, self.block, self.kv_heads / self.tp, self.head_dim);
+        match self.preset.as_str() {
+            "vllm_nhd" => (vec![2, nb, t, h, d], Role::Kv),
+            "vllm_hnd" => (vec![2, nb, h, t, d], Role::Kv),
+            "flashinfer" => (vec![nb, 2, t, h, d], Role::Kv),
+            "flashinfer_hnd" => (vec![nb, 2, h, t, d], Role::Kv),
+            "vllm_cpu" => (vec![nb, h, t, 2 * d], Role::KvPacked),
+            "vllm_cross" => (vec![nb, self.layers, 2, t, h, d], Role::Kv),
+            other => panic!("engine: no shape for preset {other}"),
+        }
+    }
+
+    /// Element index of (layer, kv, block, slot, local head) in its tensor.
+    fn index(&self, layer: u64, kv: u64, b: u64, t: u64, h: u64) -> u64 {
+        let (nb, nt, nh, nd, nl) = (self.num_blocks, self.block, self.kv_heads / self.tp, self.head_dim, self.layers);
+        match self.preset.as_str() {
+            "vllm_nhd" => (((kv * nb + b) * nt + t) * nh + h) * nd,
+            "vllm_hnd" => (((kv * nb + b) * nh + h) * nt + t) * nd,
+            "flashinfer" => (((b * 2 + kv) * nt + t) * nh + h) * nd,
+            "flashinfer_hnd" => (((b * 2 + kv) * nh + h) * nt + t) * nd,
+            "vllm_cpu" => ((b * nh + h) * nt + t) * 2 * nd + kv * nd,
+            "vllm_cross" => ((((b * nl + layer) * 2 + kv) * nt + t) * nh + h) * nd,
+            other => panic!("engine: no formula for preset {other}"),
+        }
+    }
+
+    /// Allocates the engine's tensors for `side` (TP only, dense fp32
+    /// layers of `kv_heads` × `head_dim`) and registers every rank.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(c: &Client, group: &str, model_toml: &str, layout: &str, preset: &str, side: &Side, layers: u64, (kv_heads, head_dim): (u64, u64), id: &CacheIdentity) -> Result<EngineCache, ScenarioError> {
+        let setup = |e: String| ScenarioError::Setup(e);
+        if side.shard.pp_layers.len() != 1 {
+            return Err(setup("engine: the per-layer engine scenario holds TP layouts only".into()));
+        }
+        let mut e = EngineCache {
+            preset: preset.into(),
+            layers,
+            tp: u64::from(side.shard.tp),
+            block: u64::from(side.geo.block_size),
+            num_blocks: u64::from(side.num_blocks),
+            table: side.block_table.clone(),
+            kv_heads,
+            head_dim,
+            mems: Vec::new(),
+        };
+        let (shape, role) = e.shape();
+        let strides: Vec<u64> = (0..shape.len()).map(|i| shape[i + 1..].iter().product()).collect();
+        let bytes = shape.iter().product::<u64>() * F32;
+        let tensors = if preset == "vllm_cross" { 1 } else { layers };
+        for rank in 0..e.tp as u32 {
+            let mems = (0..tensors).map(|_| HostMem::new("engine-layer", bytes).map_err(|e| setup(e.to_string()))).collect::<Result<Vec<_>, _>>()?;
+            let descs = (0..tensors as u32)
+                .map(|i| TensorDesc {
+                    memory: i,
+                    offset: 0,
+                    dtype: "float32".into(),
+                    shape: shape.clone(),
+                    strides: strides.clone(),
+                    role,
+                    layers: if tensors == 1 { [0, layers as u32] } else { [i, i + 1] },
+                })
+                .collect();
+            let cache = RegisterCache {
+                group: group.into(),
+                model: ModelSource::Toml(model_toml.into()),
+                format: "fp32".into(),
+                layout: layout.into(),
+                rank,
+                num_blocks: side.num_blocks,
+                identity: id.clone(),
+            };
+            let fds: Vec<_> = mems.iter().map(|m| m.fd()).collect();
+            c.register_tensors(RegisterTensors { cache, tensors: descs }, &fds).map_err(|e| ScenarioError::Daemon { step: "register_tensors", source: e })?;
+            e.mems.push(mems);
+        }
+        Ok(e)
+    }
+
+    /// The cache of `tokens` positions, read from the engine's tensors.
+    pub fn gather(&self, tokens: u64) -> KvCache {
+        let (h, d) = (self.kv_heads as usize, self.head_dim as usize);
+        let n = tokens as usize * h * d;
+        let mut cache = KvCache { kv_heads: h, head_dim: d, tokens: tokens as usize, k: vec![vec![0.0; n]; self.layers as usize], v: vec![vec![0.0; n]; self.layers as usize] };
+        let per = self.kv_heads / self.tp;
+        let mut row = vec![0u8; (self.head_dim * F32) as usize];
+        for layer in 0..self.layers {
+            for kv in 0..2 {
+                for pos in 0..tokens {
+                    for head in 0..self.kv_heads {
+                        let rank = (head / per) as usize;
+                        let mem = &self.mems[rank][if self.preset == "vllm_cross" { 0 } else { layer as usize }];
+                        let b = u64::from(self.table[(pos / self.block) as usize]);
+                        let at = self.index(layer, kv, b, pos % self.block, head % per) * F32;
+                        mem.read(at, &mut row).expect("read an engine tensor");
+                        let start = (pos as usize * h + head as usize) * d;
+                        let out = if kv == 0 { &mut cache.k[layer as usize] } else { &mut cache.v[layer as usize] };
+                        for (x, bytes) in out[start..start + d].iter_mut().zip(row.chunks_exact(4)) {
+                            *x = f32::from_le_bytes(bytes.try_into().expect("chunks of 4"));
+                        }
+                    }
+                }
+            }
+        }
+        cache
+    }
+}
