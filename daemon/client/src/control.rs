@@ -4,7 +4,9 @@
 //! A client says `hello` and receives the flag page (a memfd) with the
 //! reply; it registers each TP/PP rank's cache by passing a memfd holding
 //! that rank's regions back to back, in [`kvwire_core::plan::Side::regions`]
-//! order (per held layer: K then V, or the MLA latent, then any state); a
+//! order (per held layer: K then V, or the MLA latent, then any state), or
+//! by passing the memfds its engine tensors live in with their description
+//! ([`RegisterTensors`], for a layout with `kv=`); a
 //! decode side prepares to receive a request; a prefill side submits a
 //! transfer naming the destination peer and request. Waiting needs no round
 //! trip: flag words for (slot, column) live in the mapped page —
