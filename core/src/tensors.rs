@@ -399,6 +399,14 @@ fn normalized(t: &TensorDesc) -> Option<(Vec<u64>, Vec<u64>)> {
     Some((shape, strides))
 }
 
+/// (size, stride) of each dimension in memory order, outermost first, without
+/// size-1 dimensions (their stride means nothing).
+fn physical(shape: &[u64], strides: &[u64]) -> Vec<(u64, u64)> {
+    let mut dims: Vec<(u64, u64)> = shape.iter().copied().zip(strides.iter().copied()).filter(|d| d.0 != 1).collect();
+    dims.sort_by(|a, b| b.1.cmp(&a.1));
+    dims
+}
+
 /// Checks a client's tensors against what the layout expects of the rank,
 /// and returns, for each expected tensor, the (memory, byte offset) the
 /// client gave it. `memories` holds each memory's size in bytes.
@@ -423,11 +431,14 @@ pub fn match_tensors(given: &[TensorDesc], expected: &[Expected], format: CacheF
         }
         let e = &expected[slot];
         let (shape, strides) = normalized(t).ok_or_else(|| bad("kv_packed needs an even last dimension of stride 1".into()))?;
-        if shape != e.shape {
-            return Err(bad(format!("shape {:?} but the layout expects {:?}", t.shape, e.shape)));
+        // Compared as laid out in memory: a permuted view (vLLM's HND is a
+        // stride-permuted NHD shape) is the same bytes as the order's tensor.
+        let (given, want) = (physical(&shape, &strides), physical(&e.shape, &e.strides));
+        if given.iter().map(|d| d.0).collect::<Vec<_>>() != want.iter().map(|d| d.0).collect::<Vec<_>>() {
+            return Err(bad(format!("shape {:?} (strides {:?}) but the layout expects {:?} (strides {:?})", t.shape, t.strides, e.shape, e.strides)));
         }
-        if strides != e.strides {
-            return Err(bad(format!("strides {:?} (elements) but the layout expects the dense {:?}", t.strides, e.strides)));
+        if given != want {
+            return Err(bad(format!("strides {:?} (elements) but the layout expects the dense {:?} for shape {:?}", t.strides, e.strides, e.shape)));
         }
         let Some(&size) = memories.get(t.memory as usize) else {
             return Err(bad(format!("memory {} but the registration carries {} file descriptors", t.memory, memories.len())));

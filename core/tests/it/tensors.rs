@@ -243,6 +243,16 @@ fn a_clients_tensors_are_checked_and_each_error_names_what_was_wrong() {
     assert!(err(&good, &[bytes, bytes]).contains("past memory 1's"));
     assert!(err(&good, &[bytes]).contains("memory 1 but the registration carries 1 file descriptors"));
     assert!(err(&good[..1], &[bytes, bytes + 64]).contains("missing the kv tensor of layers [1, 2)"));
+    // vLLM's HND cache is an NHD-shaped view with permuted strides: the same bytes as `bhtkd`'s tensor.
+    let s2 = side(&m, "tp=2,block=4,kv=vllm_hnd", 8);
+    let nb2 = u64::from(s2.num_blocks);
+    let per = nb2 * 2 * 4 * 8;
+    let permuted = vec![TensorDesc { memory: 0, offset: 0, dtype: "bf16".into(), shape: vec![2, nb2, 4, 2, 8], strides: vec![per, 2 * 4 * 8, 8, 4 * 8, 1], role: Role::Kv, layers: [0, 1] }, desc(0, 2 * per * 2, "bf16", &[2, nb2, 2, 4, 8], Role::Kv, [1, 2])];
+    match_tensors(&permuted, &s2.engine[0].0, bf16(), &[4 * per * 2]).unwrap();
+    let mut t = permuted.clone();
+    t[0].strides.swap(2, 3);
+    let e = match_tensors(&t, &s2.engine[0].0, bf16(), &[4 * per * 2]).unwrap_err().to_string();
+    assert!(e.contains("strides"), "{e}");
     let mut t = good.clone();
     t[1].memory = 0;
     t[1].offset = 64;

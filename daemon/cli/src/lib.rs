@@ -129,7 +129,7 @@ struct InventoryArgs {
 struct PlanArgs {
     #[command(flatten)]
     common: ModelArgs,
-    /// Source layout: tp=8[,pp=2][,pp_layers=…][,block=16][,layout=nhd|hnd][,table=contig|shuffle[:SEED]].
+    /// Source layout: tp=8[,pp=2][,pp_layers=…][,block=16][,layout=nhd|hnd][,table=contig|shuffle[:SEED]][,kv=vllm_nhd|vllm_hnd|flashinfer|flashinfer_hnd|vllm_cpu|vllm_cross|ORDER] (kv= engine tensors).
     #[arg(long)]
     src: String,
     /// Destination layout, same keys as --src.
