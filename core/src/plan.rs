@@ -26,7 +26,7 @@
 use crate::format::CacheFormat;
 use crate::layout::{ModelSpec, Retention, Tensor};
 use crate::shard::{LayoutSpec, MemLayout, RegionId, ShardError, ShardMap, TableKind};
-use crate::tensors::{rank_tensors, Expected, KvOrder, Placement, Strides, TensorError};
+use crate::tensors::{rank_tensors, Expected, KvOrder, RankTensors, Strides, TensorError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
@@ -46,8 +46,8 @@ pub struct Side {
     pub num_blocks: u32,
     /// Engine tensors (`kv=`); `None` is kvwire's contiguous layout.
     pub kv: Option<KvOrder>,
-    /// With `kv`: per rank, its engine tensors and where each region lives in them.
-    pub engine: Vec<(Vec<Expected>, Vec<Placement>)>,
+    /// With `kv`: per rank, its engine tensors, where each row lives in them, and its regions.
+    pub engine: Vec<RankTensors>,
 }
 
 /// Errors building a side or a plan.
@@ -194,10 +194,10 @@ impl Side {
     }
 
     fn regions_checked(&self, model: &ModelSpec, rank: u32) -> Vec<(RegionId, Option<u64>)> {
-        if let Some((tensors, places)) = self.engine.get(rank as usize) {
-            let mut out: Vec<(RegionId, Option<u64>)> = places.iter().map(|p| (p.id, Some(p.len))).collect();
+        if let Some(rt) = self.engine.get(rank as usize) {
+            let mut out: Vec<(RegionId, Option<u64>)> = rt.windows.iter().map(|w| (w.id, Some(w.len))).collect();
             // A tensor's size must fit too: regions are windows of it.
-            if tensors.iter().any(|t| t.shape.iter().try_fold(t.elem_bytes, |a, &n| a.checked_mul(n)).is_none()) {
+            if rt.tensors.iter().any(|t| t.shape.iter().try_fold(t.elem_bytes, |a, &n| a.checked_mul(n)).is_none()) {
                 out.push((RegionId { layer: 0, tensor: Tensor::K }, None));
             }
             return out;
@@ -219,10 +219,8 @@ impl Side {
 
     /// Byte strides of `region` on `rank`, which holds `local_heads` rows of `dim` elements per position.
     pub fn strides(&self, rank: u32, region: RegionId, local_heads: u32, dim: u32) -> Strides {
-        if let Some((_, places)) = self.engine.get(rank as usize) {
-            if let Ok(i) = places.binary_search_by_key(&region, |p| p.id) {
-                return places[i].strides;
-            }
+        if let Some(p) = self.engine.get(rank as usize).and_then(|rt| rt.place(region)) {
+            return p.strides;
         }
         let row = self.geo.row_stride(dim);
         let block = self.geo.block_bytes(local_heads, dim);
@@ -232,11 +230,30 @@ impl Side {
         }
     }
 
+    /// The region holding (layer, tensor) `of` on `rank`, and the byte offset
+    /// of its first element there: itself at 0, except where an engine
+    /// tensor holds K and V together (one region per layer, named by K).
+    pub fn window_of(&self, rank: u32, of: RegionId) -> (RegionId, u64) {
+        self.engine.get(rank as usize).and_then(|rt| rt.window_of(of)).unwrap_or((of, 0))
+    }
+
+    /// True when this side keeps a block's K and V side by side in one
+    /// tensor (an engine order with the K/V axis inside the block axis).
+    pub fn pairs_kv(&self) -> bool {
+        self.kv.as_ref().is_some_and(KvOrder::pairs_kv)
+    }
+
+    /// Bytes from `layer`'s first K element to its first V element in their shared region on `rank`.
+    fn kv_offset(&self, rank: u32, layer: u32) -> u64 {
+        let at = |tensor| self.window_of(rank, RegionId { layer, tensor }).1;
+        at(Tensor::V) - at(Tensor::K)
+    }
+
     /// Bytes rank `rank`'s cache occupies in one memory: its regions back to
     /// back, or its engine tensors back to back (their regions interleave).
     pub fn rank_bytes(&self, model: &ModelSpec, rank: u32) -> u64 {
         match self.engine.get(rank as usize) {
-            Some((tensors, _)) => tensors.iter().map(Expected::bytes).sum(),
+            Some(rt) => rt.tensors.iter().map(Expected::bytes).sum(),
             None => self.regions(model, rank).iter().map(|(_, l)| l).sum(),
         }
     }
@@ -525,12 +542,43 @@ fn emit_2d(c: &mut Coalescer, src: (u64, u64, u64), dst: (u64, u64, u64), nt: u6
     }
 }
 
+/// Emits the rows of `dims` (count, source stride, destination stride)
+/// from (src, dst) with few shapes: dimensions contiguous on both sides
+/// fold into the run; the longest of the rest becomes one strided shape,
+/// repeated over the others in the source's memory order.
+fn emit_nd(c: &mut Coalescer, (src, dst): (u64, u64), mut len: u64, dims: &[(u64, u64, u64)]) {
+    let mut dims: Vec<(u64, u64, u64)> = dims.iter().copied().filter(|d| d.0 > 1).collect();
+    while let Some(i) = dims.iter().position(|&(_, ss, ds)| ss == len && ds == len) {
+        len *= dims.remove(i).0;
+    }
+    dims.sort_by_key(|d| std::cmp::Reverse(d.1));
+    if let Some(i) = (0..dims.len()).rev().max_by_key(|&i| dims[i].0) {
+        let inner = dims.remove(i);
+        dims.push(inner);
+    }
+    let Some((&(n, ss, ds), outer)) = dims.split_last() else {
+        c.push(Shape::run(src, dst, len));
+        return;
+    };
+    for i in 0..outer.iter().map(|d| d.0).product::<u64>() {
+        let (mut so, mut dof, mut rest) = (src, dst, i);
+        for &(count, s, d) in outer.iter().rev() {
+            so += (rest % count) * s;
+            dof += (rest % count) * d;
+            rest /= count;
+        }
+        c.push(Shape::strided(so, dof, len, n, ss, ds));
+    }
+}
+
 #[derive(Clone, PartialEq, Eq, Hash)]
 struct TemplateKey {
     src_strides: Strides,
     src_head_off: u32,
     dst_strides: Strides,
     dst_head_off: u32,
+    /// With K and V paired: V's offset from K on each side; else (0, 0).
+    kv: (u64, u64),
     heads: u32,
     dim: u32,
     ranges: Vec<Range<u64>>,
@@ -548,7 +596,12 @@ fn template(key: &TemplateKey, src: &Side, dst: &Side) -> Vec<Shape> {
         let mut p = r.start;
         while p < r.end {
             let end = r.end.min((p / sa.block + 1) * sa.block).min((p / da.block + 1) * da.block);
-            emit_2d(&mut c, sa.at(p), da.at(p), end - p, u64::from(key.heads), len);
+            if key.kv == (0, 0) {
+                emit_2d(&mut c, sa.at(p), da.at(p), end - p, u64::from(key.heads), len);
+            } else {
+                let ((sb, st, sh), (db, dt, dh)) = (sa.at(p), da.at(p));
+                emit_nd(&mut c, (sb, db), len, &[(end - p, st, dt), (u64::from(key.heads), sh, dh), (2, key.kv.0, key.kv.1)]);
+            }
             p = end;
         }
     }
@@ -599,10 +652,17 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
             let ranges = needed_ranges(&spec.retention, tokens, prefix_tokens);
             let needed: u64 = ranges.iter().map(|r| r.end - r.start).sum();
             let reused = spec.retention.retained(tokens) - needed;
+            // Where both sides keep a block's K and V side by side in one
+            // tensor, they move together: runs then cross from K into V.
+            let paired = spec.tensors().len() == 2 && src.pairs_kv() && dst.pairs_kv();
             for t in spec.tensors() {
                 metadata_bytes += dst.geo.format.tensor_static_bytes();
                 let row = dst.geo.row_bytes(t.dim);
                 reused_bytes += reused * u64::from(ls.heads.end - ls.heads.start) * row;
+                if paired && t.tensor == Tensor::V {
+                    continue; // moved with K
+                }
+                let planes = if paired { 2 } else { 1 };
                 let mut h = ls.heads.start;
                 while h < ls.heads.end {
                     // The run of heads from `h` whose candidate replicas are the same ranks.
@@ -617,7 +677,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
                         .min_by_key(|(r, _)| (load[*r as usize], *r))
                         .expect("cands is not empty");
                     let heads = run_end - h;
-                    let bytes = needed * u64::from(heads) * row;
+                    let bytes = planes * needed * u64::from(heads) * row;
                     load[rank as usize] += bytes;
                     received[d.rank as usize] += bytes;
                     if bytes > 0 {
@@ -627,18 +687,21 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
                             src_head_off: h - sheads.start,
                             dst_strides: dst.strides(d.rank, region, ls.heads.end - ls.heads.start, t.dim),
                             dst_head_off: h - ls.heads.start,
+                            kv: if paired { (src.kv_offset(rank, layer), dst.kv_offset(d.rank, layer)) } else { (0, 0) },
                             heads,
                             dim: t.dim,
                             ranges: ranges.clone(),
                         };
                         let shapes = templates.entry(key).or_insert_with_key(|k| template(k, src, dst));
+                        let (src_region, src_base) = src.window_of(rank, region);
+                        let (dst_region, dst_base) = dst.window_of(d.rank, region);
                         segments.extend(shapes.iter().map(|s| Segment {
                             src_rank: rank,
-                            src_region: region,
-                            src_offset: s.src,
+                            src_region,
+                            src_offset: src_base + s.src,
                             dst_rank: d.rank,
-                            dst_region: region,
-                            dst_offset: s.dst,
+                            dst_region,
+                            dst_offset: dst_base + s.dst,
                             len: s.len,
                             count: s.count,
                             src_stride: s.src_stride,

@@ -162,6 +162,13 @@ impl KvOrder {
     pub fn kv_together(&self) -> bool {
         self.axes.contains(&Axis::Kv)
     }
+
+    /// True when K and V share a tensor inside each block (the K/V axis after
+    /// the block axis): a block's K and V rows then sit side by side.
+    pub fn pairs_kv(&self) -> bool {
+        let at = |a| self.axes.iter().position(|&x| x == a);
+        matches!((at(Axis::Block), at(Axis::Kv)), (Some(b), Some(k)) if b < k)
+    }
 }
 
 /// What a tensor holds.
@@ -231,19 +238,59 @@ pub struct Strides {
     pub head: u64,
 }
 
-/// Where one region lives: in which expected tensor, from which byte, how long.
+/// Where one (layer, K or V) lives: in which expected tensor, from which byte, how long.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
-    /// The region.
+    /// The layer and tensor.
     pub id: RegionId,
     /// Index into the rank's expected tensors.
     pub tensor: usize,
-    /// Byte offset of the region's first element in that tensor.
+    /// Byte offset of its first element (block 0, position 0, head 0) in that tensor.
     pub base: u64,
     /// Bytes from `base` to the end of its last row.
     pub len: u64,
     /// Its strides.
     pub strides: Strides,
+}
+
+/// A registered region of an engine rank: a window of one tensor. Where K
+/// and V share a tensor, a layer's K and V are one window, named by K
+/// (`RegionId { layer, tensor: K }`), so runs may cross from K into V.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Window {
+    /// The region.
+    pub id: RegionId,
+    /// Index into the rank's expected tensors.
+    pub tensor: usize,
+    /// Byte offset of the window in that tensor.
+    pub start: u64,
+    /// Bytes it spans.
+    pub len: u64,
+}
+
+/// A rank's engine tensors and where its rows live in them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankTensors {
+    /// The tensors the layout expects, in registration order.
+    pub tensors: Vec<Expected>,
+    /// Every held (layer, K or V), sorted by id.
+    pub places: Vec<Placement>,
+    /// The registered regions, sorted by id.
+    pub windows: Vec<Window>,
+}
+
+impl RankTensors {
+    /// The placement of (layer, K or V).
+    pub fn place(&self, id: RegionId) -> Option<&Placement> {
+        self.places.binary_search_by_key(&id, |p| p.id).ok().map(|i| &self.places[i])
+    }
+
+    /// The window (layer, K or V) is registered in, and the byte offset of its first element there.
+    pub fn window_of(&self, id: RegionId) -> Option<(RegionId, u64)> {
+        let p = self.place(id)?;
+        let w = self.windows.iter().find(|w| w.tensor == p.tensor && w.id.layer == id.layer)?;
+        Some((w.id, p.base - w.start))
+    }
 }
 
 /// The engine element size of `format`, or why engine tensors cannot hold it.
@@ -311,7 +358,7 @@ fn row_major(shape: &[u64]) -> Vec<u64> {
     strides
 }
 
-/// The tensors a rank holds under `order`, and where each of its regions lives in them.
+/// The tensors a rank holds under `order`, where each of its rows lives in them, and its regions.
 pub fn rank_tensors(
     order: &KvOrder,
     model: &ModelSpec,
@@ -319,7 +366,7 @@ pub fn rank_tensors(
     format: CacheFormat,
     num_blocks: u32,
     block_size: u32,
-) -> Result<(Vec<Expected>, Vec<Placement>), TensorError> {
+) -> Result<RankTensors, TensorError> {
     let es = elem_bytes(format).map_err(|reason| TensorError::Unsupported { order: order.name(), reason })?;
     let geo = rank_geometry(order, model, rank)?;
     // Groups of layers sharing a tensor: all of them, or one each.
@@ -369,7 +416,20 @@ pub fn rank_tensors(
         }
     }
     places.sort_by_key(|p| p.id);
-    Ok((tensors, places))
+    // One window per layer and tensor: K and V of a shared tensor together.
+    let mut windows: Vec<Window> = Vec::new();
+    for p in &places {
+        match windows.iter_mut().find(|w| w.tensor == p.tensor && w.id.layer == p.id.layer) {
+            Some(w) => {
+                let end = (w.start + w.len).max(p.base + p.len);
+                w.start = w.start.min(p.base);
+                w.len = end - w.start;
+            }
+            None => windows.push(Window { id: p.id, tensor: p.tensor, start: p.base, len: p.len }),
+        }
+    }
+    windows.sort_by_key(|w| w.id);
+    Ok(RankTensors { tensors, places, windows })
 }
 
 fn what(t: &TensorDesc) -> String {
@@ -403,7 +463,7 @@ fn normalized(t: &TensorDesc) -> Option<(Vec<u64>, Vec<u64>)> {
 /// size-1 dimensions (their stride means nothing).
 fn physical(shape: &[u64], strides: &[u64]) -> Vec<(u64, u64)> {
     let mut dims: Vec<(u64, u64)> = shape.iter().copied().zip(strides.iter().copied()).filter(|d| d.0 != 1).collect();
-    dims.sort_by(|a, b| b.1.cmp(&a.1));
+    dims.sort_by_key(|d| std::cmp::Reverse(d.1));
     dims
 }
 

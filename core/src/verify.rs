@@ -44,9 +44,10 @@ fn row_offset(side: &Side, rank: u32, region: RegionId, local_heads: u32, dim: u
 }
 
 /// A row's offset in its region under an engine order: its element's
-/// row-major index in the tensor, less that of the region's first element.
+/// row-major index in the tensor, less that of the region's first element
+/// (the layer's K where K and V share the tensor).
 fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, block: u64, slot: u64, head: u64) -> u64 {
-    let tensors = &side.engine[rank as usize].0;
+    let tensors = &side.engine[rank as usize].tensors;
     let kv = u64::from(region.tensor == Tensor::V);
     let t = tensors
         .iter()
@@ -54,7 +55,7 @@ fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, 
         .expect("an engine tensor holds every held layer");
     let li = u64::from(region.layer - t.layers.start);
     let kv = if order.kv_together() { kv } else { 0 };
-    let index = |b, s, h| {
+    let index = |kv, b, s, h| {
         element_index(order, &t.shape, |a| match a {
             Axis::Layer => li,
             Axis::Kv => kv,
@@ -64,7 +65,7 @@ fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, 
             Axis::Dim => 0,
         })
     };
-    (index(block, slot, head) - index(0, 0, 0)) * t.elem_bytes
+    (index(kv, block, slot, head) - index(0, 0, 0, 0)) * t.elem_bytes
 }
 
 /// Writes the code of every retained row byte (and of every state byte) the
@@ -76,9 +77,8 @@ fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, bufs: &mu
             let spec = &model.layers[ls.layer as usize];
             let lh = ls.heads.end - ls.heads.start;
             for t in spec.tensors() {
-                let region = bufs.ranks[rank.rank as usize]
-                    .get_mut(&RegionId { layer: ls.layer, tensor: t.tensor })
-                    .expect("region allocated for every held tensor");
+                let (window, _) = side.window_of(rank.rank, RegionId { layer: ls.layer, tensor: t.tensor });
+                let region = bufs.ranks[rank.rank as usize].get_mut(&window).expect("region allocated for every held tensor");
                 let len = side.geo.row_bytes(t.dim);
                 for r in spec.retention.ranges(tokens) {
                     for pos in r.start.max(from)..r.end {

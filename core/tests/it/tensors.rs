@@ -53,7 +53,7 @@ fn every_preset_places_every_row_where_the_engine_shape_says() {
     for preset in PRESETS {
         let s = side(&m, &format!("tp=2,block=4,kv={preset}"), 10);
         for rank in 0..2u32 {
-            let (tensors, places) = &s.engine[rank as usize];
+            let (tensors, places) = (&s.engine[rank as usize].tensors, &s.engine[rank as usize].places);
             let cross = preset == "vllm_cross";
             assert_eq!(tensors.len(), if cross { 1 } else { 3 }, "{preset}");
             for layer in 0..3u32 {
@@ -104,19 +104,20 @@ fn models_engine_tensors_cannot_hold_are_refused_by_name() {
 
 /// A plan run on real tensors: each rank's engine tensors are plain byte
 /// vectors, and a segment's region offset lands at the region's base in its tensor.
-fn run_on_tensors(m: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, src_fill: impl Fn(u32, RegionId, u64) -> u8) -> Vec<Vec<Vec<u8>>> {
-    let alloc = |s: &Side| -> Vec<Vec<Vec<u8>>> { s.engine.iter().map(|(ts, _)| ts.iter().map(|t| vec![0xA5u8; t.bytes() as usize]).collect()).collect() };
+fn run_on_tensors(m: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, src_fill: impl Fn(u32, usize, u64) -> u8) -> Vec<Vec<Vec<u8>>> {
+    let alloc = |s: &Side| -> Vec<Vec<Vec<u8>>> { s.engine.iter().map(|rt| rt.tensors.iter().map(|t| vec![0xA5u8; t.bytes() as usize]).collect()).collect() };
+    // A segment's region is a window of one tensor.
     let place = |s: &Side, rank: u32, id: RegionId| {
-        let p = s.engine[rank as usize].1.iter().find(|p| p.id == id).unwrap();
-        (p.tensor, p.base)
+        let w = s.engine[rank as usize].windows.iter().find(|w| w.id == id).unwrap();
+        (w.tensor, w.start)
     };
     let mut src_bufs = alloc(src);
-    // Source: every byte carries a code of (rank, region, offset in region) written through the formula below.
-    for (rank, (_, places)) in src.engine.iter().enumerate() {
-        for p in places {
-            let buf = &mut src_bufs[rank][p.tensor];
-            for o in 0..p.len {
-                buf[(p.base + o) as usize] = src_fill(rank as u32, p.id, o);
+    // Source: every byte of every tensor, by (rank, tensor, offset).
+    for (rank, rt) in src.engine.iter().enumerate() {
+        for (t, buf) in src_bufs[rank].iter_mut().enumerate() {
+            let _ = rt;
+            for (o, b) in buf.iter_mut().enumerate() {
+                *b = src_fill(rank as u32, t, o as u64);
             }
         }
     }
@@ -170,10 +171,7 @@ fn a_transfer_between_any_two_presets_with_a_tp_change_places_every_row_where_th
                 }
             }
         }
-        let dst_bufs = run_on_tensors(&m, &src, &dst, &plan, |rank, id, o| {
-            let p = src.engine[rank as usize].1.iter().find(|p| p.id == id).unwrap();
-            src_rows.get(&(rank as usize, p.tensor, p.base + o)).copied().unwrap_or(0)
-        });
+        let dst_bufs = run_on_tensors(&m, &src, &dst, &plan, |rank, t, o| src_rows.get(&(rank as usize, t, o)).copied().unwrap_or(0));
         let mut checked = 0;
         for layer in 0..layers {
             for kv in 0..2 {
@@ -201,11 +199,21 @@ fn same_preset_same_tp_moves_whole_blocks_per_region_as_one_run() {
     // 4 blocks of a contiguous table are one run per (rank, layer, K/V).
     assert_eq!(plan.segments.len(), 2 * 4 * 2);
     assert!(plan.segments.iter().all(|s| s.count == 1 && s.len == 64 * 2 * 8 * 2));
-    // FlashInfer interleaves K and V per block: one strided segment of 4 blocks each.
-    let (src, dst) = (side(&m, "tp=2,block=16,kv=flashinfer", 64), side(&m, "tp=2,block=16,kv=flashinfer", 64));
+    // FlashInfer and vLLM CPU keep a block's K and V side by side: K and V
+    // move together, so each (rank, layer) tensor is one run.
+    for preset in ["flashinfer", "vllm_cpu", "flashinfer_hnd"] {
+        let l = format!("tp=2,block=16,kv={preset}");
+        let (src, dst) = (side(&m, &l, 64), side(&m, &l, 64));
+        let plan = build(&PlanInput { model: &m, tokens: 64, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+        assert_eq!(plan.segments.len(), 2 * 4, "{preset}");
+        assert!(plan.segments.iter().all(|s| s.count == 1 && s.len == 4 * 16 * 2 * 2 * 8 * 2), "{preset}");
+        verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
+    }
+    // With shuffled tables: one run per block (K and V together), as many writes as blocks.
+    let (src, dst) = (side(&m, "tp=2,block=16,kv=flashinfer,table=shuffle:1", 64), side(&m, "tp=2,block=16,kv=flashinfer,table=shuffle:2", 64));
     let plan = build(&PlanInput { model: &m, tokens: 64, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
-    assert_eq!(plan.segments.len(), 2 * 4 * 2);
-    assert!(plan.segments.iter().all(|s| s.count == 4 && s.len == 16 * 2 * 8 * 2 && s.src_stride == 2 * s.len));
+    assert_eq!(plan.counters.writes, 2 * 4 * 4);
+    verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
 }
 
 fn desc(memory: u32, offset: u64, dtype: &str, shape: &[u64], role: Role, layers: [u32; 2]) -> TensorDesc {
@@ -220,7 +228,7 @@ fn desc(memory: u32, offset: u64, dtype: &str, shape: &[u64], role: Role, layers
 fn a_clients_tensors_are_checked_and_each_error_names_what_was_wrong() {
     let m = model(2, 4, 8);
     let s = side(&m, "tp=2,block=4,kv=vllm_cpu", 8);
-    let (expected, _) = &s.engine[0];
+    let expected = &s.engine[0].tensors;
     let nb = u64::from(s.num_blocks);
     let bytes = nb * 2 * 4 * 16 * 2;
     // vLLM CPU tensors as the engine shapes them: (B, H, T, 2*D), two memfds.
@@ -248,10 +256,10 @@ fn a_clients_tensors_are_checked_and_each_error_names_what_was_wrong() {
     let nb2 = u64::from(s2.num_blocks);
     let per = nb2 * 2 * 4 * 8;
     let permuted = vec![TensorDesc { memory: 0, offset: 0, dtype: "bf16".into(), shape: vec![2, nb2, 4, 2, 8], strides: vec![per, 2 * 4 * 8, 8, 4 * 8, 1], role: Role::Kv, layers: [0, 1] }, desc(0, 2 * per * 2, "bf16", &[2, nb2, 2, 4, 8], Role::Kv, [1, 2])];
-    match_tensors(&permuted, &s2.engine[0].0, bf16(), &[4 * per * 2]).unwrap();
+    match_tensors(&permuted, &s2.engine[0].tensors, bf16(), &[4 * per * 2]).unwrap();
     let mut t = permuted.clone();
     t[0].strides.swap(2, 3);
-    let e = match_tensors(&t, &s2.engine[0].0, bf16(), &[4 * per * 2]).unwrap_err().to_string();
+    let e = match_tensors(&t, &s2.engine[0].tensors, bf16(), &[4 * per * 2]).unwrap_err().to_string();
     assert!(e.contains("strides"), "{e}");
     let mut t = good.clone();
     t[1].memory = 0;

@@ -567,7 +567,7 @@ fn mismatch(g: &Group, model: &ModelSpec, format: CacheFormat, r: &RegisterCache
 /// back in one memfd; an engine order where the client's tensors are (each
 /// checked), or its tensors back to back in one memfd when none are listed.
 fn windows(side: &Side, rank: u32, regions: &[(RegionId, u64)], tensors: &[TensorDesc], format: CacheFormat, mems: &[Arc<HostMem>]) -> Result<Vec<Window>, Refusal> {
-    let Some((expected, places)) = side.engine.get(rank as usize) else {
+    let Some(rt) = side.engine.get(rank as usize) else {
         let mut offset = 0;
         return Ok(regions
             .iter()
@@ -578,14 +578,14 @@ fn windows(side: &Side, rank: u32, regions: &[(RegionId, u64)], tensors: &[Tenso
             .collect());
     };
     let at = if tensors.is_empty() {
-        let need: u64 = expected.iter().map(|e| e.bytes()).sum();
+        let need: u64 = rt.tensors.iter().map(|e| e.bytes()).sum();
         if mems[0].len() < need {
-            return Err(Refusal::new(Code::BadRegion, format!("memfd holds {} bytes but rank {rank}'s {} engine tensors need {need}", mems[0].len(), expected.len())));
+            return Err(Refusal::new(Code::BadRegion, format!("memfd holds {} bytes but rank {rank}'s {} engine tensors need {need}", mems[0].len(), rt.tensors.len())));
         }
-        tensors::packed_offsets(expected)
+        tensors::packed_offsets(&rt.tensors)
     } else {
         let sizes: Vec<u64> = mems.iter().map(|m| m.len()).collect();
-        tensors::match_tensors(tensors, expected, format, &sizes).map_err(|e| Refusal::new(Code::BadRegion, format!("rank {rank}: {e}")))?
+        tensors::match_tensors(tensors, &rt.tensors, format, &sizes).map_err(|e| Refusal::new(Code::BadRegion, format!("rank {rank}: {e}")))?
     };
-    Ok(places.iter().map(|p| (p.id, at[p.tensor].0 as usize, at[p.tensor].1 + p.base, p.len)).collect())
+    Ok(rt.windows.iter().map(|w| (w.id, at[w.tensor].0 as usize, at[w.tensor].1 + w.start, w.len)).collect())
 }
