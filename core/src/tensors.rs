@@ -28,11 +28,14 @@
 //! | `vllm_cross` | `blkthd` | vLLM cross-layer, per rank `(num_blocks, layers, 2, block, heads, dim)` |
 //! | `contiguous` | — | kvwire's own layout (no `kv=` key): one memfd, regions back to back |
 //!
-//! The plan never sees the order: each (layer, K or V) becomes a region —
-//! a window of one memory starting at that tensor's element (layer, K/V,
-//! block 0, position 0, head 0) — and three byte strides (block, position,
-//! head). Regions of one tensor may interleave (FlashInfer's K and V
-//! alternate per block); their bytes never do.
+//! The plan never sees the order: each (layer, K or V) becomes three byte
+//! strides (block, position, head) from its first element, inside a region
+//! — a window of one tensor registered with the daemon. Where K and V share
+//! a tensor, a layer's K and V are one region (named by K), so runs may
+//! cross from K into V: when both sides keep a block's K and V side by side
+//! (the `k` axis inside `b`), the plan moves them together and a whole
+//! FlashInfer or vLLM CPU block is one run. Regions of a cross-layer tensor
+//! interleave (layers alternate per block); their bytes never do.
 
 use crate::format::{CacheFormat, Scales};
 use crate::layout::{Attention, ModelSpec, Tensor};
