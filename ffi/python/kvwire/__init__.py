@@ -19,7 +19,13 @@ import ctypes
 import ctypes.util
 import json
 import os
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
+
+# A model: {"builtin": NAME}, {"hf_config": TEXT or PATH}, {"toml": TEXT or PATH}, or its JSON.
+Model = Union[Dict[str, str], str]
+# A cache identity (model_digest, adapter_digest, format, tenant, rope, position_offset), or its JSON.
+Identity = Union[Dict[str, Any], str]
+Text = Union[str, bytes]
 
 __all__ = [
     "KvwireError",
@@ -157,7 +163,7 @@ def _text(fn, *args):
     return buf.raw[: n.value].decode("utf-8", "replace")
 
 
-def strerror(code):
+def strerror(code: int) -> str:
     """The text naming result ``code``."""
     return _text(_strerror, code)
 
@@ -166,7 +172,7 @@ class KvwireError(Exception):
     """A kvwire call failed: ``code`` (int), ``name`` (``KVW_…``) and
     ``message`` (the daemon's or the library's own)."""
 
-    def __init__(self, code, message):
+    def __init__(self, code: int, message: str) -> None:
         self.code = code
         self.name = RESULTS.get(code, "KVW_%d" % code)
         self.message = message
@@ -194,7 +200,7 @@ def _check(rc, client=None):
         raise KvwireError(rc, msg)
 
 
-def cache_size(model, fmt, layout, rank, num_blocks):
+def cache_size(model: Model, fmt: str, layout: str, rank: int, num_blocks: int) -> Tuple[int, int]:
     """(regions, bytes) rank ``rank`` of ``layout`` holds: the size of the
     :class:`Mem` to register for it. ``model`` is a dict such as
     ``{"builtin": "llama-3.1-8b"}`` or ``{"toml": TEXT}``, or its JSON."""
@@ -207,7 +213,7 @@ class _Handle:
     """Owns one C handle: freed once, by close(), `with`, or collection."""
     _h = None
 
-    def close(self):
+    def close(self) -> None:
         if self._h is not None:
             type(self)._free(self._h)
             self._h = None
@@ -228,37 +234,37 @@ class _Handle:
 class Mem(_Handle):
     """A memfd-backed, shared host buffer holding one rank's cache."""
 
-    def __init__(self, length):
+    def __init__(self, length: int) -> None:
         h = _vp()
         _check(_mem_new(length, ctypes.byref(h)))
         self._h = h.value
 
     @property
-    def handle(self):
+    def handle(self) -> int:
         if self._h is None:
             raise ValueError("Mem is closed")
         return self._h
 
     @property
-    def ptr(self):
+    def ptr(self) -> int:
         """Address of the first byte (valid until close)."""
         return _mem_ptr(self.handle)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return _mem_len(self.handle)
 
-    def write(self, offset, data):
+    def write(self, offset: int, data: bytes) -> None:
         if offset < 0 or offset + len(data) > len(self):
             raise IndexError("write of %d bytes at %d past %d" % (len(data), offset, len(self)))
         ctypes.memmove(self.ptr + offset, data, len(data))
 
-    def read(self, offset=0, length=None):
+    def read(self, offset: int = 0, length: Optional[int] = None) -> bytes:
         length = len(self) - offset if length is None else length
         if offset < 0 or offset + length > len(self):
             raise IndexError("read of %d bytes at %d past %d" % (length, offset, len(self)))
         return ctypes.string_at(self.ptr + offset, length)
 
-    def fill(self, byte):
+    def fill(self, byte: int) -> None:
         ctypes.memset(self.ptr, byte, len(self))
 
     def numpy(self, dtype: Any = "uint8", shape: Optional[Sequence[int]] = None, offset: int = 0, strides: Optional[Sequence[int]] = None) -> Any:
@@ -276,13 +282,13 @@ class Mem(_Handle):
 class Client(_Handle):
     """A connection to the local kvwired (its flag page mapped)."""
 
-    def __init__(self, socket_path, name="python"):
+    def __init__(self, socket_path: Text, name: Text = "python") -> None:
         h = _vp()
         _check(_connect(_b(socket_path), _b(name), ctypes.byref(h)))
         self._h = h.value
 
     @property
-    def handle(self):
+    def handle(self) -> int:
         if self._h is None:
             raise ValueError("Client is closed")
         return self._h
@@ -291,17 +297,17 @@ class Client(_Handle):
         _check(fn(self.handle, *args), self.handle)
 
     @property
-    def node(self):
+    def node(self) -> str:
         """The daemon's node name (what a source names as ``peer``)."""
         buf = ctypes.create_string_buffer(MESSAGE_MAX)
         n = _sz(0)
         self._call(_client_node, buf, MESSAGE_MAX, ctypes.byref(n))
         return buf.raw[: n.value].decode()
 
-    def last_error(self):
+    def last_error(self) -> str:
         return _text(_client_last_error, self.handle)
 
-    def register_cache(self, group, model, fmt, layout, rank, num_blocks, identity, mem):
+    def register_cache(self, group: str, model: Model, fmt: str, layout: str, rank: int, num_blocks: int, identity: Identity, mem: Mem) -> Tuple[int, int, bool]:
         """Registers one rank's cache held in ``mem``; returns
         ``(regions, bytes, complete)``."""
         regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
@@ -321,7 +327,7 @@ class Client(_Handle):
         )
         return regions.value, nbytes.value, complete.value
 
-    def register_device_cache(self, group, model, fmt, layout, rank, num_blocks, identity, ordinal, length, fd=-1, ipc=b""):
+    def register_device_cache(self, group: str, model: Model, fmt: str, layout: str, rank: int, num_blocks: int, identity: Identity, ordinal: int, length: int, fd: int = -1, ipc: bytes = b"") -> Tuple[int, int, bool]:
         """Registers one rank's cache held in device memory: ``length`` bytes
         on device ``ordinal``, by CUDA IPC handle ``ipc`` (64 bytes) and,
         when there is one, dmabuf ``fd``; returns ``(regions, bytes,
@@ -348,7 +354,7 @@ class Client(_Handle):
         )
         return regions.value, nbytes.value, complete.value
 
-    def register_tensors(self, group: str, model: Any, fmt: str, layout: str, rank: int, num_blocks: int, identity: Any, tensors: Sequence["TensorSpec"]) -> Tuple[int, int, bool]:
+    def register_tensors(self, group: str, model: Model, fmt: str, layout: str, rank: int, num_blocks: int, identity: Identity, tensors: Sequence["TensorSpec"]) -> Tuple[int, int, bool]:
         """Registers one rank's cache as the engine's own tensors, living in
         :class:`SharedMemory` (memfds), with no copy. ``layout`` names their
         order with ``kv=`` (a preset such as ``vllm_nhd`` or ``flashinfer``);
@@ -379,14 +385,14 @@ class Client(_Handle):
         )
         return regions.value, nbytes.value, complete.value
 
-    def prepare_receive(self, group, request, block_table, tokens, prefix_tokens=0):
+    def prepare_receive(self, group: str, request: str, block_table: Sequence[int], tokens: int, prefix_tokens: int = 0) -> int:
         """Prepares to receive ``request``; returns the slot to wait on."""
         arr, n = _table(block_table)
         slot = _u16(0)
         self._call(_prepare, _b(group), _b(request), arr, n, tokens, prefix_tokens, ctypes.byref(slot))
         return slot.value
 
-    def submit(self, request, group, block_table, tokens, peer, dst_group, dst_request):
+    def submit(self, request: str, group: str, block_table: Sequence[int], tokens: int, peer: str, dst_group: str, dst_request: str) -> Tuple[int, int]:
         """Starts a transfer; returns ``(slot, peer_slot)``."""
         arr, n = _table(block_table)
         slot, peer_slot = _u16(0), _u16(0)
@@ -405,37 +411,37 @@ class Client(_Handle):
         )
         return slot.value, peer_slot.value
 
-    def wait(self, slot, flag, layer=0, timeout_ms=30000):
+    def wait(self, slot: int, flag: int, layer: int = 0, timeout_ms: int = 30000) -> int:
         """Blocks until the flag is published (reading the mapped page; the
         GIL is released meanwhile); returns the notify hop in ns."""
         ns = _u64(0)
         self._call(_wait, slot, flag, layer, timeout_ms, ctypes.byref(ns))
         return ns.value
 
-    def layer_ready(self, slot, layer, timeout_ms=30000):
+    def layer_ready(self, slot: int, layer: int, timeout_ms: int = 30000) -> int:
         return self.wait(slot, LAYER_READY, layer, timeout_ms)
 
-    def decoder_usable(self, slot, timeout_ms=30000):
+    def decoder_usable(self, slot: int, timeout_ms: int = 30000) -> int:
         return self.wait(slot, DECODER_USABLE, 0, timeout_ms)
 
-    def source_released(self, slot, timeout_ms=30000):
+    def source_released(self, slot: int, timeout_ms: int = 30000) -> int:
         return self.wait(slot, SOURCE_RELEASED, 0, timeout_ms)
 
-    def is_ready(self, slot, flag, layer=0):
+    def is_ready(self, slot: int, flag: int, layer: int = 0) -> bool:
         r = ctypes.c_bool(False)
         self._call(_is_ready, slot, flag, layer, ctypes.byref(r))
         return r.value
 
-    def status(self, slot):
+    def status(self, slot: int) -> str:
         """The transfer's state: ``prepared``, ``running``, ``done``, ``failed`` or ``cancelled``."""
         s = _u32(0)
         self._call(_status, slot, ctypes.byref(s))
         return STATES.get(s.value, str(s.value))
 
-    def cancel(self, slot):
+    def cancel(self, slot: int) -> None:
         self._call(_cancel, slot)
 
-    def release_cache(self, group, rank):
+    def release_cache(self, group: str, rank: int) -> None:
         self._call(_release, _b(group), rank)
 
     _free = staticmethod(lambda h: _client_free(h))
