@@ -86,3 +86,15 @@ fn a_reader_asleep_on_a_flag_is_woken_by_its_publish_and_by_its_failure() {
     };
     assert_ne!(word(ready) as u32, 0);
 }
+
+#[test]
+fn a_flag_wait_error_names_the_flag_not_its_column() {
+    use kvwire_transport::flags::{WaitError, LAYER_COLUMNS};
+    use std::time::Duration;
+    let waited = Duration::from_millis(5);
+    let timeout = |layer| WaitError::Timeout { slot: 7, layer, waited }.to_string();
+    assert_eq!(timeout(3), "layer_ready(3) of transfer slot 7 not ready after 5ms");
+    assert_eq!(timeout(LAYER_COLUMNS), "decoder_usable of transfer slot 7 not ready after 5ms");
+    assert_eq!(timeout(LAYER_COLUMNS + 1), "source_released of transfer slot 7 not ready after 5ms");
+    assert_eq!(WaitError::Failed { slot: 2, layer: LAYER_COLUMNS }.to_string(), "transfer slot 2 failed (decoder_usable will never be ready)");
+}
