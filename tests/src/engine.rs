@@ -44,10 +44,10 @@ impl EngineCache {
         }
     }
 
-    /// Element index of (layer, kv, block, slot, local head) in its tensor.
-    fn index(&self, layer: u64, kv: u64, b: u64, t: u64, h: u64) -> u64 {
+    /// Element index of (layer, kv, block, slot, local head) in a tensor of `preset`.
+    fn index(&self, preset: &str, layer: u64, kv: u64, b: u64, t: u64, h: u64) -> u64 {
         let (nb, nt, nh, nd, nl) = (self.num_blocks, self.block, self.kv_heads / self.tp, self.head_dim, self.layers);
-        match self.preset.as_str() {
+        match preset {
             "vllm_nhd" => (((kv * nb + b) * nt + t) * nh + h) * nd,
             "vllm_hnd" => (((kv * nb + b) * nh + h) * nt + t) * nd,
             "flashinfer" => (((b * 2 + kv) * nt + t) * nh + h) * nd,
@@ -110,8 +110,11 @@ impl EngineCache {
         Ok(e)
     }
 
-    /// The cache of `tokens` positions, read from the engine's tensors.
-    pub fn gather(&self, tokens: u64) -> KvCache {
+    /// The cache of `tokens` positions, read from the engine's tensors as
+    /// `read_as` lays them out (its own preset, unless a negative control
+    /// names another).
+    pub fn gather(&self, tokens: u64, read_as: Option<&str>) -> KvCache {
+        let preset = read_as.unwrap_or(&self.preset);
         let (h, d) = (self.kv_heads as usize, self.head_dim as usize);
         let n = tokens as usize * h * d;
         let mut cache = KvCache { kv_heads: h, head_dim: d, tokens: tokens as usize, k: vec![vec![0.0; n]; self.layers as usize], v: vec![vec![0.0; n]; self.layers as usize] };
@@ -124,7 +127,7 @@ impl EngineCache {
                         let rank = (head / per) as usize;
                         let mem = &self.mems[rank][if self.preset == "vllm_cross" { 0 } else { layer as usize }];
                         let b = u64::from(self.table[(pos / self.block) as usize]);
-                        let at = self.index(layer, kv, b, pos % self.block, head % per) * F32;
+                        let at = self.index(preset, layer, kv, b, pos % self.block, head % per) * F32;
                         mem.read(at, &mut row).expect("read an engine tensor");
                         let start = (pos as usize * h + head as usize) * d;
                         let out = if kv == 0 { &mut cache.k[layer as usize] } else { &mut cache.v[layer as usize] };

@@ -49,6 +49,9 @@ pub struct Scenario {
     pub seed: u64,
     /// Where both caches live.
     pub memory: Memory,
+    /// A negative control: an engine-tensor destination reads its tensors
+    /// as this preset lays them out instead of its own.
+    pub dst_read_as: Option<&'static str>,
 }
 
 /// Where a scenario's caches live.
@@ -134,6 +137,7 @@ impl Scenario {
             codec: None,
             seed: 0x2545_F491_4F6C_DD1D,
             memory: Memory::Host,
+            dst_read_as: None,
         }
     }
 }
@@ -439,7 +443,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     a.wait(sslot, FlagName::DecoderUsable, wait).map_err(step("wait the source's verdict"))?;
 
     let got = match &engine {
-        Some(e) => e.gather(sc.tokens),
+        Some(e) => e.gather(sc.tokens, sc.dst_read_as),
         None => {
             let ranks: Vec<BTreeMap<RegionId, Vec<u8>>> =
                 dst_mems.iter().enumerate().map(|(r, m)| read_rank(&model, &dst, r as u32, m)).collect();

@@ -106,6 +106,12 @@ fn a_destination_holding_engine_per_layer_tensors_decodes_bitwise_identical() {
         assert_bitwise(&o);
         assert_eq!(o.destination.bytes, 4 * 4 * 32 * 2 * 4 * 100, "{name}");
     }
+    // Negative control: the same bytes read as another layout decode to other logits.
+    let mut sc = Scenario::new("engine-misread");
+    sc.dst_layout = "tp=2,block=32,table=shuffle:2,kv=vllm_nhd".into();
+    sc.dst_read_as = Some("vllm_hnd");
+    let o = run(&p, &sc).unwrap();
+    assert!(!o.bitwise(), "a cache read as the wrong layout still decoded bitwise");
 }
 
 #[test]
