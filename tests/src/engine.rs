@@ -1,8 +1,9 @@
-//! A decode engine that keeps its cache as its own tensors: per layer (or
-//! one cross-layer tensor per rank) in the engine's layout, each in its own
-//! memfd, registered as they are (`register_tensors`). After a transfer the
-//! engine reads its tensors by its own shape formula, written here from the
-//! engines' published shapes, not from kvwire's placement code.
+//! An engine that keeps its cache as its own tensors: per layer (or one
+//! cross-layer tensor per rank) in the engine's layout, each in its own
+//! memfd, registered as they are (`register_tensors`). A prefill engine
+//! writes its tensors, a decode engine reads them, both by the engine's
+//! shape formula, written here from the engines' published shapes, not
+//! from kvwire's placement code.
 
 use crate::scenario::ScenarioError;
 use crate::tinylm::KvCache;
@@ -108,6 +109,27 @@ impl EngineCache {
             e.mems.push(mems);
         }
         Ok(e)
+    }
+
+    /// Writes `cache` into the engine's tensors, each (layer, head, position)
+    /// on the rank holding that head, as a prefill engine does.
+    pub fn scatter(&self, cache: &KvCache) {
+        let per = self.kv_heads / self.tp;
+        let d = self.head_dim as usize;
+        for layer in 0..self.layers {
+            for (kv, rows) in [(0, &cache.k[layer as usize]), (1, &cache.v[layer as usize])] {
+                for pos in 0..cache.tokens as u64 {
+                    for head in 0..self.kv_heads {
+                        let mem = &self.mems[(head / per) as usize][if self.preset == "vllm_cross" { 0 } else { layer as usize }];
+                        let b = u64::from(self.table[(pos / self.block) as usize]);
+                        let at = self.index(&self.preset, layer, kv, b, pos % self.block, head % per) * F32;
+                        let start = (pos as usize * self.kv_heads as usize + head as usize) * d;
+                        let bytes: Vec<u8> = rows[start..start + d].iter().flat_map(|x| x.to_le_bytes()).collect();
+                        mem.write(at, &bytes).expect("write an engine tensor");
+                    }
+                }
+            }
+        }
     }
 
     /// The cache of `tokens` positions, read from the engine's tensors as

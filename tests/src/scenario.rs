@@ -353,15 +353,30 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     let geo = Geometry::new(CacheFormat::parse("fp32").expect("fp32"), 16).expect("geometry");
     let inv = inventory(&model, &geo, sc.tokens).map_err(|e| ScenarioError::Setup(e.to_string()))?;
 
-    // Prefill side: scatter each rank's shard, register.
+    // Prefill side: scatter each rank's shard, register. A layout with
+    // `kv=` is an engine writing its own per-layer tensors.
     let src = side(&model, &sc.src_layout, sc.tokens)?;
-    let src_mems = (0..src.shard.ranks.len() as u32)
-        .map(|r| rank_mem(sc.memory, &model, &src, r, Some(&tinylm::scatter(&cache, &model, &src, r))))
-        .collect::<Result<Vec<_>, _>>()?;
     let mut sid = identity(&w, adapter.as_ref(), &cfg);
     (sc.src_identity)(&mut sid);
     let src_group = format!("{}-prefill", sc.name);
-    register_group(a, &src_group, &toml, &sc.src_layout, &src, &src_mems, &sid, sc.memory)?;
+    let shape = (cfg.kv_heads as u64, cfg.head_dim as u64);
+    let (_src_engine, _src_mems) = match &src.kv {
+        Some(order) => {
+            if sc.memory != Memory::Host {
+                return Err(ScenarioError::Setup("an engine-tensor source lives in host memory".into()));
+            }
+            let e = EngineCache::register(a, &src_group, &toml, &sc.src_layout, &order.name(), &src, cfg.layers as u64, shape, &sid)?;
+            e.scatter(&cache);
+            (Some(e), Vec::new())
+        }
+        None => {
+            let mems = (0..src.shard.ranks.len() as u32)
+                .map(|r| rank_mem(sc.memory, &model, &src, r, Some(&tinylm::scatter(&cache, &model, &src, r))))
+                .collect::<Result<Vec<_>, _>>()?;
+            register_group(a, &src_group, &toml, &sc.src_layout, &src, &mems, &sid, sc.memory)?;
+            (None, mems)
+        }
+    };
 
     // Decode side: its own layout; a prefix it computed itself, if any. A
     // layout with `kv=` is an engine holding its own per-layer tensors.
@@ -374,7 +389,6 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
             if sc.prefix > 0 || sc.memory != Memory::Host {
                 return Err(ScenarioError::Setup("an engine-tensor destination holds no prefix and lives in host memory".into()));
             }
-            let shape = (cfg.kv_heads as u64, cfg.head_dim as u64);
             Some(EngineCache::register(b, &dst_group, &toml, &sc.dst_layout, &order.name(), &dst, cfg.layers as u64, shape, &did)?)
         }
         None => None,

@@ -88,7 +88,7 @@ fn lossless_remapped_transfers_decode_bitwise_identical() {
 }
 
 #[test]
-fn a_destination_holding_engine_per_layer_tensors_decodes_bitwise_identical() {
+fn engines_holding_their_own_per_layer_tensors_decode_bitwise_identical() {
     let _shared = crate::shared();
     let p = pair("engine", "");
     // The decode engine's cache is its own tensors, one memfd per layer
@@ -105,6 +105,17 @@ fn a_destination_holding_engine_per_layer_tensors_decodes_bitwise_identical() {
         let o = run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_bitwise(&o);
         assert_eq!(o.destination.bytes, 4 * 4 * 32 * 2 * 4 * 100, "{name}");
+    }
+    // Both sides engines: FlashInfer prefill TP4 -> vLLM NHD decode TP2, and
+    // a vLLM cross-layer prefill TP2 -> vLLM CPU decode TP1.
+    for (name, src, dst) in [
+        ("engines-fi-nhd", "tp=4,block=16,table=shuffle:7,kv=flashinfer", "tp=2,block=32,table=shuffle:2,kv=vllm_nhd"),
+        ("engines-cross-cpu", "tp=2,block=8,table=shuffle:1,kv=vllm_cross", "tp=1,block=16,table=shuffle:4,kv=vllm_cpu"),
+    ] {
+        let mut sc = Scenario::new(name);
+        sc.src_layout = src.into();
+        sc.dst_layout = dst.into();
+        assert_bitwise(&run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}")));
     }
     // Negative control: the same bytes read as another layout decode to other logits.
     let mut sc = Scenario::new("engine-misread");
