@@ -371,6 +371,9 @@ pub fn rank_tensors(
     block_size: u32,
 ) -> Result<RankTensors, TensorError> {
     let es = elem_bytes(format).map_err(|reason| TensorError::Unsupported { order: order.name(), reason })?;
+    if num_blocks == 0 || block_size == 0 {
+        return Err(TensorError::Unsupported { order: order.name(), reason: "num_blocks and block must be > 0".into() });
+    }
     let geo = rank_geometry(order, model, rank)?;
     // Groups of layers sharing a tensor: all of them, or one each.
     let groups: Vec<Vec<(u32, u64, u64)>> = if order.cross_layer() { vec![geo].into_iter().filter(|g| !g.is_empty()).collect() } else { geo.into_iter().map(|g| vec![g]).collect() };
