@@ -104,7 +104,7 @@ fn models_engine_tensors_cannot_hold_are_refused_by_name() {
 
 /// A plan run on real tensors: each rank's engine tensors are plain byte
 /// vectors, and a segment's region offset lands at the region's base in its tensor.
-fn run_on_tensors(m: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, src_fill: impl Fn(u32, usize, u64) -> u8) -> Vec<Vec<Vec<u8>>> {
+fn run_on_tensors(src: &Side, dst: &Side, plan: &Plan, src_fill: impl Fn(u32, usize, u64) -> u8) -> Vec<Vec<Vec<u8>>> {
     let alloc = |s: &Side| -> Vec<Vec<Vec<u8>>> { s.engine.iter().map(|rt| rt.tensors.iter().map(|t| vec![0xA5u8; t.bytes() as usize]).collect()).collect() };
     // A segment's region is a window of one tensor.
     let place = |s: &Side, rank: u32, id: RegionId| {
@@ -113,15 +113,13 @@ fn run_on_tensors(m: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, src_fill: 
     };
     let mut src_bufs = alloc(src);
     // Source: every byte of every tensor, by (rank, tensor, offset).
-    for (rank, rt) in src.engine.iter().enumerate() {
-        for (t, buf) in src_bufs[rank].iter_mut().enumerate() {
-            let _ = rt;
+    for (rank, bufs) in src_bufs.iter_mut().enumerate() {
+        for (t, buf) in bufs.iter_mut().enumerate() {
             for (o, b) in buf.iter_mut().enumerate() {
                 *b = src_fill(rank as u32, t, o as u64);
             }
         }
     }
-    let _ = m;
     let mut dst_bufs = alloc(dst);
     for s in &plan.segments {
         let (st, sb) = place(src, s.src_rank, s.src_region);
@@ -171,7 +169,7 @@ fn a_transfer_between_any_two_presets_with_a_tp_change_places_every_row_where_th
                 }
             }
         }
-        let dst_bufs = run_on_tensors(&m, &src, &dst, &plan, |rank, t, o| src_rows.get(&(rank as usize, t, o)).copied().unwrap_or(0));
+        let dst_bufs = run_on_tensors(&src, &dst, &plan, |rank, t, o| src_rows.get(&(rank as usize, t, o)).copied().unwrap_or(0));
         let mut checked = 0;
         for layer in 0..layers {
             for kv in 0..2 {
