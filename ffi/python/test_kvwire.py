@@ -296,6 +296,14 @@ def test_transfer_every_layer_and_every_byte(d):
         b.close()
 
 
+def test_groups_are_shared_only_under_their_token(d):
+    with kvwire.Client(d.sock_b, "py-owner") as a, kvwire.Client(d.sock_b, "py-other") as b:
+        a.share_group("py-shared", "0123456789abcdef-py")
+        expect_error(kvwire.KVW_PERMISSION_DENIED, b.share_group, "py-shared", "another-token-of-16b")
+        expect_error(kvwire.KVW_BAD_REQUEST, b.share_group, "py-shared", "short")
+        b.share_group("py-shared", "0123456789abcdef-py")
+
+
 def test_timeout_cancel_and_bad_arguments(d):
     with kvwire.Client(d.sock_b, "py-cancel") as b:
         mems = register_side(b, "py-cancel", DST, None)
@@ -463,6 +471,7 @@ TESTS = [
     test_mem_and_cache_size,
     test_bad_layout_is_102_with_the_daemons_message,
     test_transfer_every_layer_and_every_byte,
+    test_groups_are_shared_only_under_their_token,
     test_timeout_cancel_and_bad_arguments,
     test_views_are_zero_copy,
     test_engine_tensors_move_between_two_layouts,

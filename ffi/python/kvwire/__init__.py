@@ -152,6 +152,7 @@ _is_ready = _sig("kvw_is_ready", _u32, _vp, _u16, _u32, _u32, _P(ctypes.c_bool))
 _status = _sig("kvw_status", _u32, _vp, _u16, _P(_u32))
 _cancel = _sig("kvw_cancel", _u32, _vp, _u16)
 _release = _sig("kvw_release_cache", _u32, _vp, _c, _u32)
+_share = _sig("kvw_share_group", _u32, _vp, _c, _c)
 
 
 def _text(fn, *args):
@@ -443,6 +444,13 @@ class Client(_Handle):
 
     def release_cache(self, group: str, rank: int) -> None:
         self._call(_release, _b(group), rank)
+
+    def share_group(self, group: str, token: str) -> None:
+        """Shares ``group`` with the clients that present ``token`` (16 bytes
+        at least): each process registering ranks of one group calls this
+        with the same token first. A group nobody shared belongs to the
+        client that registered its first rank."""
+        self._call(_share, _b(group), _b(token))
 
     _free = staticmethod(lambda h: _client_free(h))
 
