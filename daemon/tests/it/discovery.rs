@@ -40,7 +40,7 @@ impl Etcd {
     fn start(test: &str) -> Option<Etcd> {
         if !Path::new(ETCD).exists() {
             assert!(!nix::unistd::Uid::effective().is_root(), "{ETCD} is missing: run scripts/test, which installs etcd-server");
-            eprintln!("\n!!! SKIPPED {test}: etcd-server not installed (apt-get install etcd-server)\n");
+            kvwire_testkit::skip(test, kvwire_testkit::Need::Etcd, "etcd-server not installed (apt-get install etcd-server)");
             return None;
         }
         let dir = TempDir::new(&format!("etcd-{test}"));

@@ -1,6 +1,7 @@
 //! kvwire's test support, shared by every crate's tests, the demo and the
 //! benches: temporary directories, free ports, the workspace's binaries,
-//! kvwired processes, and network-namespace hosts ([`netns`]).
+//! kvwired processes, network-namespace hosts ([`netns`]), and skipped tests
+//! said out loud ([`skip`]).
 //!
 //! It depends on none of kvwire's crates, so any of them can use it as a
 //! dev-dependency without a cycle.
@@ -9,6 +10,9 @@
 #![warn(missing_docs)]
 
 pub mod netns;
+pub mod skip;
+
+pub use skip::{current_test, skip, Need};
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;

@@ -291,7 +291,7 @@ fn daemons_on_two_hosts_in_network_namespaces() {
     let _shared = crate::shared();
     use kvwire_testkit::netns;
     if !netns::available() {
-        eprintln!("SKIPPED daemons_on_two_hosts_in_network_namespaces: needs root and iproute2");
+        kvwire_testkit::skip("daemons_on_two_hosts_in_network_namespaces", kvwire_testkit::Need::Root, "needs root and iproute2");
         return;
     }
     let link = netns::Link::new("dmn").expect("namespaces");
@@ -404,7 +404,7 @@ fn a_client_of_another_uid_is_refused() {
     let _shared = crate::shared();
     use std::os::unix::fs::PermissionsExt;
     if !nix::unistd::geteuid().is_root() {
-        eprintln!("SKIPPED a_client_of_another_uid_is_refused: needs root to run a client as another uid");
+        kvwire_testkit::skip("a_client_of_another_uid_is_refused", kvwire_testkit::Need::Root, "needs root to run a client as another uid");
         return;
     }
     let d = TempDir::new("e2e-uid");
@@ -524,7 +524,7 @@ fn fp8_codec_through_daemons_reports_compressed_bytes_and_stays_in_tolerance() {
 fn netns_pair(tag: &str, shape: Option<&str>, extra: &str) -> Option<(kvwire_testkit::netns::Link, Pair)> {
     use kvwire_testkit::netns;
     if !netns::available() {
-        eprintln!("SKIPPED {tag}: needs root and iproute2");
+        kvwire_testkit::skip(tag, kvwire_testkit::Need::Root, "needs root and iproute2");
         return None;
     }
     let link = netns::Link::new(tag).expect("namespaces");
@@ -618,7 +618,7 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
 fn gpu_caches_move_through_two_daemons_and_decode_bitwise() {
     const NAME: &str = "gpu_caches_move_through_two_daemons_and_decode_bitwise";
     if std::env::var("KVWIRE_GPU").as_deref() != Ok("1") {
-        eprintln!("SKIPPED {NAME}: KVWIRE_GPU=1 is not set (scripts/gpu-check sets it)");
+        kvwire_testkit::skip(NAME, kvwire_testkit::Need::Gpu, "KVWIRE_GPU=1 is not set (scripts/gpu-check sets it)");
         return;
     }
     #[cfg(not(feature = "cuda"))]

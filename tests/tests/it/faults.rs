@@ -30,7 +30,7 @@ fn peer_timeout() -> String {
 /// Two namespace hosts, or `None` (and a SKIPPED line) without root or iproute2.
 fn hosts(tag: &str, test: &str) -> Option<Link> {
     if !netns::available() {
-        eprintln!("SKIPPED {test}: needs root and iproute2");
+        kvwire_testkit::skip(test, kvwire_testkit::Need::Root, "needs root and iproute2");
         return None;
     }
     Some(Link::new(tag).expect("namespaces"))
@@ -861,7 +861,7 @@ fn verbs_rails(test: &str) -> Option<String> {
             if std::env::var("KVWIRE_REQUIRE_RDMA_RAILS").as_deref() == Ok("1") {
                 panic!("KVWIRE_REQUIRE_RDMA_RAILS=1 but {dev1} and {dev2} (with a netdev) are not both present");
             }
-            eprintln!("SKIPPED {test}: needs RDMA devices rxe0 and rxe1 (run in scripts/softroce-vm -n two)");
+            kvwire_testkit::skip(test, kvwire_testkit::Need::Rdma, "needs RDMA devices rxe0 and rxe1 (run in scripts/softroce-vm -n two)");
             None
         }
     }

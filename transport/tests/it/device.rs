@@ -398,7 +398,7 @@ fn host_stream_event_completes_only_after_prior_copies() {
 #[test]
 fn no_cuda_driver_is_a_clear_error() {
     match probe_cuda() {
-        Ok(()) => eprintln!("SKIPPED no_cuda_driver_is_a_clear_error: a CUDA driver is present on this host"),
+        Ok(()) => kvwire_testkit::skip("no_cuda_driver_is_a_clear_error", kvwire_testkit::Need::NoGpu, "a CUDA driver is present on this host"),
         Err(e @ DeviceError::NoDriver(_)) if cfg!(feature = "cuda") => {
             assert!(e.to_string().starts_with("no CUDA driver: "), "{e}");
             #[cfg(feature = "cuda")]
@@ -472,7 +472,7 @@ fn host_stand_in_round_trip_reconstructs_the_source() {
 fn gpu_staging_round_trip_and_bandwidth() {
     const NAME: &str = "gpu_staging_round_trip_and_bandwidth";
     if std::env::var("KVWIRE_GPU").as_deref() != Ok("1") {
-        eprintln!("SKIPPED {NAME}: KVWIRE_GPU=1 is not set (scripts/gpu-check sets it)");
+        kvwire_testkit::skip(NAME, kvwire_testkit::Need::Gpu, "KVWIRE_GPU=1 is not set (scripts/gpu-check sets it)");
         return;
     }
     #[cfg(not(feature = "cuda"))]
@@ -645,7 +645,11 @@ fn bound_import_refuses_a_handle_that_does_not_fit() {
 #[test]
 fn backend_open_names_what_is_missing() {
     match probe_cuda() {
-        Ok(()) => eprintln!("SKIPPED the no-driver half of backend_open_names_what_is_missing: a CUDA driver is present"),
+        Ok(()) => kvwire_testkit::skip(
+            "backend_open_names_what_is_missing (its no-driver half)",
+            kvwire_testkit::Need::NoGpu,
+            "a CUDA driver is present",
+        ),
         // The same reason the probe gives: NotBuilt without the feature, NoDriver without a driver.
         Err(e) => assert_eq!(Backend::open("cuda", 0).unwrap_err(), e),
     }

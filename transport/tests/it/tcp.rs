@@ -166,7 +166,7 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
 #[test]
 fn tcp_across_two_network_namespaces() {
     if !crate::netns::available() {
-        eprintln!("SKIPPED tcp_across_two_network_namespaces: needs root and iproute2 (ip netns)");
+        kvwire_testkit::skip("tcp_across_two_network_namespaces", kvwire_testkit::Need::Root, "needs root and iproute2 (ip netns)");
         return;
     }
     let ns = crate::netns::Link::new("tcp").expect("create namespaces");

@@ -45,10 +45,11 @@ fn endpoint(l: VerbsLimits) -> Option<VerbsEndpoint> {
             if required() {
                 panic!("KVWIRE_REQUIRE_RDMA=1 but there is NO RDMA DEVICE: {msg}");
             }
-            eprintln!(
-                "SKIPPED: no RDMA device (run scripts/softroce-vm -- target/debug/deps/it-HASH verbs, \
+            let why = format!(
+                "no RDMA device (run scripts/softroce-vm -- target/debug/deps/it-HASH verbs, \
                  or set one up with scripts/softroce-up): {msg}"
             );
+            kvwire_testkit::skip(&kvwire_testkit::current_test(), kvwire_testkit::Need::Rdma, &why);
             None
         }
         Err(e) => panic!("opening the RDMA device failed: {e}"),
@@ -535,7 +536,8 @@ fn second_rail(ep: &VerbsEndpoint) -> Option<VerbsEndpoint> {
             if std::env::var("KVWIRE_REQUIRE_RDMA_RAILS").as_deref() == Ok("1") {
                 panic!("KVWIRE_REQUIRE_RDMA_RAILS=1 but there is no second RDMA device: {msg}");
             }
-            eprintln!("SKIPPED: no second RDMA device (run scripts/softroce-vm -n two): {msg}");
+            let why = format!("no second RDMA device (run scripts/softroce-vm -n two): {msg}");
+            kvwire_testkit::skip(&kvwire_testkit::current_test(), kvwire_testkit::Need::Rdma, &why);
             None
         }
         Err(e) => panic!("opening the second RDMA device failed: {e}"),
