@@ -114,6 +114,22 @@ impl Metrics {
             let _ = writeln!(out, "kvwire_hop_seconds_count{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.count);
             let _ = writeln!(out, "kvwire_hop_bytes_total{{node=\"{node}\",hop=\"{}\"}} {}", hop.name(), s.bytes);
         }
+        // The histograms' own quantiles, so `kvwire stats` need not estimate
+        // them from the coarse buckets above; quantile="1" is the max.
+        let _ = writeln!(
+            out,
+            "# HELP kvwire_hop_quantile_seconds Quantiles of each hop's histogram (3 significant digits); quantile=\"1\" is the max.\n\
+             # TYPE kvwire_hop_quantile_seconds gauge"
+        );
+        for hop in Hop::ALL {
+            let s = hops.summary(hop);
+            if s.count == 0 {
+                continue;
+            }
+            for (q, ns) in [("0.5", s.p50_ns), ("0.9", s.p90_ns), ("0.99", s.p99_ns), ("0.999", s.p999_ns), ("1", s.max_ns)] {
+                let _ = writeln!(out, "kvwire_hop_quantile_seconds{{node=\"{node}\",hop=\"{}\",quantile=\"{q}\"}} {}", hop.name(), ns as f64 / 1e9);
+            }
+        }
         let rails = self.rails.lock().expect("rail metrics lock").clone();
         for (name, help, kind, get) in [
             ("kvwire_rail_bytes_total", "Bytes completed per rail.", "counter", (|t: &RailTotals| t.bytes as f64) as fn(&RailTotals) -> f64),

@@ -61,15 +61,20 @@ const _: () = {
     }
 };
 
-/// Summary of one hop's histogram.
+/// Summary of one hop's histogram. Quantiles and max are the hdrhistogram's
+/// own (3 significant digits: within 0.1% of a recorded sample).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HopSummary {
     /// Samples.
     pub count: u64,
     /// Median, ns.
     pub p50_ns: u64,
+    /// 90th percentile, ns.
+    pub p90_ns: u64,
     /// 99th percentile, ns.
     pub p99_ns: u64,
+    /// 99.9th percentile, ns.
+    pub p999_ns: u64,
     /// Maximum, ns.
     pub max_ns: u64,
     /// Sum of samples, ns (for occupancy and effective bandwidth).
@@ -125,7 +130,9 @@ impl Hops {
         HopSummary {
             count: d.hist.len(),
             p50_ns: d.hist.value_at_quantile(0.5),
+            p90_ns: d.hist.value_at_quantile(0.9),
             p99_ns: d.hist.value_at_quantile(0.99),
+            p999_ns: d.hist.value_at_quantile(0.999),
             max_ns: d.hist.max(),
             sum_ns: d.sum_ns,
             bytes: d.bytes,

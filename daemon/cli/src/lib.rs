@@ -586,22 +586,26 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
     let _ = writeln!(out);
     let _ = writeln!(
         out,
-        "{:<15} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
-        "hop", "count", "p50", "p99", "mean", "from", "bytes", "bandwidth"
+        "{:<15} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>26} {:>12}",
+        "hop", "count", "p50", "p90", "p99", "p99.9", "max", "mean", "from", "bytes", "bandwidth"
     );
     let opt = |v: Option<f64>| v.map(seconds).unwrap_or_else(|| "-".into());
     for h in &st.hops {
         let from = match h.latency_from {
+            promtext::LatencyFrom::Histogram => "histogram",
             promtext::LatencyFrom::Buckets => "buckets",
             promtext::LatencyFrom::Mean => "mean",
         };
         let _ = writeln!(
             out,
-            "{:<15} {:>8} {:>11} {:>11} {:>11} {:>8} {:>26} {:>12}",
+            "{:<15} {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>9} {:>26} {:>12}",
             h.hop,
             h.count,
             opt(h.p50_seconds),
+            opt(h.p90_seconds),
             opt(h.p99_seconds),
+            opt(h.p999_seconds),
+            opt(h.max_seconds),
             opt(h.mean_seconds),
             from,
             bytes(h.bytes),
@@ -610,7 +614,8 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
     }
     let _ = writeln!(
         out,
-        "p50/p99: estimated from histogram buckets (linear interpolation) where `from` is buckets; otherwise only mean = sum/count.\n\
+        "quantiles: the daemon's hdrhistogram (within 0.1%) where `from` is histogram; p50/p99 estimated from buckets\n\
+         (linear interpolation) where it is buckets; otherwise only mean = sum/count.\n\
          bandwidth: effective, bytes / total seconds spent in the hop."
     );
 }

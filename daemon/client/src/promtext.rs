@@ -228,6 +228,9 @@ pub struct ByteCounters {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LatencyFrom {
+    /// The daemon's hdrhistogram itself (`kvwire_hop_quantile_seconds`):
+    /// p50, p90, p99, p99.9 and max within 0.1% of recorded samples.
+    Histogram,
     /// p50/p99 interpolated linearly inside histogram buckets (as
     /// Prometheus' `histogram_quantile` does).
     Buckets,
@@ -246,10 +249,18 @@ pub struct HopStats {
     pub sum_seconds: f64,
     /// `sum / count`, seconds; `None` without samples.
     pub mean_seconds: Option<f64>,
-    /// Estimated median, seconds; `None` without samples or buckets.
+    /// Median, seconds; `None` without samples (estimated from buckets
+    /// when the daemon gives no quantiles).
     pub p50_seconds: Option<f64>,
-    /// Estimated 99th percentile, seconds; `None` without samples or buckets.
+    /// 90th percentile, seconds; `None` unless the daemon gives it.
+    pub p90_seconds: Option<f64>,
+    /// 99th percentile, seconds; `None` without samples (estimated from
+    /// buckets when the daemon gives no quantiles).
     pub p99_seconds: Option<f64>,
+    /// 99.9th percentile, seconds; `None` unless the daemon gives it.
+    pub p999_seconds: Option<f64>,
+    /// Largest sample, seconds; `None` unless the daemon gives it.
+    pub max_seconds: Option<f64>,
     /// What the latency figures are computed from.
     pub latency_from: LatencyFrom,
     /// Bytes attributed to the hop.
@@ -344,7 +355,10 @@ impl Stats {
                         sum_seconds: 0.0,
                         mean_seconds: None,
                         p50_seconds: None,
+                        p90_seconds: None,
                         p99_seconds: None,
+                        p999_seconds: None,
+                        max_seconds: None,
                         latency_from: LatencyFrom::Mean,
                         bytes: 0,
                         bandwidth_bytes_per_second: None,
@@ -356,6 +370,8 @@ impl Stats {
             &mut hops[i]
         }
         let mut inf_buckets: Vec<(String, u64, usize)> = Vec::new();
+        // (hop, quantile, seconds) from the histograms themselves.
+        let mut quantiles: Vec<(String, f64, f64)> = Vec::new();
         for s in samples {
             match s.name.as_str() {
                 "kvwire_transfers_total" => transfers.push(TransferCount {
@@ -389,6 +405,15 @@ impl Stats {
                 }
                 "kvwire_hop_seconds_count" => hop_mut(&mut hops, need(s, "hop")?).count = count(s)?,
                 "kvwire_hop_bytes_total" => hop_mut(&mut hops, need(s, "hop")?).bytes = count(s)?,
+                "kvwire_hop_quantile_seconds" => {
+                    let bad = |reason: String| ParseError::Value { line: s.line, metric: s.name.clone(), reason };
+                    let q = need(s, "quantile")?;
+                    let qv = parse_value(q).filter(|q| (0.0..=1.0).contains(q)).ok_or_else(|| bad(format!("quantile=\"{q}\" is not in 0..=1")))?;
+                    if !(s.value.is_finite() && s.value >= 0.0) {
+                        return Err(bad(format!("{} is not a duration", s.value)));
+                    }
+                    quantiles.push((need(s, "hop")?.to_string(), qv, s.value));
+                }
                 _ => {}
             }
         }
@@ -421,11 +446,17 @@ impl Stats {
                     });
                 }
             }
+            let q = |want: f64| quantiles.iter().find(|(hop, q, _)| *hop == h.hop && *q == want).map(|&(_, _, v)| v);
             h.latency_from = if h.buckets.is_empty() { LatencyFrom::Mean } else { LatencyFrom::Buckets };
             if h.count > 0 {
                 h.mean_seconds = Some(h.sum_seconds / h.count as f64);
-                h.p50_seconds = bucket_quantile(0.5, &h.buckets, h.count);
-                h.p99_seconds = bucket_quantile(0.99, &h.buckets, h.count);
+                if let (Some(p50), Some(p99)) = (q(0.5), q(0.99)) {
+                    h.latency_from = LatencyFrom::Histogram;
+                    (h.p50_seconds, h.p90_seconds, h.p99_seconds, h.p999_seconds, h.max_seconds) = (Some(p50), q(0.9), Some(p99), q(0.999), q(1.0));
+                } else {
+                    h.p50_seconds = bucket_quantile(0.5, &h.buckets, h.count);
+                    h.p99_seconds = bucket_quantile(0.99, &h.buckets, h.count);
+                }
             }
             if h.sum_seconds > 0.0 {
                 h.bandwidth_bytes_per_second = Some(h.bytes as f64 / h.sum_seconds);

@@ -156,7 +156,29 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     assert!(stats.contains(&format!("kvwire_payload_bytes_total{{node=\"a\"}} {bytes}")), "{stats}");
     // Per-peer hop histograms: the source timed its wire hop toward `b`.
     assert!(stats.contains("kvwire_peer_hop_seconds_count{node=\"a\",peer=\"b\",hop=\"wire\"} 1"), "{stats}");
+    check_hop_quantiles(&stats);
+    check_hop_quantiles(&cb.stats().unwrap());
     drop(src);
+}
+
+/// What `kvwire stats` reads from a live daemon: every hop with samples has
+/// the histogram's own quantiles, in order, none above the max nor the max
+/// below the mean; a hop with one sample has that sample (its sum) for each.
+fn check_hop_quantiles(text: &str) {
+    let st = kvwire_client::promtext::Stats::from_text(text).unwrap();
+    let timed: Vec<_> = st.hops.iter().filter(|h| h.count > 0).collect();
+    assert!(timed.iter().any(|h| h.hop == "wire" || h.hop == "place"), "no wire or place samples:\n{text}");
+    for h in timed {
+        assert_eq!(h.latency_from, kvwire_client::promtext::LatencyFrom::Histogram, "{h:?}");
+        let q = [h.p50_seconds, h.p90_seconds, h.p99_seconds, h.p999_seconds, h.max_seconds].map(|v| v.unwrap_or_else(|| panic!("{h:?}")));
+        assert!(q.windows(2).all(|w| w[0] <= w[1]), "quantiles out of order: {h:?}");
+        let mean = h.mean_seconds.unwrap();
+        // The max is at or above the mean (to hdrhistogram's 0.1%).
+        assert!(q[4] >= mean * (1.0 - 1e-3), "max below the mean: {h:?}");
+        if h.count == 1 {
+            assert!(q.iter().all(|&v| v >= h.sum_seconds && (v - h.sum_seconds) <= h.sum_seconds * 1e-3 + 1e-9), "one sample: {h:?}");
+        }
+    }
 }
 
 #[test]

@@ -77,7 +77,7 @@ fn check_fresh(v: &Value, node: &str, source: &str) {
         assert_eq!(h["bytes"], 0, "{h}");
         assert_eq!(h["sum_seconds"], 0.0, "{h}");
         assert_eq!(h["latency_from"], "buckets", "{h}");
-        for k in ["p50_seconds", "p99_seconds", "mean_seconds", "bandwidth_bytes_per_second"] {
+        for k in ["p50_seconds", "p90_seconds", "p99_seconds", "p999_seconds", "max_seconds", "mean_seconds", "bandwidth_bytes_per_second"] {
             assert!(h[k].is_null(), "{k} without samples: {h}");
         }
     }
@@ -115,7 +115,9 @@ fn stats_over_metrics_endpoint_and_control_socket_agree() {
     for hop in HOPS {
         assert!(table.lines().any(|l| l.split_whitespace().next() == Some(hop)), "table lacks hop {hop}:\n{table}");
     }
-    assert!(table.contains("p50/p99: estimated from histogram buckets"), "{table}");
+    assert!(table.contains("quantiles: the daemon's hdrhistogram"), "{table}");
+    let header = table.lines().find(|l| l.starts_with("hop ")).unwrap();
+    assert_eq!(header.split_whitespace().collect::<Vec<_>>(), ["hop", "count", "p50", "p90", "p99", "p99.9", "max", "mean", "from", "bytes", "bandwidth"]);
 }
 
 #[test]
