@@ -579,7 +579,7 @@ fn plots(points: &[Point], series: &[Series]) -> String {
     let mut lat = Vec::new();
     for s in series {
         lat.push(Line { color: s.color, dashed: false, title: format!("{} end-to-end p50", s.label), xy: xy(s, &|p| Some(p.lat_ns.p50 as f64)) });
-        lat.push(Line { color: s.color, dashed: true, title: format!("{} end-to-end p99", s.label), xy: xy(s, &|p| Some(p.lat_ns.p99 as f64)) });
+        lat.push(Line { color: s.color, dashed: true, title: format!("{} end-to-end p99", s.label), xy: xy(s, &|p| p.lat_ns.p99.map(|v| v as f64)) });
     }
     out.push_str(&chart("end-to-end latency (lat_ns)", "latency", true, &ns_fmt, &sizes, &lat));
     let mut hop_names: Vec<&str> = points.iter().flat_map(|p| p.hops.keys().map(String::as_str)).collect();
@@ -588,8 +588,8 @@ fn plots(points: &[Point], series: &[Series]) -> String {
     for hop in hop_names {
         let mut ls = Vec::new();
         for s in series {
-            let get = |p: &Point, f: fn(&HopStat) -> u64| p.hops.get(hop).filter(|h| h.count > 0).map(|h| f(h) as f64);
-            ls.push(Line { color: s.color, dashed: false, title: format!("{} {hop} p50", s.label), xy: xy(s, &|p| get(p, |h| h.p50_ns)) });
+            let get = |p: &Point, f: fn(&HopStat) -> Option<u64>| p.hops.get(hop).filter(|h| h.count > 0).and_then(f).map(|v| v as f64);
+            ls.push(Line { color: s.color, dashed: false, title: format!("{} {hop} p50", s.label), xy: xy(s, &|p| get(p, |h| Some(h.p50_ns))) });
             ls.push(Line { color: s.color, dashed: true, title: format!("{} {hop} p99", s.label), xy: xy(s, &|p| get(p, |h| h.p99_ns)) });
         }
         out.push_str(&chart(&format!("hop {hop}: latency per event"), "latency", true, &ns_fmt, &sizes, &ls));
@@ -619,8 +619,13 @@ fn table(points: &[Point]) -> String {
             p.gbps_avg,
             p.gbps_peak
         );
-        for v in [l.min, l.p50, l.p99, l.p999, l.max] {
-            let _ = write!(t, r#"<td class="n" title="{v} ns">{}</td>"#, esc(&ns_label(v as f64)));
+        for v in [Some(l.min), Some(l.p50), l.p99, l.p999, Some(l.max)] {
+            match v {
+                Some(v) => {
+                    let _ = write!(t, r#"<td class="n" title="{v} ns">{}</td>"#, esc(&ns_label(v as f64)));
+                }
+                None => t.push_str(r#"<td class="n" title="too few samples for this percentile">n/a</td>"#),
+            }
         }
         let _ = write!(t, r#"<td class="n">{}</td><td class="n">{}</td><td>"#, p.payload_bytes, p.wire_bytes);
         let bl: Vec<String> = p.baselines.iter().map(|b| format!("{} {:.3}", esc(&b.name), b.gbps)).collect();

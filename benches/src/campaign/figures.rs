@@ -35,6 +35,13 @@ pub struct Figures {
     pub lat: LatNs,
 }
 
+/// Whether `n` samples support quantile `q`: at least `1 / (1 - q)` of
+/// them (p99 needs 100, p99.9 1000). With fewer, the "percentile" is only
+/// the max under another name.
+pub fn supports(n: u64, q: f64) -> bool {
+    n as f64 * (1.0 - q) >= 1.0 - 1e-9
+}
+
 /// Computes a point's figures. `rounds` must hold at least one transfer.
 pub fn figures(size: u64, rounds: &[Vec<Sample>]) -> Figures {
     let mut hist = Histogram::<u64>::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid histogram bounds");
@@ -60,8 +67,8 @@ pub fn figures(size: u64, rounds: &[Vec<Sample>]) -> Figures {
         lat: LatNs {
             min: hist.min(),
             p50: hist.value_at_quantile(0.50),
-            p99: hist.value_at_quantile(0.99),
-            p999: hist.value_at_quantile(0.999),
+            p99: supports(n, 0.99).then(|| hist.value_at_quantile(0.99)),
+            p999: supports(n, 0.999).then(|| hist.value_at_quantile(0.999)),
             max: hist.max(),
         },
     }

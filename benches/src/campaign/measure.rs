@@ -12,6 +12,7 @@ use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Batch, Connection, Endpoint, FlagTable, HostMem, Hop, Hops, Placement, Registry, Tag, TransportError, WriteOp};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -46,13 +47,21 @@ pub(super) fn verbs_endpoint(limits: VerbsLimits) -> Result<VerbsEndpoint, Trans
 }
 
 /// Waits for at least one completion; fails on a failed batch or a timeout.
-fn reap(conn: &mut dyn Connection) -> anyhow::Result<usize> {
+/// Each completion ends its batch's `wire` sample (posted → seen here),
+/// clipped at `end`, the transfer's end when it is already known: an ack
+/// that comes back after the destination's flag was seen must not make the
+/// hop outlast the transfer it belongs to.
+fn reap(conn: &mut dyn Connection, posted: &mut HashMap<u64, Instant>, end: Option<Instant>, wire: &Hops) -> anyhow::Result<usize> {
     let done = conn.poll(TIMEOUT)?;
+    let seen = Instant::now();
     if done.is_empty() {
         bail!("no completion within {TIMEOUT:?} ({} batches outstanding)", conn.pending());
     }
     for c in &done {
         c.result.clone().with_context(|| format!("batch {} ({} bytes)", c.batch.0, c.bytes))?;
+        if let Some(at) = posted.remove(&c.batch.0) {
+            wire.record(Hop::Wire, end.map_or(seen, |e| e.min(seen)).saturating_duration_since(at), c.bytes);
+        }
     }
     Ok(done.len())
 }
@@ -68,23 +77,27 @@ struct Lane {
 /// One transfer: `size` bytes in `chunk`-byte batches, at most `depth`
 /// outstanding, timed from the first post until the destination's flag is
 /// seen; then every completion is drained and the slot reset for the next.
-fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32, origin: Instant) -> anyhow::Result<Sample> {
+fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32, origin: Instant, wire: &Hops) -> anyhow::Result<Sample> {
     dst.expect(lane.tag, size)?;
     let framed = lane.conn.framing_bytes() + lane.conn.answer_bytes();
     let start = Instant::now();
     let mut outstanding = 0usize;
+    let mut posted = HashMap::new();
     for (off, len) in chunks(size, chunk) {
         while outstanding >= depth as usize {
-            outstanding -= reap(&mut *lane.conn)?.min(outstanding);
+            outstanding -= reap(&mut *lane.conn, &mut posted, None, wire)?.min(outstanding);
         }
         let w = WriteOp { src_key: lane.src_key, src_offset: off, dst_key: lane.dst_key, dst_offset: off, len };
-        lane.conn.post(Batch { tag: lane.tag, writes: vec![w] }).context("post")?;
+        let id = lane.conn.post(Batch { tag: lane.tag, writes: vec![w] }).context("post")?;
+        posted.insert(id.0, Instant::now());
         outstanding += 1;
     }
-    dst.wait(lane.tag, TIMEOUT).context("destination flag")?;
+    let notify = dst.wait(lane.tag, TIMEOUT).context("destination flag")?;
     let end = Instant::now();
+    // The campaign is the waiter: flag published → seen here.
+    wire.record(Hop::Notify, notify, 0);
     while outstanding > 0 {
-        outstanding -= reap(&mut *lane.conn)?.min(outstanding);
+        outstanding -= reap(&mut *lane.conn, &mut posted, Some(end), wire)?.min(outstanding);
     }
     // Every write of this transfer was placed and answered: the slot is free.
     dst.reset_slot(lane.tag.slot);
@@ -96,7 +109,15 @@ fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32,
 /// Registers one source and one destination region per lane, connects one
 /// connection per lane (after registering: a verbs peer learns regions from
 /// the hello), and runs `rounds` lock-step rounds.
-fn run_rounds(src: &dyn Endpoint, dst: &dyn Endpoint, mem: &[(Arc<HostMem>, Arc<HostMem>)], s: &Settings, size: u64, rounds: usize) -> anyhow::Result<Vec<Vec<Sample>>> {
+fn run_rounds(
+    src: &dyn Endpoint,
+    dst: &dyn Endpoint,
+    mem: &[(Arc<HostMem>, Arc<HostMem>)],
+    s: &Settings,
+    size: u64,
+    rounds: usize,
+    wire: &Hops,
+) -> anyhow::Result<Vec<Vec<Sample>>> {
     let cred = crate::baseline::session(src, dst)?;
     let mut lanes = Vec::with_capacity(mem.len());
     for (i, (a, b)) in mem.iter().enumerate() {
@@ -112,7 +133,7 @@ fn run_rounds(src: &dyn Endpoint, dst: &dyn Endpoint, mem: &[(Arc<HostMem>, Arc<
     }
     let origin = Instant::now();
     let placement = dst.placement();
-    let by_lane = lockstep(states, rounds, |_, lane| transfer(lane, placement, size, s.chunk, s.depth, origin))?;
+    let by_lane = lockstep(states, rounds, |_, lane| transfer(lane, placement, size, s.chunk, s.depth, origin, wire))?;
     Ok((0..rounds).map(|r| by_lane.iter().map(|l| l[r]).collect()).collect())
 }
 
@@ -131,12 +152,15 @@ pub(super) fn measure(t: TransportKind, size: u64, c: u32, s: &Settings) -> anyh
         // Warm-up through a twin pair on the same memory: the measured
         // endpoints' histograms then hold timed transfers only.
         let (src, dst) = pair(t, slots).context("warm-up endpoints")?;
-        run_rounds(&*src, &*dst, &mem, s, size, 1).context("warm-up")?;
+        run_rounds(&*src, &*dst, &mem, s, size, 1, &Hops::default()).context("warm-up")?;
     }
     let (src, dst) = pair(t, slots).context("endpoints")?;
-    let rounds = run_rounds(&*src, &*dst, &mem, s, size, s.iterations as usize)?;
+    // `wire` as the campaign sees it, each sample inside its transfer (the
+    // transport's own ends at the ack), and `notify`, the campaign waiting.
+    let wire = Hops::default();
+    let rounds = run_rounds(&*src, &*dst, &mem, s, size, s.iterations as usize, &wire)?;
     let (sh, dh) = (src.placement().hops(), dst.placement().hops());
-    let hops = PointHops { post: HopStat::of(sh, Hop::Post), wire: HopStat::of(sh, Hop::Wire), place: HopStat::of(dh, Hop::Place), notify: HopStat::of(dh, Hop::Notify) };
+    let hops = PointHops { post: HopStat::of(sh, Hop::Post), wire: HopStat::of(&wire, Hop::Wire), place: HopStat::of(dh, Hop::Place), notify: HopStat::of(&wire, Hop::Notify) };
     drop((src, dst, mem));
     let f = figures(size, &rounds);
     let mut baselines = vec![Baseline { name: "memcpy".into(), gbps: memcpy_baseline(size, c, s.iterations).context("memcpy baseline")? }];

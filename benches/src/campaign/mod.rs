@@ -21,7 +21,9 @@
 //!   (first start to last flag), summed over rounds — what the shared link
 //!   carried. With concurrency 1 it equals `gbps_avg` up to rounding;
 //! - `lat_ns`: per-transfer latency, min / p50 / p99 / p99.9 / max, from an
-//!   hdrhistogram (3 significant digits) of every timed transfer;
+//!   hdrhistogram (3 significant digits) of every timed transfer; p99 only
+//!   from 100 transfers on and p99.9 from 1000 (`null` and `n/a` below:
+//!   with fewer samples either is only the max);
 //! - `payload_bytes`: `size × concurrency × iterations` (timed transfers);
 //!   `wire_bytes`: that plus the framing its connections report sending and
 //!   getting back for those transfers
@@ -33,9 +35,13 @@
 //!   this run right after the point, with the same concurrency (except
 //!   `ib_write_bw`, one stream). The table's ratio is `gbps_avg` over the
 //!   last baseline;
-//! - `hops`: post and wire from the source endpoint's
+//! - `hops`: post from the source endpoint's
 //!   [`Hops`](kvwire_transport::Hops), place and notify from the
-//!   destination's.
+//!   destination's, wire timed by the campaign: post returned → completion
+//!   seen, clipped at the transfer's end (a late ack would otherwise give a
+//!   hop longer than its transfer). Every hop sample lies inside its
+//!   transfer, so no hop's max exceeds `lat_ns.max`; a hop's p99 follows the
+//!   rule of `lat_ns`.
 //!
 //! Outputs: a fixed-width table (or, with `--json`, the JSONL lines),
 //! `DIR/campaign.jsonl` (one `{"kind":"point",…}` object per point, and one
@@ -58,7 +64,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-pub use figures::{chunks, figures, size_label, Figures, Sample};
+pub use figures::{chunks, figures, size_label, supports, Figures, Sample};
 pub use plots::{hop_ceiling_svg, hop_latency_svg, throughput_svg};
 pub use records::{Baseline, HopStat, LatNs, Point, PointHops, Skipped};
 pub use settings::{CampaignArgs, Settings};

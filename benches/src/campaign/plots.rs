@@ -101,7 +101,7 @@ pub fn hop_latency_svg(points: &[Point]) -> String {
     let mut svg = Svg::new(W, H, "kvwire campaign: per-hop latency");
     svg.text(W / 2.0, 24.0, &format!("Per-hop latency at {} per transfer (p50 and p99 of each hop's histogram)", size_label(size)), 15.0, Anchor::Middle, 0.0);
     let (left, right, top, bottom) = (80.0, W - 120.0, 50.0, H - 80.0);
-    let vals = group.iter().flat_map(|p| p.hops.list().into_iter().filter(|(_, h)| h.count > 0).flat_map(|(_, h)| [h.p50_ns, h.p99_ns])).map(|ns| ns as f64 / 1e3);
+    let vals = group.iter().flat_map(|p| p.hops.list().into_iter().filter(|(_, h)| h.count > 0).flat_map(|(_, h)| [Some(h.p50_ns), h.p99_ns])).flatten().map(|ns| ns as f64 / 1e3);
     let (lo, hi) = min_max(vals.filter(|v| *v > 0.0)).unwrap_or((0.1, 1000.0));
     let f = Frame { x: Scale::linear(0.0, 1.0, left, right), y: Scale::log(lo, hi, bottom, top), left, right, top, bottom };
     f.axes(&mut svg, &[], &f.y.ticks(), "", "latency, µs (log scale)", &|_| String::new(), &decade_label);
@@ -117,7 +117,9 @@ pub fn hop_latency_svg(points: &[Point]) -> String {
         for (i, (name, h)) in p.hops.list().into_iter().enumerate() {
             let x = gx + i as f64 * 2.0 * bw;
             if h.count > 0 {
-                for (j, (ns, color)) in [(h.p50_ns, p50c), (h.p99_ns, p99c)].into_iter().enumerate() {
+                // A p99 the samples do not support leaves its bar out.
+                for (j, (ns, color)) in [(Some(h.p50_ns), p50c), (h.p99_ns, p99c)].into_iter().enumerate() {
+                    let Some(ns) = ns else { continue };
                     let y = f.y.at((ns as f64 / 1e3).max(f.y.range().0));
                     svg.rect(x + j as f64 * bw, y, bw * 0.95, bottom - y, color);
                 }

@@ -11,10 +11,10 @@ pub struct LatNs {
     pub min: u64,
     /// Median.
     pub p50: u64,
-    /// 99th percentile.
-    pub p99: u64,
-    /// 99.9th percentile.
-    pub p999: u64,
+    /// 99th percentile; `None` below 100 transfers (it would be the max).
+    pub p99: Option<u64>,
+    /// 99.9th percentile; `None` below 1000 transfers.
+    pub p999: Option<u64>,
     /// Slowest transfer.
     pub max: u64,
 }
@@ -37,8 +37,11 @@ pub struct HopStat {
     pub sum_ns: u64,
     /// Median, ns.
     pub p50_ns: u64,
-    /// 99th percentile, ns.
-    pub p99_ns: u64,
+    /// 99th percentile, ns; `None` below 100 samples.
+    pub p99_ns: Option<u64>,
+    /// Largest sample, ns (0 in records written before it was kept).
+    #[serde(default)]
+    pub max_ns: u64,
     /// Bytes the hop handled.
     pub bytes: u64,
 }
@@ -46,7 +49,8 @@ pub struct HopStat {
 impl HopStat {
     pub(super) fn of(hops: &Hops, hop: Hop) -> HopStat {
         let s = hops.summary(hop);
-        HopStat { count: s.count, sum_ns: s.sum_ns, p50_ns: s.p50_ns, p99_ns: s.p99_ns, bytes: s.bytes }
+        let p99_ns = super::figures::supports(s.count, 0.99).then_some(s.p99_ns);
+        HopStat { count: s.count, sum_ns: s.sum_ns, p50_ns: s.p50_ns, p99_ns, max_ns: s.max_ns, bytes: s.bytes }
     }
 
     /// Effective bandwidth, GB/s (bytes / total time in the hop); `None` without bytes or time.
@@ -60,7 +64,9 @@ impl HopStat {
 pub struct PointHops {
     /// CPU time to post (source).
     pub post: HopStat,
-    /// Post → local completion (source).
+    /// Post → completion seen (source), clipped at the transfer's end (its
+    /// destination flag seen): a late ack does not make a hop outlast its
+    /// transfer.
     pub wire: HopStat,
     /// Remote completion seen → bytes counted (destination).
     pub place: HopStat,

@@ -20,6 +20,7 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
         "transport", "size", "conc", "iters", "GB/s avg", "GB/s peak", "GB/s agg", "min µs", "p50 µs", "p99 µs", "p99.9 µs", "max µs", "baseline", "base GB/s", "ratio"
     );
     let us = |ns: u64| format!("{:.1}", ns as f64 / 1e3);
+    let tail = |ns: Option<u64>| ns.map_or("n/a".into(), us);
     for p in points {
         let base = p.baselines.last();
         let _ = writeln!(
@@ -34,8 +35,8 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
             p.gbps_aggregate,
             us(p.lat_ns.min),
             us(p.lat_ns.p50),
-            us(p.lat_ns.p99),
-            us(p.lat_ns.p999),
+            tail(p.lat_ns.p99),
+            tail(p.lat_ns.p999),
             us(p.lat_ns.max),
             base.map_or("-", |b| b.name.as_str()),
             base.map_or(0.0, |b| b.gbps),
@@ -49,6 +50,10 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
         out,
         "GB/s = 1e9 bytes/s. avg: each transfer's effective bandwidth (bytes / summed transfer time); peak: fastest transfer; \
          agg: all bytes of a round / that round's wall time."
+    );
+    let _ = writeln!(
+        out,
+        "p99 needs at least 100 transfers (conc x iters), p99.9 at least 1000; with fewer they are n/a, not the max under another name."
     );
     let _ = writeln!(
         out,

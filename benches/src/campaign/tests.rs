@@ -16,7 +16,21 @@ fn figures_from_hand_derived_rounds() {
     assert!((f.gbps_peak - 20.0).abs() < 1e-12);
     assert!((f.gbps_aggregate - 4000.0 / 310.0).abs() < 1e-12);
     // Small values are exact in an hdrhistogram with 3 significant digits.
-    assert_eq!(f.lat, LatNs { min: 50, p50: 100, p99: 200, p999: 200, max: 200 });
+    // Four transfers support no tail percentile.
+    assert_eq!(f.lat, LatNs { min: 50, p50: 100, p99: None, p999: None, max: 200 });
+}
+
+#[test]
+fn tail_percentiles_only_from_enough_transfers() {
+    // 1, 2, …, n ns: p99 is the sample of rank 0.99 n, p99.9 of rank 0.999 n.
+    let round = |n: u64| vec![(1..=n).map(|i| sample(0, i)).collect::<Vec<_>>()];
+    let f = figures(1, &round(99));
+    assert_eq!((f.lat.p99, f.lat.p999, f.lat.max), (None, None, 99));
+    let f = figures(1, &round(100));
+    assert_eq!((f.lat.p99, f.lat.p999), (Some(99), None));
+    let f = figures(1, &round(1000));
+    assert_eq!((f.lat.p50, f.lat.p99, f.lat.p999, f.lat.max), (500, Some(990), Some(999), 1000));
+    assert!(supports(100, 0.99) && !supports(99, 0.99) && supports(1000, 0.999) && !supports(999, 0.999));
 }
 
 #[test]

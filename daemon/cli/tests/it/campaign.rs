@@ -82,9 +82,11 @@ fn small_campaign_writes_table_jsonl_and_plots() {
         assert!(avg > 0.0 && avg.is_finite(), "{what}");
         assert!(peak >= avg * 0.999, "peak below average: {what}");
         let lat = &p["lat_ns"];
-        let (min, p50, p99, p999, max) = (u(lat, "min"), u(lat, "p50"), u(lat, "p99"), u(lat, "p999"), u(lat, "max"));
-        assert!(0 < min && min <= p50 && p50 <= p99 && p99 <= p999 && p999 <= max, "latency order: {what}");
+        let (min, p50, max) = (u(lat, "min"), u(lat, "p50"), u(lat, "max"));
+        assert!(0 < min && min <= p50 && p50 <= max, "latency order: {what}");
         let transfers = c * iters;
+        // A handful of transfers supports no tail percentile: null, not the max renamed.
+        assert!(transfers < 100 && lat["p99"].is_null() && lat["p999"].is_null(), "{what}");
         assert_eq!(u(p, "payload_bytes"), size * transfers, "{what}");
         assert!(u(p, "wire_bytes") > u(p, "payload_bytes"), "framing missing from wire_bytes: {what}");
         let baselines = p["baselines"].as_array().unwrap_or_else(|| panic!("no baselines: {what}"));
@@ -100,10 +102,16 @@ fn small_campaign_writes_table_jsonl_and_plots() {
         let hops = &p["hops"];
         for hop in ["post", "wire", "place", "notify"] {
             let h = &hops[hop];
-            for k in ["count", "sum_ns", "p50_ns", "p99_ns", "bytes"] {
+            for k in ["count", "sum_ns", "p50_ns", "max_ns", "bytes"] {
                 assert!(h[k].is_u64(), "hop {hop} lacks {k}: {what}");
             }
-            assert!(u(h, "p50_ns") <= u(h, "p99_ns"), "hop {hop} p50 > p99: {what}");
+            assert!(u(h, "p50_ns") <= u(h, "max_ns"), "hop {hop} p50 > max: {what}");
+            match h["p99_ns"].as_u64() {
+                Some(p99) => assert!(u(h, "count") >= 100 && u(h, "p50_ns") <= p99 && p99 <= u(h, "max_ns"), "hop {hop}: {what}"),
+                None => assert!(h["p99_ns"].is_null() && u(h, "count") < 100, "hop {hop}: p99 missing with enough samples: {what}"),
+            }
+            // Every hop sample lies inside its transfer: none outlasts the slowest transfer.
+            assert!(u(h, "max_ns") <= max, "hop {hop} max {} ns > transfer max {max} ns: {what}", u(h, "max_ns"));
         }
         assert_eq!(u(&hops["post"], "count"), batches, "{what}");
         assert_eq!(u(&hops["wire"], "count"), batches, "{what}");
