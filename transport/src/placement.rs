@@ -186,11 +186,12 @@ impl Placement {
         self.counts.lock().expect("placement lock").get(&tag).map_or(0, |c| c.placed)
     }
 
-    /// Waits for `tag`'s flag and records the `notify` hop.
+    /// Waits for `tag`'s flag; returns how long after its publish it was
+    /// seen. Not recorded as the `notify` hop: this table says the bytes
+    /// are placed, and the one who waits on it here is the daemon itself,
+    /// not the engine (DESIGN's `notify` is a client seeing `layer_ready`).
     pub fn wait(&self, tag: Tag, timeout: Duration) -> Result<Duration, crate::flags::WaitError> {
-        let d = self.flags.wait(tag, timeout)?;
-        self.hops.record(Hop::Notify, d, 0);
-        Ok(d)
+        self.flags.wait(tag, timeout)
     }
 
     /// Marks every layer of `slot` below `columns` failed: no flag of it

@@ -9,7 +9,7 @@ use kvwire_transport::{FlagTable, HostMem, Tag};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// Why a client call failed.
@@ -66,6 +66,9 @@ pub struct Client {
     /// The daemon's node name.
     pub node: String,
     flags: FlagTable,
+    /// `notify` samples of waits on the mapped page not yet sent: they go
+    /// ahead of the next call (or at drop), never on the wait's own path.
+    notified: Mutex<Vec<u64>>,
 }
 
 impl Client {
@@ -82,11 +85,29 @@ impl Client {
         let fd = fds.pop().ok_or_else(|| ClientError::FlagPage("hello reply carried no flag page".into()))?;
         let mem = HostMem::from_file_read_only(std::fs::File::from(fd)).map_err(|e| ClientError::FlagPage(e.to_string()))?;
         let flags = FlagTable::from_mem(Arc::new(mem), slots, columns).map_err(|e| ClientError::FlagPage(e.to_string()))?;
-        Ok(Client { sock, node, flags })
+        Ok(Client { sock, node, flags, notified: Mutex::new(Vec::new()) })
     }
 
-    /// One request, one reply.
+    /// One request, one reply (after the `notify` samples waiting to go).
     pub fn call(&self, req: &Request, fds: &[std::os::fd::RawFd]) -> Result<Reply, ClientError> {
+        self.send_notified()?;
+        self.call_now(req, fds)
+    }
+
+    /// Sends the `notify` samples of earlier waits now. A daemon that does
+    /// not take them (an older one) is not an error: they are dropped.
+    pub fn send_notified(&self) -> Result<(), ClientError> {
+        let notify_ns = std::mem::take(&mut *self.notified.lock().expect("notified lock"));
+        if notify_ns.is_empty() {
+            return Ok(());
+        }
+        match self.call_now(&Request::Notified { notify_ns }, &[]) {
+            Ok(_) | Err(ClientError::Daemon { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn call_now(&self, req: &Request, fds: &[std::os::fd::RawFd]) -> Result<Reply, ClientError> {
         wire::send_unix(&self.sock, req, fds)?;
         let (body, _) = wire::recv_unix(&self.sock)?;
         match wire::parse::<Reply>(&body)? {
@@ -139,9 +160,20 @@ impl Client {
         }
     }
 
-    /// Waits on the mapped flag page; returns the notify hop.
+    /// Waits on the mapped flag page; returns the notify hop, which the
+    /// daemon records in its `notify` histogram (sent with the next call).
     pub fn wait(&self, slot: u16, flag: FlagName, timeout: Duration) -> Result<Duration, ClientError> {
-        Ok(self.flags.wait(Tag { slot, layer: flag.column() }, timeout)?)
+        let d = self.flags.wait(Tag { slot, layer: flag.column() }, timeout)?;
+        let full = {
+            let mut n = self.notified.lock().expect("notified lock");
+            n.push(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+            n.len() >= MAX_NOTIFIED
+        };
+        // Rare (that many waits and no other call): this wait pays the trip.
+        if full {
+            self.send_notified()?;
+        }
+        Ok(d)
     }
 
     /// The flag, read from the page without waiting.
@@ -179,5 +211,12 @@ impl Client {
             Reply::Stats { text } => Ok(text),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // Best effort: the daemon may be gone already.
+        let _ = self.send_notified();
     }
 }

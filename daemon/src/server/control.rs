@@ -14,7 +14,7 @@ use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::tensors::{self, TensorDesc};
 use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::DeviceHandle;
-use kvwire_transport::{HostMem, Tag};
+use kvwire_transport::{Hop, HostMem, Tag};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -239,14 +239,31 @@ impl Daemon {
             Request::Status { slot } => self.status(client, slot),
             Request::Cancel { slot } => self.cancel(client, slot),
             Request::Stats => Ok(Reply::Stats { text: self.metrics_text() }),
+            Request::Notified { notify_ns } => self.notified(&notify_ns),
         }
+    }
+
+    /// A client's waits on the mapped flag page: DESIGN's `notify` hop
+    /// (flag published → seen by the waiter), which only the client sees.
+    fn notified(&self, notify_ns: &[u64]) -> Result<Reply, Refusal> {
+        if notify_ns.len() > MAX_NOTIFIED {
+            return Err(Refusal::new(Code::BadRequest, format!("{} notify samples, at most {MAX_NOTIFIED}", notify_ns.len())));
+        }
+        for &ns in notify_ns {
+            self.hops().record(Hop::Notify, Duration::from_nanos(ns), 0);
+        }
+        Ok(Reply::Recorded)
     }
 
     fn wait(&self, client: u64, slot: u16, flag: FlagName, timeout_ms: u64) -> Result<Reply, Refusal> {
         self.slot_access(client, slot)?;
         let tag = Tag { slot, layer: flag.column() };
         match self.page.wait(tag, Duration::from_millis(timeout_ms)) {
-            Ok(d) => Ok(Reply::Waited { notify_ns: d.as_nanos() as u64 }),
+            Ok(d) => {
+                // The control call's waiter is this thread, for the client.
+                self.hops().record(Hop::Notify, d, 0);
+                Ok(Reply::Waited { notify_ns: d.as_nanos() as u64 })
+            }
             Err(e @ kvwire_transport::flags::WaitError::Failed { .. }) => {
                 let why = self.slots.lock().expect("slots lock").map.get(&slot).and_then(|s| s.error.clone());
                 Err(Refusal::new(Code::TransferFailed, format!("{e}: {}", why.unwrap_or_default())))
@@ -271,7 +288,16 @@ impl Daemon {
             reused_bytes: s.reused,
             wire_bytes: s.wire,
             retransmitted_bytes: s.retransmitted,
-            hops: s.hops.iter().map(|(h, (ns, bytes))| HopTotal { hop: (*h).into(), ns: *ns, bytes: *bytes }).collect(),
+            hops: s
+                .hops
+                .iter()
+                .map(|(h, (ns, bytes))| HopTotal {
+                    hop: (*h).into(),
+                    ns: *ns,
+                    bytes: *bytes,
+                    ranks: s.rank_hops.range((*h, 0)..=(*h, u32::MAX)).map(|(&(_, rank), &(ns, bytes))| RankBusy { rank, ns, bytes }).collect(),
+                })
+                .collect(),
             marks: s.marks.clone(),
             rails: s.rails.clone(),
             elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),

@@ -158,7 +158,22 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     assert!(stats.contains("kvwire_peer_hop_seconds_count{node=\"a\",peer=\"b\",hop=\"wire\"} 1"), "{stats}");
     check_hop_quantiles(&stats);
     check_hop_quantiles(&cb.stats().unwrap());
+
+    // `notify` is the clients' waits and nothing else: a's one wait on
+    // source_released, b's four layer_ready and one decoder_usable (read on
+    // the mapped page, sent with the next call); then one wait through the
+    // control socket.
+    assert_eq!(notify_count(&ca), 1);
+    assert_eq!(notify_count(&cb), 5);
+    let r = cb.call(&Request::Wait { slot, flag: FlagName::DecoderUsable, timeout_ms: 1000 }, &[]).unwrap();
+    assert!(matches!(r, Reply::Waited { .. }), "{r:?}");
+    assert_eq!(notify_count(&cb), 6);
     drop(src);
+}
+
+fn notify_count(c: &Client) -> u64 {
+    let st = kvwire_client::promtext::Stats::from_text(&c.stats().unwrap()).unwrap();
+    st.hops.iter().find(|h| h.hop == "notify").unwrap().count
 }
 
 /// What `kvwire stats` reads from a live daemon: every hop with samples has
