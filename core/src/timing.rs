@@ -11,7 +11,12 @@
 //!
 //! The stage with the largest total bounds the transfer. A measured time
 //! between the two bounds gives the overlap achieved:
-//! `(sequential − measured) / (sequential − pipelined)`.
+//! `(sequential − measured) / (sequential − pipelined)`. A time below the
+//! lower bound is a model error ([`Fit::BelowLowerBound`]), never "100%
+//! overlap"; one above the sequential figure is time no hop accounts for.
+//! A stage's total is wall time: concurrent work on one hop (several ranks
+//! at once) counts as the union of its intervals ([`union_ns`]), not their
+//! sum.
 //!
 //! [`staged`] models a device-resident cache moved without GPUDirect: the
 //! bytes are cut into staging-ring chunks and each chunk crosses a chain of
@@ -59,8 +64,55 @@ pub struct Prediction {
     pub bounding: Option<String>,
     /// Measured end to end, ns.
     pub measured_ns: Option<u64>,
-    /// Share of the possible overlap achieved, 0..=1 (None without a measurement or room to overlap).
+    /// Share of the possible overlap achieved, 0..=1: only for a
+    /// measurement between the bounds ([`Fit::Overlap`]).
     pub overlap: Option<f64>,
+    /// Where the measurement fell against the bounds.
+    pub fit: Option<Fit>,
+}
+
+/// Where a measurement falls against a [`Prediction`]'s bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Fit {
+    /// Between the bounds: the share of the possible overlap achieved.
+    Overlap {
+        /// 0..=1.
+        share: f64,
+    },
+    /// Faster than the pipelined lower bound: the model is wrong (a hop
+    /// counted twice, concurrent work summed), whatever it printed.
+    BelowLowerBound {
+        /// Measured, ns.
+        measured_ns: u64,
+        /// The lower bound it undercut, ns.
+        lower_ns: u64,
+    },
+    /// Slower than the sequential prediction: time outside every timed hop
+    /// (waits, wake-ups, control round trips).
+    AboveSequential {
+        /// Measured, ns.
+        measured_ns: u64,
+        /// The sequential prediction, ns.
+        sequential_ns: u64,
+    },
+}
+
+/// Wall time covered by `spans` (start, end), ns: the union of the
+/// intervals, so concurrent work counts once. Empty or inverted spans add
+/// nothing.
+pub fn union_ns(spans: &[(u64, u64)]) -> u64 {
+    let mut s: Vec<(u64, u64)> = spans.iter().copied().filter(|(a, b)| b > a).collect();
+    s.sort_unstable();
+    let (mut total, mut reach) = (0u64, 0u64);
+    for (a, b) in s {
+        let a = a.max(reach);
+        if b > a {
+            total += b - a;
+            reach = b;
+        }
+    }
+    total
 }
 
 /// Predicts a transfer of `chunks` chunks through `stages` after `setup_ns`.
@@ -71,17 +123,27 @@ pub fn predict(stages: &[Stage], chunks: u64, setup_ns: u64) -> Prediction {
     let slowest = per_chunk.iter().copied().max().unwrap_or(0);
     let pipelined_ns = setup_ns + per_chunk.iter().sum::<u64>() + (chunks - 1) * slowest;
     let bounding = stages.iter().filter(|s| s.total_ns > 0).max_by_key(|s| s.total_ns).map(|s| s.hop.clone());
-    Prediction { chunks, setup_ns, sequential_ns, pipelined_ns, bounding, measured_ns: None, overlap: None }
+    Prediction { chunks, setup_ns, sequential_ns, pipelined_ns, bounding, measured_ns: None, overlap: None, fit: None }
 }
 
 impl Prediction {
-    /// Adds the measured end-to-end time and the overlap it achieved.
+    /// Adds the measured end-to-end time and where it fell: the overlap
+    /// achieved when between the bounds, else which bound it crossed.
     pub fn measured(mut self, ns: u64) -> Prediction {
         self.measured_ns = Some(ns);
-        if self.sequential_ns > self.pipelined_ns {
-            let o = (self.sequential_ns as f64 - ns as f64) / (self.sequential_ns - self.pipelined_ns) as f64;
-            self.overlap = Some(o.clamp(0.0, 1.0));
-        }
+        self.fit = if ns < self.pipelined_ns {
+            Some(Fit::BelowLowerBound { measured_ns: ns, lower_ns: self.pipelined_ns })
+        } else if ns > self.sequential_ns {
+            Some(Fit::AboveSequential { measured_ns: ns, sequential_ns: self.sequential_ns })
+        } else if self.sequential_ns > self.pipelined_ns {
+            Some(Fit::Overlap { share: (self.sequential_ns - ns) as f64 / (self.sequential_ns - self.pipelined_ns) as f64 })
+        } else {
+            None
+        };
+        self.overlap = match self.fit {
+            Some(Fit::Overlap { share }) => Some(share),
+            _ => None,
+        };
         self
     }
 }
@@ -233,6 +295,6 @@ pub fn staged(hops: &[HopRate], ring: Ring, bytes: u64, setup_ns: u64) -> Result
     let stages: Vec<Stage> = hops.iter().zip(&totals).map(|(h, &total_ns)| Stage { hop: h.hop.clone(), total_ns, bytes }).collect();
     let sequential_ns = totals.iter().fold(setup_ns, |a, &t| a.saturating_add(t));
     let bounding = stages.iter().filter(|s| s.total_ns > 0).max_by_key(|s| s.total_ns).map(|s| s.hop.clone());
-    let prediction = Prediction { chunks, setup_ns, sequential_ns, pipelined_ns: setup_ns.saturating_add(end), bounding, measured_ns: None, overlap: None };
+    let prediction = Prediction { chunks, setup_ns, sequential_ns, pipelined_ns: setup_ns.saturating_add(end), bounding, measured_ns: None, overlap: None, fit: None };
     Ok(StagedPrediction { stages, prediction })
 }

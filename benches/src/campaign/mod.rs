@@ -36,10 +36,11 @@
 //!   `ib_write_bw`, one stream). The table's ratio is `gbps_avg` over the
 //!   last baseline;
 //! - `hops`: post from the source endpoint's
-//!   [`Hops`](kvwire_transport::Hops), place and notify from the
-//!   destination's, wire timed by the campaign: post returned → completion
-//!   seen, clipped at the transfer's end (a late ack would otherwise give a
-//!   hop longer than its transfer). Every hop sample lies inside its
+//!   [`Hops`](kvwire_transport::Hops), place from the destination's; wire
+//!   and notify timed by the campaign: wire from post returned to
+//!   completion seen, clipped at the transfer's end (a late ack would
+//!   otherwise give a hop longer than its transfer), notify from the flag's
+//!   publish to the campaign seeing it. Every hop sample lies inside its
 //!   transfer, so no hop's max exceeds `lat_ns.max`; a hop's p99 follows the
 //!   rule of `lat_ns`.
 //!

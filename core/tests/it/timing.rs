@@ -1,6 +1,6 @@
 //! Timing model: hand-computed bounds.
 
-use kvwire_core::timing::{predict, staged, HopRate, Ring, Stage, StagedError};
+use kvwire_core::timing::{predict, staged, union_ns, Fit, HopRate, Ring, Stage, StagedError};
 
 fn stage(hop: &str, ms: u64) -> Stage {
     Stage { hop: hop.into(), total_ns: ms * 1_000_000, bytes: 1_000_000_000 }
@@ -18,8 +18,18 @@ fn bounds_by_hand() {
     let mid = (p.sequential_ns + p.pipelined_ns) / 2;
     let m = p.clone().measured(mid);
     assert!((m.overlap.unwrap() - 0.5).abs() < 1e-9);
-    assert_eq!(p.clone().measured(1).overlap, Some(1.0));
-    assert_eq!(p.measured(u64::MAX / 2).overlap, Some(0.0));
+    assert!(matches!(m.fit, Some(Fit::Overlap { share }) if (share - 0.5).abs() < 1e-9));
+    // On the bounds: all of the overlap, none of it.
+    assert_eq!(p.clone().measured(p.pipelined_ns).overlap, Some(1.0));
+    assert_eq!(p.clone().measured(p.sequential_ns).overlap, Some(0.0));
+    // Below the lower bound is a model error with its numbers, not 100%.
+    let below = p.clone().measured(p.pipelined_ns - 1);
+    assert_eq!(below.overlap, None);
+    assert_eq!(below.fit, Some(Fit::BelowLowerBound { measured_ns: p.pipelined_ns - 1, lower_ns: p.pipelined_ns }));
+    // Above the sequential sum: time no hop accounts for, not 0%.
+    let above = p.clone().measured(p.sequential_ns + 1);
+    assert_eq!(above.overlap, None);
+    assert_eq!(above.fit, Some(Fit::AboveSequential { measured_ns: p.sequential_ns + 1, sequential_ns: p.sequential_ns }));
     // Effective bandwidth: 1e9 bytes in 200 ms = 5 GB/s.
     assert!((stage("wire", 200).gbps() - 5.0).abs() < 1e-9);
 }
@@ -28,8 +38,20 @@ fn bounds_by_hand() {
 fn one_chunk_has_nothing_to_overlap() {
     let p = predict(&[stage("wire", 10), stage("verify", 3)], 1, 0);
     assert_eq!(p.sequential_ns, p.pipelined_ns);
-    assert_eq!(p.measured(20_000_000).overlap, None);
+    assert_eq!(p.clone().measured(20_000_000).overlap, None);
+    assert!(matches!(p.clone().measured(20_000_000).fit, Some(Fit::AboveSequential { .. })));
+    assert_eq!(p.clone().measured(p.sequential_ns).fit, None, "on both bounds at once: nothing to say");
     assert_eq!(predict(&[], 3, 7).bounding, None);
+}
+
+#[test]
+fn concurrent_spans_count_once() {
+    // Two ranks' copies: 0..10 and 5..20 overlap (20 of wall time, not 25);
+    // 30..35 stands apart; 40..40 and an inverted span add nothing.
+    assert_eq!(union_ns(&[(5, 20), (30, 35), (0, 10), (40, 40), (50, 45)]), 25);
+    // One span inside another.
+    assert_eq!(union_ns(&[(0, 100), (10, 20), (30, 40)]), 100);
+    assert_eq!(union_ns(&[]), 0);
 }
 
 #[test]

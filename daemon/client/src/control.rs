@@ -28,6 +28,9 @@ pub const SOURCE_RELEASED: u16 = MAX_TRANSFER_LAYERS + 1;
 /// Columns per slot.
 pub const FLAG_COLUMNS: u16 = MAX_TRANSFER_LAYERS + 2;
 
+/// Most `notify` samples one [`Request::Notified`] may carry.
+pub const MAX_NOTIFIED: usize = 1024;
+
 /// Where a model's cache description comes from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
@@ -227,6 +230,14 @@ pub enum Request {
     },
     /// Counters and hop histograms.
     Stats,
+    /// `notify` hop samples (flag published → seen, ns) the client measured
+    /// on the mapped flag page, sent ahead of its next call: the daemon
+    /// cannot see those waits, and they are DESIGN's `notify`. At most
+    /// [`MAX_NOTIFIED`].
+    Notified {
+        /// One sample per wait that saw its flag.
+        notify_ns: Vec<u64>,
+    },
 }
 
 /// The state of a transfer.
@@ -310,9 +321,25 @@ pub struct RailUse {
 pub struct HopTotal {
     /// Hop name.
     pub hop: String,
-    /// Busy nanoseconds.
+    /// Busy nanoseconds: wall time, where several ranks work on the hop at
+    /// once (device copies) the union of their intervals, not their sum.
     pub ns: u64,
     /// Bytes handled.
+    pub bytes: u64,
+    /// Each rank's own busy time, where ranks worked on the hop
+    /// concurrently (empty otherwise).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankBusy>,
+}
+
+/// One rank's share of a concurrent hop ([`HopTotal::ranks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankBusy {
+    /// Rank.
+    pub rank: u32,
+    /// Its busy nanoseconds.
+    pub ns: u64,
+    /// Its bytes.
     pub bytes: u64,
 }
 
@@ -378,6 +405,8 @@ pub enum Reply {
     Status(TransferStatus),
     /// Cancelled.
     Cancelled,
+    /// `notify` samples recorded.
+    Recorded,
     /// Prometheus text of the counters.
     Stats {
         /// Exposition text.

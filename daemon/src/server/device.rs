@@ -2,6 +2,7 @@
 //! and the host mirror the data plane reads and writes.
 
 use super::state::SlotId;
+use super::transfers::RankSpan;
 use super::Daemon;
 use kvwire_core::plan::Plan;
 use kvwire_core::shard::RegionId;
@@ -67,13 +68,16 @@ impl Daemon {
             Direction::ToDevice => Hop::DeviceComplete,
         };
         let mut free_at: HashMap<u32, Instant> = HashMap::new();
+        let mut spans = Vec::with_capacity(pending.len());
         for (rank, layer, enqueued, bytes, ev) in pending {
             ev.wait(timeout).map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
             let done = Instant::now();
             let from = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued));
-            self.slot_hop(id, hop, done.saturating_duration_since(from), bytes);
+            spans.push(RankSpan { rank, from, done, bytes });
             free_at.insert(rank, done);
         }
+        // The ranks' streams ran side by side: the hop's time is their union.
+        self.slot_hop_spans(id, hop, &spans);
         Ok(())
     }
 }

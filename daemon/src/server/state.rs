@@ -187,6 +187,8 @@ pub(crate) struct Slot {
     pub reused: u64,
     pub wire: u64,
     pub hops: BTreeMap<&'static str, (u64, u64)>,
+    // Per-rank (ns, bytes) of the hops ranks work on concurrently.
+    pub rank_hops: BTreeMap<(&'static str, u32), (u64, u64)>,
     pub marks: Vec<Mark>,
     // The peer daemon on the other end, once known.
     pub peer: String,
@@ -215,6 +217,7 @@ impl Slot {
             reused: 0,
             wire: 0,
             hops: BTreeMap::new(),
+            rank_hops: BTreeMap::new(),
             peer: String::new(),
             marks: vec![Boundary::Enqueued.at(Duration::ZERO)],
             started: Instant::now(),

@@ -8,7 +8,16 @@ use kvwire_client::control::{Code, PrepareReceive, TransferState, FLAG_COLUMNS, 
 use kvwire_transport::{Hop, Tag};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+/// One rank's piece of concurrent work on a hop ([`Daemon::slot_hop_spans`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RankSpan {
+    pub rank: u32,
+    pub from: Instant,
+    pub done: Instant,
+    pub bytes: u64,
+}
 
 impl Daemon {
     /// Takes a free slot: the oldest finished one, so a late write for an
@@ -119,6 +128,36 @@ impl Daemon {
         let st = self.slots.lock().expect("slots lock");
         let current = st.map.get(&id.slot).is_some_and(|s| s.gen == id.gen && running(s.state));
         current && self.page.publish(Tag { slot: id.slot, layer: column })
+    }
+
+    /// Concurrent work on one hop, one span per (rank, piece): each span
+    /// goes into the histograms as a sample and into its rank's figure, and
+    /// the slot's total grows by the union of the spans, the wall time the
+    /// hop was busy (DESIGN §6; summing them would count overlap twice).
+    pub(super) fn slot_hop_spans(&self, id: SlotId, hop: Hop, spans: &[RankSpan]) {
+        let Some(origin) = spans.iter().map(|s| s.from).min() else { return };
+        let ns = |t: Instant| t.saturating_duration_since(origin).as_nanos() as u64;
+        let wall = kvwire_core::timing::union_ns(&spans.iter().map(|s| (ns(s.from), ns(s.done))).collect::<Vec<_>>());
+        let peer = {
+            let mut st = self.slots.lock().expect("slots lock");
+            let Some(s) = st.get_mut(id) else { return };
+            let e = s.hops.entry(hop.name()).or_default();
+            e.0 += wall;
+            e.1 += spans.iter().map(|s| s.bytes).sum::<u64>();
+            for sp in spans {
+                let r = s.rank_hops.entry((hop.name(), sp.rank)).or_default();
+                r.0 += sp.done.saturating_duration_since(sp.from).as_nanos() as u64;
+                r.1 += sp.bytes;
+            }
+            (!s.peer.is_empty()).then(|| self.peer_hops.lock().expect("peer hops lock").entry(s.peer.clone()).or_default().clone())
+        };
+        for sp in spans {
+            let took = sp.done.saturating_duration_since(sp.from);
+            self.hops().record(hop, took, sp.bytes);
+            if let Some(h) = &peer {
+                h.record(hop, took, sp.bytes);
+            }
+        }
     }
 
     /// Adds `took` to the slot's `hop` total, and to the daemon's histogram.

@@ -5,6 +5,7 @@
 //! both caches are device-resident on the daemons' stand-in backend, and
 //! the staged pipeline (device → host → wire → device) is modelled too.
 
+use kvwire_core::timing::Fit;
 use kvwire_e2e::scenario::{self, Scenario};
 use kvwire_client::client::Client;
 use std::path::PathBuf;
@@ -76,13 +77,38 @@ fn main() -> ExitCode {
     for (side, st) in &stages {
         let occ = st.total_ns as f64 / e2e * 100.0;
         println!("  {side:<12} {:<15} {:>10.3} {:>12} {:>10.3} {:>9.0}%", st.hop, st.total_ns as f64 / 1e6, st.bytes, st.gbps(), occ);
+        // Ranks that worked on the hop at once: the row above is the union
+        // of their intervals (wall time); each rank's own figure beside it.
+        let status = if *side == "source" { &out.source } else { &out.destination };
+        for r in status.hops.iter().filter(|h| h.hop == st.hop).flat_map(|h| &h.ranks) {
+            println!("  {:<12} {:<15} {:>10.3} {:>12}", "", format!("  rank {}", r.rank), r.ns as f64 / 1e6, r.bytes);
+        }
     }
+    println!("  (a hop several ranks worked on at once counts the union of their intervals; `rank` rows are each rank's own busy time)");
     let ms = |ns: u64| ns as f64 / 1e6;
     println!("timing model over {} layer chunks, setup {:.3} ms:", p.chunks, ms(p.setup_ns));
     println!("  sequential prediction  {:>9.3} ms", ms(p.sequential_ns));
     println!("  pipelined lower bound  {:>9.3} ms", ms(p.pipelined_ns));
-    let overlap = p.overlap.map_or("n/a".to_string(), |o| format!("{:.0}% of the possible overlap", o * 100.0));
-    println!("  measured end to end    {:>9.3} ms  (client clock, submit -> decoder_usable seen; {overlap})", ms(p.measured_ns.unwrap_or(0)));
+    let fit = match p.fit {
+        Some(Fit::Overlap { share }) => format!("{:.0}% of the possible overlap", share * 100.0),
+        Some(Fit::AboveSequential { measured_ns, sequential_ns }) => {
+            format!("above the sequential prediction: {:.3} ms outside every timed hop", ms(measured_ns - sequential_ns))
+        }
+        Some(Fit::BelowLowerBound { .. }) => "BELOW the lower bound, see below".into(),
+        None => "n/a".into(),
+    };
+    println!("  measured end to end    {:>9.3} ms  (client clock, submit -> decoder_usable seen; {fit})", ms(p.measured_ns.unwrap_or(0)));
+    if let Some(Fit::BelowLowerBound { measured_ns, lower_ns }) = p.fit {
+        // The bound is wrong, not the clock: say so where nobody can miss it.
+        let msg = format!(
+            "MODEL ERROR: measured {:.3} ms is below the pipelined lower bound {:.3} ms (by {:.3} ms): the model counts time that did not run serially",
+            ms(measured_ns),
+            ms(lower_ns),
+            ms(lower_ns - measured_ns)
+        );
+        println!("  {msg}");
+        eprintln!("kvwire-demo: {msg}");
+    }
     if let Some(b) = &p.bounding {
         println!("  bounding hop: {b}");
     }

@@ -600,6 +600,16 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
         // writes went back to the device.
         assert_eq!(hop(&o.source, "stage"), o.source.bytes, "{name}: {:?}", o.source.hops);
         assert_eq!(hop(&o.destination, "device_complete"), o.destination.bytes, "{name}: {:?}", o.destination.hops);
+        // The ranks copied side by side: the hop's time is the union of
+        // their intervals, at least the busiest rank's and at most their
+        // sum, and each rank's own figure sits beside it.
+        for (st, name, ranks) in [(&o.source, "stage", 4), (&o.destination, "device_complete", 2)] {
+            let h = st.hops.iter().find(|h| h.hop == name).unwrap();
+            assert_eq!(h.ranks.iter().map(|r| r.rank).collect::<Vec<_>>(), (0..ranks).collect::<Vec<u32>>(), "{h:?}");
+            assert_eq!(h.ranks.iter().map(|r| r.bytes).sum::<u64>(), h.bytes, "{h:?}");
+            let (busiest, sum) = (h.ranks.iter().map(|r| r.ns).max().unwrap(), h.ranks.iter().map(|r| r.ns).sum::<u64>());
+            assert!(busiest <= h.ns && h.ns <= sum, "union {} outside [{busiest}, {sum}]: {h:?}", h.ns);
+        }
         // device_complete(L) precedes layer_ready(L) on the destination's clock.
         let at = |m: &str| o.destination.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("no mark {m}"));
         for l in 0..4 {
