@@ -3,6 +3,7 @@
 mod codec;
 mod inventory;
 mod manifest;
+mod oracle;
 mod plan;
 mod protocol;
 mod schedule;
