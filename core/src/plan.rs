@@ -820,7 +820,13 @@ fn span(s: &Segment, start: u64, stride: u64) -> (u64, u64) {
 /// Checks every segment's bounds first, so a bad plan touches nothing.
 /// Returns the bytes copied.
 pub fn execute(plan: &Plan, src: &Buffers, dst: &mut Buffers) -> Result<u64, ExecError> {
-    for (index, s) in plan.segments.iter().enumerate() {
+    execute_segments(&plan.segments.iter().enumerate().collect::<Vec<_>>(), src, dst)
+}
+
+/// [`execute`] for some of a plan's segments, each with its index in the
+/// plan (for errors): buffers need hold only the regions these name.
+pub fn execute_segments(segments: &[(usize, &Segment)], src: &Buffers, dst: &mut Buffers) -> Result<u64, ExecError> {
+    for &(index, s) in segments {
         for (side, bufs, rank, region, start, stride) in [
             ("source", src, s.src_rank, s.src_region, s.src_offset, s.src_stride),
             ("destination", &*dst, s.dst_rank, s.dst_region, s.dst_offset, s.dst_stride),
@@ -837,7 +843,7 @@ pub fn execute(plan: &Plan, src: &Buffers, dst: &mut Buffers) -> Result<u64, Exe
         }
     }
     let mut copied = 0;
-    for s in &plan.segments {
+    for &(_, s) in segments {
         let from = &src.ranks[s.src_rank as usize][&s.src_region];
         let to = dst.ranks[s.dst_rank as usize].get_mut(&s.dst_region).expect("checked above");
         for (so, d) in s.runs() {

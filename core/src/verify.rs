@@ -2,15 +2,17 @@
 //! every byte, computes the destination cache a correct transfer must leave,
 //! and checks an executed plan against it.
 //!
-//! It deliberately shares nothing with the planner's address machinery: each
-//! row's offset is computed directly from the layout's definition
+//! Each row's offset is computed directly from the layout's definition
 //! (`block_table[p / B] * block_bytes + row index * row_stride`), one row at
-//! a time.
+//! a time, not by the planner's run machinery; it does read the planner's
+//! `Side` (shard map, geometry), so a wrong shard map or geometry agrees
+//! with itself here. core/tests/it/oracle.rs writes those out by hand.
 
 use crate::layout::{ModelSpec, Tensor};
-use crate::plan::{execute, Buffers, ExecError, Plan, Side};
+use crate::plan::{execute_segments, Buffers, ExecError, Plan, Segment, Side};
 use crate::shard::{MemLayout, RegionId};
 use crate::tensors::{element_index, Axis, KvOrder, Role};
+use std::collections::BTreeMap;
 
 /// Value every destination byte starts as; no code ever equals it, so a
 /// stray write always shows.
@@ -70,10 +72,11 @@ fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, 
 
 /// Writes the code of every retained row byte (and of every state byte) the
 /// ranks of `side` hold into `bufs`, for positions in `from..`; other bytes
-/// are left as they are.
-fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, bufs: &mut Buffers) {
+/// are left as they are. With `only`, that layer's regions only (`bufs`
+/// need hold no others).
+fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, only: Option<u32>, bufs: &mut Buffers) {
     for rank in &side.shard.ranks {
-        for ls in &rank.layers {
+        for ls in rank.layers.iter().filter(|ls| only.is_none_or(|l| l == ls.layer)) {
             let spec = &model.layers[ls.layer as usize];
             let lh = ls.heads.end - ls.heads.start;
             for t in spec.tensors() {
@@ -106,7 +109,7 @@ fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, bufs: &mu
 /// Source caches: every held, retained byte carries its code; the rest is zero.
 pub fn fill_source(model: &ModelSpec, side: &Side, tokens: u64) -> Buffers {
     let mut bufs = Buffers::alloc(model, side, 0);
-    write_codes(model, side, tokens, 0, &mut bufs);
+    write_codes(model, side, tokens, 0, None, &mut bufs);
     bufs
 }
 
@@ -114,7 +117,7 @@ pub fn fill_source(model: &ModelSpec, side: &Side, tokens: u64) -> Buffers {
 /// first `prefix` positions: codes for every needed byte, [`CANARY`] elsewhere.
 pub fn expected_destination(model: &ModelSpec, side: &Side, tokens: u64, prefix: u64) -> Buffers {
     let mut bufs = Buffers::alloc(model, side, CANARY);
-    write_codes(model, side, tokens, prefix, &mut bufs);
+    write_codes(model, side, tokens, prefix, None, &mut bufs);
     bufs
 }
 
@@ -135,8 +138,8 @@ pub enum VerifyError {
     /// The plan could not run.
     #[error(transparent)]
     Exec(#[from] ExecError),
-    /// The buffers would be too large to check here.
-    #[error("verification needs {needed} bytes of buffers, more than the {limit} allowed; use fewer tokens or a smaller model")]
+    /// One step's buffers would be too large to check here.
+    #[error("verification needs {needed} bytes of buffers at once (one layer on every rank), more than the {limit} allowed; raise the limit or use fewer tokens")]
     TooLarge {
         /// Bytes needed.
         needed: u64,
@@ -174,41 +177,73 @@ pub enum VerifyError {
 /// Correct values everywhere, canaries untouched outside, and bytes copied
 /// equal to bytes needed together prove each needed byte was written exactly
 /// once from the right source byte.
+///
+/// It streams: a segment never leaves its layer (a region is one layer's
+/// window of a tensor), so the check runs one layer at a time, holding that
+/// layer's regions on every source rank and two copies (expected, executed)
+/// of them on every destination rank. `limit` bounds the bytes held at
+/// once, not the cache's size.
 pub fn verify(model: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, limit: u64) -> Result<VerifyReport, VerifyError> {
-    let needed: u64 = (0..src.shard.ranks.len() as u32)
-        .flat_map(|r| src.regions(model, r))
-        .chain((0..dst.shard.ranks.len() as u32).flat_map(|r| dst.regions(model, r)))
-        .map(|(_, len)| len)
-        .sum::<u64>()
-        .saturating_mul(2);
-    if needed > limit {
-        return Err(VerifyError::TooLarge { needed, limit });
+    // layer → (rank, region, length) of every region of a side.
+    let regions = |side: &Side| {
+        let mut by_layer: BTreeMap<u32, Vec<(u32, RegionId, u64)>> = BTreeMap::new();
+        for rank in 0..side.shard.ranks.len() as u32 {
+            for (id, len) in side.regions(model, rank) {
+                by_layer.entry(id.layer).or_default().push((rank, id, len));
+            }
+        }
+        by_layer
+    };
+    let (src_regions, dst_regions) = (regions(src), regions(dst));
+    let mut steps: BTreeMap<u32, Vec<(usize, &Segment)>> = dst_regions.keys().map(|l| (*l, Vec::new())).collect();
+    for (i, s) in plan.segments.iter().enumerate() {
+        steps.entry(s.dst_region.layer).or_default().push((i, s));
     }
-    let source = fill_source(model, src, plan.tokens);
-    let expected = expected_destination(model, dst, plan.tokens, plan.prefix_tokens);
-    let mut got = Buffers::alloc(model, dst, CANARY);
-    let bytes_copied = execute(plan, &source, &mut got)?;
-    let mut bytes_expected = 0;
-    let mut bytes_checked = 0;
-    for (rank, (want, have)) in expected.ranks.iter().zip(&got.ranks).enumerate() {
-        for ((region, w), h) in want.iter().zip(have.values()) {
-            bytes_expected += w.iter().filter(|&&b| b != CANARY).count() as u64;
-            bytes_checked += w.len() as u64;
-            let mut diffs = w.iter().zip(h).enumerate().filter(|(_, (a, b))| a != b);
-            if let Some((offset, (&expected, &found))) = diffs.next() {
-                return Err(VerifyError::Mismatch {
-                    rank: rank as u32,
-                    region: *region,
-                    offset: offset as u64,
-                    expected,
-                    found,
-                    mismatches: 1 + diffs.count() as u64,
-                });
+    let none = Vec::new();
+    let mut report = VerifyReport { bytes_copied: 0, bytes_expected: 0, bytes_checked: 0 };
+    for (&layer, segments) in &steps {
+        let (srcs, dsts) = (src_regions.get(&layer).unwrap_or(&none), dst_regions.get(&layer).unwrap_or(&none));
+        let held = |rs: &[(u32, RegionId, u64)]| rs.iter().map(|r| r.2).fold(0u64, u64::saturating_add);
+        let needed = held(srcs).saturating_add(held(dsts).saturating_mul(2));
+        if needed > limit {
+            return Err(VerifyError::TooLarge { needed, limit });
+        }
+        // Buffers holding this layer's regions only.
+        let step = |side: &Side, rs: &[(u32, RegionId, u64)], fill: u8, from: Option<u64>| {
+            let mut b = Buffers { ranks: vec![BTreeMap::new(); side.shard.ranks.len()] };
+            for &(rank, id, len) in rs {
+                b.ranks[rank as usize].insert(id, vec![fill; len as usize]);
+            }
+            if let Some(from) = from {
+                write_codes(model, side, plan.tokens, from, Some(layer), &mut b);
+            }
+            b
+        };
+        let source = step(src, srcs, 0, Some(0));
+        let expected = step(dst, dsts, CANARY, Some(plan.prefix_tokens));
+        let mut got = step(dst, dsts, CANARY, None);
+        report.bytes_copied += execute_segments(segments, &source, &mut got)?;
+        drop(source);
+        for (rank, (want, have)) in expected.ranks.iter().zip(&got.ranks).enumerate() {
+            for ((region, w), h) in want.iter().zip(have.values()) {
+                report.bytes_expected += w.iter().filter(|&&b| b != CANARY).count() as u64;
+                report.bytes_checked += w.len() as u64;
+                let mut diffs = w.iter().zip(h).enumerate().filter(|(_, (a, b))| a != b);
+                if let Some((offset, (&expected, &found))) = diffs.next() {
+                    return Err(VerifyError::Mismatch {
+                        rank: rank as u32,
+                        region: *region,
+                        offset: offset as u64,
+                        expected,
+                        found,
+                        mismatches: 1 + diffs.count() as u64,
+                    });
+                }
             }
         }
     }
-    if bytes_copied != bytes_expected {
-        return Err(VerifyError::Count { copied: bytes_copied, expected: bytes_expected });
+    if report.bytes_copied != report.bytes_expected {
+        return Err(VerifyError::Count { copied: report.bytes_copied, expected: report.bytes_expected });
     }
-    Ok(VerifyReport { bytes_copied, bytes_expected, bytes_checked })
+    Ok(report)
 }

@@ -212,6 +212,25 @@ fn plan_tp8_to_tp2_moves_every_byte_once() {
     assert!(v["verified"].is_object(), "{v}");
 }
 
+/// The README's `plan --verify` shape (deepseek-v3, TP8 -> TP4 x PP2)
+/// verifies within a buffer budget far below the whole cache: one layer's
+/// tensor at a time. A budget below one such step is bad input, by name.
+#[test]
+fn plan_verify_streams_within_a_fixed_memory_budget() {
+    let args = ["plan", "--model", "deepseek-v3", "--tokens", "512", "--src", "tp=8", "--dst", "tp=4,pp=2", "--verify", "--json"];
+    let v = stdout_json(&[&args[..], &["--verify-limit-mib", "16"]].concat());
+    let r = &v["verified"];
+    // The MLA latent is replicated on every TP rank: each of the 4 TP ranks
+    // of each stage receives its stage's layers whole, 61 layers in all.
+    // deepseek-v3 latent: (512 + 64) bf16 elements = 1152 bytes per token.
+    assert_eq!(v["total_bytes_moved"], 4u64 * 61 * 1152 * 512, "{v}");
+    assert_eq!(r["bytes_copied"], v["total_bytes_moved"], "{v}");
+    assert_eq!(r["bytes_expected"], v["total_bytes_moved"], "{v}");
+    // Every destination byte was checked: far more than the 16 MiB held at once.
+    assert!(r["bytes_checked"].as_u64().unwrap() > 16 << 20, "{v}");
+    assert_bad_input(&[&args[..], &["--verify-limit-mib", "1"]].concat(), &["at once", "allowed"]);
+}
+
 #[test]
 fn plan_bad_tp_names_tp_and_kv_heads() {
     let out = kvwire(&["plan", "--model", "llama-3.1-8b", "--tokens", "100", "--src", "tp=3", "--dst", "tp=2"]);
