@@ -5,15 +5,21 @@
 //! (pack, post, wire, unpack, verify, …), each with a total busy time.
 //! - sequential prediction: setup + the sum of every stage's total — no
 //!   overlap at all;
-//! - pipelined lower bound: setup + one chunk through every stage (fill and
+//! - pipelined estimate: setup + one chunk through every stage (fill and
 //!   drain) + (chunks − 1) × the slowest stage's time per chunk — perfect
-//!   overlap, not a promise.
+//!   overlap of equal chunks, not a promise;
+//! - lower bound: setup + the slowest stage's total. Every stage works
+//!   through its chunks one at a time after setup, so no schedule beats it;
+//!   the fill/drain estimate is not a bound (chunks are not equal: a last
+//!   chunk verified faster than the average drains faster than estimated).
 //!
 //! The stage with the largest total bounds the transfer. A measured time
-//! between the two bounds gives the overlap achieved:
-//! `(sequential − measured) / (sequential − pipelined)`. A time below the
-//! lower bound is a model error ([`Fit::BelowLowerBound`]), never "100%
-//! overlap"; one above the sequential figure is time no hop accounts for.
+//! between the pipelined estimate and the sequential figure gives the
+//! overlap achieved: `(sequential − measured) / (sequential − pipelined)`.
+//! A time below the lower bound is a model error ([`Fit::BelowLowerBound`]),
+//! never "100% overlap"; one between the bound and the estimate beat the
+//! estimate ([`Fit::BelowEstimate`]); one above the sequential figure is
+//! time no hop accounts for.
 //! A stage's total is wall time: concurrent work on one hop (several ranks
 //! at once) counts as the union of its intervals ([`union_ns`]), not their
 //! sum.
@@ -58,8 +64,10 @@ pub struct Prediction {
     pub setup_ns: u64,
     /// Sum of every stage plus setup, ns.
     pub sequential_ns: u64,
-    /// Pipelined lower bound, ns.
+    /// Pipelined estimate (fill, drain, equal chunks), ns.
     pub pipelined_ns: u64,
+    /// Lower bound: setup + the slowest stage's total, ns.
+    pub lower_ns: u64,
     /// The stage with the largest total.
     pub bounding: Option<String>,
     /// Measured end to end, ns.
@@ -80,8 +88,16 @@ pub enum Fit {
         /// 0..=1.
         share: f64,
     },
-    /// Faster than the pipelined lower bound: the model is wrong (a hop
-    /// counted twice, concurrent work summed), whatever it printed.
+    /// At or above the lower bound but faster than the pipelined estimate:
+    /// the chunks were not equal; no overlap share is claimed.
+    BelowEstimate {
+        /// Measured, ns.
+        measured_ns: u64,
+        /// The estimate it beat, ns.
+        pipelined_ns: u64,
+    },
+    /// Faster than the lower bound: the model is wrong (a hop counted
+    /// twice, concurrent work summed, a span that is not serial).
     BelowLowerBound {
         /// Measured, ns.
         measured_ns: u64,
@@ -123,7 +139,8 @@ pub fn predict(stages: &[Stage], chunks: u64, setup_ns: u64) -> Prediction {
     let slowest = per_chunk.iter().copied().max().unwrap_or(0);
     let pipelined_ns = setup_ns + per_chunk.iter().sum::<u64>() + (chunks - 1) * slowest;
     let bounding = stages.iter().filter(|s| s.total_ns > 0).max_by_key(|s| s.total_ns).map(|s| s.hop.clone());
-    Prediction { chunks, setup_ns, sequential_ns, pipelined_ns, bounding, measured_ns: None, overlap: None, fit: None }
+    let lower_ns = setup_ns + stages.iter().map(|s| s.total_ns).max().unwrap_or(0);
+    Prediction { chunks, setup_ns, sequential_ns, pipelined_ns, lower_ns, bounding, measured_ns: None, overlap: None, fit: None }
 }
 
 impl Prediction {
@@ -131,8 +148,10 @@ impl Prediction {
     /// achieved when between the bounds, else which bound it crossed.
     pub fn measured(mut self, ns: u64) -> Prediction {
         self.measured_ns = Some(ns);
-        self.fit = if ns < self.pipelined_ns {
-            Some(Fit::BelowLowerBound { measured_ns: ns, lower_ns: self.pipelined_ns })
+        self.fit = if ns < self.lower_ns {
+            Some(Fit::BelowLowerBound { measured_ns: ns, lower_ns: self.lower_ns })
+        } else if ns < self.pipelined_ns {
+            Some(Fit::BelowEstimate { measured_ns: ns, pipelined_ns: self.pipelined_ns })
         } else if ns > self.sequential_ns {
             Some(Fit::AboveSequential { measured_ns: ns, sequential_ns: self.sequential_ns })
         } else if self.sequential_ns > self.pipelined_ns {
@@ -295,6 +314,17 @@ pub fn staged(hops: &[HopRate], ring: Ring, bytes: u64, setup_ns: u64) -> Result
     let stages: Vec<Stage> = hops.iter().zip(&totals).map(|(h, &total_ns)| Stage { hop: h.hop.clone(), total_ns, bytes }).collect();
     let sequential_ns = totals.iter().fold(setup_ns, |a, &t| a.saturating_add(t));
     let bounding = stages.iter().filter(|s| s.total_ns > 0).max_by_key(|s| s.total_ns).map(|s| s.hop.clone());
-    let prediction = Prediction { chunks, setup_ns, sequential_ns, pipelined_ns: setup_ns.saturating_add(end), bounding, measured_ns: None, overlap: None, fit: None };
+    let lower_ns = setup_ns.saturating_add(totals.iter().copied().max().unwrap_or(0));
+    let prediction = Prediction {
+        chunks,
+        setup_ns,
+        sequential_ns,
+        pipelined_ns: setup_ns.saturating_add(end),
+        lower_ns,
+        bounding,
+        measured_ns: None,
+        overlap: None,
+        fit: None,
+    };
     Ok(StagedPrediction { stages, prediction })
 }

@@ -13,6 +13,8 @@ fn bounds_by_hand() {
     assert_eq!(p.sequential_ns, (5 + 40 + 200 + 80) * 1_000_000);
     // Fill/drain: one chunk through all (10 + 50 + 20), then 3 more of the slowest (50).
     assert_eq!(p.pipelined_ns, (5 + 10 + 50 + 20 + 3 * 50) * 1_000_000);
+    // No schedule beats setup + the slowest stage's whole busy time.
+    assert_eq!(p.lower_ns, (5 + 200) * 1_000_000);
     assert_eq!(p.bounding.as_deref(), Some("wire"));
     // Measured halfway between the bounds: half the possible overlap.
     let mid = (p.sequential_ns + p.pipelined_ns) / 2;
@@ -22,10 +24,16 @@ fn bounds_by_hand() {
     // On the bounds: all of the overlap, none of it.
     assert_eq!(p.clone().measured(p.pipelined_ns).overlap, Some(1.0));
     assert_eq!(p.clone().measured(p.sequential_ns).overlap, Some(0.0));
+    // Between the bound and the estimate: uneven chunks beat the estimate;
+    // no share of overlap is claimed.
+    let beat = p.clone().measured(p.pipelined_ns - 1);
+    assert_eq!(beat.overlap, None);
+    assert_eq!(beat.fit, Some(Fit::BelowEstimate { measured_ns: p.pipelined_ns - 1, pipelined_ns: p.pipelined_ns }));
+    assert!(matches!(p.clone().measured(p.lower_ns).fit, Some(Fit::BelowEstimate { .. })));
     // Below the lower bound is a model error with its numbers, not 100%.
-    let below = p.clone().measured(p.pipelined_ns - 1);
+    let below = p.clone().measured(p.lower_ns - 1);
     assert_eq!(below.overlap, None);
-    assert_eq!(below.fit, Some(Fit::BelowLowerBound { measured_ns: p.pipelined_ns - 1, lower_ns: p.pipelined_ns }));
+    assert_eq!(below.fit, Some(Fit::BelowLowerBound { measured_ns: p.lower_ns - 1, lower_ns: p.lower_ns }));
     // Above the sequential sum: time no hop accounts for, not 0%.
     let above = p.clone().measured(p.sequential_ns + 1);
     assert_eq!(above.overlap, None);

@@ -88,12 +88,14 @@ fn main() -> ExitCode {
     let ms = |ns: u64| ns as f64 / 1e6;
     println!("timing model over {} layer chunks, setup {:.3} ms:", p.chunks, ms(p.setup_ns));
     println!("  sequential prediction  {:>9.3} ms", ms(p.sequential_ns));
-    println!("  pipelined lower bound  {:>9.3} ms", ms(p.pipelined_ns));
+    println!("  pipelined estimate     {:>9.3} ms  (fill, drain, equal chunks)", ms(p.pipelined_ns));
+    println!("  lower bound            {:>9.3} ms  (setup + the slowest hop's whole busy time)", ms(p.lower_ns));
     let fit = match p.fit {
         Some(Fit::Overlap { share }) => format!("{:.0}% of the possible overlap", share * 100.0),
         Some(Fit::AboveSequential { measured_ns, sequential_ns }) => {
             format!("above the sequential prediction: {:.3} ms outside every timed hop", ms(measured_ns - sequential_ns))
         }
+        Some(Fit::BelowEstimate { .. }) => "faster than the equal-chunk estimate, above the lower bound".into(),
         Some(Fit::BelowLowerBound { .. }) => "BELOW the lower bound, see below".into(),
         None => "n/a".into(),
     };
@@ -101,7 +103,7 @@ fn main() -> ExitCode {
     if let Some(Fit::BelowLowerBound { measured_ns, lower_ns }) = p.fit {
         // The bound is wrong, not the clock: say so where nobody can miss it.
         let msg = format!(
-            "MODEL ERROR: measured {:.3} ms is below the pipelined lower bound {:.3} ms (by {:.3} ms): the model counts time that did not run serially",
+            "MODEL ERROR: measured {:.3} ms is below the lower bound {:.3} ms (by {:.3} ms): the model counts time that did not run serially",
             ms(measured_ns),
             ms(lower_ns),
             ms(lower_ns - measured_ns)
