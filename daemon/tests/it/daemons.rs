@@ -159,11 +159,11 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     check_hop_quantiles(&stats);
     check_hop_quantiles(&cb.stats().unwrap());
 
-    // `notify` is the clients' waits and nothing else: a's one wait on
-    // source_released, b's four layer_ready and one decoder_usable (read on
-    // the mapped page, sent with the next call); then one wait through the
-    // control socket.
-    assert_eq!(notify_count(&ca), 1);
+    // `notify` is the clients' waits and nothing else: a's waits on
+    // source_released and decoder_usable, b's four layer_ready and one
+    // decoder_usable (read on the mapped page, sent with the next call);
+    // then one wait through the control socket.
+    assert_eq!(notify_count(&ca), 2);
     assert_eq!(notify_count(&cb), 5);
     let r = cb.call(&Request::Wait { slot, flag: FlagName::DecoderUsable, timeout_ms: 1000 }, &[]).unwrap();
     assert!(matches!(r, Reply::Waited { .. }), "{r:?}");
