@@ -48,6 +48,15 @@ pub const MAX_HANDSHAKE_MESSAGE: usize = 4096;
 /// Reads one handshake message, refusing a length over
 /// [`MAX_HANDSHAKE_MESSAGE`] before reading its body.
 fn read_handshake(r: &mut impl Read) -> Result<PeerMsg, WireError> {
+    let body = read_body(r, MAX_HANDSHAKE_MESSAGE, |len| {
+        WireError::Json(format!("handshake message of {len} bytes; at most {MAX_HANDSHAKE_MESSAGE} before authentication"))
+    })?;
+    kvwire_client::wire::parse(&body)
+}
+
+/// Reads a u32 length and that many bytes, refusing (with `too_long`) a
+/// length over `max` before allocating for it.
+fn read_body(r: &mut impl Read, max: usize, too_long: impl FnOnce(usize) -> WireError) -> Result<Vec<u8>, WireError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -55,12 +64,12 @@ fn read_handshake(r: &mut impl Read) -> Result<PeerMsg, WireError> {
         Err(cause) => return Err(WireError::Io { op: "receive", cause }),
     }
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_HANDSHAKE_MESSAGE {
-        return Err(WireError::Json(format!("handshake message of {len} bytes; at most {MAX_HANDSHAKE_MESSAGE} before authentication")));
+    if len > max {
+        return Err(too_long(len));
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).map_err(|cause| WireError::Io { op: "receive", cause })?;
-    kvwire_client::wire::parse(&body)
+    Ok(body)
 }
 
 fn nonce_of(hex: &str, what: &str) -> Result<Vec<u8>, AuthError> {
@@ -199,19 +208,9 @@ pub fn open_frame(key: &[u8; 32], seq: u64, r: &mut impl Read) -> Result<PeerMsg
 
 /// Reads one sealed frame: its body and its seal, unchecked.
 fn read_sealed(r: &mut impl Read) -> Result<(Vec<u8>, [u8; SEAL_LEN]), WireError> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
-        Err(cause) => return Err(WireError::Io { op: "receive", cause }),
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE {
-        return Err(WireError::TooLong(len));
-    }
-    let mut body = vec![0u8; len];
+    let body = read_body(r, MAX_MESSAGE, WireError::TooLong)?;
     let mut seal = [0u8; SEAL_LEN];
-    r.read_exact(&mut body).and_then(|()| r.read_exact(&mut seal)).map_err(|cause| WireError::Io { op: "receive", cause })?;
+    r.read_exact(&mut seal).map_err(|cause| WireError::Io { op: "receive", cause })?;
     Ok((body, seal))
 }
 
