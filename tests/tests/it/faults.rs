@@ -429,15 +429,21 @@ fn a_lossy_reordering_duplicating_link_still_delivers_exact_bytes() {
     assert!(of("TcpExtTCPOFOQueue") > 0, "the receiver saw nothing out of order: the link was not impaired");
 }
 
+/// A link down for one second mid-transfer: TCP retransmits once it is
+/// back, well inside the rail watchdog (raised to 10 s here, so a
+/// retransmission backoff on a loaded machine cannot trip it) and the
+/// peer timeout, so the transfer must recover, exactly, with the
+/// retransmission counted.
 #[test]
-fn a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly() {
+fn a_link_down_for_a_second_mid_transfer_recovers_exactly() {
     let _alone = crate::alone();
-    let name = "a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly";
+    let name = "a_link_down_for_a_second_mid_transfer_recovers_exactly";
     let Some(link) = hosts("updown", name) else { return };
     link.b.shape("100mbit").expect("tc shaping");
     let d = TempDir::new("faults-updown");
+    let patient = "[transport]\nrail_stall_ms = 10000\n";
     let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], "");
-    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], patient);
     let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
     let c = SLOW;
     let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 3);
@@ -448,27 +454,18 @@ fn a_link_down_mid_transfer_either_recovers_exactly_or_fails_cleanly() {
     std::thread::sleep(Duration::from_secs(1));
     link.b.set_link(true).expect("link up");
     let waited = cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(30));
-    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
     let dst_status = cb.status(dslot).unwrap();
-    match waited {
-        Ok(_) => {
-            ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).expect("source released after a complete transfer");
-            let st = ca.status(sslot).unwrap();
-            eprintln!("{name}: recovered; {} bytes retransmitted", st.retransmitted_bytes);
-            assert_eq!(dst_status.state, TransferState::Done, "{dst_status:?}");
-            assert_eq!(first_difference(&contents(&dst), &expected), None, "the recovered transfer placed other bytes");
-            assert!(st.retransmitted_bytes > 0, "a second without a link and nothing retransmitted: {st:?}");
-        }
-        Err(ClientError::Wait(e @ WaitError::Failed { .. })) => {
-            let published = published_layers_hold(&cb, dslot, &c, &dst, &expected);
-            eprintln!("{name}: failed cleanly ({e}); {published} of {} layers published; error: {:?}", c.layers, dst_status.error);
-            assert_eq!(dst_status.state, TransferState::Failed, "{dst_status:?}");
-            assert!(dst_status.error.as_deref().is_some_and(|e| !e.is_empty()), "failed without a reason: {dst_status:?}");
-            assert!(!cb.ready(dslot, FlagName::DecoderUsable));
-            assert!(published < c.layers);
-        }
-        Err(e) => panic!("neither completed nor failed within 30 s of the link coming back: {e}; {dst_status:?}"),
+    if let Err(e) = waited {
+        panic!("a one-second outage was not recovered from: {e}; {dst_status:?}; source: {:?}", ca.status(sslot).map(|s| s.error));
     }
+    let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
+    ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).expect("source released after a complete transfer");
+    ca.wait(sslot, FlagName::DecoderUsable, Duration::from_secs(10)).expect("the source hears the verdict");
+    let st = ca.status(sslot).unwrap();
+    eprintln!("{name}: recovered; {} bytes retransmitted", st.retransmitted_bytes);
+    assert_eq!((dst_status.state, st.state), (TransferState::Done, TransferState::Done), "{dst_status:?} {st:?}");
+    assert_eq!(first_difference(&contents(&dst), &expected), None, "the recovered transfer placed other bytes");
+    assert!(st.retransmitted_bytes > 0, "a second without a link and nothing retransmitted: {st:?}");
 }
 
 /// The source overwrites its whole memory the moment `source_released` is
