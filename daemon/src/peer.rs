@@ -20,7 +20,7 @@
 //! layer); bytes flow on the data plane; `Abort` fails the destination's
 //! flags when the source gives up.
 
-use kvwire_client::wire::{write_msg, WireError, MAX_MESSAGE};
+use kvwire_client::wire::{read_body, write_msg, WireError, MAX_MESSAGE};
 pub use kvwire_core::session::msg::{PeerMsg, PEER_VERSION};
 use kvwire_core::session::kind;
 use kvwire_transport::auth::{self, Credential};
@@ -52,24 +52,6 @@ fn read_handshake(r: &mut impl Read) -> Result<PeerMsg, WireError> {
         WireError::Json(format!("handshake message of {len} bytes; at most {MAX_HANDSHAKE_MESSAGE} before authentication"))
     })?;
     kvwire_client::wire::parse(&body)
-}
-
-/// Reads a u32 length and that many bytes, refusing (with `too_long`) a
-/// length over `max` before allocating for it.
-fn read_body(r: &mut impl Read, max: usize, too_long: impl FnOnce(usize) -> WireError) -> Result<Vec<u8>, WireError> {
-    let mut len = [0u8; 4];
-    match r.read_exact(&mut len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
-        Err(cause) => return Err(WireError::Io { op: "receive", cause }),
-    }
-    let len = u32::from_le_bytes(len) as usize;
-    if len > max {
-        return Err(too_long(len));
-    }
-    let mut body = vec![0u8; len];
-    r.read_exact(&mut body).map_err(|cause| WireError::Io { op: "receive", cause })?;
-    Ok(body)
 }
 
 fn nonce_of(hex: &str, what: &str) -> Result<Vec<u8>, AuthError> {
@@ -187,11 +169,8 @@ impl Sealed {
 /// Message number `seq` of a direction whose key is `key`, as it goes on
 /// the wire: length, JSON, seal.
 pub fn seal_frame(key: &[u8; 32], seq: u64, m: &PeerMsg) -> Vec<u8> {
-    let body = serde_json::to_vec(m).expect("messages serialize");
-    let seal = auth::mac(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &body]);
-    let mut out = Vec::with_capacity(4 + body.len() + SEAL_LEN);
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
-    out.extend_from_slice(&body);
+    let mut out = kvwire_client::wire::frame(m);
+    let seal = auth::mac(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &out[4..]]);
     out.extend_from_slice(&seal);
     out
 }

@@ -74,6 +74,13 @@ pub fn write_msg<T: serde::Serialize>(w: &mut impl Write, msg: &T) -> Result<(),
 
 /// Reads one frame from a byte stream.
 pub fn read_msg<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T, WireError> {
+    parse(&read_body(r, MAX_MESSAGE, WireError::TooLong)?)
+}
+
+/// Reads one frame's body: a u32 length, then that many bytes. A length
+/// over `max` is refused with `too_long(length)` before anything is
+/// allocated for it.
+pub fn read_body(r: &mut impl Read, max: usize, too_long: impl FnOnce(usize) -> WireError) -> Result<Vec<u8>, WireError> {
     let mut len = [0u8; 4];
     match r.read_exact(&mut len) {
         Ok(()) => {}
@@ -81,12 +88,12 @@ pub fn read_msg<T: serde::de::DeserializeOwned>(r: &mut impl Read) -> Result<T, 
         Err(e) => return Err(io("receive")(e)),
     }
     let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE {
-        return Err(WireError::TooLong(len));
+    if len > max {
+        return Err(too_long(len));
     }
     let mut body = vec![0u8; len];
     r.read_exact(&mut body).map_err(io("receive"))?;
-    parse(&body)
+    Ok(body)
 }
 
 /// Sends one frame on a Unix socket, with `fds` attached.
