@@ -2,7 +2,7 @@
 //! prepare receives, submit transfers, wait on flags and read status.
 
 use super::error::{refused, Refusal};
-use super::state::{DeviceRank, Group, Groups, RankCache, Role, Share, SlotId};
+use super::state::{bytes_of, DeviceRank, Group, Groups, RankCache, Role, Share, SlotId};
 use super::Daemon;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -186,11 +186,7 @@ impl Daemon {
             let gone: Vec<u32> = g.ranks.iter().filter(|(_, r)| r.client == client).map(|(k, _)| *k).collect();
             for rank in gone {
                 if let Some(rc) = g.ranks.remove(&rank) {
-                    for r in rc.regions.values() {
-                        self.revoke_key(r.key);
-                    }
-                    st.memory -= rc.mems.iter().map(|m| m.len()).sum::<u64>();
-                    st.regions -= rc.regions.len();
+                    self.forget_rank(&mut st.memory, &mut st.regions, &rc);
                     tracing::info!(client, rank, "client gone: its regions are revoked");
                 }
             }
@@ -396,7 +392,7 @@ impl Daemon {
         }
         let registered = self.register_windows(&mems, &windows)?;
         let n = registered.len();
-        st.memory += mems.iter().map(|m| m.len()).sum::<u64>();
+        st.memory += bytes_of(&mems);
         st.regions += n;
         let g = st.map.entry(r.group.clone()).or_insert_with(|| Group {
             model,
@@ -419,7 +415,7 @@ impl Daemon {
     /// Refuses a registration past `limits.max_memory_bytes` or `max_regions`.
     fn fits(&self, st: &Groups, mems: &[Arc<HostMem>], regions: usize) -> Result<(), Refusal> {
         let l = &self.cfg.limits;
-        if st.memory + mems.iter().map(|m| m.len()).sum::<u64>() > l.max_memory_bytes {
+        if st.memory + bytes_of(mems) > l.max_memory_bytes {
             return Err(Refusal::new(Code::Limit, format!("limits.max_memory_bytes {} would be exceeded", l.max_memory_bytes)));
         }
         if st.regions + regions > l.max_regions {
@@ -456,7 +452,6 @@ impl Daemon {
         if token.len() < 16 {
             return Err(Refusal::new(Code::BadRequest, format!("share_group token of {} bytes; at least 16", token.len())));
         }
-        let hash = kvwire_transport::auth::mac(b"kvwire-group-share-v1", group, &[token.as_bytes()]);
         let mut st = self.groups.lock().expect("groups lock");
         if let Some(s) = st.shares.get_mut(group) {
             // Constant-time: the token is a secret among the sharing clients.
@@ -477,8 +472,19 @@ impl Daemon {
         // The clients holding ranks already are members from the start.
         let mut members: std::collections::BTreeSet<u64> = st.map.get(group).map(|g| g.ranks.values().map(|r| r.client).collect()).unwrap_or_default();
         members.insert(client);
-        st.shares.insert(group.to_string(), Share { token: hash, members });
+        let token = kvwire_transport::auth::mac(b"kvwire-group-share-v1", group, &[token.as_bytes()]);
+        st.shares.insert(group.to_string(), Share { token, members });
         Ok(Reply::Shared)
+    }
+
+    /// Revokes a released rank's regions and takes it off the totals the
+    /// limits count (`memory`, `regions`: the groups' own, under their lock).
+    fn forget_rank(&self, memory: &mut u64, regions: &mut usize, rc: &RankCache) {
+        for r in rc.regions.values() {
+            self.revoke_key(r.key);
+        }
+        *memory -= bytes_of(&rc.mems);
+        *regions -= rc.regions.len();
     }
 
     fn release(&self, client: u64, group: &str, rank: u32) -> Result<Reply, Refusal> {
@@ -493,11 +499,7 @@ impl Daemon {
             Some(_) => {}
         }
         let rc = g.ranks.remove(&rank).expect("checked");
-        for r in rc.regions.values() {
-            self.revoke_key(r.key);
-        }
-        st.memory -= rc.mems.iter().map(|m| m.len()).sum::<u64>();
-        st.regions -= rc.regions.len();
+        self.forget_rank(&mut st.memory, &mut st.regions, &rc);
         if g.ranks.is_empty() {
             st.map.remove(group);
         }

@@ -25,6 +25,11 @@ pub(crate) struct RankCache {
     pub device: Option<DeviceRank>,
 }
 
+/// Bytes of a rank's memories, as `limits.max_memory_bytes` counts them.
+pub(crate) fn bytes_of(mems: &[Arc<HostMem>]) -> u64 {
+    mems.iter().map(|m| m.len()).sum()
+}
+
 /// A rank whose cache lives in device memory, staged through `mem`.
 pub(crate) struct DeviceRank {
     // Field order: unpin the mirror before the allocation is let go.
