@@ -13,6 +13,13 @@ use std::time::Duration;
 
 const SECRET: &str = "a-secret-of-at-least-16-bytes";
 
+/// Prepares request `request` of group `group` to receive `tokens` tokens
+/// into the blocks of `s`.
+fn prepare(c: &Client, s: &kvwire_core::plan::Side, tokens: u64, group: &str, request: &str) -> Result<u16, kvwire_client::client::ClientError> {
+    use kvwire_client::control::PrepareReceive;
+    c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 })
+}
+
 /// Open descriptors of process `pid`.
 fn fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
@@ -66,14 +73,11 @@ fn a_control_message_with_too_many_fds_leaks_none_of_them() {
 #[test]
 fn prepared_receives_go_with_their_client_and_free_their_slots() {
     use crate::daemons::{identity_of, register, side};
-    use kvwire_client::control::PrepareReceive;
     let dir = TempDir::new("hostile-prepared");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\nmax_inflight_transfers = 2\n");
     let tokens = 20;
     let s = side(crate::daemons::DST, tokens);
-    let prepare = |c: &Client, group: &str, request: &str| {
-        c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 })
-    };
+    let prepare = |c: &Client, group: &str, request: &str| prepare(c, &s, tokens, group, request);
     {
         let a = Client::connect(&d.socket, "greedy").unwrap();
         let _mem = register(&a, "ga", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
@@ -99,14 +103,11 @@ fn prepared_receives_go_with_their_client_and_free_their_slots() {
 #[test]
 fn one_client_cannot_hold_more_prepared_receives_than_its_quota() {
     use crate::daemons::{identity_of, register, side};
-    use kvwire_client::control::PrepareReceive;
     let dir = TempDir::new("hostile-quota");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\nmax_inflight_transfers = 8\nmax_prepared_per_client = 3\n");
     let tokens = 20;
     let s = side(crate::daemons::DST, tokens);
-    let prepare = |c: &Client, group: &str, request: &str| {
-        c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 })
-    };
+    let prepare = |c: &Client, group: &str, request: &str| prepare(c, &s, tokens, group, request);
     let a = Client::connect(&d.socket, "greedy").unwrap();
     let _ma = register(&a, "ga", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
     let first = prepare(&a, "ga", "r1").unwrap();
@@ -132,7 +133,7 @@ fn one_client_cannot_hold_more_prepared_receives_than_its_quota() {
 #[test]
 fn a_group_is_joined_only_by_the_clients_it_was_shared_with() {
     use crate::daemons::{identity_of, side};
-    use kvwire_client::control::{ModelSource, PrepareReceive, RegisterCache};
+    use kvwire_client::control::{ModelSource, RegisterCache};
     use kvwire_transport::HostMem;
     let dir = TempDir::new("hostile-groups");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "");
@@ -174,9 +175,8 @@ fn a_group_is_joined_only_by_the_clients_it_was_shared_with() {
     assert!(!c0 && c1, "the second rank completes the shared group");
     // The intruder holds no rank: it can neither prepare on the group nor
     // cancel the receive its owners prepared.
-    let prep = PrepareReceive { group: "engine".into(), request: "r".into(), block_table: s.block_table.clone(), tokens: 20, prefix_tokens: 0 };
-    assert!(intruder.prepare(prep.clone()).unwrap_err().to_string().contains("registered by another client"));
-    let slot = a.prepare(prep).unwrap();
+    assert!(prepare(&intruder, &s, 20, "engine", "r").unwrap_err().to_string().contains("registered by another client"));
+    let slot = prepare(&a, &s, 20, "engine", "r").unwrap();
     assert!(intruder.cancel(slot).is_err());
     assert_eq!(a.status(slot).unwrap().state, kvwire_client::control::TransferState::Prepared);
 }
@@ -184,14 +184,14 @@ fn a_group_is_joined_only_by_the_clients_it_was_shared_with() {
 #[test]
 fn prepared_receives_no_source_offered_into_expire_after_the_transfer_timeout() {
     use crate::daemons::{identity_of, register, side};
-    use kvwire_client::control::{PrepareReceive, TransferState};
+    use kvwire_client::control::TransferState;
     let dir = TempDir::new("hostile-expire");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\nmax_inflight_transfers = 1\ntransfer_timeout_secs = 1\npeer_timeout_secs = 1\n");
     let tokens = 20;
     let s = side(crate::daemons::DST, tokens);
     let c = Client::connect(&d.socket, "idle").unwrap();
     let _mem = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
-    let prepare = |request: &str| c.prepare(PrepareReceive { group: "g".into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 });
+    let prepare = |request: &str| prepare(&c, &s, tokens, "g", request);
     let first = prepare("r1").unwrap();
     assert!(prepare("r2").is_err(), "the one slot is held");
     std::thread::sleep(Duration::from_millis(1500));
@@ -336,14 +336,14 @@ fn cpu_seconds(pid: u32) -> f64 {
 #[test]
 fn a_pending_wait_costs_the_daemon_no_cpu() {
     use crate::daemons::{identity_of, register, side};
-    use kvwire_client::control::{FlagName, PrepareReceive};
+    use kvwire_client::control::FlagName;
     let dir = TempDir::new("hostile-wait");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "");
     let tokens = 20;
     let s = side(crate::daemons::DST, tokens);
     let c = Client::connect(&d.socket, "waiter").unwrap();
     let _mem = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
-    let slot = c.prepare(PrepareReceive { group: "g".into(), request: "r".into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let slot = prepare(&c, &s, tokens, "g", "r").unwrap();
     let before = cpu_seconds(d.pid());
     let started = std::time::Instant::now();
     // A round-trip wait of 3 s that nobody ends: the daemon's thread waits on the flag.
