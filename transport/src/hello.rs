@@ -75,8 +75,18 @@ pub struct Proven {
 }
 
 /// The destination's steps 1 and 2: challenges, then reads and checks the
-/// source's hello. On a refusal the caller sends it with [`send_refusal`].
+/// source's hello. A hello it refuses (malformed, another version, no
+/// proof) is answered with a `Nack` saying why, so the peer's error names
+/// the cause; the caller then closes the connection.
 pub fn challenge(r: &mut impl Read, w: &mut impl Write, transport: &str, registry: &Registry) -> Result<Proven, TransportError> {
+    let proven = check_source(r, w, transport, registry);
+    if let Err(e @ (TransportError::Hello(_) | TransportError::Refused(_) | TransportError::Frame(_))) = &proven {
+        let _ = send_refusal(w, &e.to_string());
+    }
+    proven
+}
+
+fn check_source(r: &mut impl Read, w: &mut impl Write, transport: &str, registry: &Registry) -> Result<Proven, TransportError> {
     let nd = auth::random_bytes::<NONCE_LEN>();
     send(w, &control(Kind::Challenge, &nd), "send challenge")?;
     let (h, payload) = read_frame_within(r, 0, MAX_UNAUTHENTICATED_HELLO, "receive hello")?;

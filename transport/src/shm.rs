@@ -466,16 +466,7 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
     rd.deadline = Some(Instant::now() + serve.limits.handshake_timeout);
     let session = {
         let mut out = hello::Deadline::new(&writer, serve.limits.handshake_timeout);
-        let proven = match hello::challenge(&mut rd, &mut out, TRANSPORT, &serve.registry) {
-            Ok(p) => p,
-            Err(e) => {
-                let reason = e.to_string();
-                if matches!(e, TransportError::Hello(_) | TransportError::Refused(_) | TransportError::Frame(_)) {
-                    let _ = hello::send_refusal(&mut out, &reason);
-                }
-                return Err(closing(&node, format!("handshake refused: {reason}")));
-            }
-        };
+        let proven = hello::challenge(&mut rd, &mut out, TRANSPORT, &serve.registry).map_err(|e| closing(&node, format!("handshake refused: {e}")))?;
         node = proven.hello.node.clone();
         hello::send_hello(&mut out, &hello::prove(TRANSPORT, &proven, hello_of(&serve.node))).map_err(|e| closing(&node, e.to_string()))?;
         proven.session.credential.session

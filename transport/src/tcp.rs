@@ -164,16 +164,7 @@ fn accept_loop(
 fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, placement: &Placement, limits: TcpLimits) -> Result<(), TransportError> {
     stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
     let mut hs = hello::Deadline::new(&stream, limits.handshake_timeout);
-    let proven = match hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, registry) {
-        Ok(p) => p,
-        Err(e) => {
-            // Tell the peer why before hanging up: its error then names the cause.
-            if matches!(e, TransportError::Hello(_) | TransportError::Refused(_) | TransportError::Frame(_)) {
-                let _ = hello::send_refusal(&mut hs, &e.to_string());
-            }
-            return Err(e);
-        }
-    };
+    let proven = hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, registry)?;
     hello::send_hello(&mut hs, &hello::prove(TRANSPORT, &proven, hello(node)))?;
     pass.authenticated();
     let (peer, session) = (proven.hello, proven.session.credential.session);

@@ -36,32 +36,29 @@ pub(super) fn initiate(shared: &Shared, stream: &TcpStream, qp: &mut Qp, cred: &
     Ok(remote)
 }
 
-/// The destination's side: checks the peer's proof, makes a QP that
-/// receives its notes into `ring`, and answers with our hello — or with a
-/// `Nack` saying why not. Returns the peer's hello, the QP and the session.
+/// The destination's side: checks the peer's proof (refused by
+/// [`hello::challenge`]), makes a QP that receives its notes into `ring`,
+/// and answers with our hello — or with a `Nack` saying why not. Returns
+/// the peer's hello, the QP and the session.
 pub(super) fn answer(shared: &Shared, stream: &TcpStream, ring: &NoteRing) -> Result<(Hello, Qp, u64), TransportError> {
     let hs = Deadline::new(stream, shared.limits.handshake_timeout);
-    match ready_for(shared, &hs, ring) {
-        Ok((proven, qp)) => {
-            let session = proven.session.credential.session;
-            hello::send_hello(&mut hs.again(), &hello::prove(TRANSPORT, &proven, shared.hello(&qp, Some(session))))?;
-            Ok((proven.hello, qp, session))
-        }
-        Err(e) => {
-            let _ = hello::send_refusal(&mut hs.again(), &e.to_string());
-            Err(e)
-        }
-    }
+    let proven = hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, &shared.registry)?;
+    let qp = qp_for(shared, &proven, ring).inspect_err(|e| {
+        let _ = hello::send_refusal(&mut hs.again(), &e.to_string());
+    })?;
+    let session = proven.session.credential.session;
+    hello::send_hello(&mut hs.again(), &hello::prove(TRANSPORT, &proven, shared.hello(&qp, Some(session))))?;
+    Ok((proven.hello, qp, session))
 }
 
-fn ready_for(shared: &Shared, hs: &Deadline<'_, TcpStream>, ring: &NoteRing) -> Result<(Proven, Qp), TransportError> {
-    let proven = hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, &shared.registry)?;
+/// A QP receiving `proven`'s notes into `ring`, at RTR before we answer,
+/// so the peer's first write finds it ready.
+fn qp_for(shared: &Shared, proven: &Proven, ring: &NoteRing) -> Result<Qp, TransportError> {
     let pv = peer_verbs(&proven.hello)?;
     let mut qp = Qp::new(shared, 1, ring.slots)?;
     qp.post_recvs(ring, 0..ring.slots)?;
-    // RTR before answering, so the peer's first write finds us ready.
     qp.connect(shared, &pv)?;
-    Ok((proven, qp))
+    Ok(qp)
 }
 
 fn peer_verbs(hello: &Hello) -> Result<VerbsAddr, TransportError> {
