@@ -13,6 +13,7 @@
  */
 #define _GNU_SOURCE
 #include "kvwire.h"
+#include "check.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -41,39 +42,6 @@ static const char *IDENTITY =
 static const uint32_t SRC_TABLE[] = {6, 1, 4, 0, 7, 2, 5};
 static const uint32_t DST_TABLE[] = {3, 0, 4, 1};
 
-static int failures = 0;
-static int passes = 0;
-
-#define CHECK(cond, ...)                                                    \
-  do {                                                                      \
-    if (cond) {                                                             \
-      passes++;                                                             \
-    } else {                                                                \
-      failures++;                                                           \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);        \
-      fprintf(stderr, __VA_ARGS__);                                         \
-      fprintf(stderr, "\n");                                                \
-    }                                                                       \
-  } while (0)
-
-#define REQUIRE(cond, ...)                                                  \
-  do {                                                                      \
-    int required_ = failures;                                               \
-    CHECK(cond, __VA_ARGS__);                                               \
-    if (failures != required_) {                                            \
-      fprintf(stderr, "%d passed, %d failed\n", passes, failures);          \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
-
-static const char *client_error(const kvw_client *c) {
-  static char buf[KVW_MESSAGE_MAX];
-  size_t n = 0;
-  if (kvw_client_last_error(c, buf, sizeof buf, &n) != KVW_OK) {
-    return "(no message)";
-  }
-  return buf;
-}
 
 /* Engine memory: a sealable memfd, mapped. */
 typedef struct {

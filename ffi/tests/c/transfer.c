@@ -17,6 +17,7 @@
  * row = slot * heads + head (nhd) or head * B + slot (hnd).
  */
 #include "kvwire.h"
+#include "check.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,40 +50,6 @@ static const char *DST_LAYOUT = "tp=1,block=32,layout=hnd";
 static const uint32_t SRC_TABLE[] = {3, 7, 0, 9, 5, 1, 8};
 static const uint32_t DST_TABLE[] = {4, 1, 5, 2};
 
-static int failures = 0;
-static int passes = 0;
-
-#define CHECK(cond, ...)                                                    \
-  do {                                                                      \
-    if (cond) {                                                             \
-      passes++;                                                             \
-    } else {                                                                \
-      failures++;                                                           \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);        \
-      fprintf(stderr, __VA_ARGS__);                                         \
-      fprintf(stderr, "\n");                                                \
-    }                                                                       \
-  } while (0)
-
-/* Stops the test: later steps depend on this one. Evaluates `cond` once. */
-#define REQUIRE(cond, ...)                                                  \
-  do {                                                                      \
-    int required_ = failures;                                               \
-    CHECK(cond, __VA_ARGS__);                                               \
-    if (failures != required_) {                                            \
-      fprintf(stderr, "%d passed, %d failed\n", passes, failures);          \
-      exit(1);                                                              \
-    }                                                                       \
-  } while (0)
-
-static const char *client_error(const kvw_client *c) {
-  static char buf[KVW_MESSAGE_MAX];
-  size_t n = 0;
-  if (kvw_client_last_error(c, buf, sizeof buf, &n) != KVW_OK) {
-    return "(no message)";
-  }
-  return buf;
-}
 
 static const char *strerror_text(uint32_t code) {
   static char buf[KVW_MESSAGE_MAX];
