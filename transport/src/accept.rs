@@ -186,18 +186,16 @@ impl Admitted {
 /// Steps 1–4 for a write arriving on a connection that proved `session`:
 /// key, bounds, tag, room. Touches nothing.
 pub fn admit(registry: &Registry, placement: &Placement, session: u64, w: Incoming) -> Result<Admitted, Refusal> {
-    let region = registry.get(w.key);
-    match region.as_ref().map(|r| r.grant) {
-        None => return Err(Refusal::UnknownKey(w.key)),
-        Some(Some(g)) if g.session == session => {
+    let region = registry.get(w.key).ok_or(Refusal::UnknownKey(w.key))?;
+    match region.grant {
+        Some(g) if g.session == session => {
             if g.slot != w.tag.slot {
                 return Err(Refusal::OtherSlot { key: w.key, slot: w.tag.slot, granted: g.slot });
             }
         }
-        Some(_) => return Err(Refusal::NotGranted(w.key)),
+        _ => return Err(Refusal::NotGranted(w.key)),
     }
-    check_write(w.key, region.as_ref().map(|r| r.len), w.offset, w.len)?;
-    let region = region.ok_or(Refusal::UnknownKey(w.key))?;
+    check_write(w.key, Some(region.len), w.offset, w.len)?;
     if !placement.flags().contains(w.tag) {
         return Err(Refusal::UnknownTag { slot: w.tag.slot, layer: w.tag.layer });
     }

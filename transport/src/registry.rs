@@ -7,7 +7,7 @@
 //! into it, and only with that slot's tag. A cache's own regions are
 //! local; a destination grants each transfer windows of its own.
 //!
-//! Keys are random and never reused within a registry, so a write aimed
+//! Keys are unpredictable and never reused within a registry, so a write aimed
 //! at a revoked region can never land in the region registered after it,
 //! and no key can be guessed from another. Revoking a key makes every
 //! later write to it fail — how a destination fences stale writes after
@@ -31,8 +31,7 @@ pub struct Grant {
 /// `n` through a four-round Feistel network with round keys `keys`: a
 /// permutation of u32, so distinct counters give distinct keys. The round
 /// function is a seeded hash, not a MAC: a transfer registers a region per
-/// layer and tensor, and this runs for each (four HMACs each cost a 64 KiB
-/// transfer about 10% of its time).
+/// layer and tensor, and this runs for each, on the transfer's critical path.
 fn permuted(keys: &[u64; 4], n: u32) -> u32 {
     let (mut l, mut r) = ((n >> 16) as u16, n as u16);
     for k in keys {
