@@ -4,55 +4,137 @@
 
 use std::collections::HashMap;
 use std::hash::Hash;
-use std::sync::Mutex;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+struct Inner<K, V> {
+    idle: HashMap<K, Vec<V>>,
+    // Per key, how many in use now are expected back soon (see `expect`).
+    coming: HashMap<K, usize>,
+}
 
 pub(super) struct Kept<K, V> {
-    idle: Mutex<HashMap<K, Vec<V>>>,
+    inner: Mutex<Inner<K, V>>,
+    returned: Condvar,
     per_key: usize,
 }
 
 impl<K, V> std::fmt::Debug for Kept<K, V> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let idle = self.idle.lock().map(|m| m.values().map(Vec::len).sum::<usize>()).unwrap_or(0);
+        let idle = self.inner.lock().map(|m| m.idle.values().map(Vec::len).sum::<usize>()).unwrap_or(0);
         f.debug_struct("Kept").field("idle", &idle).field("per_key", &self.per_key).finish()
     }
 }
 
-impl<K: Eq + Hash, V> Kept<K, V> {
+impl<K: Eq + Hash + Clone, V> Kept<K, V> {
     /// At most `per_key` kept for each key.
     pub fn new(per_key: usize) -> Kept<K, V> {
-        Kept { idle: Mutex::new(HashMap::new()), per_key }
+        Kept { inner: Mutex::new(Inner { idle: HashMap::new(), coming: HashMap::new() }), returned: Condvar::new(), per_key }
     }
 
     /// A kept one for `key` that `usable` accepts; those it refuses are
-    /// dropped on the way.
-    pub fn take(&self, key: &K, mut usable: impl FnMut(&mut V) -> bool) -> Option<V> {
-        let mut idle = self.idle.lock().expect("kept lock");
-        let v = idle.get_mut(key)?;
-        while let Some(mut x) = v.pop() {
-            if usable(&mut x) {
-                return Some(x);
+    /// dropped on the way. While none is idle but one is expected back
+    /// ([`Kept::expect`]), waits up to `wait` for it: taking it back is
+    /// cheaper than making a new one.
+    pub fn take(&self, key: &K, mut usable: impl FnMut(&mut V) -> bool, wait: Duration) -> Option<V> {
+        let until = Instant::now() + wait;
+        let mut inner = self.inner.lock().expect("kept lock");
+        loop {
+            if let Some(v) = inner.idle.get_mut(key) {
+                while let Some(mut x) = v.pop() {
+                    if usable(&mut x) {
+                        return Some(x);
+                    }
+                }
             }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() || inner.coming.get(key).copied().unwrap_or(0) == 0 {
+                return None;
+            }
+            inner = self.returned.wait_timeout(inner, left).expect("kept lock").0;
         }
-        None
+    }
+
+    /// One in use for `key` is expected back soon: [`Kept::take`] may wait
+    /// for it. Each call is ended by [`Kept::keep`] or [`Kept::lost`].
+    pub fn expect(&self, key: &K) {
+        *self.inner.lock().expect("kept lock").coming.entry(key.clone()).or_default() += 1;
+    }
+
+    /// An expected one will not come back.
+    pub fn lost(&self, key: &K) {
+        let mut inner = self.inner.lock().expect("kept lock");
+        Self::arrived(&mut inner, key);
+        self.returned.notify_all();
     }
 
     /// Keeps `x` for the next transfer, unless enough are kept or `wanted`
     /// says no (asked under the lock [`Kept::clear`] takes, so nothing is
-    /// kept after a clear that `wanted` already knew about).
+    /// kept after a clear that `wanted` already knew about). Ends an
+    /// [`Kept::expect`] for `key`, if one is open.
     pub fn keep(&self, key: K, x: V, wanted: impl Fn() -> bool) {
-        let mut idle = self.idle.lock().expect("kept lock");
-        if !wanted() {
-            return;
+        let mut inner = self.inner.lock().expect("kept lock");
+        Self::arrived(&mut inner, &key);
+        if wanted() {
+            let v = inner.idle.entry(key).or_default();
+            if v.len() < self.per_key {
+                v.push(x);
+            }
         }
-        let v = idle.entry(key).or_default();
-        if v.len() < self.per_key {
-            v.push(x);
+        self.returned.notify_all();
+    }
+
+    fn arrived(inner: &mut Inner<K, V>, key: &K) {
+        if let Some(n) = inner.coming.get_mut(key) {
+            *n -= 1;
+            if *n == 0 {
+                inner.coming.remove(key);
+            }
         }
     }
 
     /// Lets every kept one go (closing a connection ends the peer's side too).
     pub fn clear(&self) {
-        self.idle.lock().expect("kept lock").clear();
+        self.inner.lock().expect("kept lock").idle.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn take_waits_only_for_one_expected_back() {
+        let k: Arc<Kept<&str, u32>> = Arc::new(Kept::new(2));
+        // Nothing idle, nothing expected: no wait at all.
+        let t = Instant::now();
+        assert_eq!(k.take(&"p", |_| true, Duration::from_secs(5)), None);
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // One expected back: a taker gets it when it is kept.
+        k.expect(&"p");
+        let giver = {
+            let k = k.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                k.keep("p", 7, || true)
+            })
+        };
+        assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), Some(7));
+        giver.join().unwrap();
+        // One expected that is lost: the taker stops waiting.
+        k.expect(&"p");
+        let loser = {
+            let k = k.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                k.lost(&"p")
+            })
+        };
+        assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), None);
+        loser.join().unwrap();
+        // Other keys are not waited for.
+        k.expect(&"q");
+        assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), None);
     }
 }

@@ -52,6 +52,11 @@ const KEEP_PER_KEY: usize = 4;
 
 /// How long a source waits for the destination's answer to an offer or an expect.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a transfer waits for the peer connection an earlier transfer
+/// to that peer is about to hand back (it is waiting for its verdict)
+/// before making a new one: a new connection costs a handshake, a new
+/// data-plane session and new data connections.
+const PEER_CONN_WAIT: Duration = Duration::from_millis(5);
 
 /// A running daemon.
 pub struct Daemon {

@@ -107,7 +107,7 @@ impl Daemon {
         // session it was made in, so only that session's transfers take it.
         let cred = &link.credential;
         let connect = |i: usize, rail: &RailAddr| {
-            if let Some(c) = self.data_conns.take(&(i, rail.addr.clone(), cred.session), |c| c.reusable()) {
+            if let Some(c) = self.data_conns.take(&(i, rail.addr.clone(), cred.session), |c| c.reusable(), Duration::ZERO) {
                 return Ok(c);
             }
             let local = &self.rails[i % self.rails.len()];

@@ -9,7 +9,7 @@ use super::device::Direction;
 use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::state::{Boundary, Role, SlotId};
-use super::{read_mem, Daemon, RunBytes, RunReader, REPLY_TIMEOUT};
+use super::{read_mem, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -175,7 +175,7 @@ impl Daemon {
             transfer: Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
         };
         self.with_slot(id, |sl| sl.peer = peer.name.clone());
-        let answer = match self.peer_conns.take(&(peer.name.clone(), peer.address.clone()), |_| true) {
+        let answer = match self.peer_conns.take(&(peer.name.clone(), peer.address.clone()), |_| true, PEER_CONN_WAIT) {
             Some(kept) => match self.offer_on(kept, peer, offer.clone(), timeouts, link) {
                 Err(LinkError::Wire(why)) => {
                     tracing::debug!(peer = peer.name, why, "kept peer connection is gone; connecting anew");
@@ -333,6 +333,11 @@ impl Daemon {
                     Metrics::add(&d.metrics.wire_bytes, bytes + outcome.framing);
                     // The source's memory is free now; the transfer is done
                     // only once the destination says it landed.
+                    // The next transfer to this peer (an engine submits as
+                    // soon as it sees source_released) waits for this
+                    // connection rather than making a new one mid-verdict.
+                    let key = (peer_name, peer_addr);
+                    d.peer_conns.expect(&key);
                     d.slot_mark(id, Boundary::SourceReleased);
                     d.publish(id, SOURCE_RELEASED);
                     tracing::info!(bytes, writes, "source released");
@@ -341,11 +346,13 @@ impl Daemon {
                             // The source's own decoder_usable: the destination's
                             // verdict, published as the transfer ends here.
                             d.complete(id, DECODER_USABLE, Boundary::DecoderUsable);
-                            if let Some(conn) = conn {
-                                d.peer_conns.keep((peer_name, peer_addr), conn, || d.keeping());
+                            match conn {
+                                Some(conn) => d.peer_conns.keep(key, conn, || d.keeping()),
+                                None => d.peer_conns.lost(&key),
                             }
                         }
                         Err(why) => {
+                            d.peer_conns.lost(&key);
                             tracing::warn!(why, "transfer failed after the source was released");
                             d.fail(id, why);
                         }
