@@ -138,8 +138,14 @@ mod tests {
         while w.q.0.lock().unwrap().idle == 0 {
             std::thread::yield_now();
         }
+        // The one worker survived its panic and is idle, so the next job goes to it.
         w.spawn("t", move || tx.send("next".into()).unwrap(), |_| {}).unwrap();
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "next");
+        // It sent before going idle again: wait for that, then it is the only one.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while w.q.0.lock().unwrap().idle == 0 && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
         assert_eq!(w.q.0.lock().unwrap().idle, 1, "the worker that caught the panic took the next job");
     }
 }
