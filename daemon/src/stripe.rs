@@ -26,7 +26,7 @@ use kvwire_client::control::RailUse;
 use kvwire_core::session::msg::RailAddr;
 use kvwire_transport::{Batch, BatchId, Connection, TransportError, WriteOp};
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Cuts each layer's batch into slices of at most `slice_bytes`, splitting
@@ -121,6 +121,7 @@ pub struct Outcome {
     pub framing: u64,
 }
 
+#[derive(Default)]
 struct Shared {
     // Queued slices by the rails they prefer (a bit per rail; 0: any).
     queues: BTreeMap<u64, VecDeque<usize>>,
@@ -168,17 +169,28 @@ impl Shared {
     }
 }
 
+/// Answers whether the transfer must end now (cancel, peer lost), and why.
+pub type Interrupted = dyn Fn() -> Option<String> + Send + Sync;
+
+/// Runs a job on another thread (the daemon's kept workers): the watchdog
+/// of a transfer, so that a one-rail transfer starts no thread of its own.
+pub type Watch<'a> = dyn Fn(Box<dyn FnOnce() + Send>) -> std::io::Result<()> + 'a;
+
 /// Sends `slices` over `rails` (connections made with `connect`) until each
 /// completed once. `interrupted` is asked every few milliseconds (cancel,
 /// peer lost); `event` hears of every post, completion and failure.
+/// Rail 0 runs on the calling thread, the other rails on threads of their
+/// own, and the watchdog on a thread `watch` provides.
+#[allow(clippy::too_many_arguments)] // the run's inputs, each used once
 pub fn run(
     slices: &[Batch],
     prefer: &[u64],
     rails: &[RailAddr],
     (connect, park): (&Connect<'_>, &Park<'_>),
     settings: &Settings,
-    interrupted: &(dyn Fn() -> Option<String> + Sync),
+    interrupted: Arc<Interrupted>,
     event: &(dyn Fn(&RailAddr, RailEvent<'_>) + Sync),
+    watch: &Watch<'_>,
 ) -> (Outcome, Result<(), String>) {
     let mut outcome = Outcome::default();
     if slices.is_empty() {
@@ -187,35 +199,39 @@ pub fn run(
     if rails.is_empty() {
         return (outcome, Err("the peer offered no data rail".into()));
     }
-    let shared = Mutex::new(Shared {
-        queues: (0..slices.len()).fold(BTreeMap::new(), |mut m: BTreeMap<u64, VecDeque<usize>>, i| {
-            m.entry(prefer.get(i).copied().unwrap_or(0)).or_default().push_back(i);
-            m
+    let sync: Arc<(Mutex<Shared>, Condvar)> = Arc::new((
+        Mutex::new(Shared {
+            queues: (0..slices.len()).fold(BTreeMap::new(), |mut m: BTreeMap<u64, VecDeque<usize>>, i| {
+                m.entry(prefer.get(i).copied().unwrap_or(0)).or_default().push_back(i);
+                m
+            }),
+            done: 0,
+            alive: rails.len(),
+            fatal: None,
+            failures: Vec::new(),
+            lanes: rails.iter().map(|_| LaneState { up: true, ..LaneState::default() }).collect(),
+            running: rails.len(),
         }),
-        done: 0,
-        alive: rails.len(),
-        fatal: None,
-        failures: Vec::new(),
-        lanes: rails.iter().map(|_| LaneState { up: true, ..LaneState::default() }).collect(),
-        running: rails.len(),
-    });
-    let cv = Condvar::new();
+        Condvar::new(),
+    ));
+    // The watchdog holds its own share of the state: it may still be
+    // waking up after the last rail returned.
+    let w = (sync.clone(), settings.clone());
+    if let Err(e) = watch(Box::new(move || watchdog(&w.0 .0, &w.0 .1, &w.1, &*interrupted))) {
+        return (outcome, Err(format!("cannot start the transfer's watchdog: {e}")));
+    }
     let lanes: Vec<LaneResult> = std::thread::scope(|scope| {
-        let (shared, cv) = (&shared, &cv);
-        let handles: Vec<_> = rails
-            .iter()
-            .enumerate()
-            .map(|(i, rail)| {
-                scope.spawn(move || {
-                    let r = lane(i, slices, prefer, rail, (connect, park), settings, event, shared, cv);
-                    shared.lock().expect("stripe lock").running -= 1;
-                    cv.notify_all();
-                    r
-                })
-            })
-            .collect();
-        watchdog(shared, cv, settings, interrupted);
-        handles.into_iter().map(|h| h.join().expect("rail thread")).collect()
+        let (shared, cv) = (&sync.0, &sync.1);
+        let run_lane = move |i: usize, rail: &RailAddr| {
+            let r = lane(i, slices, prefer, rail, (connect, park), settings, event, shared, cv);
+            shared.lock().expect("stripe lock").running -= 1;
+            cv.notify_all();
+            r
+        };
+        let others: Vec<_> = rails.iter().enumerate().skip(1).map(|(i, rail)| scope.spawn(move || run_lane(i, rail))).collect();
+        let mut all = vec![run_lane(0, &rails[0])];
+        all.extend(others.into_iter().map(|h| h.join().expect("rail thread")));
+        all
     });
     let first = lanes.iter().filter_map(|l| l.span.map(|s| s.0)).min();
     let last = lanes.iter().filter_map(|l| l.span.map(|s| s.1)).max();
@@ -230,7 +246,7 @@ pub fn run(
         outcome.retransmitted += r.retransmitted_bytes;
         outcome.rails.push(r);
     }
-    let sh = shared.into_inner().expect("stripe lock");
+    let sh = std::mem::take(&mut *sync.0.lock().expect("stripe lock"));
     let result = match sh.fatal {
         Some(e) => Err(e),
         None if sh.done < slices.len() => Err(format!("{} of {} slices never completed: {}", slices.len() - sh.done, slices.len(), sh.failures.join("; "))),
@@ -243,7 +259,7 @@ pub fn run(
 /// the deadline, and breaks a rail that stalled while another is up. Rail
 /// threads may be blocked in a post, so both are done by breaking their
 /// connections from here.
-fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupted: &(dyn Fn() -> Option<String> + Sync)) {
+fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupted: &Interrupted) {
     loop {
         // Wakes as soon as the last rail thread returns (no sleep to finish
         // first: `source_released` waits on this), else every 10 ms to check.

@@ -81,8 +81,8 @@ impl Daemon {
         rails: &[RailAddr],
         prefer: &RailPreference,
         batches: Vec<Batch>,
-        stop: &AtomicBool,
-        link: &PeerLink,
+        stop: &Arc<AtomicBool>,
+        link: &Arc<PeerLink>,
     ) -> Result<stripe::Outcome, String> {
         let t = &self.cfg.transport;
         let (rank_mask, key_rank) = prefer;
@@ -95,12 +95,13 @@ impl Daemon {
             stall: Duration::from_millis(t.rail_stall_ms),
             deadline: Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
         };
-        let interrupted = || -> Option<String> {
+        let (stop, lost) = (stop.clone(), link.clone());
+        let interrupted = Arc::new(move || -> Option<String> {
             if stop.load(Ordering::Acquire) {
                 return Some("cancelled".into());
             }
-            link.lost()
-        };
+            lost.lost()
+        });
         // The peer's rail i from our rail i (the same fabric, for verbs: a
         // QP can only reach what its own device reaches); with fewer rails
         // here, ours are reused in turn. A kept connection proved the
@@ -128,7 +129,8 @@ impl Daemon {
             self.rail_event_in_slot(id, rail, &e);
             self.rail_event_in_metrics(&inflight, rail, &e);
         };
-        let (outcome, result) = stripe::run(&slices, &masks, rails, (&connect, &park), &settings, &interrupted, &event);
+        let watch = |job: Box<dyn FnOnce() + Send>| self.workers.spawn("kvwired-watch", job, |why| tracing::error!(why, "a stripe watchdog panicked"));
+        let (outcome, result) = stripe::run(&slices, &masks, rails, (&connect, &park), &settings, interrupted, &event, &watch);
         {
             let mine = inflight.into_inner().expect("rail in-flight lock");
             let mut m = self.metrics.rails.lock().expect("rail metrics lock");

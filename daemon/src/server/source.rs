@@ -439,9 +439,9 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Regi
     };
     let mut out = Vec::with_capacity(p.schedule.layers.len());
     for layer in 0..p.schedule.layers.len() {
-        let mut writes = Vec::new();
+        let mut writes: Vec<WriteOp> = Vec::new();
         for w in p.schedule.writes(&p.plan, layer) {
-            writes.push(match w {
+            let op = match w {
                 WriteTarget::Direct { src, src_offset, dst, dst_offset, len } => {
                     let (Some(sr), Some(&dk)) = (g.regions.get(&src), dst_keys.get(&dst)) else { return Err(missing(src, dst)) };
                     WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len }
@@ -450,7 +450,15 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Regi
                     let stage = src_stage.ok_or_else(|| Refusal::new(Code::TransferFailed, "staged writes without a staging buffer"))?;
                     WriteOp { src_key: stage.key, src_offset: offset, dst_key: dst_stage_key, dst_offset: offset, len }
                 }
-            });
+            };
+            // Writes that continue one another on both sides go as one:
+            // packed segments lie back to back in both staging buffers, so
+            // a layer's staged bytes become one write instead of one per
+            // segment (each a frame and an answer on tcp, a work request on verbs).
+            match writes.last_mut() {
+                Some(last) if last.src_key == op.src_key && last.dst_key == op.dst_key && last.src_offset + last.len == op.src_offset && last.dst_offset + last.len == op.dst_offset => last.len += op.len,
+                _ => writes.push(op),
+            }
         }
         out.push(Batch { tag: Tag { slot: a.slot, layer: layer as u16 }, writes });
     }
