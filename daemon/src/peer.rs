@@ -14,11 +14,12 @@
 //! handshake ([`Credential::derive`]): the destination opens it for the
 //! peer's data connections, the source proves it on each.
 //!
-//! Then the source sends `Offer`, the destination answers `Accept` with its
-//! layout, block table, data-plane address and the keys of regions granted
-//! to this transfer alone; the source plans and sends `Expect` (bytes per
-//! layer); bytes flow on the data plane; `Abort` fails the destination's
-//! flags when the source gives up.
+//! Then the source sends `Offer` with its side of the plan; the destination
+//! plans and stages, and answers `Accept` with its layout, block table,
+//! data-plane address, staging buffer and the keys of regions granted to
+//! this transfer alone; the source plans, sends `Expect` (the manifest,
+//! not answered) and its bytes at once on the data plane; `Abort` fails
+//! the destination's flags when the source gives up.
 
 use kvwire_client::wire::{read_body, write_msg, WireError, MAX_MESSAGE};
 pub use kvwire_core::session::msg::{PeerMsg, PEER_VERSION};

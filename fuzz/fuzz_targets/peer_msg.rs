@@ -1,6 +1,6 @@
 //! Peer-control messages from another daemon (`PeerMsg` JSON, as
-//! `wire::read_msg` hands it over), and the strings the destination then
-//! parses from an `accept` or `expect` (layout, format, manifest); then the
+//! `wire::read_msg` hands it over), and the strings the daemons then parse
+//! from an `offer`, `accept` or `expect` (layout, format, manifest); then the
 //! peer session state machines take the message in every phase.
 #![no_main]
 
@@ -28,8 +28,10 @@ fuzz_target!(|data: &[u8]| {
             let _ = LayoutSpec::parse(&a.layout);
             let _ = CacheFormat::parse(&a.format);
         }
+        PeerMsg::Offer(o) => {
+            let _ = LayoutSpec::parse(&o.src_layout);
+        }
         PeerMsg::Expect(e) => {
-            let _ = LayoutSpec::parse(&e.src_layout);
             if let Ok(m) = Manifest::from_json(e.manifest.as_bytes()) {
                 assert_eq!(Manifest::from_json(m.to_json().as_bytes()).as_ref(), Ok(&m), "manifest round trip");
             }
@@ -39,7 +41,7 @@ fuzz_target!(|data: &[u8]| {
     sessions(msg);
 });
 
-/// A source waiting for an accept, and one waiting for staging, and a
+/// A source waiting for an accept, and one moving bytes, and a
 /// destination with nothing yet: each takes the message without panicking,
 /// and a refusal or error leaves them in a state that still answers.
 fn sessions(msg: PeerMsg) {
@@ -59,6 +61,9 @@ fn sessions(msg: PeerMsg) {
         },
         tokens: 1,
         codec: None,
+        src_layout: "tp=1".into(),
+        src_num_blocks: 1,
+        src_block_table: vec![0],
     };
     let (mut s, _) = SourceSession::start(now, offer, TransportKind::Tcp, t);
     if s.handle(now, msg.clone()).is_ok() {
@@ -76,5 +81,5 @@ fn sessions(msg: PeerMsg) {
 }
 
 fn sample_expect() -> kvwire_core::session::msg::Expect {
-    kvwire_core::session::msg::Expect { slot: 0, src_layout: "tp=1".into(), src_num_blocks: 1, src_block_table: vec![0], manifest: "{}".into(), codec: None }
+    kvwire_core::session::msg::Expect { slot: 0, manifest: "{}".into() }
 }

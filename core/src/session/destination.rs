@@ -9,9 +9,9 @@ use std::time::Instant;
 /// Where one slot of a destination session stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SlotPhase {
-    /// `Accept` sent; waiting for `Expect`.
+    /// `Accept` sent (bytes may flow already); waiting for `Expect`.
     Accepted,
-    /// `Staging` sent; bytes flow.
+    /// The manifest arrived; bytes flow.
     Receiving,
 }
 
@@ -20,12 +20,15 @@ pub enum SlotPhase {
 pub enum DestinationStep {
     /// Send this and carry on (pongs, refusals of stale messages, acks).
     Reply(PeerMsg),
+    /// Send nothing (a manifest that is not expected).
+    Ignore,
     /// A new offer: check it, then answer with
     /// [`DestinationSession::accept`] or [`DestinationSession::refuse`].
     Offer(Box<Offer>),
-    /// The source's plan and manifest for an accepted slot: check them,
-    /// then answer with [`DestinationSession::staging`] or
-    /// [`DestinationSession::refuse_slot`].
+    /// The manifest of an accepted slot: check it before any flag of the
+    /// slot is published. Nothing is sent back: a manifest that fails the
+    /// check fails the slot, and the source hears it as refused writes
+    /// or as the verdict.
     Expect(Box<Expect>),
     /// The source aborted the slot: fail it, then send the reply.
     Aborted {
@@ -71,10 +74,14 @@ impl DestinationSession {
         let stale = |what: &str, slot: u16| DestinationStep::Reply(PeerMsg::Refused { reason: format!("{what} for slot {slot}, which is not a transfer of this connection") });
         match m {
             PeerMsg::Offer(o) => DestinationStep::Offer(Box::new(o)),
-            PeerMsg::Expect(e) => match self.slots.get(&e.slot) {
-                Some(SlotPhase::Accepted) => DestinationStep::Expect(Box::new(e)),
-                Some(SlotPhase::Receiving) => DestinationStep::Reply(PeerMsg::Refused { reason: format!("slot {} already received its expect", e.slot) }),
-                None => stale("expect", e.slot),
+            // Never answered (the source does not read an answer): a
+            // second or stale manifest is ignored.
+            PeerMsg::Expect(e) => match self.slots.get_mut(&e.slot) {
+                Some(p @ SlotPhase::Accepted) => {
+                    *p = SlotPhase::Receiving;
+                    DestinationStep::Expect(Box::new(e))
+                }
+                _ => DestinationStep::Ignore,
             },
             PeerMsg::Abort { slot, reason } => match self.slots.remove(&slot) {
                 Some(_) => DestinationStep::Aborted { slot, reason, reply: PeerMsg::Ok },
@@ -101,24 +108,6 @@ impl DestinationSession {
 
     /// The daemon refused an offer (no slot was taken).
     pub fn refuse(&mut self, reason: String) -> PeerMsg {
-        PeerMsg::Refused { reason }
-    }
-
-    /// The daemon expects the slot's bytes: returns the `Staging` to send.
-    pub fn staging(&mut self, slot: u16, key: u32, len: u64) -> Result<PeerMsg, SessionError> {
-        match self.slots.get_mut(&slot) {
-            Some(p @ SlotPhase::Accepted) => {
-                *p = SlotPhase::Receiving;
-                Ok(PeerMsg::Staging { key, len })
-            }
-            Some(SlotPhase::Receiving) => Err(SessionError::OutOfOrder { step: "staging", phase: "receiving" }),
-            None => Err(SessionError::OutOfOrder { step: "staging", phase: "not a slot of this connection" }),
-        }
-    }
-
-    /// The daemon refused the slot's expect (it failed the slot).
-    pub fn refuse_slot(&mut self, slot: u16, reason: String) -> PeerMsg {
-        self.slots.remove(&slot);
         PeerMsg::Refused { reason }
     }
 

@@ -12,15 +12,19 @@
 //! | source phase | waits for | then |
 //! |---|---|---|
 //! | `Offered` | `Accept` / `Refused` | the daemon plans and calls `expect` |
-//! | `Accepted` | the daemon's manifest | `Expect` is sent |
-//! | `Expecting` | `Staging` / `Refused` | the daemon posts the writes |
+//! | `Accepted` | the daemon's manifest | `Expect` is sent, and the writes are posted at once |
 //! | `Moving` | its own completions (pings keep the peer told) | `Done`, or `Abort` |
 //! | `Done` | the destination's verdict: `Ok` once it published `decoder_usable`, `Refused` with its reason when it failed | the transfer is done, or failed with that reason |
 //!
 //! | destination phase (per slot) | accepts | then |
 //! |---|---|---|
-//! | `Accepted` | `Expect` for that slot | the daemon checks the manifest and answers `Staging` |
+//! | `Accepted` | `Expect` for that slot (answered with nothing) | the daemon checks the manifest before it publishes any flag |
 //! | `Receiving` | `Done`, `Abort`, `Ping` | bytes are counted by the data plane; `Done` is answered with the verdict |
+//!
+//! One round trip comes before the first byte: the offer carries the
+//! source's side of the plan, so the destination plans, stages and grants
+//! keys before it accepts; the manifest follows without an answer, while
+//! the bytes already flow, and no flag is published before it is checked.
 
 pub mod destination;
 pub mod msg;
@@ -114,7 +118,6 @@ pub fn kind(m: &msg::PeerMsg) -> &'static str {
         Accept(_) => "accept",
         Expect(_) => "expect",
         Ok => "ok",
-        Staging { .. } => "staging",
         Abort { .. } => "abort",
         Ping => "ping",
         Pong => "pong",

@@ -1,11 +1,12 @@
 //! Daemon ↔ daemon messages, after the HMAC handshake that opens a peer
 //! connection (the daemon's `peer` module does the handshake's I/O).
 //!
-//! The source sends `Offer`; the destination answers `Accept` with its
-//! layout, block table, rails and region keys, or `Refused`. The source
-//! plans and sends `Expect` (its side of the plan and the manifest); the
-//! destination re-plans, checks, and answers `Staging`. Bytes flow on the
-//! data plane while the source pings; `Done` or `Abort` ends the transfer.
+//! The source sends `Offer` with its side of the plan; the destination
+//! plans too, stages, and answers `Accept` with its layout, block table,
+//! rails, region keys and staging buffer, or `Refused`. The source plans,
+//! sends `Expect` (the manifest; no answer) and posts its writes at once.
+//! Bytes flow on the data plane while the source pings; `Done` or `Abort`
+//! ends the transfer.
 
 use crate::reuse::CacheIdentity;
 use crate::shard::RegionId;
@@ -13,7 +14,8 @@ use serde::{Deserialize, Serialize};
 
 /// Peer protocol version.
 /// 3: messages after the handshake are sealed, and data connections prove the session.
-pub const PEER_VERSION: u32 = 3;
+/// 4: one round trip before the bytes (the offer carries the source's side, the accept the staging buffer; `Expect` is not answered).
+pub const PEER_VERSION: u32 = 4;
 
 /// Messages on a peer connection.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -51,19 +53,12 @@ pub enum PeerMsg {
     Offer(Offer),
     /// The destination accepts and describes where bytes go.
     Accept(Accept),
-    /// The source's side of the plan and the integrity manifest; the
-    /// destination recomputes the plan, checks the manifest, and only then
-    /// expects bytes.
+    /// The integrity manifest of an accepted transfer, sent without
+    /// waiting for an answer (there is none): the destination checks it
+    /// before it publishes any flag of the slot.
     Expect(Expect),
     /// Generic success.
     Ok,
-    /// The destination's staging buffer for packed or converted segments.
-    Staging {
-        /// Data-plane key (0 when nothing is staged).
-        key: u32,
-        /// Length.
-        len: u64,
-    },
     /// The source gave up on a transfer.
     Abort {
         /// Destination slot.
@@ -101,25 +96,23 @@ pub struct Offer {
     /// Transfer codec, if any.
     #[serde(default)]
     pub codec: Option<String>,
-}
-
-/// What the destination needs to recompute the plan and check it.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Expect {
-    /// Destination slot.
-    pub slot: u16,
-    /// Source layout string.
+    /// Source layout string: with the table, the source's side of the
+    /// plan, which the destination plans from before it accepts.
     pub src_layout: String,
     /// Source blocks per region.
     pub src_num_blocks: u32,
     /// Source block table.
     pub src_block_table: Vec<u32>,
+}
+
+/// The manifest of an accepted transfer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Expect {
+    /// Destination slot.
+    pub slot: u16,
     /// The integrity manifest (JSON), checksums included unless the source turned them off.
     pub manifest: String,
-    /// Transfer codec, if any (as offered).
-    #[serde(default)]
-    pub codec: Option<String>,
 }
 
 /// One destination region a source may write.
@@ -157,6 +150,12 @@ pub struct Accept {
     pub transport: String,
     /// Every region of every destination rank.
     pub regions: Vec<PeerRegion>,
+    /// The staging buffer for packed or converted segments: its key (0
+    /// when nothing is staged) and length, which the source's own
+    /// schedule must match.
+    pub stage_key: u32,
+    /// Its length.
+    pub stage_len: u64,
     /// Every data rail of the destination, `data_addr`'s first: the
     /// source stripes slices across those it can reach.
     #[serde(default)]

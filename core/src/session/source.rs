@@ -13,9 +13,7 @@ pub enum SourcePhase {
     Offered,
     /// Accepted; the daemon is planning and building the manifest.
     Accepted,
-    /// `Expect` sent; waiting for `Staging`.
-    Expecting,
-    /// Writes are in flight.
+    /// `Expect` sent; writes are in flight.
     Moving,
     /// `Done` sent.
     Done,
@@ -28,7 +26,6 @@ impl SourcePhase {
         match self {
             SourcePhase::Offered => "waiting for accept",
             SourcePhase::Accepted => "planning",
-            SourcePhase::Expecting => "waiting for staging",
             SourcePhase::Moving => "moving bytes",
             SourcePhase::Done => "done",
             SourcePhase::Failed => "failed",
@@ -40,13 +37,8 @@ impl SourcePhase {
 #[derive(Debug, Clone, PartialEq)]
 pub enum SourceEvent {
     /// The destination accepted: plan against it, then call
-    /// [`SourceSession::expect`].
+    /// [`SourceSession::expect`] and post the writes.
     Accepted(Box<Accept>),
-    /// The destination is ready: post the writes; staged ones go to `key`.
-    Staging {
-        /// The destination's staging key (0 when nothing is staged).
-        key: u32,
-    },
     /// A ping was answered.
     Alive,
     /// The destination acknowledged the transfer's last word.
@@ -59,7 +51,7 @@ pub struct SourceSession {
     phase: SourcePhase,
     transport: TransportKind,
     peer_slot: Option<u16>,
-    stage_bytes: u64,
+    stage_len: u64,
     timeouts: Timeouts,
     started: Instant,
     waiting_since: Instant,
@@ -76,7 +68,7 @@ impl SourceSession {
             phase: SourcePhase::Offered,
             transport,
             peer_slot: None,
-            stage_bytes: 0,
+            stage_len: 0,
             timeouts,
             started: now,
             waiting_since: now,
@@ -105,14 +97,8 @@ impl SourceSession {
     /// `Abort` that [`SourceSession::abort`] returns, if any.
     pub fn handle(&mut self, now: Instant, m: PeerMsg) -> Result<SourceEvent, SessionError> {
         let ev = match (self.phase, m) {
-            (SourcePhase::Offered | SourcePhase::Expecting, PeerMsg::Refused { reason }) => Err(SessionError::Refused(reason)),
+            (SourcePhase::Offered, PeerMsg::Refused { reason }) => Err(SessionError::Refused(reason)),
             (SourcePhase::Offered, PeerMsg::Accept(a)) => self.accepted(Box::new(a)),
-            (SourcePhase::Expecting, PeerMsg::Staging { key, len }) if len == self.stage_bytes => {
-                self.phase = SourcePhase::Moving;
-                self.last_ping = now;
-                Ok(SourceEvent::Staging { key })
-            }
-            (SourcePhase::Expecting, PeerMsg::Staging { len, .. }) => Err(SessionError::StagingSize { got: len, want: self.stage_bytes }),
             (SourcePhase::Moving, PeerMsg::Pong) => Ok(SourceEvent::Alive),
             (SourcePhase::Done | SourcePhase::Failed, PeerMsg::Ok) => Ok(SourceEvent::Closed),
             // The destination's verdict on what arrived: it failed there.
@@ -142,19 +128,24 @@ impl SourceSession {
         if let Some(p) = a.locality.iter().find(|p| p.rails.iter().any(|r| !names.contains(r.as_str()))) {
             return Err(SessionError::BadAccept(format!("rank {}'s preferred rails name a rail the accept does not list", p.rank)));
         }
+        self.stage_len = a.stage_len;
         self.phase = SourcePhase::Accepted;
         Ok(SourceEvent::Accepted(a))
     }
 
-    /// The daemon planned: returns the `Expect` to send. `stage_bytes` is
-    /// the schedule's staging size, which the destination's `Staging` must match.
+    /// The daemon planned: returns the `Expect` to send, after which it
+    /// posts the writes. `stage_bytes` is the schedule's staging size,
+    /// which the destination's staging buffer must match.
     pub fn expect(&mut self, now: Instant, e: Expect, stage_bytes: u64) -> Result<PeerMsg, SessionError> {
         if self.phase != SourcePhase::Accepted {
             return Err(SessionError::OutOfOrder { step: "expect", phase: self.phase.name() });
         }
-        self.stage_bytes = stage_bytes;
-        self.phase = SourcePhase::Expecting;
+        if stage_bytes != self.stage_len {
+            return Err(self.fail(SessionError::StagingSize { got: self.stage_len, want: stage_bytes }));
+        }
+        self.phase = SourcePhase::Moving;
         self.waiting_since = now;
+        self.last_ping = now;
         Ok(PeerMsg::Expect(e))
     }
 
@@ -189,7 +180,7 @@ impl SourceSession {
     pub fn poll_timeout(&self) -> Option<Instant> {
         let deadline = self.started + self.timeouts.transfer;
         match self.phase {
-            SourcePhase::Offered | SourcePhase::Expecting => Some((self.waiting_since + self.timeouts.reply).min(deadline)),
+            SourcePhase::Offered => Some((self.waiting_since + self.timeouts.reply).min(deadline)),
             SourcePhase::Accepted => Some(deadline),
             SourcePhase::Moving => Some((self.last_ping + self.ping_every()).min(deadline)),
             SourcePhase::Done | SourcePhase::Failed => None,
@@ -206,7 +197,7 @@ impl SourceSession {
             return Err(self.fail(SessionError::Deadline(self.timeouts.transfer)));
         }
         match self.phase {
-            SourcePhase::Offered | SourcePhase::Expecting if now >= self.waiting_since + self.timeouts.reply => {
+            SourcePhase::Offered if now >= self.waiting_since + self.timeouts.reply => {
                 let e = SessionError::TimedOut { phase: self.phase.name(), waited: self.timeouts.reply };
                 Err(self.fail(e))
             }

@@ -31,6 +31,9 @@ fn offer() -> Offer {
         },
         tokens: 100,
         codec: None,
+        src_layout: "tp=2".into(),
+        src_num_blocks: 8,
+        src_block_table: vec![0, 1],
     }
 }
 
@@ -47,11 +50,13 @@ fn accept() -> Accept {
         regions: vec![],
         rails: vec![RailAddr { name: "rail0".into(), addr: "127.0.0.1:1".into() }],
         locality: vec![RankRails { rank: 0, rails: vec!["rail0".into()], level: "same-numa".into() }],
+        stage_key: 42,
+        stage_len: STAGE,
     }
 }
 
 fn expect() -> Expect {
-    Expect { slot: SLOT, src_layout: "tp=2".into(), src_num_blocks: 8, src_block_table: vec![0, 1], manifest: "{}".into(), codec: None }
+    Expect { slot: SLOT, manifest: "{}".into() }
 }
 
 /// Both sides and the simulated clock.
@@ -83,19 +88,25 @@ impl Pair {
         self.now += d;
     }
 
-    /// Offer → accept → expect → staging, with the default daemon.
+    /// Delivers the source's message, which has no answer.
+    fn deliver(&mut self) -> DestinationStep {
+        let m = self.in_flight.take().expect("a message to deliver");
+        self.dst.handle(self.now, m)
+    }
+
+    /// Offer → accept → expect (not answered), with the default daemon.
     fn to_moving(&mut self) {
         assert!(matches!(self.step(default_daemon), Ok(SourceEvent::Accepted(_))));
         self.in_flight = Some(self.src.expect(self.now, expect(), STAGE).unwrap());
-        assert_eq!(self.step(default_daemon), Ok(SourceEvent::Staging { key: 42 }));
+        assert!(matches!(self.deliver(), DestinationStep::Expect(_)));
     }
 }
 
 fn default_daemon(d: &mut DestinationSession, step: DestinationStep) -> PeerMsg {
     match step {
         DestinationStep::Offer(_) => d.accept(accept()),
-        DestinationStep::Expect(e) => d.staging(e.slot, 42, STAGE).unwrap(),
         DestinationStep::Reply(m) | DestinationStep::Aborted { reply: m, .. } | DestinationStep::Done { reply: m, .. } => m,
+        step @ (DestinationStep::Expect(_) | DestinationStep::Ignore) => panic!("{step:?} has no answer"),
     }
 }
 
@@ -105,8 +116,9 @@ fn a_transfer_runs_offer_to_done_on_both_sides() {
     assert!(matches!(p.step(default_daemon), Ok(SourceEvent::Accepted(a)) if a.slot == SLOT));
     assert_eq!((p.src.phase(), p.src.peer_slot(), p.dst.slot(SLOT)), (SourcePhase::Accepted, Some(SLOT), Some(SlotPhase::Accepted)));
     p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
-    assert_eq!(p.src.phase(), SourcePhase::Expecting);
-    assert_eq!(p.step(default_daemon), Ok(SourceEvent::Staging { key: 42 }));
+    // The writes follow the manifest at once: no answer is awaited.
+    assert_eq!(p.src.phase(), SourcePhase::Moving);
+    assert_eq!(p.deliver(), DestinationStep::Expect(Box::new(expect())));
     assert_eq!((p.src.phase(), p.dst.slot(SLOT)), (SourcePhase::Moving, Some(SlotPhase::Receiving)));
     // Pings every quarter of the peer timeout (2 s): none before 500 ms.
     p.advance(Duration::from_millis(499));
@@ -170,28 +182,28 @@ fn a_refused_offer_fails_the_source_without_an_abort() {
 }
 
 #[test]
-fn a_refused_expect_is_not_aborted_again() {
+fn a_manifest_that_fails_its_check_is_heard_in_the_verdict() {
     let mut p = Pair::new();
-    p.step(default_daemon).unwrap();
-    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
-    let r = p.step(|d, s| match s {
-        DestinationStep::Expect(e) => d.refuse_slot(e.slot, "checksum list empty".into()),
-        other => panic!("{other:?}"),
+    p.to_moving();
+    // A second manifest for the slot is ignored, not answered: the source
+    // reads no answer to it.
+    p.in_flight = Some(PeerMsg::Expect(expect()));
+    assert_eq!(p.deliver(), DestinationStep::Ignore);
+    p.in_flight = Some(p.src.moved().unwrap());
+    let verdict = p.step(|d, s| match s {
+        DestinationStep::Done { .. } => PeerMsg::Refused { reason: "manifest: model digest differs".into() },
+        s => default_daemon(d, s),
     });
-    assert_eq!(r, Err(SessionError::Refused("checksum list empty".into())));
-    assert_eq!(p.dst.slot(SLOT), None);
-    assert_eq!(p.src.abort("refused"), None);
+    assert_eq!(verdict, Err(SessionError::Rejected("manifest: model digest differs".into())));
+    assert_eq!(p.src.abort("late"), None);
 }
 
 #[test]
 fn a_staging_size_that_differs_from_the_schedule_aborts_the_slot() {
     let mut p = Pair::new();
-    p.step(default_daemon).unwrap();
-    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
-    let r = p.step(|d, s| match s {
-        DestinationStep::Expect(e) => d.staging(e.slot, 42, STAGE + 1).unwrap(),
-        other => panic!("{other:?}"),
-    });
+    let r = p.step(|d, _| d.accept(Accept { stage_len: STAGE + 1, ..accept() }));
+    assert!(matches!(r, Ok(SourceEvent::Accepted(_))));
+    let r = p.src.expect(p.now, expect(), STAGE);
     assert_eq!(r, Err(SessionError::StagingSize { got: STAGE + 1, want: STAGE }));
     let abort = p.src.abort("staging size differs");
     assert_eq!(abort, Some(PeerMsg::Abort { slot: SLOT, reason: "staging size differs".into() }));
@@ -240,16 +252,15 @@ fn stale_and_out_of_order_messages_are_refused_without_touching_slots() {
         DestinationStep::Reply(PeerMsg::Refused { reason }) => assert!(reason.contains(needle), "{reason}"),
         other => panic!("expected a refusal containing {needle:?}, got {other:?}"),
     };
-    refused(d.handle(now, PeerMsg::Expect(expect())), "not a transfer of this connection");
+    // A manifest is never answered, stale or not.
+    assert_eq!(d.handle(now, PeerMsg::Expect(expect())), DestinationStep::Ignore);
     refused(d.handle(now, PeerMsg::Done { slot: SLOT }), "not a transfer of this connection");
     refused(d.handle(now, PeerMsg::Abort { slot: 0xFFFF, reason: "x".into() }), "not a transfer of this connection");
     refused(d.handle(now, PeerMsg::Pong), "unexpected pong");
     d.accept(accept());
     refused(d.handle(now, PeerMsg::Done { slot: SLOT }), "never received its expect");
     assert!(matches!(d.handle(now, PeerMsg::Expect(expect())), DestinationStep::Expect(_)));
-    d.staging(SLOT, 1, 1).unwrap();
-    refused(d.handle(now, PeerMsg::Expect(expect())), "already received its expect");
-    assert_eq!(d.staging(SLOT, 1, 1), Err(SessionError::OutOfOrder { step: "staging", phase: "receiving" }));
+    assert_eq!(d.handle(now, PeerMsg::Expect(expect())), DestinationStep::Ignore);
     assert_eq!(d.slot(SLOT), Some(SlotPhase::Receiving));
     assert_eq!(d.handle(now, PeerMsg::Ping), DestinationStep::Reply(PeerMsg::Pong));
 
@@ -262,14 +273,13 @@ fn stale_and_out_of_order_messages_are_refused_without_touching_slots() {
 }
 
 #[test]
-fn a_late_reply_times_the_source_out_and_aborts_the_slot() {
+fn a_late_accept_times_the_source_out_with_nothing_to_abort() {
     let mut p = Pair::new();
-    p.step(default_daemon).unwrap();
-    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
     assert_eq!(p.src.poll_timeout(), Some(p.now + Duration::from_secs(5)));
     p.advance(Duration::from_secs(5));
-    assert_eq!(p.src.handle_timeout(p.now), Err(SessionError::TimedOut { phase: "waiting for staging", waited: Duration::from_secs(5) }));
-    assert!(matches!(p.src.abort("timed out"), Some(PeerMsg::Abort { slot: SLOT, .. })));
+    assert_eq!(p.src.handle_timeout(p.now), Err(SessionError::TimedOut { phase: "waiting for accept", waited: Duration::from_secs(5) }));
+    // No accept came, so the destination holds no slot to abort.
+    assert_eq!(p.src.abort("timed out"), None);
     assert_eq!(p.src.poll_timeout(), None);
 }
 

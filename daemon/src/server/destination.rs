@@ -1,7 +1,8 @@
 //! The destination side: authenticated peer connections, each the pump of
-//! a [`DestinationSession`]; offers into prepared requests; expects checked
-//! against this side's own plan; and the receive thread that unpacks,
-//! verifies and publishes each layer.
+//! a [`DestinationSession`]; offers into prepared requests, planned here
+//! from both sides' layouts before they are accepted; and the receive
+//! thread that checks the manifest, then unpacks, verifies and publishes
+//! each layer.
 
 use super::device::Direction;
 use super::error::Refusal;
@@ -14,6 +15,7 @@ use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::reuse::check_prefix;
 use kvwire_core::schedule::{self, Schedule, Staged};
@@ -33,6 +35,17 @@ use std::time::{Duration, Instant};
 /// How long a peer may take over its whole handshake.
 const PEER_HANDSHAKE: Duration = Duration::from_secs(10);
 
+/// A transfer accepted on a peer connection: its slot, and where its
+/// manifest goes until it arrived.
+struct Mine {
+    id: SlotId,
+    manifest: Option<Sender<Box<Expect>>>,
+}
+
+/// The source's side of the plan, from its offer: layout, blocks per
+/// region, block table, codec.
+type SourceSide = (String, u32, Vec<u32>, Option<String>);
+
 /// What the receive thread of one transfer works from.
 struct Receive {
     id: SlotId,
@@ -42,7 +55,8 @@ struct Receive {
     codec: Option<Codec>,
     plan: Plan,
     schedule: Schedule,
-    manifest: Manifest,
+    // What the manifest must claim: this side's identity, shapes, maps and positions.
+    expected: Expected,
     regions: HashMap<(u32, RegionId), Arc<Region>>,
     devices: HashMap<u32, Arc<dyn BoundMem>>,
     stage: Option<Arc<Region>>,
@@ -86,6 +100,7 @@ impl Daemon {
             }
         };
         pass.authenticated();
+        let _ = s.set_nodelay(true);
         let _ = s.set_write_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
         let session_id = cred.session;
         let mut s = Sealed::new(s, cred, false);
@@ -95,7 +110,7 @@ impl Daemon {
         let mut session = DestinationSession::new(Instant::now(), &peer, timeouts);
         // Transfers accepted on this connection, by slot: its messages may
         // name only these, and those still running when it ends fail then.
-        let mut mine: HashMap<u16, SlotId> = HashMap::new();
+        let mut mine: HashMap<u16, Mine> = HashMap::new();
         let ended = loop {
             let wait = session.poll_timeout().saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let _ = s.stream().set_read_timeout(Some(wait));
@@ -108,7 +123,7 @@ impl Daemon {
                 },
                 Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),
             };
-            let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, msg);
+            let Some(reply) = self.peer_step(&peer, session_id, &mut session, &mut mine, msg) else { continue };
             if let Err(e) = s.send(&reply) {
                 break format!("peer `{peer}` connection failed mid-transfer: {e}");
             }
@@ -119,7 +134,7 @@ impl Daemon {
         // A source that ends its connection without `Done` will write no
         // more: what has not arrived never will.
         for slot in session.closed() {
-            if let Some(id) = mine.remove(&slot) {
+            if let Some(Mine { id, .. }) = mine.remove(&slot) {
                 if self.fail(id, &ended) {
                     tracing::warn!(peer, slot, why = ended, "transfer failed: its source is gone");
                 }
@@ -127,31 +142,29 @@ impl Daemon {
         }
     }
 
-    /// One message of a peer connection, through its session; returns the answer.
-    fn peer_step(self: &Arc<Self>, peer: &str, session_id: u64, session: &mut DestinationSession, mine: &mut HashMap<u16, SlotId>, msg: PeerMsg) -> PeerMsg {
-        match session.handle(Instant::now(), msg) {
+    /// One message of a peer connection, through its session; returns the
+    /// answer, if it has one.
+    fn peer_step(self: &Arc<Self>, peer: &str, session_id: u64, session: &mut DestinationSession, mine: &mut HashMap<u16, Mine>, msg: PeerMsg) -> Option<PeerMsg> {
+        Some(match session.handle(Instant::now(), msg) {
             DestinationStep::Reply(m) => m,
+            DestinationStep::Ignore => return None,
             DestinationStep::Offer(o) => match self.offer(peer, session_id, *o) {
-                Ok((a, id)) => {
-                    mine.insert(id.slot, id);
+                Ok((a, m)) => {
+                    mine.insert(a.slot, m);
                     session.accept(a)
                 }
                 Err(reason) => session.refuse(reason),
             },
             DestinationStep::Expect(e) => {
-                let slot = e.slot;
-                let Some(&id) = mine.get(&slot) else { return session.refuse_slot(slot, format!("slot {slot} is not receiving")) };
-                match self.expect(id, session_id, *e) {
-                    Ok((key, len)) => session.staging(slot, key, len).unwrap_or_else(|e| PeerMsg::Refused { reason: e.to_string() }),
-                    Err(r) => {
-                        self.fail(id, &r.message);
-                        mine.remove(&slot);
-                        session.refuse_slot(slot, r.message)
-                    }
+                // Handed to the slot's receive thread, which checks it; one
+                // per slot, so the sender goes with it.
+                if let Some(tx) = mine.get_mut(&e.slot).and_then(|m| m.manifest.take()) {
+                    let _ = tx.send(e);
                 }
+                return None;
             }
             DestinationStep::Aborted { slot, reason, reply } => {
-                if let Some(id) = mine.remove(&slot) {
+                if let Some(Mine { id, .. }) = mine.remove(&slot) {
                     tracing::warn!(peer, slot, reason, "source aborted");
                     if !self.fail(id, format!("source aborted: {reason}")) {
                         // It had failed here first: say why, so the source
@@ -159,7 +172,7 @@ impl Daemon {
                         let st = self.slots.lock().expect("slots lock");
                         let first = st.map.get(&slot).filter(|s| s.gen == id.gen && s.state == TransferState::Failed).and_then(|s| s.error.clone());
                         if let Some(why) = first {
-                            return PeerMsg::Refused { reason: why };
+                            return Some(PeerMsg::Refused { reason: why });
                         }
                     }
                 }
@@ -167,13 +180,13 @@ impl Daemon {
             }
             DestinationStep::Done { slot, reply } => match mine.remove(&slot) {
                 // The verdict: the source is done only once this side is.
-                Some(id) => match self.verdict(id) {
+                Some(Mine { id, .. }) => match self.verdict(id) {
                     Ok(()) => reply,
                     Err(reason) => PeerMsg::Refused { reason },
                 },
                 None => reply,
             },
-        }
+        })
     }
 
     /// Waits for transfer `id`'s end here: Ok once it published
@@ -195,9 +208,26 @@ impl Daemon {
     }
 
     /// An offer into a prepared request: checks it against the group and
-    /// the request, and grants this transfer its own keys, writable only
-    /// by connections of `session` and only for this slot.
-    fn offer(&self, peer: &str, session: u64, o: Offer) -> Result<(Accept, SlotId), String> {
+    /// the request, grants this transfer its own keys, writable only by
+    /// connections of `session` and only for this slot, then plans it,
+    /// stages it and starts its receive thread ([`Daemon::receive_for`]).
+    fn offer(self: &Arc<Self>, peer: &str, session: u64, o: Offer) -> Result<(Accept, Mine), String> {
+        let src = (o.src_layout.clone(), o.src_num_blocks, o.src_block_table.clone(), o.codec.clone());
+        let (mut accept, id) = self.grant(peer, session, o)?;
+        match self.receive_for(id, session, src) {
+            Ok((key, len, manifest)) => {
+                (accept.stage_key, accept.stage_len) = (key, len);
+                Ok((accept, Mine { id, manifest: Some(manifest) }))
+            }
+            Err(r) => {
+                self.fail(id, &r.message);
+                Err(r.message)
+            }
+        }
+    }
+
+    /// The offer's checks and this transfer's keys.
+    fn grant(&self, peer: &str, session: u64, o: Offer) -> Result<(Accept, SlotId), String> {
         let groups = self.groups.lock().expect("groups lock");
         let mut slots = self.slots.lock().expect("slots lock");
         let Some(g) = groups.map.get(&o.dst_group) else { return Err(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
@@ -252,6 +282,8 @@ impl Daemon {
             locality: self.rank_rails(g),
             transport: self.ep.transport().as_str().into(),
             regions,
+            stage_key: 0,
+            stage_len: 0,
         };
         if let Some(sl) = slots.get_mut(id) {
             sl.state = TransferState::Running;
@@ -264,12 +296,12 @@ impl Daemon {
         Ok((accept, id))
     }
 
-    /// Recomputes the plan from the source's side and this side's
-    /// registration, checks the manifest field by field, and only then
-    /// expects bytes; a receive thread verifies each layer and publishes
-    /// it. Returns the staging buffer's key and size.
-    fn expect(self: &Arc<Self>, id: SlotId, session: u64, e: Expect) -> Result<(u32, u64), Refusal> {
-        let mut r = self.receive_of(id, session, &e)?;
+    /// Plans the transfer from the source's side and this side's
+    /// registration, stages it, expects its bytes, and starts the receive
+    /// thread, which waits for the manifest. Returns the staging buffer's
+    /// key and size, and where the manifest goes.
+    fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide) -> Result<(u32, u64, Sender<Box<Expect>>), Refusal> {
+        let mut r = self.receive_of(id, session, src)?;
         let n = r.model.layers.len();
         let c = &r.plan.counters;
         self.with_slot(id, |sl| sl.sized(n, c, r.schedule.wire_bytes()));
@@ -281,6 +313,7 @@ impl Daemon {
         }
         let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.schedule.stage_bytes);
         let stage = r.stage.clone();
+        let (tx, rx) = mpsc::channel();
         let (d, pd) = (self.clone(), self.clone());
         let on_panic = move |why: String| {
             let why = format!("internal error: the receive thread panicked: {why}");
@@ -290,20 +323,20 @@ impl Daemon {
         let spawned = self.workers.spawn("kvwired-recv", move || {
             let span = tracing::info_span!("receive", slot = id.slot, request = r.request);
             let _g = span.enter();
-            d.receive(&r);
+            d.receive(&r, rx);
             d.drop_stage(r.stage.take());
         }, on_panic);
         if let Err(err) = spawned {
             self.drop_stage(stage);
             return Err(Refusal::new(Code::TransferFailed, format!("cannot start the receive thread: {err}")));
         }
-        Ok(staging)
+        Ok((staging.0, staging.1, tx))
     }
 
     /// Everything the receive thread needs, checked: the plan from both
-    /// sides' layouts, the manifest against this side's registration, the
-    /// schedule and its staging buffer.
-    fn receive_of(&self, id: SlotId, session: u64, e: &Expect) -> Result<Receive, Refusal> {
+    /// sides' layouts, what the manifest must claim, the schedule and its
+    /// staging buffer.
+    fn receive_of(&self, id: SlotId, session: u64, (src_layout, src_num_blocks, src_table, codec): SourceSide) -> Result<Receive, Refusal> {
         let refuse = |m: String| Refusal::new(Code::TransferFailed, m);
         let recv = {
             let st = self.slots.lock().expect("slots lock");
@@ -315,15 +348,10 @@ impl Daemon {
             let g = st.map.get(&recv.group).ok_or_else(|| refuse(format!("group `{}` is gone", recv.group)))?;
             (g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions(), g.devices())
         };
-        let manifest = Manifest::from_json(e.manifest.as_bytes()).map_err(|err| refuse(format!("manifest: {err}")))?;
-        let (dst, plan) = replan(&model, layout.clone(), format, num_blocks, &recv, e).map_err(|err| refuse(format!("source plan: {err}")))?;
-        // Identity, shapes, maps and positions, before any flag can be published.
+        let src_layout = LayoutSpec::parse(&src_layout).map_err(|err| refuse(format!("source plan: {err}")))?;
+        let (dst, plan) = replan(&model, layout, format, num_blocks, &recv, &src_layout, src_num_blocks, src_table).map_err(|err| refuse(format!("source plan: {err}")))?;
         let expected = Expected::new(&identity, &model, &dst, &recv.request, recv.tokens, recv.prefix_tokens).map_err(|err| refuse(format!("registration: {err}")))?;
-        manifest.check(&expected).map_err(|err| refuse(err.to_string()))?;
-        if self.cfg.verify_checksums && manifest.checksums.is_empty() && plan.counters.total_bytes_moved > 0 {
-            return Err(refuse("this daemon verifies checksums and the manifest carries none".into()));
-        }
-        let codec = e.codec.as_deref().map(Codec::parse).transpose().map_err(|err| refuse(err.to_string()))?;
+        let codec = codec.as_deref().map(Codec::parse).transpose().map_err(|err| refuse(err.to_string()))?;
         let schedule = Schedule::new(&model, &format, &plan, codec).map_err(|err| refuse(err.to_string()))?;
         // Staged segments land in one buffer and are unpacked per layer.
         let stage = match schedule.stage_bytes {
@@ -336,15 +364,44 @@ impl Daemon {
                     .map_err(|err| refuse(format!("staging: {err}")))?,
             ),
         };
-        Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, manifest, regions, devices, stage })
+        Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, expected, regions, devices, stage })
     }
 
-    /// The receive thread: per layer, waits for its bytes, then unpacks,
+    /// The source's manifest, checked field by field against this side's
+    /// registration and plan, before any flag of the slot is published.
+    fn checked_manifest(&self, r: &Receive, e: &Expect) -> Result<Manifest, String> {
+        let manifest = Manifest::from_json(e.manifest.as_bytes()).map_err(|err| format!("manifest: {err}"))?;
+        manifest.check(&r.expected).map_err(|err| err.to_string())?;
+        if self.cfg.verify_checksums && manifest.checksums.is_empty() && r.plan.counters.total_bytes_moved > 0 {
+            return Err("this daemon verifies checksums and the manifest carries none".into());
+        }
+        Ok(manifest)
+    }
+
+    /// The receive thread: checks the manifest as it arrives (the bytes may
+    /// be landing already); then per layer, waits for its bytes, unpacks,
     /// verifies, copies to the device, and publishes `layer_ready`; then
     /// `decoder_usable`. The first failure fails the transfer.
-    fn receive(&self, r: &Receive) {
+    fn receive(&self, r: &Receive, manifests: Receiver<Box<Expect>>) {
         let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
         let start = Instant::now();
+        let manifest = match manifests.recv_timeout(timeout) {
+            Ok(e) => match self.checked_manifest(r, &e) {
+                Ok(m) => m,
+                Err(why) => {
+                    tracing::warn!(why, "manifest refused; no flag for this transfer");
+                    self.fail(r.id, why);
+                    return;
+                }
+            },
+            Err(RecvTimeoutError::Timeout) => {
+                self.fail(r.id, format!("no manifest within {}s of the accept", timeout.as_secs()));
+                return;
+            }
+            // The slot ended before its manifest came (aborted, or its
+            // connection closed): it was failed there.
+            Err(RecvTimeoutError::Disconnected) => return,
+        };
         for layer in 0..r.schedule.layers.len() {
             let tag = Tag { slot: r.id.slot, layer: layer as u16 };
             if let Err(err) = self.ep.placement().wait(tag, timeout.saturating_sub(start.elapsed())) {
@@ -352,7 +409,7 @@ impl Daemon {
                 return;
             }
             self.slot_mark(r.id, Boundary::HostReceived(layer));
-            if let Err(why) = self.land_layer(r, layer) {
+            if let Err(why) = self.land_layer(r, &manifest, layer) {
                 self.fail(r.id, why);
                 return;
             }
@@ -365,7 +422,7 @@ impl Daemon {
 
     /// One layer whose bytes are all placed: unpack (and decode) its staged
     /// segments, verify it, and copy it to the device where it lives there.
-    fn land_layer(&self, r: &Receive, layer: usize) -> Result<(), String> {
+    fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
         let ls = &r.schedule.layers[layer];
         let t = Instant::now();
         for st in &ls.staged {
@@ -380,7 +437,7 @@ impl Daemon {
             let runs = RunReader::new(&r.regions);
             let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
             let this_layer = |_, l: u32| l as usize == layer;
-            let checked = checksums_at_destination(&r.plan, read, this_layer).and_then(|rec| r.manifest.verify_checksums_of(&rec, this_layer));
+            let checked = checksums_at_destination(&r.plan, read, this_layer).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
             self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);
             if let Err(err) = checked {
                 tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
@@ -430,10 +487,10 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
 
 /// This side's plan of the transfer, from its own registration and the
 /// source's layout and block table.
-fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, e: &Expect) -> Result<(Side, Plan), String> {
+#[allow(clippy::too_many_arguments)] // both sides' layouts and tables
+fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, src_layout: &LayoutSpec, src_num_blocks: u32, src_table: Vec<u32>) -> Result<(Side, Plan), String> {
     let dst = Side::with_table(model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks).map_err(|e| e.to_string())?;
-    let src_layout = LayoutSpec::parse(&e.src_layout).map_err(|e| e.to_string())?;
-    let src = Side::with_table(model, &src_layout, format, recv.tokens, e.src_block_table.clone(), e.src_num_blocks).map_err(|e| e.to_string())?;
+    let src = Side::with_table(model, src_layout, format, recv.tokens, src_table, src_num_blocks).map_err(|e| e.to_string())?;
     let input = PlanInput { model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() };
     let plan = plan::build(&input).map_err(|e| e.to_string())?;
     Ok((dst, plan))

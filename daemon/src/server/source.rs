@@ -1,6 +1,7 @@
 //! The source side of a transfer, as named phases: negotiate (connect,
-//! authenticate, offer → accept) → plan → stage (device → host) →
-//! manifest (expect → staging) → post (pack, batches, the transfer thread).
+//! authenticate, offer → accept: the one round trip) → plan → stage
+//! (device → host) → manifest (sent, not answered) → post (pack, batches,
+//! the transfer thread).
 //! Any phase's error ends the transfer in one place, [`Daemon::submit`]:
 //! the destination is told (`Abort`, when it holds a slot), the slot fails,
 //! and the client gets the error's code.
@@ -104,6 +105,9 @@ impl Daemon {
             identity: g.identity.clone(),
             tokens: s.tokens,
             codec: s.codec.clone(),
+            src_layout: g.layout_text.clone(),
+            src_num_blocks: g.num_blocks,
+            src_block_table: s.block_table.clone(),
         };
         let accept = self.negotiate(id, peer, offer, link)?;
         let l = link.as_ref().expect("negotiated").clone();
@@ -116,16 +120,10 @@ impl Daemon {
                 .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging: {e}")))?;
         }
         let manifest = self.manifest(id, &g, &s, &p, codec)?;
-        let expect = Expect {
-            slot: accept.slot,
-            src_layout: g.layout_text.clone(),
-            src_num_blocks: g.num_blocks,
-            src_block_table: s.block_table.clone(),
-            manifest: manifest.to_json(),
-            codec: s.codec.clone(),
-        };
+        let expect = Expect { slot: accept.slot, manifest: manifest.to_json() };
         Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
-        let dst_stage_key = l.exchange_expect(expect, p.schedule.stage_bytes)?;
+        l.send_expect(expect, p.schedule.stage_bytes)?;
+        let dst_stage_key = accept.stage_key;
         // From here the destination waits for bytes: keep it told that this
         // side is alive, and learn at once if it is not.
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
@@ -204,6 +202,9 @@ impl Daemon {
         let unreachable = |e: &dyn std::fmt::Display| Refusal::new(Code::PeerUnreachable, format!("peer `{}` at {}: {e}", peer.name, peer.address));
         let addr = peer.address.parse().map_err(|e| unreachable(&e))?;
         let pc = TcpStream::connect_timeout(&addr, Duration::from_secs(self.cfg.limits.peer_timeout_secs)).map_err(|e| unreachable(&e))?;
+        // Small messages, some unanswered (the manifest), each wanted at
+        // once: Nagle would hold one behind the other's ack.
+        let _ = pc.set_nodelay(true);
         let authed = peer::connect_auth(&mut Deadline::new(&pc, REPLY_TIMEOUT), &self.secret, &self.cfg.node);
         let _ = pc.set_write_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
         match authed {
@@ -398,14 +399,12 @@ impl Daemon {
 }
 
 impl PeerLink {
-    /// The expect out; the destination's staging key back, its size checked
-    /// against the schedule by the session.
-    fn exchange_expect(&self, e: Expect, stage_bytes: u64) -> Result<u32, Refusal> {
-        let m = self.session(|s| s.expect(Instant::now(), e, stage_bytes)).map_err(|e| Refusal::new(Code::TransferFailed, e))?;
-        match self.exchange(&m).map_err(|e| negotiation_failed(&self.peer, e, "refused the transfer"))? {
-            SourceEvent::Staging { key } => Ok(key),
-            other => Err(Refusal::new(Code::PeerRefused, format!("unexpected peer reply {other:?}"))),
-        }
+    /// The manifest out, answered by nothing: the writes follow at once.
+    /// The session first checks the destination's staging size against
+    /// the schedule.
+    fn send_expect(&self, e: Expect, stage_bytes: u64) -> Result<(), Refusal> {
+        let m = self.session(|s| s.expect(Instant::now(), e, stage_bytes)).map_err(|e| Refusal::new(Code::PeerRefused, format!("peer `{}`: {e}", self.peer)))?;
+        self.send(&m).map_err(|e| negotiation_failed(&self.peer, e, "refused the transfer"))
     }
 }
 
