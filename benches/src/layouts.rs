@@ -90,6 +90,20 @@ pub struct LayoutPoint {
     pub ratio: f64,
     /// The stage with the largest busy time in the best transfer.
     pub bounding: Option<String>,
+    /// The best transfer's busy time per hop and side, as both daemons'
+    /// status reported it.
+    pub hops: Vec<PointHop>,
+}
+
+/// One hop of one side in a point's best transfer.
+#[derive(Debug, Clone, Serialize)]
+pub struct PointHop {
+    /// Hop and side, e.g. `pack (source)`.
+    pub hop: String,
+    /// Busy nanoseconds.
+    pub ns: u64,
+    /// Bytes it handled.
+    pub bytes: u64,
 }
 
 fn bad(flag: &str, why: impl std::fmt::Display) -> Error {
@@ -208,6 +222,10 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
             p.ratio,
             p.bounding.as_deref().unwrap_or("-")
         );
+        // Where the best transfer's time went, per hop and side, so a
+        // reader sees the bottleneck without running anything else.
+        let hops: Vec<String> = p.hops.iter().map(|h| format!("{} {:.3}", h.hop, h.ns as f64 / 1e6)).collect();
+        let _ = writeln!(out, "{:>7} busy ms: {}", "", hops.join(", "));
     }
     let _ = writeln!(out, "wrote {}", path.display());
     Ok(())
@@ -265,6 +283,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 })
                 .collect();
             let bounding = predict(&stages, model.layers.len() as u64, 0).bounding;
+            let hops = stages.iter().map(|st| PointHop { hop: st.hop.clone(), ns: st.total_ns, bytes: st.bytes }).collect();
             let payload = s.bytes;
             let base = crate::baseline::tcp_baseline(payload.max(1), a.iterations)?;
             let base_ns = base.iter().min().map_or(1, |d| d.as_nanos() as u64).max(1);
@@ -296,6 +315,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 baseline_gbps,
                 ratio: gbps / baseline_gbps,
                 bounding,
+                hops,
             });
         }
     }
