@@ -628,23 +628,34 @@ fn checksums<R: AsRef<[u8]>>(
     for s in plan.segments.iter().filter(|s| keep(s.dst_rank, s.dst_region.layer)) {
         let (rank, region) = if source { (s.src_rank, s.src_region) } else { (s.dst_rank, s.dst_region) };
         let (h, bytes) = hashers.entry((s.dst_rank, s.dst_region)).or_insert_with(|| (Xxh3::new(), 0));
-        for (so, d) in s.runs() {
-            let offset = if source { so } else { d };
-            let unreadable = || ManifestError::Unreadable {
-                side: if source { "source" } else { "destination" },
-                rank,
-                layer: region.layer,
-                tensor: region.tensor,
-                offset,
-                len: s.len,
-            };
-            let data = read(rank, region, offset, s.len).ok_or_else(unreadable)?;
-            let data = data.as_ref();
-            if data.len() as u64 != s.len {
-                return Err(unreadable());
+        // Runs that continue one another on the read side are read and
+        // hashed as one (the digest is the same): a remap's row-sized runs
+        // are often back to back on one side.
+        let mut pending: Option<(u64, u64)> = None;
+        let runs = s.runs().map(|(so, d)| Some(if source { so } else { d })).chain(std::iter::once(None));
+        for next in runs {
+            if let Some((start, len)) = pending {
+                if next == Some(start + len) {
+                    pending = Some((start, len + s.len));
+                    continue;
+                }
+                let unreadable = || ManifestError::Unreadable {
+                    side: if source { "source" } else { "destination" },
+                    rank,
+                    layer: region.layer,
+                    tensor: region.tensor,
+                    offset: start,
+                    len,
+                };
+                let data = read(rank, region, start, len).ok_or_else(unreadable)?;
+                let data = data.as_ref();
+                if data.len() as u64 != len {
+                    return Err(unreadable());
+                }
+                h.update(data);
+                *bytes += len;
             }
-            h.update(data);
-            *bytes += s.len;
+            pending = next.map(|offset| (offset, s.len));
         }
     }
     Ok(hashers
