@@ -624,10 +624,15 @@ fn checksums<R: AsRef<[u8]>>(
     keep: impl Fn(u32, u32) -> bool,
     mut read: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
 ) -> Result<Vec<LayerChecksum>, ManifestError> {
+    const CHUNK: usize = 64 << 10;
     let mut hashers: BTreeMap<(u32, RegionId), (Xxh3, u64)> = BTreeMap::new();
+    let mut chunk: Vec<u8> = Vec::with_capacity(CHUNK);
     for s in plan.segments.iter().filter(|s| keep(s.dst_rank, s.dst_region.layer)) {
         let (rank, region) = if source { (s.src_rank, s.src_region) } else { (s.dst_rank, s.dst_region) };
         let (h, bytes) = hashers.entry((s.dst_rank, s.dst_region)).or_insert_with(|| (Xxh3::new(), 0));
+        // Row-sized runs are gathered and hashed in large pieces: the
+        // streaming hash costs several times more fed a run at a time.
+        chunk.clear();
         // Runs that continue one another on the read side are read and
         // hashed as one (the digest is the same): a remap's row-sized runs
         // are often back to back on one side.
@@ -652,11 +657,20 @@ fn checksums<R: AsRef<[u8]>>(
                 if data.len() as u64 != len {
                     return Err(unreadable());
                 }
-                h.update(data);
+                if chunk.len() + data.len() > CHUNK {
+                    h.update(&chunk);
+                    chunk.clear();
+                }
+                if data.len() >= CHUNK {
+                    h.update(data);
+                } else {
+                    chunk.extend_from_slice(data);
+                }
                 *bytes += len;
             }
             pending = next.map(|offset| (offset, s.len));
         }
+        h.update(&chunk);
     }
     Ok(hashers
         .into_iter()
