@@ -450,6 +450,9 @@ struct DaemonReport {
     rss_max_kib: u64,
     rss_mid_max_kib: Option<u64>,
     rss_late_max_kib: Option<u64>,
+    // Busy seconds per hop over the whole run, from the daemon's own
+    // histograms (`stats`), in the order it lists them.
+    hops: Vec<(String, f64)>,
 }
 
 #[derive(Debug)]
@@ -524,6 +527,7 @@ fn soak(s: &Settings) -> Result<Report, String> {
         stop.store(true, Ordering::Release);
         (tallies, after)
     });
+    let hops = [&src, &dst].map(busy_per_hop);
     let elapsed = deadline.saturating_duration_since(t0).max(Duration::from_millis(1));
     let after = after?;
     let samples = samples.into_inner().expect("samples");
@@ -547,6 +551,7 @@ fn soak(s: &Settings) -> Result<Report, String> {
                 rss_max_kib: warm.iter().copied().max().unwrap_or(0),
                 rss_mid_max_kib: rss_in(secs / 3.0, 2.0 * secs / 3.0),
                 rss_late_max_kib: rss_in(2.0 * secs / 3.0, secs),
+                hops: hops[d].clone(),
             }
         })
         .collect();
@@ -568,6 +573,17 @@ fn soak(s: &Settings) -> Result<Report, String> {
         sampling: sampling_failed.into_inner().expect("sampling"),
     };
     Ok(report)
+}
+
+/// A daemon's busy seconds per hop so far (hops without samples left out);
+/// empty when its stats cannot be read, which the report then shows.
+fn busy_per_hop(d: &DaemonProc) -> Vec<(String, f64)> {
+    let Ok(c) = Client::connect(&d.socket, "soak-stats") else { return Vec::new() };
+    let Ok(text) = c.stats() else { return Vec::new() };
+    match kvwire_client::promtext::Stats::from_text(&text) {
+        Ok(st) => st.hops.into_iter().filter(|h| h.count > 0).map(|h| (h.hop, h.sum_seconds)).collect(),
+        Err(_) => Vec::new(),
+    }
 }
 
 // ------------------------------------------------------------------ judgement and output
@@ -657,8 +673,9 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
         .daemons
         .iter()
         .map(|d| {
+            let hops: Vec<String> = d.hops.iter().map(|(h, s)| format!("{}:{:.6}", json_str(h), s)).collect();
             format!(
-                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}}}}",
+                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}}}}",
                 json_str(d.name),
                 d.pid,
                 figs(&d.before),
@@ -669,7 +686,8 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
                 d.rss_last_kib,
                 d.rss_max_kib,
                 opt(d.rss_mid_max_kib),
-                opt(d.rss_late_max_kib)
+                opt(d.rss_late_max_kib),
+                hops.join(",")
             )
         })
         .collect();
@@ -728,6 +746,12 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     println!("bytes moved {} ({:.3} GB/s)", r.bytes, r.bytes as f64 / secs / 1e9);
     for e in &r.kept {
         println!("  error: {e}");
+    }
+    // Where a transfer's time went, per side: each hop's busy time over
+    // the run, per transfer.
+    for d in &r.daemons {
+        let per: Vec<String> = d.hops.iter().map(|(h, s)| format!("{h} {:.1}", s * 1e6 / r.transfers.max(1) as f64)).collect();
+        println!("{:<9} busy us per transfer: {}", d.name, if per.is_empty() { "(stats unreadable)".into() } else { per.join(", ") });
     }
     println!(
         "{:<9} {:>7}  {:>24}  {:>22}  {:>26}",
