@@ -6,7 +6,7 @@
 
 use crate::config::PeerConfig;
 use crate::peer::Sealed;
-use kvwire_core::session::msg::PeerMsg;
+use kvwire_core::session::msg::{Expect, PeerMsg};
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
 use kvwire_transport::Credential;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -60,16 +60,19 @@ impl PeerLink {
         Ok(session.handle(Instant::now(), answer)?)
     }
 
-    /// Sends `m`, which has no answer.
-    pub fn send(&self, m: &PeerMsg) -> Result<(), LinkError> {
-        let mut c = self.conn.lock().expect("peer link lock");
-        let s = c.0.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
-        s.send(m).map_err(|e| LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)))
-    }
-
-    /// The manifest went out: `Done` may follow.
-    pub fn manifest_out(&self) {
+    /// Sends the manifest. The session's step and the send happen under one
+    /// lock: `Done` (which waits for the step) can then never overtake the
+    /// manifest on the wire.
+    pub fn send_manifest(&self, e: Expect) -> Result<(), LinkError> {
+        let sent = {
+            let mut c = self.conn.lock().expect("peer link lock");
+            let (s, session) = &mut *c;
+            let m = session.expect(e)?;
+            let s = s.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
+            s.send(&m).map_err(|e| LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)))
+        };
         self.manifest.notify_all();
+        sent
     }
 
     /// Runs `f` on the session (for steps that send nothing by themselves).

@@ -416,10 +416,10 @@ impl Daemon {
 impl PeerLink {
     /// The manifest out, answered by nothing, while the writes fly.
     fn send_expect(&self, e: Expect) -> Result<(), Refusal> {
-        let m = self.session(|s| s.expect(e)).map_err(|e| Refusal::new(Code::TransferFailed, format!("peer `{}`: {e}", self.peer)))?;
-        self.send(&m).map_err(|e| negotiation_failed(&self.peer, e, "refused the transfer"))?;
-        self.manifest_out();
-        Ok(())
+        self.send_manifest(e).map_err(|e| match e {
+            LinkError::Session(e) => Refusal::new(Code::TransferFailed, format!("peer `{}`: {e}", self.peer)),
+            wire => negotiation_failed(&self.peer, wire, "refused the transfer"),
+        })
     }
 }
 
