@@ -478,6 +478,25 @@ kvw_result kvw_is_ready(const struct kvw_client *client,
 // `client` NULL or live; `out_state` NULL or writable.
 kvw_result kvw_status(const struct kvw_client *client, uint16_t slot, kvw_state *out_state);
 
+// Writes the daemon's full status of the transfer in `slot` as JSON into
+// `buf`, NUL-terminated, and its length into `*out_len`, with a round trip
+// to the daemon: `state`, `error` (why it failed), `layers`, `bytes`,
+// `reused_bytes`, `wire_bytes`, `elapsed_ns`, the per-hop busy times
+// (`hops`) and the lifetime boundaries this side reached (`marks`: each a
+// `name` such as `layer_ready(3)` or `decoder_usable`, and `at_ns` since
+// this side started the transfer). `KVW_BUFFER_TOO_SMALL` (its message
+// names the size needed) when `len` cannot hold it; nothing is written
+// then. Everything stays the caller's.
+//
+// # Safety
+// `client` NULL or live; `buf` NULL or writable for `len` bytes;
+// `out_len` NULL or writable.
+kvw_result kvw_status_json(const struct kvw_client *client,
+                           uint16_t slot,
+                           char *buf,
+                           size_t len,
+                           size_t *out_len);
+
 // Cancels the transfer in `slot` (either side): its unpublished flags fail,
 // so waiters return `KVW_CANCELLED`. A destination's blocks return to the
 // engine once the cancel is answered; a source's once its waits end.

@@ -278,6 +278,16 @@ def test_transfer_every_layer_and_every_byte(d):
         a.decoder_usable(sslot, timeout_ms=20000)
         assert b.is_ready(slot, kvwire.DECODER_USABLE)
         assert b.status(slot) == "done" and a.status(sslot) == "done", (b.status(slot), a.status(sslot))
+        # The full status: the destination's marks, one layer_ready per layer, in time order up to decoder_usable.
+        st = b.transfer_status(slot)
+        assert (st["state"], st["role"], st["layers"], st["request"]) == ("done", "destination", LAYERS, "r1"), st
+        names = [m["name"] for m in st["marks"]]
+        assert all("layer_ready(%d)" % l in names for l in range(LAYERS)) and "decoder_usable" in names, names
+        at = {m["name"]: m["at_ns"] for m in st["marks"]}
+        assert max(at["layer_ready(%d)" % l] for l in range(LAYERS)) <= at["decoder_usable"], st["marks"]
+        src_st = a.transfer_status(sslot)
+        assert (src_st["role"], src_st["request"]) == ("source", "p1") and "source_released" in [m["name"] for m in src_st["marks"]], src_st
+        expect_error(kvwire.KVW_UNKNOWN_SLOT, b.transfer_status, 250)
         for rank, m in enumerate(dst):
             got = m.read()
             if got != bytes(want[rank]):

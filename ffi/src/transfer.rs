@@ -1,7 +1,7 @@
 //! Transfers: prepare, submit, wait on and read flags, status, cancel,
 //! release.
 
-use crate::args::{out, request, table, text};
+use crate::args::{out, put_text, request, table, text};
 use crate::boundary::{client_guard, lock, Fail};
 use crate::codes::kvw_result::{self, *};
 use crate::codes::*;
@@ -224,6 +224,38 @@ pub unsafe extern "C" fn kvw_status(client: *const kvw_client, slot: u16, out_st
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe { *out_state = state };
         Ok(())
+    })
+}
+
+/// Writes the daemon's full status of the transfer in `slot` as JSON into
+/// `buf`, NUL-terminated, and its length into `*out_len`, with a round trip
+/// to the daemon: `state`, `error` (why it failed), `layers`, `bytes`,
+/// `reused_bytes`, `wire_bytes`, `elapsed_ns`, the per-hop busy times
+/// (`hops`) and the lifetime boundaries this side reached (`marks`: each a
+/// `name` such as `layer_ready(3)` or `decoder_usable`, and `at_ns` since
+/// this side started the transfer). `KVW_BUFFER_TOO_SMALL` (its message
+/// names the size needed) when `len` cannot hold it; nothing is written
+/// then. Everything stays the caller's.
+///
+/// # Safety
+/// `client` NULL or live; `buf` NULL or writable for `len` bytes;
+/// `out_len` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvw_status_json(
+    client: *const kvw_client,
+    slot: u16,
+    buf: *mut c_char,
+    len: usize,
+    out_len: *mut usize,
+) -> kvw_result {
+    client_guard(client, |c| {
+        let s = {
+            let _call = lock(&c.call);
+            c.client.status(slot)?
+        };
+        let json = serde_json::to_string(&s).map_err(|e| Fail::new(KVW_UNEXPECTED_REPLY, format!("status of slot {slot} as JSON: {e}")))?;
+        // SAFETY: forwarded caller contract.
+        unsafe { put_text(&json, buf, len, out_len) }
     })
 }
 

@@ -150,6 +150,7 @@ _submit = _sig("kvw_submit", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c,
 _wait = _sig("kvw_wait", _u32, _vp, _u16, _u32, _u32, _u64, _P(_u64))
 _is_ready = _sig("kvw_is_ready", _u32, _vp, _u16, _u32, _u32, _P(ctypes.c_bool))
 _status = _sig("kvw_status", _u32, _vp, _u16, _P(_u32))
+_status_json = _sig("kvw_status_json", _u32, _vp, _u16, ctypes.c_char_p, _sz, _P(_sz))
 _cancel = _sig("kvw_cancel", _u32, _vp, _u16)
 _release = _sig("kvw_release_cache", _u32, _vp, _c, _u32)
 _share = _sig("kvw_share_group", _u32, _vp, _c, _c)
@@ -438,6 +439,22 @@ class Client(_Handle):
         s = _u32(0)
         self._call(_status, slot, ctypes.byref(s))
         return STATES.get(s.value, str(s.value))
+
+    def transfer_status(self, slot: int) -> Dict[str, Any]:
+        """The daemon's full status of the transfer in ``slot``: ``state``,
+        ``error`` (why it failed), ``layers``, ``bytes``, ``reused_bytes``,
+        ``hops`` and ``marks`` (``[{"name": "layer_ready(0)", "at_ns": …},
+        …]``, ns since this side started the transfer)."""
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = _sz(0)
+            rc = _status_json(self.handle, slot, buf, size, ctypes.byref(n))
+            if rc == KVW_BUFFER_TOO_SMALL and size < (1 << 26):  # noqa: F821 (set from RESULTS)
+                size *= 4
+                continue
+            _check(rc, self.handle)
+            return json.loads(buf.raw[: n.value].decode("utf-8"))
 
     def cancel(self, slot: int) -> None:
         self._call(_cancel, slot)

@@ -260,6 +260,17 @@ static void test_transfer(const char *sock_a, const char *sock_b, const char *pe
   kvw_state state = 99;
   CHECK(kvw_status(b, slot, &state) == KVW_OK && state == KVW_STATE_DONE, "destination state %u", state);
   CHECK(kvw_status(a, sslot, &state) == KVW_OK && state == KVW_STATE_DONE, "source state %u", state);
+  /* The full status as JSON: the destination's marks end with decoder_usable; a short buffer is refused untouched. */
+  char js[8192];
+  size_t js_len = 0;
+  r = kvw_status_json(b, slot, js, sizeof js, &js_len);
+  CHECK(r == KVW_OK && js_len == strlen(js), "status_json: %u %s", r, client_error(b));
+  CHECK(strstr(js, "\"state\":\"done\"") != NULL && strstr(js, "\"name\":\"decoder_usable\"") != NULL, "status json: %s", js);
+  char small[8] = "canary";
+  size_t small_len = 99;
+  CHECK(kvw_status_json(b, slot, small, sizeof small, &small_len) == KVW_BUFFER_TOO_SMALL && small_len == 99 && strcmp(small, "canary") == 0,
+        "a short buffer");
+  CHECK(kvw_status_json(b, 250, js, sizeof js, &js_len) == KVW_UNKNOWN_SLOT, "status_json of an unknown slot");
 
   /* Every destination byte: moved rows in their new places, canary elsewhere. */
   size_t bad = 0, first_bad = 0;
@@ -296,6 +307,9 @@ static void test_transfer(const char *sock_a, const char *sock_b, const char *pe
   /* Submitting to a request nobody prepared. */
   r = kvw_submit(a, "p9", "prefill", SRC_TABLE, 7, TOKENS, peer_b, "decode", "nobody", &sslot, &peer_slot);
   CHECK(r >= 100 && r < 400, "submit to an unprepared request: %u %s", r, client_error(a));
+  /* kvwire.vllm's producer retries on exactly this refusal (the consumer prepares when vLLM allocates its blocks). */
+  CHECK(r == KVW_PEER_REFUSED && strstr(client_error(a), "is not prepared") != NULL, "the refusal names it: %u %s", r,
+        client_error(a));
   r = kvw_submit(a, "p9", "prefill", SRC_TABLE, 7, TOKENS, "no-such-peer", "decode", "r1", &sslot, &peer_slot);
   CHECK(r == KVW_UNKNOWN_PEER, "unknown peer: %u %s", r, client_error(a));
 
