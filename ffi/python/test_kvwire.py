@@ -16,6 +16,7 @@ offsets come from each engine's tensor shape. numpy views are checked when
 numpy is installed, torch views when torch is (each says when skipped).
 """
 
+import ctypes
 import os
 import re
 import shutil
@@ -426,6 +427,28 @@ def test_views_are_zero_copy(d):
             assert m.read(64 + (16 + 2) * 2, 2) == bytes([0x00, 0x40]), m.read(64 + 36, 2)
 
 
+def test_adopted_memory_keeps_its_address_and_content(d):
+    # Memory an engine already allocated (here an anonymous mapping), with data in it.
+    import mmap as _mmap
+
+    page = _mmap.PAGESIZE
+    anon = _mmap.mmap(-1, 4 * page)
+    base = ctypes.addressof((ctypes.c_uint8 * (4 * page)).from_buffer(anon))
+    pattern = bytes((i * 7 + 3) & 0xFF for i in range(4 * page))
+    ctypes.memmove(base, pattern, len(pattern))
+    m = kvwire.SharedMemory.adopt(base + page + 100, page)  # spans pages 1 and 2
+    assert (m.ptr, len(m)) == (base + page, 2 * page), (hex(m.ptr), len(m))
+    # Nothing moved or changed, the untouched pages included.
+    assert ctypes.string_at(base, 4 * page) == pattern
+    # The engine's writes through its own pointer land in the memfd, and the memfd's writes show at the pointer.
+    ctypes.memmove(base + page + 100, b"engine", 6)
+    assert os.pread(m.fd, 6, 100) == b"engine"
+    os.pwrite(m.fd, b"daemon", page + 8)
+    assert ctypes.string_at(base + 2 * page + 8, 6) == b"daemon"
+    assert ctypes.string_at(base + 3 * page, 16) == pattern[3 * page : 3 * page + 16]  # page 3 is still the anonymous map
+    m.close()
+
+
 def test_engine_tensors_move_between_two_layouts(d):
     a = kvwire.Client(d.sock_a, "py-engine-prefill")
     b = kvwire.Client(d.sock_b, "py-engine-decode")
@@ -484,6 +507,7 @@ TESTS = [
     test_groups_are_shared_only_under_their_token,
     test_timeout_cancel_and_bad_arguments,
     test_views_are_zero_copy,
+    test_adopted_memory_keeps_its_address_and_content,
     test_engine_tensors_move_between_two_layouts,
 ]
 

@@ -104,6 +104,18 @@ def torch_view(ptr: int, nbytes: int, owner: Any, dtype: Any, shape: Sequence[in
     return flat.as_strided(shape, strides)
 
 
+_MAP_FIXED = 0x10  # <sys/mman.h>, the same on every Linux architecture kvwire builds for
+
+
+def _libc_mmap(addr: int, length: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    f = libc.mmap
+    f.restype = ctypes.c_void_p
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    r = f(addr, length, prot, flags, fd, offset)
+    return -1 if r is None or r == ctypes.c_void_p(-1).value else r
+
+
 class SharedMemory:
     """Engine-owned, shareable host memory: a memfd mapped into this process.
     Tensors made over it (:meth:`numpy`, :meth:`torch`) are the engine's
@@ -124,6 +136,52 @@ class SharedMemory:
         self._arr = (ctypes.c_uint8 * nbytes).from_buffer(self._map)
         self.ptr: int = ctypes.addressof(self._arr)
         self._len = nbytes
+
+    @classmethod
+    def adopt(cls, address: int, nbytes: int, name: str = "kvwire-adopted") -> "SharedMemory":
+        """Moves memory the engine already allocated into a memfd, in place:
+        the pages covering ``[address, address + nbytes)`` are copied into a
+        new memfd, which is then mapped over them at the same address
+        (``MAP_FIXED | MAP_SHARED``). Every pointer, tensor and view into
+        them stays valid and now reads and writes the shareable pages, so
+        :meth:`kvwire.Client.register_tensors` can hand them to the daemon
+        with no copy after this one.
+
+        The range is widened to whole pages; what shares its first and last
+        page moves too, with its content. No other thread may write the
+        range while it moves (an engine adopts its cache once, before its
+        first forward). Linux only. The returned memory's :attr:`ptr` is the
+        first page, and the mapping stays for the life of the process
+        (whoever frees the original allocation unmaps it)."""
+        if nbytes <= 0:
+            raise ValueError("cannot adopt %d bytes" % nbytes)
+        page = mmap.PAGESIZE
+        lo = address - address % page
+        hi = -(-(address + nbytes) // page) * page
+        size = hi - lo
+        self = cls.__new__(cls)
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            staging = mmap.mmap(self.fd, size)
+            try:
+                dst = (ctypes.c_uint8 * size).from_buffer(staging)
+                ctypes.memmove(ctypes.addressof(dst), lo, size)
+                del dst
+            finally:
+                staging.close()
+            got = _libc_mmap(lo, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED, self.fd, 0)
+            if got != lo:
+                err = ctypes.get_errno()
+                raise OSError(err, "mmap of the memfd over %#x..%#x: %s" % (lo, hi, os.strerror(err)))
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._map = None
+        self._arr = (ctypes.c_uint8 * size).from_address(lo)
+        self.ptr = lo
+        self._len = size
+        return self
 
     def __len__(self) -> int:
         return self._len
