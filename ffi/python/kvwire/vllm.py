@@ -28,12 +28,25 @@ the metadata the scheduler builds each step):
 
 * **Worker, ``register_kv_caches``.** vLLM's per-layer tensors are read
   as they are: their shapes, strides and dtype. vLLM's CPU layout, per
-  layer ``(num_blocks, kv_heads, block_size, 2 * head_size)`` with K and V
-  packed in the last dimension, is kvwire's ``vllm_cpu`` preset; any other
-  shape is refused with what was seen. The pages holding them are moved
-  into a memfd in place (:meth:`kvwire.SharedMemory.adopt`: same addresses,
-  vLLM never notices), and the tensors are registered with the local
-  kvwired (:meth:`kvwire.Client.register_tensors`) with no further copy.
+  layer ``(num_blocks, kv_heads, block_size, 2 * head_size)``, is
+  registered as kvwire's ``vllm_cpu`` preset; any other shape is refused
+  with what was seen. The pages holding them are moved into a memfd in
+  place (:meth:`kvwire.SharedMemory.adopt`: same addresses, vLLM never
+  notices), and the tensors are registered with the local kvwired
+  (:meth:`kvwire.Client.register_tensors`) with no further copy.
+* **Whole blocks.** Inside a block, vLLM's CPU kernel (``cpu_attn``,
+  0.32) does not keep one row per token: per block and KV head, the first
+  half holds K transposed (``head_size x block_size``, a token's K spread
+  over the half) and the second V (``block_size x head_size``). The
+  ``vllm_cpu`` preset reads the block as ``block_size`` rows of
+  ``2 * head_size``, which is right byte for byte only for whole blocks.
+  So every transfer moves whole blocks (the token count sent is the
+  request's blocks times the block size; positions past the prompt carry
+  the producer's unused bytes, which the consumer never reads before
+  writing them), and the kernel's name, ISA and block size are part of the
+  model digest both daemons compare: two engines whose blocks differ inside
+  are refused, not remapped. Remapping to another block size or a GPU
+  layout needs kvwire to describe a transposed K, which its orders cannot.
 * **Consumer.** ``get_num_new_matched_tokens`` claims the prompt tokens
   not already in the local prefix cache, as an asynchronous load.
   ``update_state_after_alloc`` records the blocks vLLM gave them; the
@@ -319,7 +332,7 @@ class KvwireConnector(KVConnectorBase_V1):
             if not ok:
                 raise LayoutError(
                     "kvwire.vllm: layer %s's KV cache is %s %s on %s; kvwire knows vLLM's CPU layout %s "
-                    "(kv=vllm_cpu: blocks, KV heads, block size, K and V packed in 2 * head size). "
+                    "(kv=vllm_cpu: blocks, KV heads, block size, 2 * head size, K and V in each block). "
                     "GPU layouts are not mapped yet" % (name, t.dtype, shape, t.device, want)
                 )
             if num_blocks not in (None, shape[0]):
