@@ -24,7 +24,11 @@ Checked (exit 1 on the first failure):
      rest, and the output is still bitwise that of the plain run;
   3. negative control: one byte flipped in transit fails the layer's
      checksum, the consumer reports a failed load, vLLM recomputes, and the
-     output equals the plain run; the refused transfer is never used.
+     output equals the plain run; the refused transfer is never used;
+  5. a TP=2 producer (one KV head per rank) into the TP=1 consumer: each
+     head's bytes arrive as the producer's rank held them (per-head
+     digests), and the greedy tokens equal a TP=1 plain run (logprobs
+     within 1e-3: TP=2's all-reduce sums in another order).
 Then it measures the consumer's time to first token with kvwire against
 recomputing the prompt locally, with kvwire's own marks, and prints the
 order in which vLLM called the connector's hooks.
@@ -69,7 +73,8 @@ def fail(msg: str) -> None:
 
 
 def engine_main(argv) -> None:
-    role, model, sock, group, trace, reply_fd = argv
+    role, model, sock, group, trace, reply_fd, tp = argv
+    tp = int(tp)
     out = os.fdopen(int(reply_fd), "w", buffering=1)
 
     def reply(obj) -> None:
@@ -105,7 +110,7 @@ def engine_main(argv) -> None:
         # One process per engine (scheduler and worker together; vLLM's
         # default spawns two more, each importing torch and vLLM again: a
         # minute more on 2 cores). --mp keeps vLLM's default.
-        **({} if MP else {"distributed_executor_backend": "uni"}),
+        **({"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {} if MP else {"distributed_executor_backend": "uni"}),
     )
     reply({"ready": True, "startup_s": time.monotonic() - t0})
     for line in sys.stdin:
@@ -149,13 +154,13 @@ def engine_main(argv) -> None:
 class Engine:
     """An engine process: commands on its stdin, replies on a pipe of its own (vLLM logs to stdout)."""
 
-    def __init__(self, name, role, model, sock, group, trace, logdir, env):
+    def __init__(self, name, role, model, sock, group, trace, logdir, env, tp=1):
         self.name = name
         r, w = os.pipe()
         self.log_path = os.path.join(logdir, name + ".log")
         self.logf = open(self.log_path, "w")
         self.p = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--engine", role, model, sock, group, trace, str(w)],
+            [sys.executable, os.path.abspath(__file__), "--engine", role, model, sock, group, trace, str(w), str(tp)],
             stdin=subprocess.PIPE,
             stdout=self.logf,
             stderr=subprocess.STDOUT,
@@ -451,8 +456,13 @@ def main(argv) -> int:
         daemons = Daemons(work)
         log("daemons: prefill-host and decode-host on loopback (tcp; decode-host's data port behind a byte-flipping proxy, disarmed)")
         ptrace, ctrace = os.path.join(work, "producer.trace"), os.path.join(work, "consumer.trace")
-        producer = Engine("producer", "kv_producer", model, daemons.sock_p, "prefill", ptrace, work, env)
-        consumer = Engine("consumer", "kv_consumer", model, daemons.sock_d, "decode", ctrace, work, env)
+        # One core each when there are two: both engines busy-loop while they wait, and vLLM's
+        # OpenMP threads of one engine spinning on the other's core stall both (measured: TTFT
+        # outliers of 200+ ms with both engines on both cores).
+        cores = len(os.sched_getaffinity(0))
+        pin = (lambda c: {"VLLM_CPU_OMP_THREADS_BIND": str(c)}) if cores >= 2 else (lambda c: {})
+        producer = Engine("producer", "kv_producer", model, daemons.sock_p, "prefill", ptrace, work, dict(env, **pin(0)))
+        consumer = Engine("consumer", "kv_consumer", model, daemons.sock_d, "decode", ctrace, work, dict(env, **pin(1)))
         engines = [producer, consumer]
         for e in engines:
             r = e.recv()
@@ -487,8 +497,8 @@ def main(argv) -> int:
             if n not in done:
                 fail("request %s was not loaded through kvwire (consumer trace: %s)" % (n, [e for e in ct if n in json.dumps(e)][-3:]))
         same(c["outputs"], base, "pair")
-        sd = {e["request"]: e["digest"] for e in events(read_trace(ptrace), "send_digest")}
-        rd = {e["request"]: e["digest"] for e in events(ct, "recv_digest")}
+        sd = {e["request"]: e["heads"] for e in events(read_trace(ptrace), "send_digest")}
+        rd = {e["request"]: e["heads"] for e in events(ct, "recv_digest")}
         for n in names:
             if sd.get(n) is None or sd.get(n) != rd.get(n):
                 fail("request %s: the producer's blocks hash to %s, the consumer's to %s" % (n, sd.get(n), rd.get(n)))
@@ -538,40 +548,93 @@ def main(argv) -> int:
         log("check 3 passed: a byte flipped in transit was refused (%s); vLLM recomputed the prompt and decoded the plain run's tokens"
             % (bad[0].get("error") or bad[0]["why"])[:160])
 
+        # The plain run of the prompts the TP=2 producer sends later (check 5), on this TP=1 engine.
+        tp_lengths = [13, 131]
+        tp_prompts = [prompt(rng, n) for n in tp_lengths]
+        base_tp1 = [producer.generate([q], [None], MAX_TOKENS)["outputs"][0] for q in tp_prompts]
+
         # 4. Time to first token on the consumer: kvwire against recomputing the prompt.
-        reps = 2 if demo else 1
+        reps = 3 if demo else 1
         table = []
         for L in (32, 128, 250):
-            kv, rc, marks = [], [], None
+            rows = []
             for rep in range(reps + 1):  # the first of each is a warm-up
                 pk, pr = prompt(rng, L), prompt(rng, L)
                 n = "ttft-%d-%d" % (L, rep)
                 c, _ = pair(consumer, producer, [pk], [n], max_tokens=1)
                 r = consumer.generate([pr], [None], 1)
-                if rep:
-                    kv.append(c["outputs"][0]["ttft"])
-                    rc.append(r["outputs"][0]["ttft"])
-                    ct, pt = read_trace(ctrace), read_trace(ptrace)
-                    d = events(ct, "recv_done", request=n)[0]
-                    s = events(pt, "sent", request=n)[0]
-                    m = {x["name"]: x["at_ns"] / 1e6 for x in d["marks"]}
-                    marks = {
-                        "submit->usable": (d["t_seen"] - s["t_first_submit"]) * 1e3,
-                        "prepare->usable": (d["t_seen"] - d["t_prepared"]) * 1e3,
-                        "layers": [m.get("layer_ready(%d)" % l) for l in range(4)],
-                        "decoder_usable": m.get("decoder_usable"),
-                        "attempts": s["attempts"],
-                    }
-            table.append((L, statistics.median(kv), statistics.median(rc), marks))
+                if not rep:
+                    continue
+                ct, pt = read_trace(ctrace), read_trace(ptrace)
+                d = events(ct, "recv_done", request=n)[0]
+                sd = events(pt, "sent", request=n)[0]
+                o = c["outputs"][0]
+                m = {x["name"]: x["at_ns"] / 1e6 for x in d["marks"]}
+                rows.append({
+                    "kvwire": o["ttft"] * 1e3,
+                    "recompute": r["outputs"][0]["ttft"] * 1e3,
+                    # One clock (CLOCK_MONOTONIC) across the engines' processes.
+                    "queued->prepare": (d["t_prepared"] - o["queued_ts"]) * 1e3,
+                    "prepare->submit": (sd["t_first_submit"] - d["t_prepared"]) * 1e3,
+                    "submit->seen": (d["t_seen"] - sd["t_first_submit"]) * 1e3,
+                    "seen->first token": (o["first_token_ts"] - d["t_seen"]) * 1e3,
+                    "layers": [m.get("layer_ready(%d)" % l) for l in range(4)],
+                    "decoder_usable": m.get("decoder_usable"),
+                    "attempts": sd["attempts"],
+                })
+            row = {k: statistics.median([x[k] for x in rows]) for k in rows[0] if k not in ("layers", "attempts")}
+            row["layers"] = [statistics.median([x["layers"][l] for x in rows]) for l in range(4)]
+            row["attempts"] = max(x["attempts"] for x in rows)
+            table.append((L, row))
         log("")
-        log("time to first token on the consumer (vLLM's first_token_latency, median of %d; ms)" % reps)
-        log("| prompt | kvwire | recompute | submit -> usable seen | prepare -> usable seen | daemon: layer_ready(0..3) | decoder_usable | submit attempts |")
-        log("|---|---|---|---|---|---|---|---|")
-        for L, k, r, m in table:
-            log("| %d | %s | %s | %s | %s | %s | %s | %d |" % (
-                L, ms(k), ms(r), "%.1f" % m["submit->usable"], "%.1f" % m["prepare->usable"],
-                " / ".join("%.2f" % x if x is not None else "-" for x in m["layers"]), "%.2f" % (m["decoder_usable"] or 0), m["attempts"]))
-        log("(daemon marks: ms since decode-host accepted the offer; layer_ready(L) is published after layer L's checksum passed)")
+        log("time to first token on the consumer, ms (each column the median of %d; TTFT is vLLM's first_token_latency), and where the kvwire one went:" % reps)
+        log("| prompt | TTFT kvwire | TTFT recompute | queued -> prepared | prepared -> producer submits | submit -> decoder_usable seen | seen -> first token | daemon: layer_ready(0..3) | daemon: decoder_usable | submit attempts |")
+        log("|---|---|---|---|---|---|---|---|---|---|")
+        for L, m in table:
+            log("| %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2f | %d |" % (
+                L, m["kvwire"], m["recompute"], m["queued->prepare"], m["prepare->submit"], m["submit->seen"], m["seen->first token"],
+                " / ".join("%.2f" % x for x in m["layers"]), m["decoder_usable"], m["attempts"]))
+        log("(kvwire: both engines get the prompt at once; the producer prefills it while the consumer allocates and prepares. "
+            "daemon marks: ms since decode-host accepted the offer, layer_ready(L) after layer L's checksum passed.)")
+
+        # 5. A TP=2 producer into the TP=1 consumer: each producer rank holds one KV head.
+        log("")
+        producer.stop()
+        engines.remove(producer)
+        ptrace2 = os.path.join(work, "producer-tp2.trace")
+        env2 = dict(env, VLLM_CPU_OMP_THREADS_BIND="0|1")  # one core per rank: vLLM's auto binding wants a NUMA node per rank
+        producer2 = Engine("producer-tp2", "kv_producer", model, daemons.sock_p, "prefill-tp2", ptrace2, work, env2, tp=2)
+        engines.append(producer2)
+        log("engine producer-tp2 (tensor_parallel_size=2) ready in %.1f s" % producer2.recv()["startup_s"])
+        base_tp2 = [producer2.generate([q], [None], MAX_TOKENS)["outputs"][0] for q in tp_prompts]
+        got = []
+        for q, L in zip(tp_prompts, tp_lengths):
+            ci, _ = pair(consumer, producer2, [q], ["tp-%d" % L])
+            got += ci["outputs"]
+        ct, pt2 = read_trace(ctrace), read_trace(ptrace2)
+        for L in tp_lengths:
+            n = "tp-%d" % L
+            if not events(ct, "recv_done", request=n):
+                fail("request %s was not loaded through kvwire" % n)
+            ranks = {e["rank"]: e["heads"] for e in events(pt2, "send_digest", request=n)}
+            src = [d for r in sorted(ranks) for d in ranks[r]]
+            dst = events(ct, "recv_digest", request=n)[0]["heads"]
+            if sorted(ranks) != [0, 1] or src != dst:
+                fail("request %s: the producer's heads by rank %s, the consumer's %s" % (n, ranks, dst))
+
+        def maxdiff(a, b):
+            return max(abs(float.fromhex(x[1]) - float.fromhex(y[1])) for oa, ob in zip(a, b) for sa, sb in zip(oa["logprobs"], ob["logprobs"]) for x, y in zip(sa, sb))
+
+        for g, b1 in zip(got, base_tp1):
+            if g["token_ids"] != b1["token_ids"]:
+                fail("TP=2 into TP=1: tokens %s, the TP=1 plain run %s" % (g["token_ids"], b1["token_ids"]))
+        d1, d2 = maxdiff(got, base_tp1), maxdiff(base_tp2, base_tp1)
+        if d1 > 1e-3:
+            fail("TP=2 into TP=1: logprobs differ from the TP=1 plain run by up to %g" % d1)
+        log("check 5 passed: a TP=2 producer (one KV head per rank) into the TP=1 consumer, prompts of %s tokens: every head's "
+            "bytes arrived as the producer's rank held them (per-head block digests), and the greedy tokens are those of a "
+            "TP=1 plain run; logprobs within %.2g of it (the TP=2 plain run itself differs from TP=1 by %.2g: its all-reduce "
+            "sums in another order, so its KV is not TP=1's to the last bit)" % (tp_lengths, d1, d2))
 
         log("")
         log("hooks, in the order vLLM called them for request pd-13 (S: the scheduler-side connector, W: the worker-side one):")

@@ -73,6 +73,11 @@ the metadata the scheduler builds each step):
   ``source_released``. ``request_finished`` keeps the blocks
   (returns True) and ``get_finished`` frees them once released.
 
+Tensor parallelism: every rank registers its own tensors (one group,
+shared under a token made from vLLM's engine id); rank 0 prepares or
+submits for the group, and the other ranks report at once, since vLLM
+waits for every rank's report before it frees or schedules a request.
+
 Not yet: layer-by-layer streaming at the source (the daemon moves a
 request after the whole forward; ``save_kv_layer`` is recorded, not used),
 synchronous loads, the hybrid allocator (``SupportsHMA``), and vLLM's GPU
@@ -300,6 +305,8 @@ class KvwireConnector(KVConnectorBase_V1):
             raise LayoutError("kvwire.vllm: pipeline parallelism (pp=%d) is not supported yet" % pc.pipeline_parallel_size)
         self._tp = get_tensor_model_parallel_world_size()
         self._rank = get_tensor_model_parallel_rank()
+        self._leader = self._rank == 0
+        self._follow_recv: Set[str] = set()
         self._client = Client(self._socket, "vllm-%s-%s-rank%d" % ("producer" if self._producer else "consumer", self._group, self._rank))
         if self._tp > 1:
             # Every rank registers from its own process: they share the group under one token.
@@ -392,6 +399,12 @@ class KvwireConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvwireMetadata)
         self._step_trace("start_load_kv", recvs=len(meta.recvs))
         for r in meta.recvs:
+            if not self._leader:
+                # Rank 0 prepares for the whole group; vLLM waits for every rank's report, so this one
+                # reports at once and the request is done when rank 0's report comes.
+                with self._lock:
+                    self._follow_recv.add(r.req_id)
+                continue
             try:
                 slot = self._client.prepare_receive(self._group, r.name, r.block_ids, r.tokens, r.prefix_tokens)
             except KvwireError as e:
@@ -434,7 +447,12 @@ class KvwireConnector(KVConnectorBase_V1):
         self._step_trace("wait_for_save", sends=len(meta.sends))
         for s in meta.sends:
             if self._digest:
-                self._trace("send_digest", req=s.req_id, request=s.dst_request, digest=self._blocks_digest(s.block_ids))
+                self._trace("send_digest", req=s.req_id, request=s.dst_request, rank=self._rank, heads=self._head_digests(s.block_ids))
+            if not self._leader:
+                # One submit moves every rank's blocks: rank 0 makes it and reports when they are released.
+                with self._lock:
+                    self._released.add(s.req_id)
+                continue
             threading.Thread(target=self._send, args=(s,), name="kvwire-send-%s" % s.req_id, daemon=True).start()
 
     def _send(self, s: SendSpec) -> None:
@@ -497,6 +515,8 @@ class KvwireConnector(KVConnectorBase_V1):
                     self._released.discard(r)
                     self._finished_seen.discard(r)
             pending = list(self._recving.items())
+            recving |= self._follow_recv
+            self._follow_recv.clear()
         now = time.monotonic()
         for req_id, (slot, name, t_prepared) in pending:
             ok, why = self._poll_recv(slot, t_prepared, now)
@@ -515,7 +535,7 @@ class KvwireConnector(KVConnectorBase_V1):
             if ok:
                 self._recv_slots[req_id] = slot
                 if self._digest and spec is not None:
-                    self._trace("recv_digest", req=req_id, request=name, digest=self._blocks_digest(spec.block_ids))
+                    self._trace("recv_digest", req=req_id, request=name, rank=self._rank, heads=self._head_digests(spec.block_ids))
                 self._trace(
                     "recv_done", req=req_id, request=name, slot=slot, t_prepared=t_prepared, t_seen=now,
                     marks=st.get("marks", []), bytes=st.get("bytes"), reused_bytes=st.get("reused_bytes"),
@@ -547,13 +567,19 @@ class KvwireConnector(KVConnectorBase_V1):
             return False, "no transfer arrived within %.0f s" % self._recv_timeout
         return None, ""
 
-    def _blocks_digest(self, block_ids: List[int]) -> str:
-        """SHA-256 of the request's blocks, every layer, in block-table order."""
-        h = hashlib.sha256()
+    def _head_digests(self, block_ids: List[int]) -> List[str]:
+        """Per KV head this rank holds: SHA-256 of that head's part of the
+        request's blocks, every layer, in block-table order (comparable
+        across TP degrees: a head's bytes inside a block do not depend on the
+        other heads)."""
         idx = torch.tensor(block_ids, dtype=torch.long)
-        for t in self._kv:
-            h.update(t.index_select(0, idx).contiguous().view(torch.uint8).numpy().tobytes())
-        return h.hexdigest()[:32]
+        out = []
+        for head in range(self._kv[0].shape[1]):
+            h = hashlib.sha256()
+            for t in self._kv:  # (blocks, heads, block, 2 * head_size)
+                h.update(t.index_select(0, idx)[:, head].contiguous().view(torch.uint8).numpy().tobytes())
+            out.append(h.hexdigest()[:32])
+        return out
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
         r = self.get_transfer_results(finished_req_ids)
