@@ -3,7 +3,10 @@
 Run by scripts/vllm-pd (scripts/test runs it; scripts/demo --vllm shows it)
 with the python of target/vllm-venv (vLLM's CPU build):
 
-    python test_vllm_pd.py [--demo] [--keep]
+    python test_vllm_pd.py [--demo] [--keep] [--mp]
+
+(--mp: vLLM's own process layout, an engine core and a worker process per
+engine; by default each engine is one process, a minute less on 2 cores.)
 
 It makes a tiny Llama with random weights (transformers, no hub), starts
 two daemons on loopback (decode-host's data port behind a proxy that can
@@ -24,7 +27,8 @@ Checked (exit 1 on the first failure):
      rest, and the output is still bitwise that of the plain run;
   3. negative control: one byte flipped in transit fails the layer's
      checksum, the consumer reports a failed load, vLLM recomputes, and the
-     output equals the plain run; the refused transfer is never used;
+     output equals the plain run; the refused transfer is never used, and
+     the producer hears the destination's refusal (its verdict);
   5. a TP=2 producer (one KV head per rank) into the TP=1 consumer: each
      head's bytes arrive as the producer's rank held them (per-head
      digests), and the greedy tokens equal a TP=1 plain run (logprobs
@@ -545,7 +549,16 @@ def main(argv) -> int:
         if c["outputs"][0]["num_cached_tokens"] != 0:
             fail("after the failed load the consumer still counted %d cached tokens" % c["outputs"][0]["num_cached_tokens"])
         same(c["outputs"], basef, "negative control")
-        log("check 3 passed: a byte flipped in transit was refused (%s); vLLM recomputed the prompt and decoded the plain run's tokens"
+        # One verdict: the producer hears that the consumer refused the data, with the reason.
+        deadline = time.monotonic() + 30
+        while not events(read_trace(ptrace), "verdict", request="pd-corrupt") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        v = events(read_trace(ptrace), "verdict", request="pd-corrupt")
+        if not v or v[0]["verdict"] != "failed" or "checksum mismatch" not in v[0]["why"]:
+            fail("the producer's verdict on the corrupted transfer: %s" % v)
+        if any(e["verdict"] != "usable" for e in events(read_trace(ptrace), "verdict") if e["request"] != "pd-corrupt"):
+            fail("a transfer other than the corrupted one has a failed verdict")
+        log("check 3 passed: a byte flipped in transit was refused (%s); vLLM recomputed the prompt and decoded the plain run's tokens; the producer heard the refusal"
             % (bad[0].get("error") or bad[0]["why"])[:160])
 
         # The plain run of the prompts the TP=2 producer sends later (check 5), on this TP=1 engine.

@@ -71,7 +71,10 @@ the metadata the scheduler builds each step):
   request is not prepared yet (the consumer prepares when its engine
   allocates blocks; a bounded backoff, ``submit_timeout_s``), then waits for
   ``source_released``. ``request_finished`` keeps the blocks
-  (returns True) and ``get_finished`` frees them once released.
+  (returns True) and ``get_finished`` frees them once released. The
+  destination's verdict comes back later (the source's own
+  ``decoder_usable``, or the destination's reason): it is traced, not
+  waited for.
 
 Tensor parallelism: every rank registers its own tensors (one group,
 shared under a token made from vLLM's engine id); rank 0 prepares or
@@ -80,8 +83,8 @@ waits for every rank's report before it frees or schedules a request.
 
 Not yet: layer-by-layer streaming at the source (the daemon moves a
 request after the whole forward; ``save_kv_layer`` is recorded, not used),
-synchronous loads, the hybrid allocator (``SupportsHMA``), and vLLM's GPU
-layouts (refused by name). With ``"trace": PATH`` in the extra config,
+synchronous loads, pipeline parallelism, the hybrid allocator
+(``SupportsHMA``), and vLLM's GPU layouts (refused by name). With ``"trace": PATH`` in the extra config,
 the hook calls of every step with kvwire work in it, the per-request
 hooks, and every transfer's marks are appended to PATH as JSON lines.
 """
@@ -501,6 +504,16 @@ class KvwireConnector(KVConnectorBase_V1):
         with self._lock:
             # Released either way: after a failure the daemon no longer reads the blocks.
             self._released.add(s.req_id)
+        if slot >= 0 and not why:
+            # The destination's verdict reaches the source as its own decoder_usable, or as a
+            # failure with the destination's reason. The blocks are vLLM's again already; this
+            # only tells the producer's operator whether the consumer could use them.
+            verdict, reason = "usable", ""
+            try:
+                self._client.wait(slot, DECODER_USABLE, 0, timeout_ms=int(self._recv_timeout * 1000))
+            except KvwireError as e:
+                verdict, reason = "failed", str(e)
+            self._trace("verdict", req=s.req_id, request=s.dst_request, verdict=verdict, why=reason)
 
     def get_transfer_results(self, finished_req_ids: Set[str]) -> KVConnectorTransferResults:
         sending: Set[str] = set()
