@@ -322,6 +322,7 @@ class KvwireConnector(KVConnectorBase_V1):
         self._recv_slots: Dict[str, int] = {}  # loaded, until their first forward
         self._recv_specs: Dict[str, RecvSpec] = {}
         self._step_loaded: List[int] = []
+        self._sends_open: Set[str] = set()  # submitted (or left to rank 0), not yet reported
         self._released: Set[str] = set()
         self._finished_seen: Set[str] = set()
 
@@ -449,6 +450,8 @@ class KvwireConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvwireMetadata)
         self._step_trace("wait_for_save", sends=len(meta.sends))
         for s in meta.sends:
+            with self._lock:
+                self._sends_open.add(s.req_id)
             if self._digest:
                 self._trace("send_digest", req=s.req_id, request=s.dst_request, rank=self._rank, heads=self._head_digests(s.block_ids))
             if not self._leader:
@@ -520,13 +523,14 @@ class KvwireConnector(KVConnectorBase_V1):
         recving: Set[str] = set()
         failed: Set[str] = set()
         with self._lock:
-            self._finished_seen |= finished_req_ids
+            self._finished_seen |= finished_req_ids & self._sends_open
             # A send is reported once vLLM finished the request (its id came through here) and the daemon released it.
             for r in list(self._released):
                 if r in self._finished_seen:
                     sending.add(r)
                     self._released.discard(r)
                     self._finished_seen.discard(r)
+                    self._sends_open.discard(r)
             pending = list(self._recving.items())
             recving |= self._follow_recv
             self._follow_recv.clear()
