@@ -28,6 +28,12 @@
 //! | `vllm_cross` | `blkthd` | vLLM cross-layer, per rank `(num_blocks, layers, 2, block, heads, dim)` |
 //! | `contiguous` | — | kvwire's own layout (no `kv=` key): one memfd, regions back to back |
 //!
+//! `vllm_cpu` reads vLLM's CPU shape as one row of `2*dim` per position.
+//! vLLM 0.32's CPU kernel (`cpu_attn`, fp32) fills each (block, head) of
+//! that shape differently: K transposed (`dim x block`), then V (`block x
+//! dim`). Under this preset only whole blocks between two such caches are
+//! exact, which is what `kvwire.vllm` moves.
+//!
 //! The plan never sees the order: each (layer, K or V) becomes three byte
 //! strides (block, position, head) from its first element, inside a region
 //! — a window of one tensor registered with the daemon. Where K and V share
