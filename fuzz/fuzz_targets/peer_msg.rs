@@ -67,7 +67,7 @@ fn sessions(msg: PeerMsg) {
     };
     let (mut s, _) = SourceSession::start(now, offer, TransportKind::Tcp, t);
     if s.handle(now, msg.clone()).is_ok() {
-        if s.planned(now, 16).is_ok() && s.expect(sample_expect()).is_ok() {
+        if s.expect(now, sample_expect(), 16).is_ok() {
             let _ = s.handle(now, msg.clone());
         }
     }

@@ -11,10 +11,9 @@ use std::time::{Duration, Instant};
 pub enum SourcePhase {
     /// `Offer` sent; waiting for `Accept`.
     Offered,
-    /// Accepted; the daemon is planning.
+    /// Accepted; the daemon is planning and building the manifest.
     Accepted,
-    /// Planned: writes are in flight, and the manifest (`Expect`) goes
-    /// out beside them.
+    /// `Expect` sent; writes are in flight.
     Moving,
     /// `Done` sent.
     Done,
@@ -53,7 +52,6 @@ pub struct SourceSession {
     transport: TransportKind,
     peer_slot: Option<u16>,
     stage_len: u64,
-    manifest_sent: bool,
     timeouts: Timeouts,
     started: Instant,
     waiting_since: Instant,
@@ -71,7 +69,6 @@ impl SourceSession {
             transport,
             peer_slot: None,
             stage_len: 0,
-            manifest_sent: false,
             timeouts,
             started: now,
             waiting_since: now,
@@ -136,12 +133,12 @@ impl SourceSession {
         Ok(SourceEvent::Accepted(a))
     }
 
-    /// The daemon planned; it may post the writes now. `stage_bytes` is
-    /// the schedule's staging size, which the destination's staging
-    /// buffer must match.
-    pub fn planned(&mut self, now: Instant, stage_bytes: u64) -> Result<(), SessionError> {
+    /// The daemon planned: returns the `Expect` to send, after which it
+    /// posts the writes. `stage_bytes` is the schedule's staging size,
+    /// which the destination's staging buffer must match.
+    pub fn expect(&mut self, now: Instant, e: Expect, stage_bytes: u64) -> Result<PeerMsg, SessionError> {
         if self.phase != SourcePhase::Accepted {
-            return Err(SessionError::OutOfOrder { step: "planned", phase: self.phase.name() });
+            return Err(SessionError::OutOfOrder { step: "expect", phase: self.phase.name() });
         }
         if stage_bytes != self.stage_len {
             return Err(self.fail(SessionError::StagingSize { got: self.stage_len, want: stage_bytes }));
@@ -149,29 +146,12 @@ impl SourceSession {
         self.phase = SourcePhase::Moving;
         self.waiting_since = now;
         self.last_ping = now;
-        Ok(())
-    }
-
-    /// The manifest, once, while the writes are in flight: returns the
-    /// `Expect` to send (it has no answer).
-    pub fn expect(&mut self, e: Expect) -> Result<PeerMsg, SessionError> {
-        if self.phase != SourcePhase::Moving || self.manifest_sent {
-            let phase = if self.manifest_sent { "manifest sent" } else { self.phase.name() };
-            return Err(SessionError::OutOfOrder { step: "expect", phase });
-        }
-        self.manifest_sent = true;
         Ok(PeerMsg::Expect(e))
-    }
-
-    /// Planned but the manifest not yet handed out: `Done` must wait for it.
-    pub fn awaits_manifest(&self) -> bool {
-        self.phase == SourcePhase::Moving && !self.manifest_sent
     }
 
     /// Every write completed: returns the `Done` to send.
     pub fn moved(&mut self) -> Result<PeerMsg, SessionError> {
         match (self.phase, self.peer_slot) {
-            (SourcePhase::Moving, _) if !self.manifest_sent => Err(SessionError::OutOfOrder { step: "moved", phase: "manifest not sent" }),
             (SourcePhase::Moving, Some(slot)) => {
                 self.phase = SourcePhase::Done;
                 Ok(PeerMsg::Done { slot })

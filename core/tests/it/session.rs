@@ -95,10 +95,9 @@ impl Pair {
     }
 
     /// Offer → accept → expect (not answered), with the default daemon.
-    fn run_to_moving(&mut self) {
+    fn to_moving(&mut self) {
         assert!(matches!(self.step(default_daemon), Ok(SourceEvent::Accepted(_))));
-        self.src.planned(self.now, STAGE).unwrap();
-        self.in_flight = Some(self.src.expect(expect()).unwrap());
+        self.in_flight = Some(self.src.expect(self.now, expect(), STAGE).unwrap());
         assert!(matches!(self.deliver(), DestinationStep::Expect(_)));
     }
 }
@@ -116,14 +115,9 @@ fn a_transfer_runs_offer_to_done_on_both_sides() {
     let mut p = Pair::new();
     assert!(matches!(p.step(default_daemon), Ok(SourceEvent::Accepted(a)) if a.slot == SLOT));
     assert_eq!((p.src.phase(), p.src.peer_slot(), p.dst.slot(SLOT)), (SourcePhase::Accepted, Some(SLOT), Some(SlotPhase::Accepted)));
-    p.src.planned(p.now, STAGE).unwrap();
-    // Planned: the writes go, the manifest beside them; no answer is awaited.
+    p.in_flight = Some(p.src.expect(p.now, expect(), STAGE).unwrap());
+    // The writes follow the manifest at once: no answer is awaited.
     assert_eq!(p.src.phase(), SourcePhase::Moving);
-    assert!(p.src.awaits_manifest());
-    assert_eq!(p.src.moved(), Err(SessionError::OutOfOrder { step: "moved", phase: "manifest not sent" }));
-    p.in_flight = Some(p.src.expect(expect()).unwrap());
-    assert!(!p.src.awaits_manifest());
-    assert_eq!(p.src.expect(expect()), Err(SessionError::OutOfOrder { step: "expect", phase: "manifest sent" }));
     assert_eq!(p.deliver(), DestinationStep::Expect(Box::new(expect())));
     assert_eq!((p.src.phase(), p.dst.slot(SLOT)), (SourcePhase::Moving, Some(SlotPhase::Receiving)));
     // Pings every quarter of the peer timeout (2 s): none before 500 ms.
@@ -151,7 +145,7 @@ fn a_transfer_runs_offer_to_done_on_both_sides() {
 #[test]
 fn a_destination_that_fails_the_transfer_answers_done_with_its_reason() {
     let mut p = Pair::new();
-    p.run_to_moving();
+    p.to_moving();
     p.in_flight = Some(p.src.moved().unwrap());
     let verdict = p.step(|d, s| match s {
         DestinationStep::Done { .. } => PeerMsg::Refused { reason: "layer 3 checksum mismatch".into() },
@@ -167,7 +161,7 @@ fn a_destination_that_fails_the_transfer_answers_done_with_its_reason() {
 #[test]
 fn an_abort_answered_with_the_destinations_own_failure_names_it() {
     let mut p = Pair::new();
-    p.run_to_moving();
+    p.to_moving();
     let abort = p.src.abort("rail0: peer refused a write: unknown or revoked remote key").unwrap();
     assert!(matches!(abort, PeerMsg::Abort { .. }));
     let got = p.src.handle(p.now, PeerMsg::Refused { reason: "checksum mismatch: dst rank 0 layer 2".into() });
@@ -190,7 +184,7 @@ fn a_refused_offer_fails_the_source_without_an_abort() {
 #[test]
 fn a_manifest_that_fails_its_check_is_heard_in_the_verdict() {
     let mut p = Pair::new();
-    p.run_to_moving();
+    p.to_moving();
     // A second manifest for the slot is ignored, not answered: the source
     // reads no answer to it.
     p.in_flight = Some(PeerMsg::Expect(expect()));
@@ -209,7 +203,7 @@ fn a_staging_size_that_differs_from_the_schedule_aborts_the_slot() {
     let mut p = Pair::new();
     let r = p.step(|d, _| d.accept(Accept { stage_len: STAGE + 1, ..accept() }));
     assert!(matches!(r, Ok(SourceEvent::Accepted(_))));
-    let r = p.src.planned(p.now, STAGE);
+    let r = p.src.expect(p.now, expect(), STAGE);
     assert_eq!(r, Err(SessionError::StagingSize { got: STAGE + 1, want: STAGE }));
     let abort = p.src.abort("staging size differs");
     assert_eq!(abort, Some(PeerMsg::Abort { slot: SLOT, reason: "staging size differs".into() }));
@@ -275,8 +269,7 @@ fn stale_and_out_of_order_messages_are_refused_without_touching_slots() {
     assert_eq!(s.handle(now, PeerMsg::Pong), Err(SessionError::Unexpected { phase: "waiting for accept", got: "pong" }));
     let (mut s, _) = SourceSession::start(now, offer(), TransportKind::Tcp, timeouts());
     assert_eq!(s.moved(), Err(SessionError::OutOfOrder { step: "moved", phase: "waiting for accept" }));
-    assert_eq!(s.planned(now, 0), Err(SessionError::OutOfOrder { step: "planned", phase: "waiting for accept" }));
-    assert_eq!(s.expect(expect()), Err(SessionError::OutOfOrder { step: "expect", phase: "waiting for accept" }));
+    assert_eq!(s.expect(now, expect(), 0), Err(SessionError::OutOfOrder { step: "expect", phase: "waiting for accept" }));
 }
 
 #[test]
@@ -293,7 +286,7 @@ fn a_late_accept_times_the_source_out_with_nothing_to_abort() {
 #[test]
 fn the_transfer_deadline_ends_a_transfer_that_keeps_pinging() {
     let mut p = Pair::new();
-    p.run_to_moving();
+    p.to_moving();
     let mut pings = 0;
     loop {
         let at = p.src.poll_timeout().unwrap();
@@ -318,7 +311,7 @@ fn the_transfer_deadline_ends_a_transfer_that_keeps_pinging() {
 #[test]
 fn a_silent_source_fails_every_receiving_slot_after_the_peer_timeout() {
     let mut p = Pair::new();
-    p.run_to_moving();
+    p.to_moving();
     let heard = p.now;
     assert_eq!(p.dst.poll_timeout(), heard + Duration::from_secs(2));
     assert_eq!(p.dst.handle_timeout(heard + Duration::from_millis(1999)), None);

@@ -6,11 +6,11 @@
 
 use crate::config::PeerConfig;
 use crate::peer::Sealed;
-use kvwire_core::session::msg::{Expect, PeerMsg};
+use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
 use kvwire_transport::Credential;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Why an exchange with the destination failed.
@@ -29,9 +29,6 @@ pub(super) struct PeerLink {
     // message never interleave on the wire. The stream is taken out when
     // the transfer ends well, to serve the next transfer to this peer.
     conn: Mutex<(Option<Sealed>, SourceSession)>,
-    // Signalled (with `conn`) when the manifest went out or the session
-    // failed: `Done` may not overtake the manifest.
-    manifest: Condvar,
     /// The connection's data-plane session, which every data connection proves.
     pub credential: Credential,
     pub peer: String,
@@ -45,7 +42,7 @@ pub(super) struct PeerLink {
 impl PeerLink {
     pub fn new(stream: Sealed, session: SourceSession, peer: &PeerConfig, peer_timeout: Duration) -> PeerLink {
         let credential = stream.credential().clone();
-        PeerLink { conn: Mutex::new((Some(stream), session)), manifest: Condvar::new(), credential, peer: peer.name.clone(), addr: peer.address.clone(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
+        PeerLink { conn: Mutex::new((Some(stream), session)), credential, peer: peer.name.clone(), addr: peer.address.clone(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
     }
 
     /// Sends `m` and hands the answer to the session.
@@ -60,19 +57,11 @@ impl PeerLink {
         Ok(session.handle(Instant::now(), answer)?)
     }
 
-    /// Sends the manifest. The session's step and the send happen under one
-    /// lock: `Done` (which waits for the step) can then never overtake the
-    /// manifest on the wire.
-    pub fn send_manifest(&self, e: Expect) -> Result<(), LinkError> {
-        let sent = {
-            let mut c = self.conn.lock().expect("peer link lock");
-            let (s, session) = &mut *c;
-            let m = session.expect(e)?;
-            let s = s.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
-            s.send(&m).map_err(|e| LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)))
-        };
-        self.manifest.notify_all();
-        sent
+    /// Sends `m`, which has no answer.
+    pub fn send(&self, m: &PeerMsg) -> Result<(), LinkError> {
+        let mut c = self.conn.lock().expect("peer link lock");
+        let s = c.0.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
+        s.send(m).map_err(|e| LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)))
     }
 
     /// Runs `f` on the session (for steps that send nothing by themselves).
@@ -129,13 +118,7 @@ impl PeerLink {
     /// reason when it failed the transfer).
     pub fn done(&self, verdict: Duration) -> Result<Option<Sealed>, String> {
         self.ended.store(true, Ordering::Release);
-        // The writes can complete before the submitting thread sent the
-        // manifest beside them: wait for it (or for that thread to fail).
-        let m = {
-            let c = self.conn.lock().expect("peer link lock");
-            let (mut c, _) = self.manifest.wait_timeout_while(c, verdict, |c| c.1.awaits_manifest()).expect("peer link lock");
-            c.1.moved().map_err(|e| e.to_string())?
-        };
+        let m = self.session(|s| s.moved()).map_err(|e| e.to_string())?;
         if let Some(lost) = self.lost() {
             return Err(format!("no verdict from the destination: {lost}"));
         }
@@ -155,9 +138,7 @@ impl PeerLink {
     /// echo that).
     pub fn abort(&self, reason: &str) -> Option<String> {
         self.ended.store(true, Ordering::Release);
-        let m = self.session(|s| s.abort(reason));
-        self.manifest.notify_all();
-        let m = m?;
+        let m = self.session(|s| s.abort(reason))?;
         if self.lost().is_some() {
             return None;
         }

@@ -119,9 +119,20 @@ impl Daemon {
             self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, 0..n)
                 .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging: {e}")))?;
         }
-        l.session(|ss| ss.planned(Instant::now(), p.schedule.stage_bytes)).map_err(|e| Refusal::new(Code::PeerRefused, format!("peer `{}`: {e}", l.peer)))?;
+        let manifest = self.manifest(id, &g, &s, &p, codec)?;
+        let expect = Expect { slot: accept.slot, manifest: manifest.to_json() };
+        Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
+        l.send_expect(expect, p.schedule.stage_bytes)?;
+        let dst_stage_key = accept.stage_key;
+        // From here the destination waits for bytes: keep it told that this
+        // side is alive, and learn at once if it is not.
+        l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
+        let beat = l.clone();
+        self.workers
+            .spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked"))
+            .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
         let src_stage = self.pack(id, &g, &p, codec)?;
-        let batches = match batches(&g, &p, &accept, src_stage.as_ref(), accept.stage_key) {
+        let batches = match batches(&g, &p, &accept, src_stage.as_ref(), dst_stage_key) {
             Ok(b) => b,
             Err(r) => {
                 if let Some(stage) = &src_stage {
@@ -130,30 +141,7 @@ impl Daemon {
                 return Err(r);
             }
         };
-        // The writes go first; the manifest follows on the peer link while
-        // they fly (the destination checks it before publishing any flag).
-        let reply = self.post(id, stop.clone(), &s.request, &g, &p, codec, &accept, src_stage, batches, l.clone())?;
-        let sent = self.manifest(id, &g, &s, &p, codec).and_then(|m| {
-            let expect = Expect { slot: accept.slot, manifest: m.to_json() };
-            Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
-            l.send_expect(expect)
-        });
-        if let Err(r) = sent {
-            // Failed and told here first, so the transfer thread, stopped
-            // at its next step, cannot report its stop as the cause.
-            self.fail(id, &r.message);
-            l.abort(&r.message);
-            stop.store(true, std::sync::atomic::Ordering::Release);
-            return Err(r);
-        }
-        // From here the destination waits for bytes: keep it told that this
-        // side is alive, and learn at once if it is not.
-        l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
-        let beat = l.clone();
-        self.workers
-            .spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked"))
-            .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
-        Ok(reply)
+        self.post(id, stop, s, g, p, codec, accept, src_stage, batches, l.clone())
     }
 
     /// The submit's source group, complete, and its side for the request.
@@ -265,9 +253,6 @@ impl Daemon {
     }
 
     /// Packs (and encodes) the staged segments into one registered buffer.
-    /// Packing is a small share of a remap (rows copied in memory), so it
-    /// runs before the first post rather than beside the wire, where on few
-    /// cores it only competes with the sockets' own copies.
     fn pack(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<Option<Arc<Region>>, Refusal> {
         let total = p.schedule.stage_bytes;
         if total == 0 {
@@ -302,11 +287,11 @@ impl Daemon {
         self: &Arc<Self>,
         id: SlotId,
         stop: Arc<AtomicBool>,
-        request: &str,
-        g: &SourceGroup,
-        p: &Planned,
+        s: Submit,
+        g: SourceGroup,
+        p: Planned,
         codec: Option<Codec>,
-        accept: &Accept,
+        accept: Box<Accept>,
         src_stage: Option<Arc<Region>>,
         batches: Vec<Batch>,
         link: Arc<PeerLink>,
@@ -317,10 +302,10 @@ impl Daemon {
         Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
         let (payload, stage_total) = (c.total_bytes_moved, p.schedule.stage_bytes);
         let reply = Reply::Submitted { slot: id.slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
-        let prefer = rail_preference(accept);
+        let prefer = rail_preference(&accept);
         // A peer of an older build names one rail: its data address.
         let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
-        let (d, request) = (self.clone(), request.to_string());
+        let d = self.clone();
         let thread_link = link.clone();
         let (peer_name, peer_addr) = (link.peer.clone(), link.addr.clone());
         let (pd, panic_link) = (self.clone(), link.clone());
@@ -331,7 +316,7 @@ impl Daemon {
             pd.fail(id, why);
         };
         let spawned = self.workers.spawn("kvwired-xfer", move || {
-            let span = tracing::info_span!("transfer", slot = id.slot, request, peer = thread_link.peer);
+            let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
             let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &thread_link);
             if let Some(stage) = src_stage {
@@ -414,12 +399,12 @@ impl Daemon {
 }
 
 impl PeerLink {
-    /// The manifest out, answered by nothing, while the writes fly.
-    fn send_expect(&self, e: Expect) -> Result<(), Refusal> {
-        self.send_manifest(e).map_err(|e| match e {
-            LinkError::Session(e) => Refusal::new(Code::TransferFailed, format!("peer `{}`: {e}", self.peer)),
-            wire => negotiation_failed(&self.peer, wire, "refused the transfer"),
-        })
+    /// The manifest out, answered by nothing: the writes follow at once.
+    /// The session first checks the destination's staging size against
+    /// the schedule.
+    fn send_expect(&self, e: Expect, stage_bytes: u64) -> Result<(), Refusal> {
+        let m = self.session(|s| s.expect(Instant::now(), e, stage_bytes)).map_err(|e| Refusal::new(Code::PeerRefused, format!("peer `{}`: {e}", self.peer)))?;
+        self.send(&m).map_err(|e| negotiation_failed(&self.peer, e, "refused the transfer"))
     }
 }
 
