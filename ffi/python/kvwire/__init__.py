@@ -215,6 +215,12 @@ class _Handle:
     """Owns one C handle: freed once, by close(), `with`, or collection."""
     _h = None
 
+    @property
+    def handle(self) -> int:
+        if self._h is None:
+            raise ValueError("%s is closed" % type(self).__name__)
+        return self._h
+
     def close(self) -> None:
         if self._h is not None:
             type(self)._free(self._h)
@@ -240,12 +246,6 @@ class Mem(_Handle):
         h = _vp()
         _check(_mem_new(length, ctypes.byref(h)))
         self._h = h.value
-
-    @property
-    def handle(self) -> int:
-        if self._h is None:
-            raise ValueError("Mem is closed")
-        return self._h
 
     @property
     def ptr(self) -> int:
@@ -288,12 +288,6 @@ class Client(_Handle):
         h = _vp()
         _check(_connect(_b(socket_path), _b(name), ctypes.byref(h)))
         self._h = h.value
-
-    @property
-    def handle(self) -> int:
-        if self._h is None:
-            raise ValueError("Client is closed")
-        return self._h
 
     def _call(self, fn, *args):
         _check(fn(self.handle, *args), self.handle)
