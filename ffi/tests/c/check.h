@@ -34,6 +34,15 @@ static int passes = 0;
     }                                                                       \
   } while (0)
 
+/* The toy model both tests cache (4 dense bf16 layers, 4 KV heads of 16
+ * elements), and the identity its caches are registered under. */
+static const char *MODEL =
+    "{\"toml\":\"name = \\\"toy\\\"\\ndtype = \\\"bf16\\\"\\n[[layers]]\\nrepeat = 4\\n"
+    "attention = \\\"dense\\\"\\nkv_heads = 4\\nhead_dim = 16\\n\"}";
+static const char *IDENTITY =
+    "{\"model_digest\":\"toy-digest\",\"adapter_digest\":\"\",\"format\":\"bf16/v1\","
+    "\"tenant\":\"t1\",\"rope\":\"theta=10000\",\"position_offset\":0}";
+
 static const char *client_error(const kvw_client *c) {
   static char buf[KVW_MESSAGE_MAX];
   size_t n = 0;

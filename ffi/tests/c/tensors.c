@@ -33,12 +33,6 @@
 #define DST_BLOCKS 5u
 #define GAP 4096u
 
-static const char *MODEL =
-    "{\"toml\":\"name = \\\"toy\\\"\\ndtype = \\\"bf16\\\"\\n[[layers]]\\nrepeat = 4\\n"
-    "attention = \\\"dense\\\"\\nkv_heads = 4\\nhead_dim = 16\\n\"}";
-static const char *IDENTITY =
-    "{\"model_digest\":\"toy-digest\",\"adapter_digest\":\"\",\"format\":\"bf16/v1\","
-    "\"tenant\":\"t1\",\"rope\":\"theta=10000\",\"position_offset\":0}";
 static const uint32_t SRC_TABLE[] = {6, 1, 4, 0, 7, 2, 5};
 static const uint32_t DST_TABLE[] = {3, 0, 4, 1};
 

@@ -37,12 +37,6 @@
 #define DST_BLOCK 32u
 #define DST_BLOCKS 6u
 
-static const char *MODEL =
-    "{\"toml\":\"name = \\\"toy\\\"\\ndtype = \\\"bf16\\\"\\n[[layers]]\\nrepeat = 4\\n"
-    "attention = \\\"dense\\\"\\nkv_heads = 4\\nhead_dim = 16\\n\"}";
-static const char *IDENTITY =
-    "{\"model_digest\":\"toy-digest\",\"adapter_digest\":\"\",\"format\":\"bf16/v1\","
-    "\"tenant\":\"t1\",\"rope\":\"theta=10000\",\"position_offset\":0}";
 static const char *SRC_LAYOUT = "tp=1,block=16,layout=nhd";
 static const char *DST_LAYOUT = "tp=1,block=32,layout=hnd";
 
