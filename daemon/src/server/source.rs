@@ -123,7 +123,6 @@ impl Daemon {
         let expect = Expect { slot: accept.slot, manifest: manifest.to_json() };
         Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
         l.send_expect(expect, p.schedule.stage_bytes)?;
-        let dst_stage_key = accept.stage_key;
         // From here the destination waits for bytes: keep it told that this
         // side is alive, and learn at once if it is not.
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
@@ -132,7 +131,7 @@ impl Daemon {
             .spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked"))
             .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
         let src_stage = self.pack(id, &g, &p, codec)?;
-        let batches = match batches(&g, &p, &accept, src_stage.as_ref(), dst_stage_key) {
+        let batches = match batches(&g, &p, &accept, src_stage.as_ref()) {
             Ok(b) => b,
             Err(r) => {
                 if let Some(stage) = &src_stage {
@@ -431,7 +430,7 @@ fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>) -
 }
 
 /// The schedule's writes per layer, with both sides' keys.
-fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Region>>, dst_stage_key: u32) -> Result<Vec<Batch>, Refusal> {
+fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Region>>) -> Result<Vec<Batch>, Refusal> {
     let dst_keys: HashMap<(u32, RegionId), u32> = a.regions.iter().map(|r| ((r.rank, r.region), r.key)).collect();
     let missing = |src: (u32, RegionId), dst: (u32, RegionId)| {
         Refusal::new(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", src.0, dst.0, dst.1))
@@ -447,7 +446,7 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Regi
                 }
                 WriteTarget::Staged { offset, len } => {
                     let stage = src_stage.ok_or_else(|| Refusal::new(Code::TransferFailed, "staged writes without a staging buffer"))?;
-                    WriteOp { src_key: stage.key, src_offset: offset, dst_key: dst_stage_key, dst_offset: offset, len }
+                    WriteOp { src_key: stage.key, src_offset: offset, dst_key: a.stage_key, dst_offset: offset, len }
                 }
             };
             // Writes that continue one another on both sides go as one:
