@@ -368,6 +368,19 @@ def events(trace, name, **match):
     return [e for e in trace if e["event"] == name and all(e.get(k) == v for k, v in match.items())]
 
 
+def await_events(path, name, requests, timeout=30.0):
+    """`name` events for every one of `requests`, read from the trace at
+    `path`, waiting for them up to `timeout` s. The producer traces `sent`
+    from its own send thread once the daemon released the source, which may
+    be after its generate() and the consumer's have both returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = {e["request"]: e for e in events(read_trace(path), name) if e.get("request") in requests}
+        if set(requests) <= set(got) or time.monotonic() >= deadline:
+            return got
+        time.sleep(0.05)
+
+
 HOOKS = {
     "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
     "register_kv_caches", "bind_connector_metadata", "start_load_kv", "wait_for_layer_load", "save_kv_layer",
@@ -506,7 +519,7 @@ def main(argv) -> int:
         for n in names:
             if sd.get(n) is None or sd.get(n) != rd.get(n):
                 fail("request %s: the producer's blocks hash to %s, the consumer's to %s" % (n, sd.get(n), rd.get(n)))
-        sent = {e["request"]: e for e in events(read_trace(ptrace), "sent")}
+        sent = await_events(ptrace, "sent", names)
         if set(names) - set(sent):
             fail("the producer did not send %s" % sorted(set(names) - set(sent)))
         for o in p["outputs"]:
@@ -583,9 +596,11 @@ def main(argv) -> int:
                 r = consumer.generate([pr], [None], 1)
                 if not rep:
                     continue
-                ct, pt = read_trace(ctrace), read_trace(ptrace)
+                ct = read_trace(ctrace)
                 d = events(ct, "recv_done", request=n)[0]
-                sd = events(pt, "sent", request=n)[0]
+                sd = await_events(ptrace, "sent", [n]).get(n)
+                if sd is None:
+                    fail("the producer traced no sent for %s within 30 s" % n)
                 o = c["outputs"][0]
                 m = {x["name"]: x["at_ns"] / 1e6 for x in d["marks"]}
                 rows.append({
