@@ -697,6 +697,19 @@ pub fn checksums_at_destination<R: AsRef<[u8]>>(
     checksums(plan, false, keep, read_dst)
 }
 
+/// The sender's checksums of the (destination rank, layer) pairs `keep`
+/// accepts, reading source runs through `read_src` as
+/// [`Manifest::for_plan`] does: a source that streams layers as an engine
+/// produces them sends each layer's once it exists
+/// ([`Manifest::add_layer_checksums`] at the receiver).
+pub fn checksums_at_source<R: AsRef<[u8]>>(
+    plan: &Plan,
+    read_src: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
+    keep: impl Fn(u32, u32) -> bool,
+) -> Result<Vec<LayerChecksum>, ManifestError> {
+    checksums(plan, true, keep, read_src)
+}
+
 /// The field-by-field comparison: `Ok` when equal, else the error `make` builds.
 fn same<T: PartialEq + Clone>(expected: &T, got: &T, make: impl FnOnce(T, T) -> ManifestError) -> Result<(), ManifestError> {
     if expected == got {
@@ -802,6 +815,13 @@ impl Manifest {
         if let Some(detail) = self.dst_map.diff(&expected.dst_map) {
             return Err(E::ShardMap { detail: format!("destination {detail}") });
         }
+        self.check_checksum_list()
+    }
+
+    /// Every checksum names a (rank, layer, tensor) the destination holds,
+    /// once, in order.
+    fn check_checksum_list(&self) -> Result<(), ManifestError> {
+        use ManifestError as E;
         let mut prev: Option<(u32, u32, Tensor)> = None;
         for c in &self.checksums {
             let key = (c.dst_rank, c.layer, c.tensor);
@@ -821,6 +841,27 @@ impl Manifest {
                     detail: format!("dst rank {} does not hold layer {} tensor {}", c.dst_rank, c.layer, tensor_name::of(c.tensor)),
                 });
             }
+        }
+        Ok(())
+    }
+
+    /// Adds the checksums of `layer`, sent after the manifest by a source
+    /// that streams layers: each must name that layer, the manifest may hold
+    /// none of that layer yet (a layer's sums come once), and the list stays
+    /// what [`Manifest::check`] accepts. On error nothing is added.
+    pub fn add_layer_checksums(&mut self, layer: u32, sums: &[LayerChecksum]) -> Result<(), ManifestError> {
+        use ManifestError as E;
+        if let Some(c) = sums.iter().find(|c| c.layer != layer) {
+            return Err(E::ChecksumList { detail: format!("checksums sent for layer {layer} name layer {}", c.layer) });
+        }
+        if self.checksums.iter().any(|c| c.layer == layer) {
+            return Err(E::ChecksumList { detail: format!("checksums of layer {layer} were sent twice") });
+        }
+        self.checksums.extend_from_slice(sums);
+        self.checksums.sort_by_key(|c| (c.dst_rank, c.layer, c.tensor));
+        if let Err(e) = self.check_checksum_list() {
+            self.checksums.retain(|c| c.layer != layer);
+            return Err(e);
         }
         Ok(())
     }

@@ -1,7 +1,7 @@
 //! The receiving side: one authenticated peer connection, carrying any
 //! number of transfers, each in its own slot.
 
-use super::msg::{Accept, Expect, Offer, PeerMsg};
+use super::msg::{Accept, Expect, LayerSums, Offer, PeerMsg};
 use super::{kind, SessionError, Timeouts};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -30,6 +30,9 @@ pub enum DestinationStep {
     /// check fails the slot, and the source hears it as refused writes
     /// or as the verdict.
     Expect(Box<Expect>),
+    /// One layer's checksums for a slot whose manifest arrived: the layer
+    /// is verified against them before its flag.
+    LayerSums(Box<LayerSums>),
     /// The source aborted the slot: fail it, then send the reply.
     Aborted {
         /// The slot.
@@ -81,6 +84,13 @@ impl DestinationSession {
                     *p = SlotPhase::Receiving;
                     DestinationStep::Expect(Box::new(e))
                 }
+                _ => DestinationStep::Ignore,
+            },
+            // Unanswered too: before the manifest, or for another
+            // connection's slot, they are ignored, and the layer they
+            // would have vouched for never verifies.
+            PeerMsg::LayerSums(l) => match self.slots.get(&l.slot) {
+                Some(SlotPhase::Receiving) => DestinationStep::LayerSums(Box::new(l)),
                 _ => DestinationStep::Ignore,
             },
             PeerMsg::Abort { slot, reason } => match self.slots.remove(&slot) {

@@ -117,6 +117,7 @@ pub fn kind(m: &msg::PeerMsg) -> &'static str {
         Offer(_) => "offer",
         Accept(_) => "accept",
         Expect(_) => "expect",
+        LayerSums(_) => "layer_sums",
         Ok => "ok",
         Abort { .. } => "abort",
         Ping => "ping",

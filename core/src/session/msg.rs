@@ -4,10 +4,13 @@
 //! The source sends `Offer` with its side of the plan; the destination
 //! plans too, stages, and answers `Accept` with its layout, block table,
 //! rails, region keys and staging buffer, or `Refused`. The source plans,
-//! sends `Expect` (the manifest; no answer) and posts its writes at once.
+//! sends `Expect` (the manifest; no answer) and posts its writes at once;
+//! a source streaming layers as they are produced sends each layer's
+//! checksums (`LayerSums`) just before that layer's writes instead.
 //! Bytes flow on the data plane while the source pings; `Done` or `Abort`
 //! ends the transfer.
 
+use crate::manifest::LayerChecksum;
 use crate::reuse::CacheIdentity;
 use crate::shard::RegionId;
 use serde::{Deserialize, Serialize};
@@ -15,7 +18,8 @@ use serde::{Deserialize, Serialize};
 /// Peer protocol version.
 /// 3: messages after the handshake are sealed, and data connections prove the session.
 /// 4: one round trip before the bytes (the offer carries the source's side, the accept the staging buffer; `Expect` is not answered).
-pub const PEER_VERSION: u32 = 4;
+/// 5: a source may stream layers as its engine produces them (`Expect::layer_sums`, `LayerSums`).
+pub const PEER_VERSION: u32 = 5;
 
 /// Messages on a peer connection.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -57,6 +61,11 @@ pub enum PeerMsg {
     /// waiting for an answer (there is none): the destination checks it
     /// before it publishes any flag of the slot.
     Expect(Expect),
+    /// One layer's checksums, from a source that streams layers as its
+    /// engine produces them (its `Expect` said `layer_sums`): sent before
+    /// the layer's writes, unanswered; the destination verifies the layer
+    /// against them before it publishes `layer_ready`.
+    LayerSums(LayerSums),
     /// Generic success.
     Ok,
     /// The source gave up on a transfer.
@@ -111,8 +120,27 @@ pub struct Offer {
 pub struct Expect {
     /// Destination slot.
     pub slot: u16,
-    /// The integrity manifest (JSON), checksums included unless the source turned them off.
+    /// The integrity manifest (JSON), checksums included unless the source
+    /// turned them off or sends them per layer.
     pub manifest: String,
+    /// The checksums come per layer, each in a `LayerSums` before that
+    /// layer's writes, instead of in the manifest: the source streams layers
+    /// as its engine produces them, so none can be hashed up front.
+    #[serde(default)]
+    pub layer_sums: bool,
+}
+
+/// One layer's checksums (see [`PeerMsg::LayerSums`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerSums {
+    /// Destination slot.
+    pub slot: u16,
+    /// The layer.
+    pub layer: u16,
+    /// Its checksums, as the manifest would carry them (empty when the
+    /// source does not hash).
+    pub checksums: Vec<LayerChecksum>,
 }
 
 /// One destination region a source may write.

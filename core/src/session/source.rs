@@ -1,6 +1,6 @@
 //! The sending side of one transfer.
 
-use super::msg::{Accept, Expect, Offer, PeerMsg};
+use super::msg::{Accept, Expect, LayerSums, Offer, PeerMsg};
 use super::{kind, SessionError, Timeouts, MAX_RAILS};
 use crate::protocol::TransportKind;
 use std::collections::HashSet;
@@ -147,6 +147,15 @@ impl SourceSession {
         self.waiting_since = now;
         self.last_ping = now;
         Ok(PeerMsg::Expect(e))
+    }
+
+    /// A streamed layer's checksums, to send before its writes: only
+    /// after `Expect`, and only for this transfer's slot.
+    pub fn layer_sums(&self, layer: u16, checksums: Vec<crate::manifest::LayerChecksum>) -> Result<PeerMsg, SessionError> {
+        match (self.phase, self.peer_slot) {
+            (SourcePhase::Moving, Some(slot)) => Ok(PeerMsg::LayerSums(LayerSums { slot, layer, checksums })),
+            (phase, _) => Err(SessionError::OutOfOrder { step: "layer sums", phase: phase.name() }),
+        }
     }
 
     /// Every write completed: returns the `Done` to send.

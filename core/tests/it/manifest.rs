@@ -10,7 +10,7 @@
 use kvwire_core::format::{CacheFormat, FORMATS};
 use kvwire_core::layout::{builtin, from_toml_spec, ModelSpec, Tensor};
 use kvwire_core::manifest::{
-    checksums_at_destination, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
+    checksums_at_destination, checksums_at_source, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
     MapSummary, RankSummary, RopeParams, MAX_MANIFEST_JSON,
 };
 use kvwire_core::plan::{build, execute, Buffers, CostModel, Plan, PlanInput, Side};
@@ -124,6 +124,45 @@ fn checksums_from_source_agree_with_destination_after_tp4_to_tp2_hnd_block32() {
     let recomputed = r.at_destination(&r.dst_bufs);
     assert_eq!(recomputed, m.checksums);
     m.verify_checksums(&recomputed).unwrap();
+}
+
+#[test]
+fn layer_sums_sent_one_layer_at_a_time_make_the_whole_manifest() {
+    let r = llama();
+    let whole = llama_manifest();
+    // A streaming source's manifest carries no checksums; each layer's follow.
+    let mut m = Manifest { checksums: vec![], ..whole.clone() };
+    m.check(&r.expected(&identity())).unwrap();
+    for layer in (0..LAYERS as u32).rev() {
+        let sums = checksums_at_source(&r.plan, read_buffers(&r.src_bufs), |_, l| l == layer).unwrap();
+        assert_eq!(sums.len(), 4, "2 dst ranks × (K, V) of layer {layer}");
+        m.add_layer_checksums(layer, &sums).unwrap();
+        // Each layer verifies as soon as its own sums are in.
+        let this = |_, l: u32| l == layer;
+        let recomputed = checksums_at_destination(&r.plan, read_buffers(&r.dst_bufs), this).unwrap();
+        m.verify_checksums_of(&recomputed, this).unwrap();
+    }
+    assert_eq!(m.checksums, whole.checksums);
+    m.check(&r.expected(&identity())).unwrap();
+
+    // What a hostile or broken source might send instead; each refused by
+    // name, and nothing of it kept.
+    let mut m = Manifest { checksums: vec![], ..whole.clone() };
+    let layer1 = checksums_at_source(&r.plan, read_buffers(&r.src_bufs), |_, l| l == 1).unwrap();
+    let refused = |m: &mut Manifest, layer: u32, sums: &[LayerChecksum], needle: &str| {
+        let before = m.checksums.clone();
+        let e = m.add_layer_checksums(layer, sums).unwrap_err().to_string();
+        assert!(e.contains(needle), "{e}");
+        assert_eq!(m.checksums, before);
+    };
+    refused(&mut m, 0, &layer1, "sent for layer 0 name layer 1");
+    let twice: Vec<LayerChecksum> = layer1.iter().chain(&layer1[..1]).copied().collect();
+    refused(&mut m, 1, &twice, "out of order or repeated");
+    let mut stray = layer1.clone();
+    stray[0].dst_rank = 9;
+    refused(&mut m, 1, &stray, "dst rank 9 does not hold layer 1");
+    m.add_layer_checksums(1, &layer1).unwrap();
+    refused(&mut m, 1, &layer1, "checksums of layer 1 were sent twice");
 }
 
 #[test]

@@ -3,9 +3,11 @@
 //! simulated time. The destination's "daemon" accepts every offer into
 //! slot 7 and stages 4096 bytes; each test changes one thing.
 
+use kvwire_core::layout::Tensor;
+use kvwire_core::manifest::LayerChecksum;
 use kvwire_core::protocol::TransportKind;
 use kvwire_core::reuse::CacheIdentity;
-use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, RailAddr, RankRails};
+use kvwire_core::session::msg::{Accept, Expect, LayerSums, Offer, PeerMsg, RailAddr, RankRails};
 use kvwire_core::session::{DestinationSession, DestinationStep, SessionError, SlotPhase, SourceEvent, SourcePhase, SourceSession, Timeouts, MAX_RAILS};
 use std::time::{Duration, Instant};
 
@@ -56,7 +58,7 @@ fn accept() -> Accept {
 }
 
 fn expect() -> Expect {
-    Expect { slot: SLOT, manifest: "{}".into() }
+    Expect { slot: SLOT, manifest: "{}".into(), layer_sums: false }
 }
 
 /// Both sides and the simulated clock.
@@ -106,7 +108,7 @@ fn default_daemon(d: &mut DestinationSession, step: DestinationStep) -> PeerMsg 
     match step {
         DestinationStep::Offer(_) => d.accept(accept()),
         DestinationStep::Reply(m) | DestinationStep::Aborted { reply: m, .. } | DestinationStep::Done { reply: m, .. } => m,
-        step @ (DestinationStep::Expect(_) | DestinationStep::Ignore) => panic!("{step:?} has no answer"),
+        step @ (DestinationStep::Expect(_) | DestinationStep::LayerSums(_) | DestinationStep::Ignore) => panic!("{step:?} has no answer"),
     }
 }
 
@@ -242,6 +244,32 @@ fn accepts_that_break_a_rule_are_refused_by_name() {
         // The destination did take a slot: it is told.
         assert!(matches!(p.src.abort("bad accept"), Some(PeerMsg::Abort { slot: SLOT, .. })));
     }
+}
+
+#[test]
+fn a_streaming_source_sends_each_layers_sums_after_the_manifest_and_only_then() {
+    let sums = |layer: u16| vec![LayerChecksum { dst_rank: 0, layer: layer.into(), tensor: Tensor::K, bytes: 64, xxh3: 7 }];
+    let mut p = Pair::new();
+    assert!(matches!(p.step(default_daemon), Ok(SourceEvent::Accepted(_))));
+    // Before the manifest the source has nothing to vouch for.
+    assert_eq!(p.src.layer_sums(0, sums(0)), Err(SessionError::OutOfOrder { step: "layer sums", phase: "planning" }));
+    // A hostile source sending sums first: ignored, the slot stays waiting for its manifest.
+    let early = PeerMsg::LayerSums(LayerSums { slot: SLOT, layer: 0, checksums: sums(0) });
+    assert_eq!(p.dst.handle(p.now, early), DestinationStep::Ignore);
+    assert_eq!(p.dst.slot(SLOT), Some(SlotPhase::Accepted));
+    p.in_flight = Some(p.src.expect(p.now, Expect { layer_sums: true, ..expect() }, STAGE).unwrap());
+    assert!(matches!(p.deliver(), DestinationStep::Expect(e) if e.layer_sums));
+    for layer in 0..2 {
+        p.in_flight = Some(p.src.layer_sums(layer, sums(layer)).unwrap());
+        assert_eq!(p.deliver(), DestinationStep::LayerSums(Box::new(LayerSums { slot: SLOT, layer, checksums: sums(layer) })));
+    }
+    // Another connection's slot: ignored, never answered.
+    let stray = PeerMsg::LayerSums(LayerSums { slot: SLOT + 1, layer: 0, checksums: sums(0) });
+    assert_eq!(p.dst.handle(p.now, stray), DestinationStep::Ignore);
+    p.in_flight = Some(p.src.moved().unwrap());
+    assert_eq!(p.step(default_daemon), Ok(SourceEvent::Closed));
+    // After done the slot is gone: late sums are ignored.
+    assert_eq!(p.src.layer_sums(2, sums(2)), Err(SessionError::OutOfOrder { step: "layer sums", phase: "done" }));
 }
 
 #[test]
