@@ -259,6 +259,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                     dst_group: dg.clone(),
                     dst_request: req,
                     codec: None,
+                    stream: false,
                 })?
                 .slot;
                 cb.wait(slot, FlagName::DecoderUsable, Duration::from_secs(300))?;

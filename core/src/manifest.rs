@@ -759,6 +759,15 @@ impl Manifest {
         transfer: &str,
         read_src: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
     ) -> Result<Manifest, ManifestError> {
+        let mut m = Manifest::claims(identity, model, src, dst, plan, transfer)?;
+        m.checksums = checksums(plan, true, |_, _| true, read_src)?;
+        Ok(m)
+    }
+
+    /// The manifest of `plan` without checksums: every identity claim, for
+    /// a source that does not hash, or that sends each layer's checksums
+    /// as the layer is produced ([`checksums_at_source`]).
+    pub fn claims(identity: &CacheIdentity, model: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, transfer: &str) -> Result<Manifest, ManifestError> {
         let rope = RopeParams::from_identity(identity)?;
         Ok(Manifest {
             version: MANIFEST_VERSION,
@@ -774,7 +783,7 @@ impl Manifest {
             prefix_tokens: plan.prefix_tokens,
             positions: Positions { first_position: rope.position_offset.saturating_add(plan.prefix_tokens), rope },
             checksum_algo: CHECKSUM_ALGO.to_string(),
-            checksums: checksums(plan, true, |_, _| true, read_src)?,
+            checksums: Vec::new(),
         })
     }
 

@@ -101,7 +101,7 @@ pub struct Settings {
 }
 
 /// What the rails carried.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Outcome {
     /// Payload bytes completed (each slice once).
     pub bytes: u64,
@@ -119,6 +119,33 @@ pub struct Outcome {
     /// Framing the connections really sent and got back for the writes
     /// (headers, trailers, verbs notes, acks), as each reports it.
     pub framing: u64,
+}
+
+impl Outcome {
+    /// Adds what a later run of the same transfer carried (a streamed
+    /// transfer runs once per layer): totals add, rails by name.
+    pub fn absorb(&mut self, o: &Outcome) {
+        self.bytes += o.bytes;
+        self.writes += o.writes;
+        self.post_time += o.post_time;
+        self.retransmitted += o.retransmitted;
+        self.wire += o.wire;
+        self.framing += o.framing;
+        for r in &o.rails {
+            match self.rails.iter_mut().find(|m| m.name == r.name) {
+                Some(m) => {
+                    m.bytes += r.bytes;
+                    m.slices += r.slices;
+                    m.retransmitted_bytes += r.retransmitted_bytes;
+                    m.busy_ns += r.busy_ns;
+                    if r.failed.is_some() {
+                        m.failed.clone_from(&r.failed);
+                    }
+                }
+                None => self.rails.push(r.clone()),
+            }
+        }
+    }
 }
 
 #[derive(Default)]

@@ -440,6 +440,40 @@ kvw_result kvw_submit(const struct kvw_client *client,
                       uint16_t *out_slot,
                       uint16_t *out_peer_slot);
 
+// [`kvw_submit`] for a request whose layers the engine is still writing:
+// returns once the destination accepted, and moves layer L once every
+// source rank that holds part of it called [`kvw_produced`] with more
+// than L layers (before or after this call). A layer's bytes must not
+// change after it was announced, until `source_released`.
+//
+// # Safety
+// As [`kvw_submit`].
+kvw_result kvw_submit_streamed(const struct kvw_client *client,
+                               const char *request,
+                               const char *group,
+                               const uint32_t *block_table,
+                               size_t n,
+                               uint64_t tokens,
+                               const char *peer,
+                               const char *dst_group,
+                               const char *dst_request,
+                               uint16_t *out_slot,
+                               uint16_t *out_peer_slot);
+
+// Says layers `0..layers` of request `request` (as its submit names it)
+// are written on rank `rank` of group `group`: a streamed submit moves
+// them. Only the client that registered that rank may say so; counts
+// only grow. `KVW_BAD_REQUEST` for a rank the group does not have or
+// more layers than its model.
+//
+// # Safety
+// `client` NULL or live; strings NULL or NUL-terminated.
+kvw_result kvw_produced(const struct kvw_client *client,
+                        const char *group,
+                        const char *request,
+                        uint32_t rank,
+                        uint16_t layers);
+
 // Blocks the calling thread until flag `flag` (a `KVW_FLAG_*`; `layer`
 // names the layer for `KVW_FLAG_LAYER_READY` and is ignored otherwise) of
 // `slot` is published, reading the mapped flag page — no round trip to the

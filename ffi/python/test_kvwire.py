@@ -307,6 +307,54 @@ def test_transfer_every_layer_and_every_byte(d):
         b.close()
 
 
+def test_streamed_submit_moves_each_layer_once_it_is_produced(d):
+    a = kvwire.Client(d.sock_a, "py-stream-src")
+    b = kvwire.Client(d.sock_b, "py-stream-dst")
+    try:
+        src = register_side(a, "py-stream-src", SRC, None)
+        dst = register_side(b, "py-stream-dst", DST, CANARY)
+        want = [bytearray(m.read()) for m in dst]
+        slot = b.prepare_receive("py-stream-dst", "s1", DST["table"], TOKENS)
+        # The engine has written nothing yet when it submits.
+        sslot, peer_slot = a.submit("ps1", "py-stream-src", SRC["table"], TOKENS, d.peer_b, "py-stream-dst", "s1", stream=True)
+        assert peer_slot == slot, (peer_slot, slot)
+        for layer in range(LAYERS):
+            for l, t, h, pos in rows():
+                if l != layer:
+                    continue
+                row = row_code(l, t, h, pos)
+                sr = h // (HEADS // SRC["tp"])
+                src[sr].write(offset(SRC, sr, l, t, h, pos), row)
+                dr = h // (HEADS // DST["tp"])
+                o = offset(DST, dr, l, t, h, pos)
+                want[dr][o : o + ROW] = row
+            assert not b.is_ready(slot, kvwire.LAYER_READY, layer), layer
+            for rank in range(SRC["tp"]):
+                a.produced("py-stream-src", "ps1", rank, layer + 1)
+            b.layer_ready(slot, layer, timeout_ms=20000)
+        b.decoder_usable(slot, timeout_ms=20000)
+        a.source_released(sslot, timeout_ms=20000)
+        a.decoder_usable(sslot, timeout_ms=20000)
+        names = [m["name"] for m in a.transfer_status(sslot)["marks"]]
+        assert all("produced(%d)" % l in names for l in range(LAYERS)), names
+        for rank, m in enumerate(dst):
+            assert m.read() == bytes(want[rank]), "rank %d differs" % rank
+        # Only the rank's own client may announce it, and only layers the model has.
+        e = expect_error(kvwire.KVW_PERMISSION_DENIED, b.produced, "py-stream-src", "ps2", 0, 1)
+        assert "registered by another client" in e.message or "another client" in e.message, e.message
+        e = expect_error(kvwire.KVW_BAD_REQUEST, a.produced, "py-stream-src", "ps2", 0, LAYERS + 1)
+        assert "has %d" % LAYERS in e.message, e.message
+        for rank in range(SRC["tp"]):
+            a.release_cache("py-stream-src", rank)
+        for rank in range(DST["tp"]):
+            b.release_cache("py-stream-dst", rank)
+        for m in src + dst:
+            m.close()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_groups_are_shared_only_under_their_token(d):
     with kvwire.Client(d.sock_b, "py-owner") as a, kvwire.Client(d.sock_b, "py-other") as b:
         a.share_group("py-shared", "0123456789abcdef-py")
@@ -504,6 +552,7 @@ TESTS = [
     test_mem_and_cache_size,
     test_bad_layout_is_102_with_the_daemons_message,
     test_transfer_every_layer_and_every_byte,
+    test_streamed_submit_moves_each_layer_once_it_is_produced,
     test_groups_are_shared_only_under_their_token,
     test_timeout_cancel_and_bad_arguments,
     test_views_are_zero_copy,

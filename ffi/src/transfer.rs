@@ -89,6 +89,70 @@ pub unsafe extern "C" fn kvw_submit(
     out_slot: *mut u16,
     out_peer_slot: *mut u16,
 ) -> kvw_result {
+    // SAFETY: forwarded caller contract.
+    unsafe { submit(client, request, group, block_table, n, tokens, peer, dst_group, dst_request, out_slot, out_peer_slot, false) }
+}
+
+/// [`kvw_submit`] for a request whose layers the engine is still writing:
+/// returns once the destination accepted, and moves layer L once every
+/// source rank that holds part of it called [`kvw_produced`] with more
+/// than L layers (before or after this call). A layer's bytes must not
+/// change after it was announced, until `source_released`.
+///
+/// # Safety
+/// As [`kvw_submit`].
+#[no_mangle]
+pub unsafe extern "C" fn kvw_submit_streamed(
+    client: *const kvw_client,
+    request: *const c_char,
+    group: *const c_char,
+    block_table: *const u32,
+    n: usize,
+    tokens: u64,
+    peer: *const c_char,
+    dst_group: *const c_char,
+    dst_request: *const c_char,
+    out_slot: *mut u16,
+    out_peer_slot: *mut u16,
+) -> kvw_result {
+    // SAFETY: forwarded caller contract.
+    unsafe { submit(client, request, group, block_table, n, tokens, peer, dst_group, dst_request, out_slot, out_peer_slot, true) }
+}
+
+/// Says layers `0..layers` of request `request` (as its submit names it)
+/// are written on rank `rank` of group `group`: a streamed submit moves
+/// them. Only the client that registered that rank may say so; counts
+/// only grow. `KVW_BAD_REQUEST` for a rank the group does not have or
+/// more layers than its model.
+///
+/// # Safety
+/// `client` NULL or live; strings NULL or NUL-terminated.
+#[no_mangle]
+pub unsafe extern "C" fn kvw_produced(client: *const kvw_client, group: *const c_char, request: *const c_char, rank: u32, layers: u16) -> kvw_result {
+    client_guard(client, |c| {
+        // SAFETY: forwarded caller contract.
+        let (group, request) = unsafe { (text(group, "group")?, text(request, "request")?) };
+        let _call = lock(&c.call);
+        c.client.produced(group, request, rank, layers)?;
+        Ok(())
+    })
+}
+
+#[allow(clippy::too_many_arguments)] // kvw_submit's arguments
+unsafe fn submit(
+    client: *const kvw_client,
+    request: *const c_char,
+    group: *const c_char,
+    block_table: *const u32,
+    n: usize,
+    tokens: u64,
+    peer: *const c_char,
+    dst_group: *const c_char,
+    dst_request: *const c_char,
+    out_slot: *mut u16,
+    out_peer_slot: *mut u16,
+    stream: bool,
+) -> kvw_result {
     client_guard(client, |c| {
         // SAFETY: forwarded caller contract.
         let (request, group, block_table, peer, dst_group, dst_request) = unsafe {
@@ -112,6 +176,7 @@ pub unsafe extern "C" fn kvw_submit(
             dst_group: dst_group.into(),
             dst_request: dst_request.into(),
             codec: None,
+            stream,
         };
         let submitted = {
             let _call = lock(&c.call);

@@ -432,6 +432,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         dst_group,
         dst_request: request,
         codec: sc.codec.clone(),
+        stream: false,
     });
     let Submitted { slot: sslot, peer_slot, .. } = match submitted {
         Ok(x) => x,

@@ -90,6 +90,7 @@ fn transfer(src: &Client, dst: &Client, peer: &str, blocks: u32, request: &str) 
             dst_group: "dst".into(),
             dst_request: request.into(),
             codec: None,
+            stream: false,
         })
         .map_err(|e| format!("submit: {e}"))?
         .slot;

@@ -342,6 +342,7 @@ impl<'a> Session<'a> {
             dst_group: self.dst_group.clone(),
             dst_request: request.into(),
             codec: None,
+            stream: false,
         });
         let Submitted { slot: sslot, bytes, .. } = match submitted {
             Ok(x) => x,

@@ -207,6 +207,12 @@ impl Client {
         self.call(&Request::Cancel { slot }, &[]).map(|_| ())
     }
 
+    /// Says layers `0..layers` of `request` on `rank` of `group` are
+    /// written: a streamed submit moves them (see [`Request::Produced`]).
+    pub fn produced(&self, group: &str, request: &str, rank: u32, layers: u16) -> Result<(), ClientError> {
+        self.call(&Request::Produced { group: group.into(), request: request.into(), rank, layers }, &[]).map(|_| ())
+    }
+
     /// Joins (or creates) the sharing of `group` under `token`, before
     /// registering a rank of a group other clients register ranks of.
     pub fn share_group(&self, group: &str, token: &str) -> Result<(), ClientError> {

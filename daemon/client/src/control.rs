@@ -147,6 +147,11 @@ pub struct Submit {
     /// Transfer codec (`fp8_e4m3_row`), or none for a lossless copy.
     #[serde(default)]
     pub codec: Option<String>,
+    /// Stream the layers as the engine produces them: the submit returns
+    /// once the destination accepted, and each layer moves once every rank
+    /// that holds part of it said it is written ([`Request::Produced`]).
+    #[serde(default)]
+    pub stream: bool,
 }
 
 /// Flag names for round-trip waits.
@@ -209,6 +214,19 @@ pub enum Request {
     PrepareReceive(PrepareReceive),
     /// Start a transfer.
     Submit(Submit),
+    /// Layers `0..layers` of request `request`'s blocks on rank `rank` of
+    /// group `group` are written and final: a streamed submit of that
+    /// request moves them. May come before the submit; counts only grow.
+    Produced {
+        /// Group.
+        group: String,
+        /// Source request id, as the submit names it.
+        request: String,
+        /// Rank.
+        rank: u32,
+        /// Layers written, from layer 0.
+        layers: u16,
+    },
     /// Wait for a flag with a round trip (clients that map the page need not).
     Wait {
         /// Slot.
@@ -405,6 +423,8 @@ pub enum Reply {
     Status(TransferStatus),
     /// Cancelled.
     Cancelled,
+    /// The layers a `Produced` announced are noted.
+    Announced,
     /// `notify` samples recorded.
     Recorded,
     /// Prometheus text of the counters.

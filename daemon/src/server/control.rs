@@ -234,6 +234,7 @@ impl Daemon {
             Request::Wait { slot, flag, timeout_ms } => self.wait(client, slot, flag, timeout_ms),
             Request::Status { slot } => self.status(client, slot),
             Request::Cancel { slot } => self.cancel(client, slot),
+            Request::Produced { group, request, rank, layers } => self.produced_layers(client, &group, &request, rank, layers),
             Request::Stats => Ok(Reply::Stats { text: self.metrics_text() }),
             Request::Notified { notify_ns } => self.notified(&notify_ns),
         }
@@ -307,6 +308,25 @@ impl Daemon {
         }
         Metrics::add(&self.metrics.cancelled, 1);
         Ok(Reply::Cancelled)
+    }
+
+    /// An engine's rank wrote layers of a request: only the client that
+    /// registered that rank of the group may say so.
+    fn produced_layers(&self, client: u64, group: &str, request: &str, rank: u32, layers: u16) -> Result<Reply, Refusal> {
+        {
+            let st = self.groups.lock().expect("groups lock");
+            let g = st.access(client, group)?;
+            match g.ranks.get(&rank) {
+                Some(rc) if rc.client == client => {}
+                Some(_) => return Err(Refusal::new(Code::PermissionDenied, format!("rank {rank} of group `{group}` was registered by another client"))),
+                None => return Err(Refusal::new(Code::BadRequest, format!("group `{group}` has no rank {rank} registered"))),
+            }
+            if usize::from(layers) > g.model.layers.len() {
+                return Err(Refusal::new(Code::BadRequest, format!("{layers} layers produced, but the model of group `{group}` has {}", g.model.layers.len())));
+            }
+        }
+        self.produced.announce(group, request, rank, layers, Duration::from_secs(self.cfg.limits.transfer_timeout_secs))?;
+        Ok(Reply::Announced)
     }
 
     fn register(&self, client: u64, r: RegisterCache, mut fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {

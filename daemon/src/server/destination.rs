@@ -19,7 +19,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::reuse::check_prefix;
 use kvwire_core::schedule::{self, Schedule, Staged};
-use kvwire_core::session::msg::{Accept, Expect, Offer, PeerMsg, PeerRegion, RailAddr};
+use kvwire_core::session::msg::{Accept, Expect, LayerSums, Offer, PeerMsg, PeerRegion, RailAddr};
 use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
@@ -36,10 +36,16 @@ use std::time::{Duration, Instant};
 const PEER_HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// A transfer accepted on a peer connection: its slot, and where its
-/// manifest goes until it arrived.
+/// manifest and per-layer checksums go (its receive thread).
 struct Mine {
     id: SlotId,
-    manifest: Option<Sender<Box<Expect>>>,
+    inbound: Sender<Inbound>,
+}
+
+/// What the peer connection hands a transfer's receive thread.
+enum Inbound {
+    Expect(Box<Expect>),
+    Sums(Box<LayerSums>),
 }
 
 /// The source's side of the plan, from its offer: layout, blocks per
@@ -155,11 +161,17 @@ impl Daemon {
                 }
                 Err(reason) => session.refuse(reason),
             },
+            // Handed to the slot's receive thread, which checks them (the
+            // session passes one manifest per slot, and sums only after it).
             DestinationStep::Expect(e) => {
-                // Handed to the slot's receive thread, which checks it; one
-                // per slot, so the sender goes with it.
-                if let Some(tx) = mine.get_mut(&e.slot).and_then(|m| m.manifest.take()) {
-                    let _ = tx.send(e);
+                if let Some(m) = mine.get(&e.slot) {
+                    let _ = m.inbound.send(Inbound::Expect(e));
+                }
+                return None;
+            }
+            DestinationStep::LayerSums(l) => {
+                if let Some(m) = mine.get(&l.slot) {
+                    let _ = m.inbound.send(Inbound::Sums(l));
                 }
                 return None;
             }
@@ -215,9 +227,9 @@ impl Daemon {
         let src = (o.src_layout.clone(), o.src_num_blocks, o.src_block_table.clone(), o.codec.clone());
         let (mut accept, id) = self.grant(peer, session, o)?;
         match self.receive_for(id, session, src) {
-            Ok((key, len, manifest)) => {
+            Ok((key, len, inbound)) => {
                 (accept.stage_key, accept.stage_len) = (key, len);
-                Ok((accept, Mine { id, manifest: Some(manifest) }))
+                Ok((accept, Mine { id, inbound }))
             }
             Err(r) => {
                 self.fail(id, &r.message);
@@ -300,7 +312,7 @@ impl Daemon {
     /// registration, stages it, expects its bytes, and starts the receive
     /// thread, which waits for the manifest. Returns the staging buffer's
     /// key and size, and where the manifest goes.
-    fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide) -> Result<(u32, u64, Sender<Box<Expect>>), Refusal> {
+    fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide) -> Result<(u32, u64, Sender<Inbound>), Refusal> {
         let mut r = self.receive_of(id, session, src)?;
         let n = r.model.layers.len();
         let c = &r.plan.counters;
@@ -372,28 +384,60 @@ impl Daemon {
     fn checked_manifest(&self, r: &Receive, e: &Expect) -> Result<Manifest, String> {
         let manifest = Manifest::from_json(e.manifest.as_bytes()).map_err(|err| format!("manifest: {err}"))?;
         manifest.check(&r.expected).map_err(|err| err.to_string())?;
-        if self.cfg.verify_checksums && manifest.checksums.is_empty() && r.plan.counters.total_bytes_moved > 0 {
+        if e.layer_sums && !manifest.checksums.is_empty() {
+            return Err("manifest: it carries checksums and says they follow per layer".into());
+        }
+        if self.cfg.verify_checksums && !e.layer_sums && manifest.checksums.is_empty() && r.plan.counters.total_bytes_moved > 0 {
             return Err("this daemon verifies checksums and the manifest carries none".into());
         }
         Ok(manifest)
+    }
+
+    /// A streamed transfer: waits (until `deadline`) for layer `layer`'s
+    /// checksums, adding each layer's that arrives to the manifest.
+    fn await_layer_sums(&self, r: &Receive, inbound: &Receiver<Inbound>, manifest: &mut Manifest, arrived: &mut Vec<bool>, layer: usize, deadline: Instant) -> Result<(), String> {
+        while !arrived[layer] {
+            let sums = match inbound.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+                Ok(Inbound::Sums(l)) => l,
+                // The session passes one manifest per slot.
+                Ok(Inbound::Expect(_)) => continue,
+                Err(RecvTimeoutError::Timeout) => return Err(format!("no checksums for layer {layer} within the transfer timeout")),
+                Err(RecvTimeoutError::Disconnected) => return Err(format!("the source's connection ended before layer {layer}'s checksums")),
+            };
+            let l = usize::from(sums.layer);
+            if l >= arrived.len() {
+                return Err(format!("checksums for layer {l}; the model has {}", arrived.len()));
+            }
+            manifest.add_layer_checksums(u32::from(sums.layer), &sums.checksums).map_err(|e| e.to_string())?;
+            arrived[l] = true;
+            if self.cfg.verify_checksums && sums.checksums.is_empty() && r.schedule.layers[l].wire_bytes > 0 {
+                return Err(format!("this daemon verifies checksums and layer {l}'s carry none"));
+            }
+        }
+        Ok(())
     }
 
     /// The receive thread: checks the manifest as it arrives (the bytes may
     /// be landing already); then per layer, waits for its bytes, unpacks,
     /// verifies, copies to the device, and publishes `layer_ready`; then
     /// `decoder_usable`. The first failure fails the transfer.
-    fn receive(&self, r: &Receive, manifests: Receiver<Box<Expect>>) {
+    fn receive(&self, r: &Receive, inbound: Receiver<Inbound>) {
         let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
         let start = Instant::now();
-        let manifest = match manifests.recv_timeout(timeout) {
-            Ok(e) => match self.checked_manifest(r, &e) {
-                Ok(m) => m,
+        let (mut manifest, streamed) = match inbound.recv_timeout(timeout) {
+            Ok(Inbound::Expect(e)) => match self.checked_manifest(r, &e) {
+                Ok(m) => (m, e.layer_sums),
                 Err(why) => {
                     tracing::warn!(why, "manifest refused; no flag for this transfer");
                     self.fail(r.id, why);
                     return;
                 }
             },
+            // The session passes sums only after the manifest.
+            Ok(Inbound::Sums(_)) => {
+                self.fail(r.id, "layer checksums before the manifest");
+                return;
+            }
             Err(RecvTimeoutError::Timeout) => {
                 self.fail(r.id, format!("no manifest within {}s of the accept", timeout.as_secs()));
                 return;
@@ -402,6 +446,7 @@ impl Daemon {
             // connection closed): it was failed there.
             Err(RecvTimeoutError::Disconnected) => return,
         };
+        let mut arrived = vec![false; r.schedule.layers.len()];
         for layer in 0..r.schedule.layers.len() {
             let tag = Tag { slot: r.id.slot, layer: layer as u16 };
             if let Err(err) = self.ep.placement().wait(tag, timeout.saturating_sub(start.elapsed())) {
@@ -409,6 +454,14 @@ impl Daemon {
                 return;
             }
             self.slot_mark(r.id, Boundary::HostReceived(layer));
+            // A streamed layer's checksums came just before its bytes.
+            if streamed && self.cfg.verify_checksums {
+                if let Err(why) = self.await_layer_sums(r, &inbound, &mut manifest, &mut arrived, layer, start + timeout) {
+                    tracing::warn!(layer, why, "layer checksums refused; no flag for this layer");
+                    self.fail(r.id, why);
+                    return;
+                }
+            }
             if let Err(why) = self.land_layer(r, &manifest, layer) {
                 self.fail(r.id, why);
                 return;

@@ -18,6 +18,7 @@ mod device;
 mod error;
 mod kept;
 mod link;
+mod produced;
 mod rails;
 mod source;
 mod staging;
@@ -105,6 +106,8 @@ pub struct Daemon {
     data_conns: kept::Kept<(usize, String, u64), Box<dyn kvwire_transport::Connection>>,
     // Threads kept for transfers' work.
     workers: workers::Workers,
+    // Layers engines announced as written, for streamed submits.
+    produced: produced::Produced,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -233,6 +236,7 @@ impl Daemon {
             peer_conns: kept::Kept::new(KEEP_PER_KEY),
             data_conns: kept::Kept::new(KEEP_PER_KEY),
             workers: workers::Workers::default(),
+            produced: produced::Produced::default(),
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();

@@ -74,7 +74,9 @@ impl Daemon {
 
     /// Sends every batch, cut into slices striped across the destination's
     /// rails (`stripe`), until each completed at least once; records per
-    /// rail what it carried and what was sent again, either way.
+    /// rail what it carried and what was sent again, either way. `total`
+    /// holds what earlier calls for the same transfer moved (a streamed
+    /// transfer calls once per layer); the return is it with this call's added.
     pub(super) fn move_bytes(
         &self,
         id: SlotId,
@@ -83,6 +85,7 @@ impl Daemon {
         batches: Vec<Batch>,
         stop: &Arc<AtomicBool>,
         link: &Arc<PeerLink>,
+        total: &mut stripe::Outcome,
     ) -> Result<stripe::Outcome, String> {
         let t = &self.cfg.transport;
         let (rank_mask, key_rank) = prefer;
@@ -115,6 +118,7 @@ impl Daemon {
             local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr, cred)
         };
         let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| self.data_conns.keep((i, rail.addr.clone(), cred.session), c, || self.keeping());
+        let total_posted = total.writes + total.bytes;
         // Setup ends at the first post, on whichever rail: handshake,
         // planning, manifest, packing, data-plane connect.
         let posting = std::sync::Once::new();
@@ -124,7 +128,12 @@ impl Daemon {
         let inflight: Mutex<HashMap<(String, String), u64>> = Mutex::new(HashMap::new());
         let event = |rail: &RailAddr, e: stripe::RailEvent<'_>| {
             if matches!(e, stripe::RailEvent::Starting) {
-                posting.call_once(|| self.slot_mark(id, Boundary::Posting));
+                // A streamed transfer posts once per layer: the first counts.
+                posting.call_once(|| {
+                    if total_posted == 0 {
+                        self.slot_mark(id, Boundary::Posting)
+                    }
+                });
             }
             self.rail_event_in_slot(id, rail, &e);
             self.rail_event_in_metrics(&inflight, rail, &e);
@@ -144,16 +153,17 @@ impl Daemon {
             }
         }
         Metrics::add(&self.metrics.retransmitted_bytes, outcome.retransmitted);
+        total.absorb(&outcome);
         self.with_slot(id, |s| {
-            s.retransmitted = outcome.retransmitted;
-            s.rails = outcome.rails.clone();
+            s.retransmitted = total.retransmitted;
+            s.rails = total.rails.clone();
         });
         result.map_err(|e| format!("peer `{}`: {e}", link.peer))?;
         // `wire` per transfer: the links' busy span, first post to last
         // completion (slices overlap, so per-slice times would double count).
         self.slot_hop(id, Hop::Post, outcome.post_time, outcome.bytes);
         self.slot_hop(id, Hop::Wire, outcome.wire, outcome.bytes);
-        Ok(outcome)
+        Ok(total.clone())
     }
 
     /// The transfer's status shows its rails while it runs.

@@ -14,13 +14,14 @@ use super::{read_mem, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
+use crate::stripe::Outcome;
 use kvwire_client::control::*;
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
-use kvwire_core::manifest::Manifest;
-use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
+use kvwire_core::manifest::{checksums_at_source, LayerChecksum, Manifest};
+use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Side};
 use kvwire_core::reuse::CacheIdentity;
-use kvwire_core::schedule::{self, Schedule, WriteTarget};
+use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
 use kvwire_core::session::msg::{Accept, Expect, Offer, RailAddr};
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
@@ -53,6 +54,21 @@ struct Planned {
     dst: Side,
     plan: Plan,
     schedule: Schedule,
+}
+
+/// What a transfer's status reports of its size, known before any byte moves.
+struct Size {
+    layers: usize,
+    counters: PlanCounters,
+    stage_bytes: u64,
+    // Bytes the batches write (packed and coded as they go).
+    wire: u64,
+}
+
+impl Size {
+    fn of(g: &SourceGroup, p: &Planned) -> Size {
+        Size { layers: g.model.layers.len(), counters: p.plan.counters.clone(), stage_bytes: p.schedule.stage_bytes, wire: p.schedule.wire_bytes() }
+    }
 }
 
 /// Per destination rank, the rails it prefers (a bit per rail), and the
@@ -112,6 +128,9 @@ impl Daemon {
         let accept = self.negotiate(id, peer, offer, link)?;
         let l = link.as_ref().expect("negotiated").clone();
         let p = plan_against(&g, &s, &accept, codec)?;
+        if s.stream {
+            return self.stream_source(id, stop, s, g, p, codec, accept, l);
+        }
         if !g.devices.is_empty() {
             // A device-resident source is copied into its host mirror first:
             // the manifest's checksums, packing and the wire all read the mirror.
@@ -119,28 +138,84 @@ impl Daemon {
             self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, 0..n)
                 .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging: {e}")))?;
         }
-        let manifest = self.manifest(id, &g, &s, &p, codec)?;
-        let expect = Expect { slot: accept.slot, manifest: manifest.to_json() };
+        self.expect_and_beat(id, &g, &s, &p, codec, &accept, &l)?;
+        let src_stage = self.pack(id, &g, &p, codec)?;
+        let batches = match batches(&g, &p, &accept, src_stage.as_ref()) {
+            Ok(b) => b,
+            Err(r) => {
+                self.drop_src_stage(src_stage);
+                return Err(r);
+            }
+        };
+        let (rails, prefer) = rails_of(&accept);
+        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut Default::default());
+        self.post(id, stop, s, Size::of(&g, &p), codec, accept, src_stage, l.clone(), mover)
+    }
+
+    /// The manifest out (checksums in it, or to follow per layer when the
+    /// transfer streams), then the heartbeat: from here the destination
+    /// waits for bytes, so keep it told that this side is alive, and learn
+    /// at once if it is not.
+    #[allow(clippy::too_many_arguments)] // the phases' inputs
+    fn expect_and_beat(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(), Refusal> {
+        let manifest = self.manifest(id, g, s, p, codec)?;
+        let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: s.stream };
         Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
         l.send_expect(expect, p.schedule.stage_bytes)?;
-        // From here the destination waits for bytes: keep it told that this
-        // side is alive, and learn at once if it is not.
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
         let beat = l.clone();
         self.workers
             .spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked"))
             .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
-        let src_stage = self.pack(id, &g, &p, codec)?;
+        Ok(())
+    }
+
+    /// A streamed submit: the destination accepted and the manifest's
+    /// claims are out; the reply goes back now, and the transfer thread
+    /// moves each layer once every source rank holding part of it said it
+    /// is written ([`super::produced`]): stage it from the device, hash it,
+    /// send its checksums, pack it, post it. The layers' waits share the
+    /// transfer timeout.
+    #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
+    fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
+        self.expect_and_beat(id, &g, &s, &p, codec, &accept, &l)?;
+        let src_stage = self.stage_buffer(p.schedule.stage_bytes)?;
         let batches = match batches(&g, &p, &accept, src_stage.as_ref()) {
             Ok(b) => b,
             Err(r) => {
-                if let Some(stage) = &src_stage {
-                    self.revoke_key(stage.key);
-                }
+                self.drop_src_stage(src_stage);
                 return Err(r);
             }
         };
-        self.post(id, stop, s, g, p, codec, accept, src_stage, batches, l.clone())
+        // Per layer, the source ranks it reads: only those must have written it.
+        let n = g.model.layers.len();
+        let mut readers: Vec<Vec<u32>> = vec![Vec::new(); n];
+        for seg in &p.plan.segments {
+            let r = &mut readers[seg.dst_region.layer as usize];
+            if !r.contains(&seg.src_rank) {
+                r.push(seg.src_rank);
+            }
+        }
+        let size = Size::of(&g, &p);
+        let (rails, prefer) = rails_of(&accept);
+        let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+        let stage = src_stage.clone();
+        let (group, request) = (s.group.clone(), s.request.clone());
+        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
+            let mut total = crate::stripe::Outcome::default();
+            let moved = (|| {
+                for (layer, batch) in batches.into_iter().enumerate() {
+                    d.produced.wait(&group, &request, &readers[layer], layer as u16, deadline, stop)?;
+                    d.slot_mark(id, Boundary::Produced(layer));
+                    d.stream_layer(id, &g, &p, codec, layer, stage.as_deref(), link).map_err(|r| r.message)?;
+                    d.move_bytes(id, &rails, &prefer, vec![batch], stop, link, &mut total)?;
+                }
+                Ok(())
+            })();
+            d.produced.forget(&group, &request);
+            moved.map(|()| total)
+        };
+        self.post(id, stop, s, size, codec, accept, src_stage, l, mover)
     }
 
     /// The submit's source group, complete, and its side for the request.
@@ -215,8 +290,22 @@ impl Daemon {
 
     /// The manifest: identity, shapes, maps, positions, and checksums of
     /// what the destination must hold — the source bytes, or with a codec
-    /// the source bytes as the destination will decode them.
+    /// the source bytes as the destination will decode them. A streamed
+    /// transfer's checksums follow layer by layer instead; with checksums
+    /// off there are none.
     fn manifest(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>) -> Result<Manifest, Refusal> {
+        let mut m = Manifest::claims(&g.identity, &g.model, &g.side, &p.dst, &p.plan, &s.dst_request).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
+        if self.cfg.verify_checksums && !s.stream {
+            let started = Instant::now();
+            m.checksums = self.source_sums(g, p, codec, |_, _| true)?;
+            self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
+        }
+        Ok(m)
+    }
+
+    /// Checksums of the source bytes of the (destination rank, layer)
+    /// pairs `keep` accepts, as the destination will hold them.
+    fn source_sums(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, keep: impl Fn(u32, u32) -> bool) -> Result<Vec<LayerChecksum>, Refusal> {
         let elem = codec.and_then(|c| c.element_bytes(&g.format).ok()).unwrap_or(0);
         let dim_of = |region: RegionId| {
             g.model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
@@ -233,77 +322,115 @@ impl Daemon {
                 None => Some(raw),
             }
         };
-        let started = Instant::now();
-        // With checksums off, the manifest still carries every identity
-        // claim; hashing no segments leaves its checksum list empty.
-        let unhashed;
-        let hashed = if self.cfg.verify_checksums {
-            &p.plan
-        } else {
-            unhashed = Plan { segments: vec![], counters: p.plan.counters.clone(), ..p.plan.clone() };
-            &unhashed
-        };
-        let m = Manifest::for_plan(&g.identity, &g.model, &g.side, &p.dst, hashed, &s.dst_request, read)
-            .map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
-        if self.cfg.verify_checksums {
-            self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
+        checksums_at_source(&p.plan, read, keep).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))
+    }
+
+    /// One layer of a streamed transfer, once it is written: device →
+    /// host staging, its checksums out (before any of its bytes, so the
+    /// destination can verify it as soon as they land), and its staged
+    /// segments packed.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts, each used once
+    fn stream_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
+        if !g.devices.is_empty() {
+            self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1)
+                .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging of layer {layer}: {e}")))?;
         }
-        Ok(m)
+        let sums = if self.cfg.verify_checksums {
+            let started = Instant::now();
+            let sums = self.source_sums(g, p, codec, |_, l| l as usize == layer)?;
+            let bytes = p.plan.segments.iter().filter(|sg| sg.dst_region.layer as usize == layer).map(|sg| sg.bytes()).sum();
+            self.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
+            sums
+        } else {
+            Vec::new()
+        };
+        link.send_layer_sums(layer as u16, sums)?;
+        let staged = &p.schedule.layers[layer].staged;
+        if let (Some(stage), false) = (stage, staged.is_empty()) {
+            let started = Instant::now();
+            let bytes = self.pack_into(stage, g, p, codec, staged)?;
+            self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
+        }
+        Ok(())
     }
 
     /// Packs (and encodes) the staged segments into one registered buffer.
     fn pack(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<Option<Arc<Region>>, Refusal> {
-        let total = p.schedule.stage_bytes;
+        let started = Instant::now();
+        let Some(stage) = self.stage_buffer(p.schedule.stage_bytes)? else { return Ok(None) };
+        match self.pack_into(&stage, g, p, codec, &p.schedule.staged) {
+            Ok(bytes) => {
+                self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
+                Ok(Some(stage))
+            }
+            Err(r) => {
+                self.drop_src_stage(Some(stage));
+                Err(r)
+            }
+        }
+    }
+
+    /// A registered staging buffer of `total` bytes from the pool (none
+    /// when nothing is staged).
+    fn stage_buffer(&self, total: u64) -> Result<Option<Arc<Region>>, Refusal> {
         if total == 0 {
             return Ok(None);
         }
-        let started = Instant::now();
         let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
         let mem = self.stage_pool.take(total).map_err(|e| failed(&e))?;
-        for st in &p.schedule.staged {
+        self.register_region(mem, 0, total, None).map(Some).map_err(|e| failed(&e))
+    }
+
+    /// Packs (and encodes) `staged` into the staging buffer; returns the bytes written.
+    fn pack_into(&self, stage: &Region, g: &SourceGroup, p: &Planned, codec: Option<Codec>, staged: &[Staged]) -> Result<u64, Refusal> {
+        let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
+        let mut total = 0;
+        for st in staged {
             let seg = &p.plan.segments[st.seg];
             let r = g.regions.get(&(seg.src_rank, seg.src_region)).ok_or_else(|| failed(&"source region missing"))?;
+            total += st.size;
             if codec.is_none() {
                 // Runs go straight from the cache into staging: one copy each.
                 for (k, (so, _)) in seg.runs().enumerate() {
-                    r.mem.copy_to(r.offset + so, &mem, st.offset + k as u64 * seg.len, seg.len).map_err(|e| failed(&e))?;
+                    r.mem.copy_to(r.offset + so, &stage.mem, stage.offset + st.offset + k as u64 * seg.len, seg.len).map_err(|e| failed(&e))?;
                 }
                 continue;
             }
             let bytes = schedule::pack(seg, st, &g.format, codec, |o, l| read_mem(&r.mem, r.offset + o, l)).ok_or_else(|| failed(&"cannot read a packed source run"))?;
-            mem.write(st.offset, &bytes).map_err(|e| failed(&e))?;
+            stage.mem.write(stage.offset + st.offset, &bytes).map_err(|e| failed(&e))?;
         }
-        let region = self.register_region(mem, 0, total, None).map_err(|e| failed(&e))?;
-        self.slot_hop(id, Hop::Pack, started.elapsed(), total);
-        Ok(Some(region))
+        Ok(total)
     }
 
-    /// Post: records the transfer's size and hands the batches to the
-    /// transfer thread, which stripes them over the rails and ends the
-    /// transfer (`source_released`, `Done`) or fails it (`Abort`).
+    /// Revokes a source staging buffer and hands its memory back to the pool.
+    fn drop_src_stage(&self, stage: Option<Arc<Region>>) {
+        if let Some(stage) = stage {
+            self.revoke_key(stage.key);
+            self.stage_pool.give(stage, || self.keeping());
+        }
+    }
+
+    /// Post: records the transfer's size and starts the transfer thread,
+    /// which runs `mover` (striping the batches over the rails) and ends
+    /// the transfer (`source_released`, `Done`) or fails it (`Abort`).
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn post(
         self: &Arc<Self>,
         id: SlotId,
         stop: Arc<AtomicBool>,
         s: Submit,
-        g: SourceGroup,
-        p: Planned,
+        size: Size,
         codec: Option<Codec>,
         accept: Box<Accept>,
         src_stage: Option<Arc<Region>>,
-        batches: Vec<Batch>,
         link: Arc<PeerLink>,
+        mover: impl FnOnce(&Arc<Daemon>, &Arc<AtomicBool>, &Arc<PeerLink>) -> Result<Outcome, String> + Send + 'static,
     ) -> Result<Reply, Refusal> {
-        let wire: u64 = batches.iter().map(Batch::bytes).sum();
-        let c = &p.plan.counters;
-        self.with_slot(id, |sl| sl.sized(g.model.layers.len(), c, wire));
+        let c = &size.counters;
+        self.with_slot(id, |sl| sl.sized(size.layers, c, size.wire));
         Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
-        let (payload, stage_total) = (c.total_bytes_moved, p.schedule.stage_bytes);
+        let (payload, stage_total) = (c.total_bytes_moved, size.stage_bytes);
         let reply = Reply::Submitted { slot: id.slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
-        let prefer = rail_preference(&accept);
-        // A peer of an older build names one rail: its data address.
-        let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
         let d = self.clone();
         let thread_link = link.clone();
         let (peer_name, peer_addr) = (link.peer.clone(), link.addr.clone());
@@ -317,11 +444,8 @@ impl Daemon {
         let spawned = self.workers.spawn("kvwired-xfer", move || {
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
-            let result = d.move_bytes(id, &rails, &prefer, batches, &stop, &thread_link);
-            if let Some(stage) = src_stage {
-                d.revoke_key(stage.key);
-                d.stage_pool.give(stage, || d.keeping());
-            }
+            let result = mover(&d, &stop, &thread_link);
+            d.drop_src_stage(src_stage);
             match result {
                 Ok(outcome) => {
                     let (bytes, writes) = (outcome.bytes, outcome.writes);
@@ -405,6 +529,19 @@ impl PeerLink {
         let m = self.session(|s| s.expect(Instant::now(), e, stage_bytes)).map_err(|e| Refusal::new(Code::PeerRefused, format!("peer `{}`: {e}", self.peer)))?;
         self.send(&m).map_err(|e| negotiation_failed(&self.peer, e, "refused the transfer"))
     }
+
+    /// A streamed layer's checksums out, answered by nothing: its writes follow.
+    fn send_layer_sums(&self, layer: u16, sums: Vec<LayerChecksum>) -> Result<(), Refusal> {
+        let m = self.session(|s| s.layer_sums(layer, sums)).map_err(|e| Refusal::new(Code::TransferFailed, format!("peer `{}`: {e}", self.peer)))?;
+        self.send(&m).map_err(|e| negotiation_failed(&self.peer, e, "refused the transfer"))
+    }
+}
+
+/// The destination's rails (a peer of an older build names one: its data
+/// address), and which each of its ranks prefers.
+fn rails_of(accept: &Accept) -> (Vec<RailAddr>, RailPreference) {
+    let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
+    (rails, rail_preference(accept))
 }
 
 /// A failed exchange as the client sees it: the peer's refusal, a reply

@@ -142,6 +142,8 @@ pub(crate) struct SlotId {
 pub(crate) enum Boundary {
     Enqueued,
     Posting,
+    // A streamed source: every rank reading layer L announced it written.
+    Produced(usize),
     SourceReleased,
     HostReceived(usize),
     DeviceComplete(usize),
@@ -154,6 +156,7 @@ impl std::fmt::Display for Boundary {
         match self {
             Boundary::Enqueued => f.write_str("enqueued"),
             Boundary::Posting => f.write_str("posting"),
+            Boundary::Produced(l) => write!(f, "produced({l})"),
             Boundary::SourceReleased => f.write_str("source_released"),
             Boundary::HostReceived(l) => write!(f, "host_received({l})"),
             Boundary::DeviceComplete(l) => write!(f, "device_complete({l})"),

@@ -113,6 +113,7 @@ pub(crate) fn submit_to(c: &Client, peer: &str, s: &Side, tokens: u64, dst_reque
         dst_group: "decode".into(),
         dst_request: dst_request.into(),
         codec: None,
+        stream: false,
     })
 }
 

@@ -5,4 +5,5 @@ mod daemons;
 mod discovery;
 mod hostile;
 mod metrics;
+mod stream;
 mod tensors;

@@ -184,6 +184,7 @@ fn transfer(name: &str, src_e: Engine, dst_e: Engine, tokens: u64) {
             dst_group: "decode".into(),
             dst_request: "r1".into(),
             codec: None,
+            stream: false,
         })
         .unwrap();
     assert_eq!(sub.bytes, LAYERS * HEADS * DIM * 2 * 2 * tokens);

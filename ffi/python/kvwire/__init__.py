@@ -147,6 +147,8 @@ _register_tensors = _sig(
 )
 _prepare = _sig("kvw_prepare_receive", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _u64, _P(_u16))
 _submit = _sig("kvw_submit", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
+_submit_streamed = _sig("kvw_submit_streamed", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
+_produced = _sig("kvw_produced", _u32, _vp, _c, _c, _u32, _u16)
 _wait = _sig("kvw_wait", _u32, _vp, _u16, _u32, _u32, _u64, _P(_u64))
 _is_ready = _sig("kvw_is_ready", _u32, _vp, _u16, _u32, _u32, _P(ctypes.c_bool))
 _status = _sig("kvw_status", _u32, _vp, _u16, _P(_u32))
@@ -388,12 +390,15 @@ class Client(_Handle):
         self._call(_prepare, _b(group), _b(request), arr, n, tokens, prefix_tokens, ctypes.byref(slot))
         return slot.value
 
-    def submit(self, request: str, group: str, block_table: Sequence[int], tokens: int, peer: str, dst_group: str, dst_request: str) -> Tuple[int, int]:
-        """Starts a transfer; returns ``(slot, peer_slot)``."""
+    def submit(self, request: str, group: str, block_table: Sequence[int], tokens: int, peer: str, dst_group: str, dst_request: str, stream: bool = False) -> Tuple[int, int]:
+        """Starts a transfer; returns ``(slot, peer_slot)``. With ``stream``,
+        the engine is still writing the layers: the call returns once the
+        destination accepted, and each layer moves once every source rank
+        holding part of it said so with :meth:`produced`."""
         arr, n = _table(block_table)
         slot, peer_slot = _u16(0), _u16(0)
         self._call(
-            _submit,
+            _submit_streamed if stream else _submit,
             _b(request),
             _b(group),
             arr,
@@ -406,6 +411,12 @@ class Client(_Handle):
             ctypes.byref(peer_slot),
         )
         return slot.value, peer_slot.value
+
+    def produced(self, group: str, request: str, rank: int, layers: int) -> None:
+        """Layers ``0..layers`` of ``request`` (as its submit names it) are
+        written on ``rank`` of ``group``: a streamed submit moves them. Only
+        the client that registered the rank may say so."""
+        self._call(_produced, _b(group), _b(request), rank, layers)
 
     def wait(self, slot: int, flag: int, layer: int = 0, timeout_ms: int = 30000) -> int:
         """Blocks until the flag is published (reading the mapped page; the

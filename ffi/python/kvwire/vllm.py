@@ -65,12 +65,19 @@ the metadata the scheduler builds each step):
   synchronous loads; it therefore only waits on transfers prepared in an
   earlier step.
 * **Producer.** ``build_connector_meta`` finds the requests whose prompt
-  is complete after this step; the worker's ``wait_for_save`` (after the
-  forward wrote their KV) submits each to the consumer's daemon from a
-  thread of its own, retrying while the destination answers that the
-  request is not prepared yet (the consumer prepares when its engine
-  allocates blocks; a bounded backoff, ``submit_timeout_s``), then waits for
-  ``source_released``. ``request_finished`` keeps the blocks
+  is complete after this step. As the worker binds the step's metadata,
+  before its forward, rank 0 submits each to the consumer's daemon as a
+  streamed transfer, from a thread of its own, retrying while the
+  destination answers that the request is not prepared yet (the consumer
+  prepares when its engine allocates blocks; a bounded backoff,
+  ``submit_timeout_s``). ``save_kv_layer(L)`` comes after the forward wrote
+  layer L: every rank then tells its daemon that layer L of the step's
+  requests is written (``Client.produced``, from a thread, so the forward
+  never waits on a socket), and the daemon hashes and sends that layer
+  while the forward computes the next. ``wait_for_save`` says every layer
+  is written, in case a layer had no ``save_kv_layer``. The send thread
+  then waits for ``source_released``. With ``"stream": false`` the submit
+  waits for ``wait_for_save`` and moves the request whole. ``request_finished`` keeps the blocks
   (returns True) and ``get_finished`` frees them once released. The
   destination's verdict comes back later (the source's own
   ``decoder_usable``, or the destination's reason): it is traced, not
@@ -81,9 +88,7 @@ shared under a token made from vLLM's engine id); rank 0 prepares or
 submits for the group, and the other ranks report at once, since vLLM
 waits for every rank's report before it frees or schedules a request.
 
-Not yet: layer-by-layer streaming at the source (the daemon moves a
-request after the whole forward; ``save_kv_layer`` is recorded, not used),
-synchronous loads, pipeline parallelism, the hybrid allocator
+Not yet: synchronous loads, pipeline parallelism, the hybrid allocator
 (``SupportsHMA``), and vLLM's GPU layouts (refused by name). With ``"trace": PATH`` in the extra config,
 the hook calls of every step with kvwire work in it, the per-request
 hooks, and every transfer's marks are appended to PATH as JSON lines.
@@ -95,6 +100,7 @@ import hashlib
 import json
 import math
 import os
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -211,6 +217,8 @@ class KvwireConnector(KVConnectorBase_V1):
         self._tenant: str = extra.get("tenant", "default")
         self._submit_timeout = float(extra.get("submit_timeout_s", 60.0))
         self._recv_timeout = float(extra.get("recv_timeout_s", 120.0))
+        # Move each layer as the producer's forward writes it (else the request whole, after the forward).
+        self._stream = bool(extra.get("stream", True))
         # Trace a digest of each request's KV rows as the producer sends them and as the consumer got them.
         self._digest = bool(extra.get("digest", False))
         self._block_size: int = vllm_config.cache_config.block_size
@@ -325,6 +333,11 @@ class KvwireConnector(KVConnectorBase_V1):
         self._sends_open: Set[str] = set()  # submitted (or left to rank 0), not yet reported
         self._released: Set[str] = set()
         self._finished_seen: Set[str] = set()
+        self._step_sends: List[SendSpec] = []
+        # (vLLM request id, layers written) for the daemon, sent from a thread of their own.
+        self._announce: "queue.Queue[List[Tuple[str, int]]]" = queue.Queue()
+        if self._producer:
+            threading.Thread(target=self._announcer, name="kvwire-produced", daemon=True).start()
 
     def register_kv_caches(self, kv_caches: Dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
@@ -429,6 +442,10 @@ class KvwireConnector(KVConnectorBase_V1):
         # Steps with kvwire work in them are traced hook by hook; the others (vLLM steps while it waits) are not.
         self._busy = bool(connector_metadata.recvs or connector_metadata.sends or connector_metadata.loaded)
         self._step_trace("bind_connector_metadata")
+        self._step_sends = list(connector_metadata.sends)
+        if self._stream:
+            # Before the forward: the submit's round trip overlaps it, and each layer moves as it is written.
+            self._start_sends(self._step_sends)
 
     def _step_trace(self, event: str, **fields: Any) -> None:
         if getattr(self, "_busy", False):
@@ -441,25 +458,57 @@ class KvwireConnector(KVConnectorBase_V1):
             self._client.wait(slot, LAYER_READY, layer, timeout_ms=int(self._recv_timeout * 1000))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any) -> None:
-        # Layer-by-layer streaming at the source needs the daemon to take a
-        # submit before the layers exist; the whole request moves after the forward.
-        self._step_trace("save_kv_layer", layer=self._layer_index.get(layer_name))
+        layer = self._layer_index.get(layer_name)
+        self._step_trace("save_kv_layer", layer=layer)
+        if self._stream and self._step_sends and layer is not None:
+            # Layers 0..layer are written for every request of the step (the forward goes in layer order).
+            self._announce.put([(s.req_id, layer + 1) for s in self._step_sends])
+
+    def _announcer(self) -> None:
+        """Tells the daemon which layers are written, off the forward's
+        thread; announcements waiting together go as the latest per request."""
+        while True:
+            latest: Dict[str, int] = {}
+            for req, n in self._announce.get():
+                latest[req] = max(n, latest.get(req, 0))
+            while True:
+                try:
+                    more = self._announce.get_nowait()
+                except queue.Empty:
+                    break
+                for req, n in more:
+                    latest[req] = max(n, latest.get(req, 0))
+            for req, n in latest.items():
+                try:
+                    self._client.produced(self._group, req, self._rank, n)
+                except KvwireError as e:
+                    self._trace("produced_failed", req=req, layers=n, why=str(e))
+                except Exception:  # the client closed at shutdown
+                    return
+
+    def _start_sends(self, sends: List[SendSpec]) -> None:
+        for s in sends:
+            with self._lock:
+                self._sends_open.add(s.req_id)
+            if not self._leader:
+                continue
+            threading.Thread(target=self._send, args=(s,), name="kvwire-send-%s" % s.req_id, daemon=True).start()
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvwireMetadata)
         self._step_trace("wait_for_save", sends=len(meta.sends))
+        if self._stream and meta.sends:
+            self._announce.put([(s.req_id, len(self._kv)) for s in meta.sends])
+        elif meta.sends:
+            self._start_sends(meta.sends)
         for s in meta.sends:
-            with self._lock:
-                self._sends_open.add(s.req_id)
             if self._digest:
                 self._trace("send_digest", req=s.req_id, request=s.dst_request, rank=self._rank, heads=self._head_digests(s.block_ids))
             if not self._leader:
                 # One submit moves every rank's blocks: rank 0 makes it and reports when they are released.
                 with self._lock:
                     self._released.add(s.req_id)
-                continue
-            threading.Thread(target=self._send, args=(s,), name="kvwire-send-%s" % s.req_id, daemon=True).start()
 
     def _send(self, s: SendSpec) -> None:
         """Submits (retrying while the consumer has not prepared), then waits
@@ -472,7 +521,7 @@ class KvwireConnector(KVConnectorBase_V1):
         while True:
             attempts += 1
             try:
-                slot, _ = self._client.submit(s.req_id, self._group, s.block_ids, s.tokens, s.peer, s.dst_group, s.dst_request)
+                slot, _ = self._client.submit(s.req_id, self._group, s.block_ids, s.tokens, s.peer, s.dst_group, s.dst_request, stream=self._stream)
                 break
             except KvwireError as e:
                 if e.code == KVW_PEER_REFUSED and "is not prepared" in e.message and time.monotonic() < deadline:

@@ -387,6 +387,7 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
         dst_group: "dst".into(),
         dst_request: "r".into(),
         codec: None,
+        stream: false,
     });
     // Which one depends on whether the daemon has let the group go yet;
     // either way the outcome is named.
@@ -741,6 +742,7 @@ mod gpu {
                 dst_group: "gdst".into(),
                 dst_request: "big".into(),
                 codec: None,
+                stream: false,
             })
             .unwrap();
         assert_eq!(moved, bytes);

@@ -191,6 +191,7 @@ fn start(ca: &Client, cb: &Client, peer: &str, c: &Cache, src_group: &str, reque
             dst_group: "dst".into(),
             dst_request: request.into(),
             codec: None,
+            stream: false,
         })
         .unwrap();
     assert_eq!(peer_slot, dslot);

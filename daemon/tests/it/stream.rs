@@ -1,0 +1,170 @@
+//! Streamed submits: the source's engine writes its cache layer by layer
+//! and says so (`produced`); two real daemons move each layer only once
+//! every source rank reading it has said it is written, and the
+//! destination publishes it before the next one exists.
+
+use crate::daemons::{identity_of, model, read_back, register, side, Side_, DST, SRC, WAIT};
+use kvwire_client::client::{Client, ClientError};
+use kvwire_client::control::*;
+use kvwire_core::plan::Buffers;
+use kvwire_core::verify;
+use kvwire_testkit::{start_daemon, DaemonProc, TempDir};
+use std::time::Duration;
+
+const SECRET: &str = "a-secret-of-at-least-16-bytes";
+
+struct Pair {
+    _dir: TempDir,
+    _a: DaemonProc,
+    _b: DaemonProc,
+    ca: Client,
+    cb: Client,
+    a_socket: std::path::PathBuf,
+}
+
+fn pair(name: &str) -> Pair {
+    let dir = TempDir::new(name);
+    let b = start_daemon(dir.path(), "b", SECRET, &[], "");
+    let a = start_daemon(dir.path(), "a", SECRET, &[("b", &b.peer)], "");
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    let a_socket = a.socket.clone();
+    Pair { _dir: dir, _a: a, _b: b, ca, cb, a_socket }
+}
+
+/// The engine's forward pass reaching layer `layer` on `rank`: its bytes
+/// land in the source memfd (which held none of them until now).
+fn write_layer(src: &Side_, bytes: &Buffers, rank: u32, layer: u32) {
+    let mut off = 0;
+    for (id, len) in src.side.regions(&model(), rank) {
+        if id.layer == layer {
+            src.mems[rank as usize].write(off, &bytes.ranks[rank as usize][&id]).unwrap();
+        }
+        off += len;
+    }
+}
+
+fn streamed(request: &str, src: &Side_, tokens: u64) -> Submit {
+    Submit {
+        request: request.into(),
+        group: "prefill".into(),
+        block_table: src.side.block_table.clone(),
+        tokens,
+        peer: "b".into(),
+        dst_group: "decode".into(),
+        dst_request: request.into(),
+        codec: None,
+        stream: true,
+    }
+}
+
+#[test]
+fn a_streamed_transfer_publishes_each_layer_before_the_next_is_written() {
+    let p = pair("stream");
+    let tokens = 100;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let bytes = verify::fill_source(&model(), &ss, tokens);
+    // The source registers an empty cache: the engine has computed nothing yet.
+    let src = register(&p.ca, "prefill", SRC, &ss, None, identity_of("toy-digest", "t1"));
+    let dst = register(&p.cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
+    for m in &dst.mems {
+        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
+    }
+    let slot = p.cb.prepare(PrepareReceive { group: "decode".into(), request: "s1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    // The submit returns once the destination accepted: nothing is written yet.
+    let sub = p.ca.submit(streamed("s1", &src, tokens)).unwrap();
+    assert_eq!(sub.peer_slot, slot);
+    let ranks = ss.shard.ranks.len() as u32;
+    for layer in 0..4u16 {
+        for rank in 0..ranks {
+            write_layer(&src, &bytes, rank, layer.into());
+            if rank + 1 < ranks {
+                p.ca.produced("prefill", "s1", rank, layer + 1).unwrap();
+            }
+        }
+        // Every destination rank reads every source rank here: with one rank
+        // silent, the layer does not move.
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!p.cb.ready(slot, FlagName::LayerReady(layer)), "layer {layer} published before rank {} said it was written", ranks - 1);
+        p.ca.produced("prefill", "s1", ranks - 1, layer + 1).unwrap();
+        p.cb.wait(slot, FlagName::LayerReady(layer), WAIT).unwrap();
+        // The next layer does not exist yet, and is not published.
+        if layer < 3 {
+            assert!(!p.cb.ready(slot, FlagName::LayerReady(layer + 1)));
+        }
+    }
+    p.cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+    p.ca.wait(sub.slot, FlagName::SourceReleased, WAIT).unwrap();
+    p.ca.wait(sub.slot, FlagName::DecoderUsable, WAIT).unwrap();
+    assert!(read_back(&dst) == verify::expected_destination(&model(), &ds, tokens, 0), "destination bytes differ from the independent expectation");
+    let st = p.ca.status(sub.slot).unwrap();
+    assert_eq!(st.state, TransferState::Done);
+    let names: Vec<&str> = st.marks.iter().map(|m| m.name.as_str()).collect();
+    for layer in 0..4 {
+        assert!(names.contains(&format!("produced({layer})").as_str()), "{names:?}");
+    }
+    assert_eq!(names.iter().filter(|n| **n == "posting").count(), 1, "{names:?}");
+    assert_eq!(st.bytes, sub.bytes);
+    assert_eq!(p.cb.status(slot).unwrap().state, TransferState::Done);
+}
+
+#[test]
+fn layers_may_be_announced_before_the_submit_and_only_by_their_rank_s_client() {
+    let p = pair("stream-early");
+    let tokens = 40;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let bytes = verify::fill_source(&model(), &ss, tokens);
+    let src = register(&p.ca, "prefill", SRC, &ss, Some(&bytes), identity_of("toy-digest", "t1"));
+    let dst = register(&p.cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
+    for m in &dst.mems {
+        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
+    }
+    let intruder = Client::connect(&p.a_socket, "intruder").unwrap();
+    let refused = |r: Result<(), ClientError>, code: Code, needle: &str| match r {
+        Err(ClientError::Daemon { code: c, message }) => {
+            assert_eq!(c, code as u32, "{message}");
+            assert!(message.contains(needle), "{message}");
+        }
+        other => panic!("expected {code:?}, got {other:?}"),
+    };
+    refused(intruder.produced("prefill", "s2", 0, 4), Code::PermissionDenied, "registered by another client");
+    refused(p.ca.produced("prefill", "s2", 9, 4), Code::BadRequest, "no rank 9");
+    refused(p.ca.produced("prefill", "s2", 0, 5), Code::BadRequest, "the model of group `prefill` has 4");
+    refused(p.ca.produced("nope", "s2", 0, 1), Code::UnknownGroup, "no group `nope`");
+    // Every rank had written everything before the submit: it all moves at once.
+    for rank in 0..ss.shard.ranks.len() as u32 {
+        p.ca.produced("prefill", "s2", rank, 4).unwrap();
+    }
+    let slot = p.cb.prepare(PrepareReceive { group: "decode".into(), request: "s2".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let sub = p.ca.submit(streamed("s2", &src, tokens)).unwrap();
+    p.cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+    p.ca.wait(sub.slot, FlagName::DecoderUsable, WAIT).unwrap();
+    assert!(read_back(&dst) == verify::expected_destination(&model(), &ds, tokens, 0), "destination bytes differ");
+}
+
+#[test]
+fn a_streamed_transfer_cancelled_while_waiting_for_a_layer_fails_both_sides_after_what_arrived() {
+    let p = pair("stream-cancel");
+    let tokens = 40;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let bytes = verify::fill_source(&model(), &ss, tokens);
+    let src = register(&p.ca, "prefill", SRC, &ss, Some(&bytes), identity_of("toy-digest", "t1"));
+    let _dst = register(&p.cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
+    let slot = p.cb.prepare(PrepareReceive { group: "decode".into(), request: "s3".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let sub = p.ca.submit(streamed("s3", &src, tokens)).unwrap();
+    for rank in 0..ss.shard.ranks.len() as u32 {
+        p.ca.produced("prefill", "s3", rank, 2).unwrap();
+    }
+    p.cb.wait(slot, FlagName::LayerReady(1), WAIT).unwrap();
+    // The engine gives up on the request before layer 2.
+    p.ca.cancel(sub.slot).unwrap();
+    match p.cb.wait(slot, FlagName::DecoderUsable, WAIT) {
+        Err(ClientError::Wait(e)) => assert!(e.to_string().contains("cancelled") || e.to_string().contains("fail"), "{e}"),
+        other => panic!("the destination should fail, got {other:?}"),
+    }
+    let st = p.cb.status(slot).unwrap();
+    assert_eq!(st.state, TransferState::Failed);
+    assert!(st.error.as_deref().unwrap_or("").contains("cancelled"), "{:?}", st.error);
+    assert!(!p.cb.ready(slot, FlagName::LayerReady(2)));
+    assert_eq!(p.ca.status(sub.slot).unwrap().state, TransferState::Cancelled);
+}
