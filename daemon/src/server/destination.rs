@@ -395,7 +395,7 @@ impl Daemon {
 
     /// A streamed transfer: waits (until `deadline`) for layer `layer`'s
     /// checksums, adding each layer's that arrives to the manifest.
-    fn await_layer_sums(&self, r: &Receive, inbound: &Receiver<Inbound>, manifest: &mut Manifest, arrived: &mut Vec<bool>, layer: usize, deadline: Instant) -> Result<(), String> {
+    fn await_layer_sums(&self, r: &Receive, inbound: &Receiver<Inbound>, manifest: &mut Manifest, arrived: &mut [bool], layer: usize, deadline: Instant) -> Result<(), String> {
         while !arrived[layer] {
             let sums = match inbound.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
                 Ok(Inbound::Sums(l)) => l,

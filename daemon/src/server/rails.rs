@@ -77,6 +77,7 @@ impl Daemon {
     /// rail what it carried and what was sent again, either way. `total`
     /// holds what earlier calls for the same transfer moved (a streamed
     /// transfer calls once per layer); the return is it with this call's added.
+    #[allow(clippy::too_many_arguments)] // the transfer's rails, batches and running totals
     pub(super) fn move_bytes(
         &self,
         id: SlotId,
