@@ -89,7 +89,7 @@ def engine_main(argv) -> None:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
 
-    extra = {"socket": sock, "group": group, "trace": trace, "digest": True}
+    extra = {"socket": sock, "group": group, "trace": trace, "digest": True, "stream": os.environ.get("KVWIRE_TEST_STREAM", "1") == "1"}
     if role == "kv_producer":
         extra.update(peer="decode-host", dst_group="decode")
     ktc = KVTransferConfig(
@@ -586,54 +586,74 @@ def main(argv) -> int:
 
         # 4. Time to first token on the consumer: kvwire against recomputing the prompt.
         reps = 3 if demo else 1
-        table = []
-        for L in (32, 128, 250):
-            rows = []
-            for rep in range(reps + 1):  # the first of each is a warm-up
-                pk, pr = prompt(rng, L), prompt(rng, L)
-                n = "ttft-%d-%d" % (L, rep)
-                c, _ = pair(consumer, producer, [pk], [n], max_tokens=1)
-                r = consumer.generate([pr], [None], 1)
-                if not rep:
-                    continue
-                ct = read_trace(ctrace)
-                d = events(ct, "recv_done", request=n)[0]
-                sd = await_events(ptrace, "sent", [n]).get(n)
-                if sd is None:
-                    fail("the producer traced no sent for %s within 30 s" % n)
-                o = c["outputs"][0]
-                m = {x["name"]: x["at_ns"] / 1e6 for x in d["marks"]}
-                rows.append({
-                    "kvwire": o["ttft"] * 1e3,
-                    "recompute": r["outputs"][0]["ttft"] * 1e3,
-                    # One clock (CLOCK_MONOTONIC) across the engines' processes.
-                    "queued->prepare": (d["t_prepared"] - o["queued_ts"]) * 1e3,
-                    "prepare->submit": (sd["t_first_submit"] - d["t_prepared"]) * 1e3,
-                    "submit->seen": (d["t_seen"] - sd["t_first_submit"]) * 1e3,
-                    "seen->first token": (o["first_token_ts"] - d["t_seen"]) * 1e3,
-                    "layers": [m.get("layer_ready(%d)" % l) for l in range(4)],
-                    "decoder_usable": m.get("decoder_usable"),
-                    "attempts": sd["attempts"],
-                })
-            row = {k: statistics.median([x[k] for x in rows]) for k in rows[0] if k not in ("layers", "attempts")}
-            row["layers"] = [statistics.median([x["layers"][l] for x in rows]) for l in range(4)]
-            row["attempts"] = max(x["attempts"] for x in rows)
-            table.append((L, row))
-        log("")
-        log("time to first token on the consumer, ms (each column the median of %d; TTFT is vLLM's first_token_latency), and where the kvwire one went:" % reps)
-        log("| prompt | TTFT kvwire | TTFT recompute | queued -> prepared | prepared -> producer submits | submit -> decoder_usable seen | seen -> first token | daemon: layer_ready(0..3) | daemon: decoder_usable | submit attempts |")
-        log("|---|---|---|---|---|---|---|---|---|---|")
-        for L, m in table:
-            log("| %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2f | %d |" % (
-                L, m["kvwire"], m["recompute"], m["queued->prepare"], m["prepare->submit"], m["submit->seen"], m["seen->first token"],
-                " / ".join("%.2f" % x for x in m["layers"]), m["decoder_usable"], m["attempts"]))
+
+        def ttft_table(producer, ptrace, how):
+            table = []
+            for L in (32, 128, 250):
+                rows = []
+                for rep in range(reps + 1):  # the first of each is a warm-up
+                    pk, pr = prompt(rng, L), prompt(rng, L)
+                    n = "ttft-%s-%d-%d" % (how, L, rep)
+                    c, _ = pair(consumer, producer, [pk], [n], max_tokens=1)
+                    r = consumer.generate([pr], [None], 1)
+                    if not rep:
+                        continue
+                    ct = read_trace(ctrace)
+                    d = events(ct, "recv_done", request=n)[0]
+                    sd = await_events(ptrace, "sent", [n]).get(n)
+                    if sd is None:
+                        fail("the producer traced no sent for %s within 30 s" % n)
+                    o = c["outputs"][0]
+                    m = {x["name"]: x["at_ns"] / 1e6 for x in d["marks"]}
+                    sm = {x["name"]: x["at_ns"] / 1e6 for x in sd["marks"]}
+                    # Streamed: from the last layer's announcement; whole: from the submit, made once the forward ended.
+                    written = sm.get("produced(3)", sm.get("enqueued", 0.0))
+                    rows.append({
+                        "kvwire": o["ttft"] * 1e3,
+                        "recompute": r["outputs"][0]["ttft"] * 1e3,
+                        # One clock (CLOCK_MONOTONIC) across the engines' processes.
+                        "queued->prepare": (d["t_prepared"] - o["queued_ts"]) * 1e3,
+                        "prepare->submit": (sd["t_first_submit"] - d["t_prepared"]) * 1e3,
+                        "submit->seen": (d["t_seen"] - sd["t_first_submit"]) * 1e3,
+                        "seen->first token": (o["first_token_ts"] - d["t_seen"]) * 1e3,
+                        "layers": [m.get("layer_ready(%d)" % l) for l in range(4)],
+                        "decoder_usable": m.get("decoder_usable"),
+                        "written->released": sm["source_released"] - written,
+                        "attempts": sd["attempts"],
+                    })
+                row = {k: statistics.median([x[k] for x in rows]) for k in rows[0] if k not in ("layers", "attempts")}
+                row["layers"] = [statistics.median([x["layers"][l] for x in rows]) for l in range(4)]
+                row["attempts"] = max(x["attempts"] for x in rows)
+                table.append((L, row))
+            log("")
+            log("time to first token on the consumer, %s, ms (each column the median of %d; TTFT is vLLM's first_token_latency), and where the kvwire one went:" % (how, reps))
+            log("| prompt | TTFT kvwire | TTFT recompute | queued -> prepared | prepared -> producer submits | submit -> decoder_usable seen | seen -> first token | daemon: layer_ready(0..3) | daemon: decoder_usable | source: last layer written -> source_released | submit attempts |")
+            log("|---|---|---|---|---|---|---|---|---|---|---|")
+            for L, m in table:
+                log("| %d | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | %.2f | %.2f | %d |" % (
+                    L, m["kvwire"], m["recompute"], m["queued->prepare"], m["prepare->submit"], m["submit->seen"], m["seen->first token"],
+                    " / ".join("%.2f" % x for x in m["layers"]), m["decoder_usable"], m["written->released"], m["attempts"]))
+
+        ttft_table(producer, ptrace, "layers streamed as the producer writes them")
         log("(kvwire: both engines get the prompt at once; the producer prefills it while the consumer allocates and prepares. "
-            "daemon marks: ms since decode-host accepted the offer, layer_ready(L) after layer L's checksum passed.)")
+            "daemon marks: ms since decode-host accepted the offer, layer_ready(L) after layer L's checksum passed; a streamed "
+            "submit is accepted before the producer's forward, so they include it. source: from produced(3), or from the submit "
+            "when the request moves whole after the forward.)")
+        producer.stop()
+        engines.remove(producer)
+        if demo:
+            # The same prompts' lengths with the request moved whole, after the producer's forward.
+            ptrace_w = os.path.join(work, "producer-whole.trace")
+            whole = Engine("producer-whole", "kv_producer", model, daemons.sock_p, "prefill-whole", ptrace_w, work, dict(env, KVWIRE_TEST_STREAM="0"))
+            engines.append(whole)
+            log("")
+            log("engine producer-whole (\"stream\": false) ready in %.1f s" % whole.recv()["startup_s"])
+            ttft_table(whole, ptrace_w, "the request moved whole after the producer's forward")
+            whole.stop()
+            engines.remove(whole)
 
         # 5. A TP=2 producer into the TP=1 consumer: each producer rank holds one KV head.
         log("")
-        producer.stop()
-        engines.remove(producer)
         ptrace2 = os.path.join(work, "producer-tp2.trace")
         env2 = dict(env, VLLM_CPU_OMP_THREADS_BIND="0|1")  # one core per rank: vLLM's auto binding wants a NUMA node per rank
         producer2 = Engine("producer-tp2", "kv_producer", model, daemons.sock_p, "prefill-tp2", ptrace2, work, env2, tp=2)
