@@ -53,7 +53,7 @@ const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--stream] [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -64,6 +64,7 @@ struct RawArgs {
     clients: Option<String>,
     tokens: Option<String>,
     netns: bool,
+    stream: bool,
     json: bool,
     help: bool,
 }
@@ -75,6 +76,7 @@ struct Settings {
     clients: usize,
     tokens: u64,
     netns: bool,
+    stream: bool,
     json: bool,
 }
 
@@ -88,6 +90,7 @@ fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
             "--clients" => raw.clients = Some(value("--clients")?),
             "--tokens" => raw.tokens = Some(value("--tokens")?),
             "--netns" => raw.netns = true,
+            "--stream" => raw.stream = true,
             "--json" => raw.json = true,
             "-h" | "--help" => raw.help = true,
             other => return Err(format!("unknown argument `{other}`")),
@@ -116,6 +119,7 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
         clients: number("--clients", raw.clients.as_deref(), 8, 1..=64)? as usize,
         tokens: number("--tokens", raw.tokens.as_deref(), 256, 1..=65536)?,
         netns: raw.netns,
+        stream: raw.stream,
         json: raw.json,
     })
 }
@@ -179,6 +183,9 @@ struct Fixture {
     dst_expect: Vec<Vec<u8>>,
     identity: CacheIdentity,
     tokens: u64,
+    // Streamed submits: every layer announced by each source rank right
+    // after the submit, as an engine whose forward ended then would.
+    stream: bool,
 }
 
 fn flatten(model: &ModelSpec, side: &Side, bufs: &Buffers) -> Vec<Vec<u8>> {
@@ -187,7 +194,7 @@ fn flatten(model: &ModelSpec, side: &Side, bufs: &Buffers) -> Vec<Vec<u8>> {
         .collect()
 }
 
-fn fixture(tokens: u64) -> Result<Fixture, String> {
+fn fixture(tokens: u64, stream: bool) -> Result<Fixture, String> {
     let model = from_toml_spec("soak", MODEL).map_err(|e| format!("model spec: {e}"))?;
     let fmt = CacheFormat::parse("fp16").map_err(|e| e.to_string())?;
     let side = |l: &str| -> Result<Side, String> {
@@ -205,7 +212,7 @@ fn fixture(tokens: u64) -> Result<Fixture, String> {
         rope: "theta=10000".into(),
         position_offset: 0,
     };
-    Ok(Fixture { model, src, dst, src_codes, dst_expect, identity, tokens })
+    Ok(Fixture { model, src, dst, src_codes, dst_expect, identity, tokens, stream })
 }
 
 // ------------------------------------------------------------------ clients
@@ -342,7 +349,7 @@ impl<'a> Session<'a> {
             dst_group: self.dst_group.clone(),
             dst_request: request.into(),
             codec: None,
-            stream: false,
+            stream: fx.stream,
         });
         let Submitted { slot: sslot, bytes, .. } = match submitted {
             Ok(x) => x,
@@ -352,6 +359,14 @@ impl<'a> Session<'a> {
                 return Err(SoakError::Daemon { step: "submit", source: e, why: None });
             }
         };
+        if fx.stream {
+            for rank in 0..fx.src.shard.ranks.len() as u32 {
+                if let Err(e) = self.ca.produced(&self.src_group, &format!("{request}-src"), rank, LAYERS as u16) {
+                    let _ = self.ca.cancel(sslot);
+                    return Err(SoakError::Daemon { step: "produced", source: e, why: None });
+                }
+            }
+        }
         if let Err(e) = self.cb.wait(slot, FlagName::DecoderUsable, WAIT) {
             let why = self.cb.status(slot).ok().and_then(|s| s.error);
             let _ = self.cb.cancel(slot);
@@ -472,7 +487,7 @@ struct Report {
 }
 
 fn soak(s: &Settings) -> Result<Report, String> {
-    let fx = fixture(s.tokens)?;
+    let fx = fixture(s.tokens, s.stream)?;
     // The daemons' configs, secrets and sockets; removed on drop.
     let tmp = TempDir::try_new("soak")?;
     let dir = tmp.path();
@@ -695,11 +710,12 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
     let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
     let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
     println!(
-        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
         r.settings.seconds,
         r.settings.clients,
         r.settings.tokens,
         r.settings.netns,
+        r.settings.stream,
         json_str(SRC_LAYOUT),
         json_str(DST_LAYOUT),
         r.transfers,
@@ -730,6 +746,9 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
         s.tokens,
         if s.netns { "two network namespaces (veth)" } else { "loopback" }
     );
+    if s.stream {
+        println!("streamed submits: every layer announced right after the submit");
+    }
     println!(
         "transfers {}  errors {}  {:.1}/s  (per client {}..{})",
         r.transfers,

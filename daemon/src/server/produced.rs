@@ -81,6 +81,17 @@ impl Produced {
         }
     }
 
+    /// How many layers from `from` on are written already by every rank
+    /// that reads them (`readers[layer]`), without waiting: a streamed
+    /// transfer that falls behind its engine moves those together.
+    pub fn ready_from(&self, group: &str, request: &str, readers: &[Vec<u32>], from: usize) -> usize {
+        let m = self.map.lock().expect("produced lock");
+        let Some(e) = m.get(&(group.to_string(), request.to_string())) else {
+            return readers[from..].iter().take_while(|r| r.is_empty()).count();
+        };
+        readers[from..].iter().enumerate().take_while(|(i, r)| r.iter().all(|rank| e.ranks.get(rank).is_some_and(|&n| usize::from(n) > from + i))).count()
+    }
+
     /// The streamed transfer of `request` ended: its announcements go.
     pub fn forget(&self, group: &str, request: &str) {
         self.map.lock().expect("produced lock").remove(&(group.to_string(), request.to_string()));
@@ -113,6 +124,15 @@ mod tests {
         assert!(e.contains("rank 0 of group `g` announced 2 layers of `r`, and layer 2 never came"), "{e}");
         stop.store(true, Ordering::Release);
         assert_eq!(p.wait("g", "r", &[0], 5, later, &stop), Err("cancelled".into()));
+        // Layers 0 and 1 are written by both ranks, and nobody reads layer 3.
+        let readers = vec![vec![0, 1], vec![0, 1], vec![0, 1], vec![]];
+        assert_eq!(p.ready_from("g", "r", &readers, 0), 2);
+        assert_eq!(p.ready_from("g", "r", &readers, 2), 0);
+        // Layer 2 by rank 0 only: still not ready.
+        p.announce("g", "r", 0, 3, Duration::from_secs(60)).unwrap();
+        assert_eq!(p.ready_from("g", "r", &readers, 1), 1);
+        p.announce("g", "r", 1, 3, Duration::from_secs(60)).unwrap();
+        assert_eq!(p.ready_from("g", "r", &readers, 1), 3);
         p.forget("g", "r");
         assert!(p.map.lock().unwrap().is_empty());
     }

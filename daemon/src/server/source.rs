@@ -203,12 +203,19 @@ impl Daemon {
         let (group, request) = (s.group.clone(), s.request.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = crate::stripe::Outcome::default();
+            let mut batches = batches.into_iter();
             let moved = (|| {
-                for (layer, batch) in batches.into_iter().enumerate() {
+                let mut layer = 0;
+                while layer < n {
                     d.produced.wait(&group, &request, &readers[layer], layer as u16, deadline, stop)?;
-                    d.slot_mark(id, Boundary::Produced(layer));
-                    d.stream_layer(id, &g, &p, codec, layer, stage.as_deref(), link).map_err(|r| r.message)?;
-                    d.move_bytes(id, &rails, &prefer, vec![batch], stop, link, &mut total)?;
+                    // Layers the engine wrote meanwhile go with this one: one post, not one each.
+                    let upto = layer + d.produced.ready_from(&group, &request, &readers, layer).max(1);
+                    for l in layer..upto {
+                        d.slot_mark(id, Boundary::Produced(l));
+                        d.stream_layer(id, &g, &p, codec, l, stage.as_deref(), link).map_err(|r| r.message)?;
+                    }
+                    d.move_bytes(id, &rails, &prefer, batches.by_ref().take(upto - layer).collect(), stop, link, &mut total)?;
+                    layer = upto;
                 }
                 Ok(())
             })();
