@@ -6,7 +6,10 @@
 //! ([`transfers`], [`state`]), opens a peer session ([`link`], driving
 //! core's `SourceSession`), plans and schedules against the destination's
 //! accept, stages device memory ([`device`]), sends the manifest, packs,
-//! and hands per-layer batches to the rails ([`rails`]). The destination
+//! and hands per-layer batches to the rails ([`rails`]); a streamed submit
+//! instead does the manifest's checksums, staging, packing and posting one
+//! layer at a time, as the engine announces each written ([`produced`]).
+//! The destination
 //! ([`destination`], driving core's `DestinationSession`) grants keys at
 //! offer, re-plans and checks the manifest at expect, and its receive
 //! thread unpacks, verifies and publishes each layer. Errors are
