@@ -52,6 +52,10 @@ pub struct Scenario {
     /// A negative control: an engine-tensor destination reads its tensors
     /// as this preset lays them out instead of its own.
     pub dst_read_as: Option<&'static str>,
+    /// Stream the prefill: submit first, then compute layer by layer,
+    /// writing each layer into the registered cache and announcing it
+    /// (`produced`) before the next is computed. A memfd source in host memory.
+    pub stream: bool,
 }
 
 /// Where a scenario's caches live.
@@ -138,6 +142,7 @@ impl Scenario {
             seed: 0x2545_F491_4F6C_DD1D,
             memory: Memory::Host,
             dst_read_as: None,
+            stream: false,
         }
     }
 }
@@ -161,6 +166,11 @@ pub struct Outcome {
     pub end_to_end: Duration,
     /// The prefill's compute time (all layers), measured on the client.
     pub prefill: Duration,
+    /// From the last layer written into the source cache to
+    /// `decoder_usable` seen: the transfer's share of the critical path
+    /// (without streaming the submit comes after the prefill, so this is
+    /// `end_to_end`).
+    pub after_last_layer: Duration,
 }
 
 impl Outcome {
@@ -360,7 +370,10 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     (sc.src_identity)(&mut sid);
     let src_group = format!("{}-prefill", sc.name);
     let shape = (cfg.kv_heads as u64, cfg.head_dim as u64);
-    let (_src_engine, _src_mems) = match &src.kv {
+    if sc.stream && (src.kv.is_some() || sc.memory != Memory::Host) {
+        return Err(ScenarioError::Setup("a streamed source is a memfd cache in host memory".into()));
+    }
+    let (_src_engine, src_mems) = match &src.kv {
         Some(order) => {
             if sc.memory != Memory::Host {
                 return Err(ScenarioError::Setup("an engine-tensor source lives in host memory".into()));
@@ -370,8 +383,9 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
             (Some(e), Vec::new())
         }
         None => {
+            // A streamed source holds nothing until its prefill writes it.
             let mems = (0..src.shard.ranks.len() as u32)
-                .map(|r| rank_mem(sc.memory, &model, &src, r, Some(&tinylm::scatter(&cache, &model, &src, r))))
+                .map(|r| rank_mem(sc.memory, &model, &src, r, (!sc.stream).then(|| tinylm::scatter(&cache, &model, &src, r)).as_ref()))
                 .collect::<Result<Vec<_>, _>>()?;
             register_group(a, &src_group, &toml, &sc.src_layout, &src, &mems, &sid, sc.memory)?;
             (None, mems)
@@ -432,7 +446,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         dst_group,
         dst_request: request,
         codec: sc.codec.clone(),
-        stream: false,
+        stream: sc.stream,
     });
     let Submitted { slot: sslot, peer_slot, .. } = match submitted {
         Ok(x) => x,
@@ -445,6 +459,11 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         }
     };
     debug_assert_eq!(peer_slot, slot);
+    let last_written = if sc.stream {
+        stream_prefill(a, &w, adapter.as_ref(), &tokens[..sc.tokens as usize], &model, &src, &src_mems, &format!("{}-prefill", sc.name))?
+    } else {
+        started
+    };
     let wait = Duration::from_secs(60);
     let mut layer_ready = Vec::new();
     for l in 0..cfg.layers as u16 {
@@ -475,5 +494,50 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         layer_ready,
         end_to_end,
         prefill,
+        after_last_layer: end_to_end.saturating_sub(last_written.duration_since(started)),
     })
+}
+
+/// The prefill of a streamed scenario, after its submit: each layer, once
+/// computed, is written into every source rank's memfd and announced for
+/// each rank before the next layer is computed. Returns when the last
+/// layer's bytes were written.
+#[allow(clippy::too_many_arguments)] // the engine's half of the scenario
+fn stream_prefill(a: &Client, w: &Weights, adapter: Option<&Adapter>, tokens: &[u32], model: &ModelSpec, src: &Side, mems: &[RankMem], group: &str) -> Result<Instant, ScenarioError> {
+    let cfg = &w.cfg;
+    let rows = tokens.len() * cfg.kv_heads * cfg.head_dim;
+    let mut partial = KvCache { kv_heads: cfg.kv_heads, head_dim: cfg.head_dim, tokens: tokens.len(), k: vec![vec![0.0; rows]; cfg.layers], v: vec![vec![0.0; rows]; cfg.layers] };
+    let mut first_error = None;
+    let mut written = Instant::now();
+    tinylm::prefill_with(w, adapter, tokens, |l, c| {
+        if first_error.is_some() {
+            return;
+        }
+        partial.k[l].clone_from(&c.k[l]);
+        partial.v[l].clone_from(&c.v[l]);
+        for (rank, mem) in mems.iter().enumerate() {
+            #[allow(irrefutable_let_patterns)] // device memory exists with the cuda feature only
+            let RankMem::Host(m) = mem else { continue };
+            let regions = tinylm::scatter(&partial, model, src, rank as u32);
+            let mut off = 0;
+            for (id, len) in src.regions(model, rank as u32) {
+                if id.layer as usize == l {
+                    if let Err(e) = m.write(off, &regions[&id]) {
+                        first_error = Some(ScenarioError::Setup(format!("write layer {l} of rank {rank}: {e}")));
+                    }
+                }
+                off += len;
+            }
+        }
+        written = Instant::now();
+        for rank in 0..mems.len() as u32 {
+            if let Err(e) = a.produced(group, group, rank, l as u16 + 1) {
+                first_error.get_or_insert(ScenarioError::Daemon { step: "produced", source: e });
+            }
+        }
+    });
+    match first_error {
+        Some(e) => Err(e),
+        None => Ok(written),
+    }
 }

@@ -480,6 +480,16 @@ fn logits(w: &Weights, x: &[f32]) -> Vec<f32> {
 /// # Panics
 /// When `tokens` is empty or holds a token past the vocabulary.
 pub fn prefill(w: &Weights, adapter: Option<&Adapter>, tokens: &[u32]) -> (KvCache, Vec<f32>) {
+    prefill_with(w, adapter, tokens, |_, _| {})
+}
+
+/// [`prefill`], calling `layer_done(l, cache)` as soon as layer `l`'s K
+/// and V are computed (the cache then holds layers `0..=l`), before layer
+/// `l + 1` starts: what an engine streaming its cache hooks into.
+///
+/// # Panics
+/// As [`prefill`].
+pub fn prefill_with(w: &Weights, adapter: Option<&Adapter>, tokens: &[u32], mut layer_done: impl FnMut(usize, &KvCache)) -> (KvCache, Vec<f32>) {
     assert!(!tokens.is_empty(), "tinylm: prefill needs at least one token");
     let cfg = &w.cfg;
     let mut xs: Vec<Vec<f32>> = tokens.iter().map(|&t| embed(w, t)).collect();
@@ -500,6 +510,7 @@ pub fn prefill(w: &Weights, adapter: Option<&Adapter>, tokens: &[u32]) -> (KvCac
         }
         cache.k.push(kl);
         cache.v.push(vl);
+        layer_done(l, &cache);
     }
     let last = logits(w, xs.last().expect("tokens is not empty"));
     (cache, last)

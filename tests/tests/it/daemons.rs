@@ -88,6 +88,30 @@ fn lossless_remapped_transfers_decode_bitwise_identical() {
 }
 
 #[test]
+fn a_prefill_streamed_layer_by_layer_decodes_bitwise_identical() {
+    let _shared = crate::shared();
+    let p = pair("stream", "");
+    // Submitted before the prefill; each layer written and announced as
+    // tinylm computes it, across a TP and layout remap with shuffled tables.
+    let mut sc = Scenario::new("streamed");
+    sc.stream = true;
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    let names: Vec<&str> = o.source.marks.iter().map(|m| m.name.as_str()).collect();
+    assert!((0..4).all(|l| names.contains(&format!("produced({l})").as_str())), "{names:?}");
+    // The tail after the last layer is part of the end to end, never more.
+    assert!(o.after_last_layer <= o.end_to_end);
+    // A streamed engine-tensor source is refused before anything is registered.
+    let mut sc = Scenario::new("streamed-engine");
+    sc.stream = true;
+    sc.src_layout = "tp=2,block=16,kv=vllm_nhd".into();
+    match run(&p, &sc) {
+        Err(ScenarioError::Setup(why)) => assert!(why.contains("memfd cache in host memory"), "{why}"),
+        other => panic!("expected a setup error, got {other:?}"),
+    }
+}
+
+#[test]
 fn engines_holding_their_own_per_layer_tensors_decode_bitwise_identical() {
     let _shared = crate::shared();
     let p = pair("engine", "");
