@@ -193,6 +193,29 @@ pub fn layerwise(compute: &[u64], transfer: &[u64]) -> LayerOverlap {
     LayerOverlap { transfer_ns, overlapped_ns: transfer_ns.saturating_sub(tail_ns), tail_ns }
 }
 
+/// Layer-wise transfer through a path of hops against per-layer compute:
+/// layer `L` enters the first hop once its compute finished, each hop takes
+/// one layer at a time, and `hops[k]` is hop `k`'s time per layer. The
+/// tail is the last layer's own trip through every hop (plus any queue in
+/// front of it), not the gap between two layers' flags, which a pipelined
+/// transfer shrinks to its slowest hop's share.
+pub fn layerwise_hops(compute: &[u64], hops: &[u64]) -> LayerOverlap {
+    let mut free = vec![0u64; hops.len()];
+    let (mut compute_end, mut done) = (0u64, 0u64);
+    for c in compute {
+        compute_end += c;
+        let mut t = compute_end;
+        for (h, f) in hops.iter().zip(free.iter_mut()) {
+            t = t.max(*f) + h;
+            *f = t;
+        }
+        done = t;
+    }
+    let transfer_ns = hops.iter().sum::<u64>() * compute.len() as u64;
+    let tail_ns = done.saturating_sub(compute_end);
+    LayerOverlap { transfer_ns, overlapped_ns: transfer_ns.saturating_sub(tail_ns), tail_ns }
+}
+
 /// One hop of a chunked path, as a rate: a chunk of `n` bytes takes
 /// `per_chunk_ns + n / bytes_per_sec` (rounded up to whole ns).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]

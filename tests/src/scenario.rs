@@ -10,7 +10,7 @@ use kvwire_core::layout::{inventory, Inventory};
 use kvwire_core::plan::Side;
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::shard::{LayoutSpec, RegionId};
-use kvwire_core::timing::{layerwise, predict, LayerOverlap, Prediction, Stage};
+use kvwire_core::timing::{layerwise_hops, predict, LayerOverlap, Prediction, Stage};
 use kvwire_core::{CacheFormat, Geometry, ModelSpec};
 #[cfg(feature = "cuda")]
 use kvwire_transport::device::cuda::{CudaDevice, CudaMem};
@@ -214,22 +214,27 @@ pub fn timing(o: &Outcome, layers: u64) -> (Vec<(&'static str, Stage)>, Predicti
 }
 
 /// Layer-wise transfer against the prefill's real per-layer compute: each
-/// layer's transfer time is the gap between consecutive `layer_ready` flags
-/// (the first from the end of setup), on the client's clock.
-pub fn layer_overlap(o: &Outcome, setup_ns: u64) -> LayerOverlap {
+/// layer goes through the hops this transfer timed, in path order (source
+/// stage, checksums, pack, wire; destination unpack, checksums, device
+/// copy), each taking its busy time over the layers per layer. `post` and
+/// `place` lie inside `wire`; per-layer fixed costs of a streamed transfer
+/// (the announcement, the checksum message) are not hops, so the measured
+/// tail of a streamed run is the check on this prediction.
+pub fn layer_overlap(o: &Outcome) -> LayerOverlap {
     let layers = o.layer_ready.len().max(1) as u64;
     let compute = vec![o.prefill.as_nanos() as u64 / layers; o.layer_ready.len()];
-    let mut prev = setup_ns;
-    let transfer: Vec<u64> = o
-        .layer_ready
-        .iter()
-        .map(|d| {
-            let t = (d.as_nanos() as u64).saturating_sub(prev);
-            prev = d.as_nanos() as u64;
-            t
-        })
-        .collect();
-    layerwise(&compute, &transfer)
+    let busy = |st: &TransferStatus, hop: &str| st.hops.iter().find(|h| h.hop == hop).map_or(0, |h| h.ns);
+    let path = [
+        (&o.source, "stage"),
+        (&o.source, "verify"),
+        (&o.source, "pack"),
+        (&o.source, "wire"),
+        (&o.destination, "unpack"),
+        (&o.destination, "verify"),
+        (&o.destination, "device_complete"),
+    ];
+    let hops: Vec<u64> = path.iter().map(|(st, hop)| busy(st, hop) / layers).filter(|&ns| ns > 0).collect();
+    layerwise_hops(&compute, &hops)
 }
 
 /// Why a scenario stopped.

@@ -75,6 +75,24 @@ fn layerwise_overlap_by_hand() {
     assert_eq!((o.transfer_ns, o.overlapped_ns, o.tail_ns), (15, 4, 11));
 }
 
+#[test]
+fn layerwise_hops_by_hand() {
+    use kvwire_core::timing::layerwise_hops;
+    // Compute 10 per layer; per layer, hash 1, wire 3, verify 2: every layer
+    // goes through before the next is computed, so the last one's whole trip
+    // (6) stays exposed, where one hop of 6 per layer would say the same and
+    // the slowest hop's share (3) would say half.
+    let o = layerwise_hops(&[10, 10, 10], &[1, 3, 2]);
+    assert_eq!((o.transfer_ns, o.overlapped_ns, o.tail_ns), (18, 12, 6));
+    // Compute 1 per layer: layers queue at the wire (3 each). Compute ends
+    // 1, 2, 3; hash ends 2, 3, 4; wire ends 5, 8, 11; verify ends 7, 10, 13.
+    let o = layerwise_hops(&[1, 1, 1], &[1, 3, 2]);
+    assert_eq!((o.transfer_ns, o.overlapped_ns, o.tail_ns), (18, 8, 10));
+    // No hops: nothing to hide, nothing exposed.
+    let o = layerwise_hops(&[5, 5], &[]);
+    assert_eq!((o.transfer_ns, o.overlapped_ns, o.tail_ns), (0, 0, 0));
+}
+
 fn rate(hop: &str, gb_per_s_x10: u64, per_chunk_ns: u64) -> HopRate {
     HopRate { hop: hop.into(), bytes_per_sec: gb_per_s_x10 * 100_000_000, per_chunk_ns }
 }

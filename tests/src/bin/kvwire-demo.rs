@@ -114,9 +114,9 @@ fn main() -> ExitCode {
     if let Some(b) = &p.bounding {
         println!("  bounding hop: {b}");
     }
-    let lo = scenario::layer_overlap(&out, p.setup_ns);
+    let lo = scenario::layer_overlap(&out);
     println!(
-        "layer-wise, against the prefill's measured compute ({:.3} ms per layer): {:.3} of {:.3} ms of transfer would hide under compute; {:.3} ms stays on the critical path after the last layer",
+        "layer-wise model, against the prefill's measured compute ({:.3} ms per layer) and each hop's busy time per layer: {:.3} of {:.3} ms of transfer would hide under compute; {:.3} ms stays on the critical path after the last layer",
         out.prefill.as_secs_f64() * 1e3 / 4.0,
         ms(lo.overlapped_ns),
         ms(lo.transfer_ns),
