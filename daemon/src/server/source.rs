@@ -351,6 +351,8 @@ impl Daemon {
         } else {
             Vec::new()
         };
+        // Counted as the manifest is: its checksums, as sent.
+        Metrics::add(&self.metrics.wire_bytes, serde_json::to_vec(&sums).map_or(0, |j| j.len() as u64));
         link.send_layer_sums(layer as u16, sums)?;
         let staged = &p.schedule.layers[layer].staged;
         if let (Some(stage), false) = (stage, staged.is_empty()) {
