@@ -522,10 +522,15 @@ def main(argv) -> int:
         sent = await_events(ptrace, "sent", names)
         if set(names) - set(sent):
             fail("the producer did not send %s" % sorted(set(names) - set(sent)))
+        # Streamed: the source daemon moved each layer once the producer's forward announced it.
+        for n in names:
+            marks = [m["name"] for m in sent[n]["marks"]]
+            if not all("produced(%d)" % l in marks for l in range(4)):
+                fail("request %s was not streamed layer by layer: the source's marks are %s" % (n, marks))
         for o in p["outputs"]:
             if not (o["kv_transfer_params"] or {}).get("kvwire_sent"):
                 fail("the producer's output carries no kvwire_sent: %s" % o["kv_transfer_params"])
-        log("check 1 passed: %d prompts of %s tokens, prefilled by the producer and moved by kvwire; the consumer's %d tokens and %d logprobs each are bitwise those of the plain run"
+        log("check 1 passed: %d prompts of %s tokens, prefilled by the producer and streamed by kvwire layer by layer as its forward wrote them; the consumer's %d tokens and %d logprobs each are bitwise those of the plain run"
             % (len(prompts), lengths, MAX_TOKENS, LOGPROBS))
         for n, L in zip(names, lengths):
             d = done[n]
