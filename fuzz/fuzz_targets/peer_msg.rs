@@ -68,6 +68,7 @@ fn sessions(msg: PeerMsg) {
     let (mut s, _) = SourceSession::start(now, offer, TransportKind::Tcp, t);
     if s.handle(now, msg.clone()).is_ok() {
         if s.expect(now, sample_expect(), 16).is_ok() {
+            let _ = s.layer_sums(0, Vec::new());
             let _ = s.handle(now, msg.clone());
         }
     }
@@ -81,5 +82,5 @@ fn sessions(msg: PeerMsg) {
 }
 
 fn sample_expect() -> kvwire_core::session::msg::Expect {
-    kvwire_core::session::msg::Expect { slot: 0, manifest: "{}".into() }
+    kvwire_core::session::msg::Expect { slot: 0, manifest: "{}".into(), layer_sums: false }
 }
