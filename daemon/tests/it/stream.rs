@@ -32,6 +32,24 @@ fn pair(name: &str) -> Pair {
     Pair { _dir: dir, _a: a, _b: b, ca, cb, a_socket }
 }
 
+/// Both sides of a `tokens`-long request registered: the source's cache
+/// filled (`filled`) or still empty, the destination's all canary; and the
+/// bytes the source's engine computes.
+fn sides(p: &Pair, tokens: u64, filled: bool) -> (Side_, Side_, Buffers) {
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let bytes = verify::fill_source(&model(), &ss, tokens);
+    let src = register(&p.ca, "prefill", SRC, &ss, filled.then_some(&bytes), identity_of("toy-digest", "t1"));
+    let dst = register(&p.cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
+    for m in &dst.mems {
+        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
+    }
+    (src, dst, bytes)
+}
+
+fn prepare(p: &Pair, dst: &Side_, request: &str, tokens: u64) -> u16 {
+    p.cb.prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: dst.side.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap()
+}
+
 /// The engine's forward pass reaching layer `layer` on `rank`: its bytes
 /// land in the source memfd (which held none of them until now).
 fn write_layer(src: &Side_, bytes: &Buffers, rank: u32, layer: u32) {
@@ -62,19 +80,14 @@ fn streamed(request: &str, src: &Side_, tokens: u64) -> Submit {
 fn a_streamed_transfer_publishes_each_layer_before_the_next_is_written() {
     let p = pair("stream");
     let tokens = 100;
-    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
-    let bytes = verify::fill_source(&model(), &ss, tokens);
     // The source registers an empty cache: the engine has computed nothing yet.
-    let src = register(&p.ca, "prefill", SRC, &ss, None, identity_of("toy-digest", "t1"));
-    let dst = register(&p.cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
-    for m in &dst.mems {
-        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
-    }
-    let slot = p.cb.prepare(PrepareReceive { group: "decode".into(), request: "s1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let (src, dst, bytes) = sides(&p, tokens, false);
+    let ds = &dst.side;
+    let slot = prepare(&p, &dst, "s1", tokens);
     // The submit returns once the destination accepted: nothing is written yet.
     let sub = p.ca.submit(streamed("s1", &src, tokens)).unwrap();
     assert_eq!(sub.peer_slot, slot);
-    let ranks = ss.shard.ranks.len() as u32;
+    let ranks = src.side.shard.ranks.len() as u32;
     for layer in 0..4u16 {
         for rank in 0..ranks {
             write_layer(&src, &bytes, rank, layer.into());
@@ -96,7 +109,7 @@ fn a_streamed_transfer_publishes_each_layer_before_the_next_is_written() {
     p.cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
     p.ca.wait(sub.slot, FlagName::SourceReleased, WAIT).unwrap();
     p.ca.wait(sub.slot, FlagName::DecoderUsable, WAIT).unwrap();
-    assert!(read_back(&dst) == verify::expected_destination(&model(), &ds, tokens, 0), "destination bytes differ from the independent expectation");
+    assert!(read_back(&dst) == verify::expected_destination(&model(), ds, tokens, 0), "destination bytes differ from the independent expectation");
     let st = p.ca.status(sub.slot).unwrap();
     assert_eq!(st.state, TransferState::Done);
     let names: Vec<&str> = st.marks.iter().map(|m| m.name.as_str()).collect();
@@ -112,13 +125,7 @@ fn a_streamed_transfer_publishes_each_layer_before_the_next_is_written() {
 fn layers_may_be_announced_before_the_submit_and_only_by_their_rank_s_client() {
     let p = pair("stream-early");
     let tokens = 40;
-    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
-    let bytes = verify::fill_source(&model(), &ss, tokens);
-    let src = register(&p.ca, "prefill", SRC, &ss, Some(&bytes), identity_of("toy-digest", "t1"));
-    let dst = register(&p.cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
-    for m in &dst.mems {
-        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
-    }
+    let (src, dst, _) = sides(&p, tokens, true);
     let intruder = Client::connect(&p.a_socket, "intruder").unwrap();
     let refused = |r: Result<(), ClientError>, code: Code, needle: &str| match r {
         Err(ClientError::Daemon { code: c, message }) => {
@@ -132,27 +139,24 @@ fn layers_may_be_announced_before_the_submit_and_only_by_their_rank_s_client() {
     refused(p.ca.produced("prefill", "s2", 0, 5), Code::BadRequest, "the model of group `prefill` has 4");
     refused(p.ca.produced("nope", "s2", 0, 1), Code::UnknownGroup, "no group `nope`");
     // Every rank had written everything before the submit: it all moves at once.
-    for rank in 0..ss.shard.ranks.len() as u32 {
+    for rank in 0..src.side.shard.ranks.len() as u32 {
         p.ca.produced("prefill", "s2", rank, 4).unwrap();
     }
-    let slot = p.cb.prepare(PrepareReceive { group: "decode".into(), request: "s2".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let slot = prepare(&p, &dst, "s2", tokens);
     let sub = p.ca.submit(streamed("s2", &src, tokens)).unwrap();
     p.cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
     p.ca.wait(sub.slot, FlagName::DecoderUsable, WAIT).unwrap();
-    assert!(read_back(&dst) == verify::expected_destination(&model(), &ds, tokens, 0), "destination bytes differ");
+    assert!(read_back(&dst) == verify::expected_destination(&model(), &dst.side, tokens, 0), "destination bytes differ");
 }
 
 #[test]
 fn a_streamed_transfer_cancelled_while_waiting_for_a_layer_fails_both_sides_after_what_arrived() {
     let p = pair("stream-cancel");
     let tokens = 40;
-    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
-    let bytes = verify::fill_source(&model(), &ss, tokens);
-    let src = register(&p.ca, "prefill", SRC, &ss, Some(&bytes), identity_of("toy-digest", "t1"));
-    let _dst = register(&p.cb, "decode", DST, &ds, None, identity_of("toy-digest", "t1"));
-    let slot = p.cb.prepare(PrepareReceive { group: "decode".into(), request: "s3".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let (src, dst, _) = sides(&p, tokens, true);
+    let slot = prepare(&p, &dst, "s3", tokens);
     let sub = p.ca.submit(streamed("s3", &src, tokens)).unwrap();
-    for rank in 0..ss.shard.ranks.len() as u32 {
+    for rank in 0..src.side.shard.ranks.len() as u32 {
         p.ca.produced("prefill", "s3", rank, 2).unwrap();
     }
     p.cb.wait(slot, FlagName::LayerReady(1), WAIT).unwrap();
