@@ -418,9 +418,10 @@ impl Daemon {
     }
 
     /// The receive thread: checks the manifest as it arrives (the bytes may
-    /// be landing already); then per layer, waits for its bytes, unpacks,
-    /// verifies, copies to the device, and publishes `layer_ready`; then
-    /// `decoder_usable`. The first failure fails the transfer.
+    /// be landing already); then per layer, waits for its bytes (and, from
+    /// a streaming source, its checksums), unpacks, verifies, copies to the
+    /// device, and publishes `layer_ready`; then `decoder_usable`. The
+    /// first failure fails the transfer.
     fn receive(&self, r: &Receive, inbound: Receiver<Inbound>) {
         let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
         let start = Instant::now();
