@@ -77,7 +77,8 @@ the metadata the scheduler builds each step):
   while the forward computes the next. ``wait_for_save`` says every layer
   is written, in case a layer had no ``save_kv_layer``. The send thread
   then waits for ``source_released``. With ``"stream": false`` the submit
-  waits for ``wait_for_save`` and moves the request whole. ``request_finished`` keeps the blocks
+  waits for ``wait_for_save`` and moves the request whole.
+  ``request_finished`` keeps the blocks
   (returns True) and ``get_finished`` frees them once released. The
   destination's verdict comes back later (the source's own
   ``decoder_usable``, or the destination's reason): it is traced, not
