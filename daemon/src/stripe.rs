@@ -499,7 +499,7 @@ impl Lane<'_> {
         for c in done {
             let Some(i) = self.inflight.remove(&c.batch) else { continue };
             match c.result {
-                Ok(()) => self.completed(i, c.bytes),
+                Ok(()) => self.completed(i, c.bytes, c.at),
                 Err(TransportError::Refused(why)) => {
                     let mut sh = self.lock();
                     sh.fatal.get_or_insert(format!("peer refused a write on rail `{}`: {why}", self.rail.name));
@@ -517,9 +517,11 @@ impl Lane<'_> {
         Step::Go
     }
 
-    fn completed(&mut self, i: usize, bytes: u64) {
+    /// Slice `i` completed, as the transport saw at `at`: the rail's busy
+    /// span ends there, not when this thread got to reap it.
+    fn completed(&mut self, i: usize, bytes: u64, at: Instant) {
         let now = Instant::now();
-        self.last_done = Some(now);
+        self.last_done = Some(self.last_done.map_or(at, |d| d.max(at)));
         self.use_.bytes += bytes;
         self.use_.slices += 1;
         self.writes += self.slices[i].writes.len() as u64;

@@ -125,7 +125,7 @@ impl<K> Ledger<K> {
         let e = b.error.get_or_insert(error).clone();
         if !b.reported {
             b.reported = true;
-            self.done.push_back(Completion { batch: id, tag: b.tag, bytes: b.bytes, result: Err(e) });
+            self.done.push_back(Completion { batch: id, tag: b.tag, bytes: b.bytes, result: Err(e), at: Instant::now() });
         }
         self.settle(id.0, Instant::now());
     }
@@ -137,7 +137,7 @@ impl<K> Ledger<K> {
         self.seqs.clear();
         for (id, b) in std::mem::take(&mut self.open) {
             if !b.reported {
-                self.done.push_back(Completion { batch: BatchId(id), tag: b.tag, bytes: b.bytes, result: Err(e.clone()) });
+                self.done.push_back(Completion { batch: BatchId(id), tag: b.tag, bytes: b.bytes, result: Err(e.clone()), at: Instant::now() });
             }
         }
     }
@@ -174,7 +174,7 @@ impl<K> Ledger<K> {
         if b.error.is_none() {
             self.hops.record(Hop::Wire, at.saturating_duration_since(b.posted_at), b.bytes);
         }
-        self.done.push_back(Completion { batch: BatchId(id), tag: b.tag, bytes: b.bytes, result: b.error.map_or(Ok(()), Err) });
+        self.done.push_back(Completion { batch: BatchId(id), tag: b.tag, bytes: b.bytes, result: b.error.map_or(Ok(()), Err), at });
     }
 }
 

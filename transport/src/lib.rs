@@ -48,7 +48,7 @@ pub use auth::Credential;
 pub use registry::{Grant, Region, Registry};
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One one-sided write: `len` bytes from a local region into a peer's region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +97,9 @@ pub struct Completion {
     pub bytes: u64,
     /// Success, or why the batch failed.
     pub result: Result<(), TransportError>,
+    /// When the transport learned of it (tcp: the last answer read off the
+    /// socket), which the caller's poll may reap later.
+    pub at: Instant,
 }
 
 /// Why a transport operation failed.
