@@ -190,7 +190,8 @@ impl Outcome {
 /// Each stage's busy time is measured on its own daemon's clock; chunks are
 /// layers; setup is what the source spent before posting that is not a
 /// stage (handshake, planning); end to end is the client's clock, submit to
-/// `decoder_usable` seen.
+/// `decoder_usable` seen. The lower bound takes the wire as the destination
+/// saw it (below), every other hop whole.
 pub fn timing(o: &Outcome, layers: u64) -> (Vec<(&'static str, Stage)>, Prediction) {
     let mut stages = Vec::new();
     for (side, st) in [("source", &o.source), ("destination", &o.destination)] {
@@ -209,8 +210,20 @@ pub fn timing(o: &Outcome, layers: u64) -> (Vec<(&'static str, Stage)>, Predicti
         .filter(|(_, s)| s.hop != "post")
         .map(|(side, s)| Stage { hop: format!("{} ({side})", s.hop), ..s.clone() })
         .collect();
-    let p = predict(&plain, layers, posting.saturating_sub(before)).measured(o.end_to_end.as_nanos() as u64);
-    (stages, p)
+    let setup = posting.saturating_sub(before);
+    let mut p = predict(&plain, layers, setup);
+    // The source's `wire` span ends when the last answer reached it, which
+    // can be after the destination published: the answer's trip back is no
+    // part of the end to end. The bound counts the wire only as the
+    // destination saw bytes arrive, on its own clock: from layer 0 complete
+    // to the last layer complete (a part of the span, so still a bound).
+    let received = |l: u64| o.destination.marks.iter().find(|m| m.name == format!("host_received({l})")).map(|m| m.at_ns);
+    let arriving = match (received(0), received(layers.saturating_sub(1))) {
+        (Some(first), Some(last)) => last.saturating_sub(first),
+        _ => 0,
+    };
+    p.lower_ns = setup + plain.iter().map(|s| if s.hop == "wire (source)" { s.total_ns.min(arriving) } else { s.total_ns }).max().unwrap_or(0);
+    (stages, p.measured(o.end_to_end.as_nanos() as u64))
 }
 
 /// Layer-wise transfer against the prefill's real per-layer compute: each

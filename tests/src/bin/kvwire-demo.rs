@@ -89,7 +89,7 @@ fn main() -> ExitCode {
     println!("timing model over {} layer chunks, setup {:.3} ms:", p.chunks, ms(p.setup_ns));
     println!("  sequential prediction  {:>9.3} ms", ms(p.sequential_ns));
     println!("  pipelined estimate     {:>9.3} ms  (fill, drain, equal chunks)", ms(p.pipelined_ns));
-    println!("  lower bound            {:>9.3} ms  (setup + the slowest hop's whole busy time)", ms(p.lower_ns));
+    println!("  lower bound            {:>9.3} ms  (setup + the slowest hop's busy time; the wire as the destination saw layers 0..last arrive)", ms(p.lower_ns));
     let fit = match p.fit {
         Some(Fit::Overlap { share }) => format!("{:.0}% of the possible overlap", share * 100.0),
         Some(Fit::AboveSequential { measured_ns, sequential_ns }) => {
