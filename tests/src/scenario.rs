@@ -53,8 +53,8 @@ pub struct Scenario {
     /// as this preset lays them out instead of its own.
     pub dst_read_as: Option<&'static str>,
     /// Stream the prefill: submit first, then compute layer by layer,
-    /// writing each layer into the registered cache and announcing it
-    /// (`produced`) before the next is computed. A memfd source in host memory.
+    /// writing each layer into the registered cache (host or device
+    /// memory) and announcing it (`produced`) before the next is computed.
     pub stream: bool,
 }
 
@@ -114,6 +114,15 @@ impl RankMem {
                 use std::os::fd::AsFd;
                 c.register_device(d, dmabuf.as_ref().map(|f| f.as_fd())).map(|_| ()).map_err(step("register_device"))
             }
+        }
+    }
+
+    /// Writes `bytes` at `off`, as the engine's kernels write its cache.
+    fn write(&self, off: u64, bytes: &[u8]) -> Result<(), String> {
+        match self {
+            RankMem::Host(mem) => mem.write(off, bytes).map_err(|e| e.to_string()),
+            #[cfg(feature = "cuda")]
+            RankMem::Cuda { dev, mem } => dev.write(mem, off, bytes).map_err(|e| e.to_string()),
         }
     }
 
@@ -388,8 +397,8 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     (sc.src_identity)(&mut sid);
     let src_group = format!("{}-prefill", sc.name);
     let shape = (cfg.kv_heads as u64, cfg.head_dim as u64);
-    if sc.stream && (src.kv.is_some() || sc.memory != Memory::Host) {
-        return Err(ScenarioError::Setup("a streamed source is a memfd cache in host memory".into()));
+    if sc.stream && src.kv.is_some() {
+        return Err(ScenarioError::Setup("a streamed source is a cache the scenario writes layer by layer, not engine tensors".into()));
     }
     let (_src_engine, src_mems) = match &src.kv {
         Some(order) => {
@@ -534,13 +543,11 @@ fn stream_prefill(a: &Client, w: &Weights, adapter: Option<&Adapter>, tokens: &[
         partial.k[l].clone_from(&c.k[l]);
         partial.v[l].clone_from(&c.v[l]);
         for (rank, mem) in mems.iter().enumerate() {
-            #[allow(irrefutable_let_patterns)] // device memory exists with the cuda feature only
-            let RankMem::Host(m) = mem else { continue };
             let regions = tinylm::scatter(&partial, model, src, rank as u32);
             let mut off = 0;
             for (id, len) in src.regions(model, rank as u32) {
                 if id.layer as usize == l {
-                    if let Err(e) = m.write(off, &regions[&id]) {
+                    if let Err(e) = mem.write(off, &regions[&id]) {
                         first_error = Some(ScenarioError::Setup(format!("write layer {l} of rank {rank}: {e}")));
                     }
                 }

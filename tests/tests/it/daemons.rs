@@ -106,9 +106,32 @@ fn a_prefill_streamed_layer_by_layer_decodes_bitwise_identical() {
     sc.stream = true;
     sc.src_layout = "tp=2,block=16,kv=vllm_nhd".into();
     match run(&p, &sc) {
-        Err(ScenarioError::Setup(why)) => assert!(why.contains("memfd cache in host memory"), "{why}"),
+        Err(ScenarioError::Setup(why)) => assert!(why.contains("not engine tensors"), "{why}"),
         other => panic!("expected a setup error, got {other:?}"),
     }
+}
+
+#[test]
+fn a_device_resident_prefill_streamed_layer_by_layer_decodes_bitwise_identical() {
+    let _shared = crate::shared();
+    let d = TempDir::new("e2e-stream-device");
+    let dev = "[device]\nbackend = \"host\"\n";
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], dev);
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
+    let (ca, cb) = (Client::connect(&a.socket, "prefill").unwrap(), Client::connect(&b.socket, "decode").unwrap());
+    let p = Pair { _b: b, _a: a, ca, cb, dir: d };
+    // Both caches in the stand-in backend's device memory: the source stages
+    // each layer device -> host as it is announced, the destination copies
+    // each back before its layer_ready.
+    let mut sc = Scenario::new("streamed-device");
+    sc.stream = true;
+    sc.memory = scenario::Memory::StandIn;
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    let stage = o.source.hops.iter().find(|h| h.hop == "stage").expect("the source staged device memory");
+    assert_eq!(stage.bytes, o.source.bytes, "every byte staged once, layer by layer");
+    let names: Vec<&str> = o.destination.marks.iter().map(|m| m.name.as_str()).collect();
+    assert!((0..4).all(|l| names.contains(&format!("device_complete({l})").as_str())), "{names:?}");
 }
 
 #[test]
