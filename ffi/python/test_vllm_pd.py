@@ -652,7 +652,7 @@ def main(argv) -> int:
             whole = Engine("producer-whole", "kv_producer", model, daemons.sock_p, "prefill-whole", ptrace_w, work, dict(env, KVWIRE_TEST_STREAM="0"))
             engines.append(whole)
             log("")
-            log("engine producer-whole (\"stream\": false) ready in %.1f s" % whole.recv()["startup_s"])
+            log("engine producer-whole (\"stream\": false, the connector's default on CPU engines) ready in %.1f s" % whole.recv()["startup_s"])
             ttft_table(whole, ptrace_w, "the request moved whole after the producer's forward")
             whole.stop()
             engines.remove(whole)

@@ -77,7 +77,10 @@ the metadata the scheduler builds each step):
   while the forward computes the next. ``wait_for_save`` says every layer
   is written, in case a layer had no ``save_kv_layer``. The send thread
   then waits for ``source_released``. With ``"stream": false`` the submit
-  waits for ``wait_for_save`` and moves the request whole.
+  waits for ``wait_for_save`` and moves the request whole. That is the
+  default on CPU engines, where the forward and the daemons share the
+  cores and the overlap measured slower; ``"stream": true`` turns
+  streaming on.
   ``request_finished`` keeps the blocks
   (returns True) and ``get_finished`` frees them once released. The
   destination's verdict comes back later (the source's own
@@ -218,8 +221,13 @@ class KvwireConnector(KVConnectorBase_V1):
         self._tenant: str = extra.get("tenant", "default")
         self._submit_timeout = float(extra.get("submit_timeout_s", 60.0))
         self._recv_timeout = float(extra.get("recv_timeout_s", 120.0))
-        # Move each layer as the producer's forward writes it (else the request whole, after the forward).
-        self._stream = bool(extra.get("stream", True))
+        # Move each layer as the producer's forward writes it (else the request
+        # whole, after the forward). Not by default on CPU engines: there the
+        # forward's OpenMP threads share the cores with the daemons, and
+        # overlapping the two measured slower than moving after the forward
+        # (scripts/demo --vllm prints both).
+        device = getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu")
+        self._stream = bool(extra.get("stream", device != "cpu"))
         # Trace a digest of each request's KV rows as the producer sends them and as the consumer got them.
         self._digest = bool(extra.get("digest", False))
         self._block_size: int = vllm_config.cache_config.block_size
