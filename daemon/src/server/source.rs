@@ -148,7 +148,11 @@ impl Daemon {
             }
         };
         let (rails, prefer) = rails_of(&accept);
-        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut Default::default());
+        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
+            let mut total = Outcome::default();
+            let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
+            (total, moved)
+        };
         self.post(id, stop, s, Size::of(&g, &p), codec, accept, src_stage, l.clone(), mover)
     }
 
@@ -202,7 +206,7 @@ impl Daemon {
         let stage = src_stage.clone();
         let (group, request) = (s.group.clone(), s.request.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
-            let mut total = crate::stripe::Outcome::default();
+            let mut total = Outcome::default();
             let mut batches = batches.into_iter();
             let moved = (|| {
                 let mut layer = 0;
@@ -220,7 +224,7 @@ impl Daemon {
                 Ok(())
             })();
             d.produced.forget(&group, &request);
-            moved.map(|()| total)
+            (total, moved)
         };
         self.post(id, stop, s, size, codec, accept, src_stage, l, mover)
     }
@@ -433,7 +437,7 @@ impl Daemon {
         accept: Box<Accept>,
         src_stage: Option<Arc<Region>>,
         link: Arc<PeerLink>,
-        mover: impl FnOnce(&Arc<Daemon>, &Arc<AtomicBool>, &Arc<PeerLink>) -> Result<Outcome, String> + Send + 'static,
+        mover: impl FnOnce(&Arc<Daemon>, &Arc<AtomicBool>, &Arc<PeerLink>) -> (Outcome, Result<(), String>) + Send + 'static,
     ) -> Result<Reply, Refusal> {
         let c = &size.counters;
         self.with_slot(id, |sl| sl.sized(size.layers, c, size.wire));
@@ -453,17 +457,18 @@ impl Daemon {
         let spawned = self.workers.spawn("kvwired-xfer", move || {
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
-            let result = mover(&d, &stop, &thread_link);
+            let (outcome, result) = mover(&d, &stop, &thread_link);
             d.drop_src_stage(src_stage);
+            // What the connections say they carried, not a guess at their
+            // framing; a failed transfer too, as far as it got.
+            Metrics::add(&d.metrics.wire_bytes, outcome.bytes + outcome.framing);
             match result {
-                Ok(outcome) => {
+                Ok(()) => {
                     let (bytes, writes) = (outcome.bytes, outcome.writes);
                     Metrics::add(&d.metrics.payload_bytes, payload);
                     if codec.is_some() {
                         Metrics::add(&d.metrics.compressed_bytes, stage_total);
                     }
-                    // What the connections say they sent, not a guess at their framing.
-                    Metrics::add(&d.metrics.wire_bytes, bytes + outcome.framing);
                     // The source's memory is free now; the transfer is done
                     // only once the destination says it landed.
                     // The next transfer to this peer (an engine submits as

@@ -171,4 +171,18 @@ fn a_streamed_transfer_cancelled_while_waiting_for_a_layer_fails_both_sides_afte
     assert!(st.error.as_deref().unwrap_or("").contains("cancelled"), "{:?}", st.error);
     assert!(!p.cb.ready(slot, FlagName::LayerReady(2)));
     assert_eq!(p.ca.status(sub.slot).unwrap().state, TransferState::Cancelled);
+    // The failed transfer still counts what crossed the link: layers 0 and 1
+    // (half of the request's payload, the toy model's layers being equal) and
+    // their framing, and not the layers it never sent.
+    let wire = || {
+        let text = p.ca.stats().unwrap();
+        let line = text.lines().find(|l| l.starts_with("kvwire_wire_bytes_total{")).expect("a wire_bytes line").to_string();
+        line.rsplit(' ').next().unwrap().parse::<u64>().unwrap()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while wire() < sub.bytes / 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let counted = wire();
+    assert!(counted >= sub.bytes / 2 && counted < sub.bytes, "wire_bytes_total {counted} for a transfer cancelled after 2 of 4 layers of {} payload bytes", sub.bytes);
 }
