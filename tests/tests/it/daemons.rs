@@ -24,14 +24,24 @@ struct Pair {
 }
 
 fn pair(tag: &str, b_extra: &str) -> Pair {
+    pair_with(tag, "", b_extra)
+}
+
+/// Both daemons serving device memory through the stand-in backend.
+fn device_pair(tag: &str) -> Pair {
+    let dev = "[device]\nbackend = \"host\"\n";
+    pair_with(tag, dev, dev)
+}
+
+/// The decode daemon with `b_extra` in its config, the prefill daemon with `a_extra`.
+fn pair_with(tag: &str, a_extra: &str, b_extra: &str) -> Pair {
     let d = TempDir::new(&format!("e2e-{tag}"));
     let b = start_daemon(d.path(), "decode-host", SECRET, &[], b_extra);
-    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], "");
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], a_extra);
     let ca = Client::connect(&a.socket, "prefill").unwrap();
     let cb = Client::connect(&b.socket, "decode").unwrap();
     Pair { _b: b, _a: a, ca, cb, dir: d }
 }
-
 
 fn run(p: &Pair, sc: &Scenario) -> Result<scenario::Outcome, ScenarioError> {
     scenario::run(&p.ca, &p.cb, "decode-host", sc)
@@ -114,12 +124,7 @@ fn a_prefill_streamed_layer_by_layer_decodes_bitwise_identical() {
 #[test]
 fn a_device_resident_prefill_streamed_layer_by_layer_decodes_bitwise_identical() {
     let _shared = crate::shared();
-    let d = TempDir::new("e2e-stream-device");
-    let dev = "[device]\nbackend = \"host\"\n";
-    let b = start_daemon(d.path(), "decode-host", SECRET, &[], dev);
-    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
-    let (ca, cb) = (Client::connect(&a.socket, "prefill").unwrap(), Client::connect(&b.socket, "decode").unwrap());
-    let p = Pair { _b: b, _a: a, ca, cb, dir: d };
+    let p = device_pair("stream-device");
     // Both caches in the stand-in backend's device memory: the source stages
     // each layer device -> host as it is announced, the destination copies
     // each back before its layer_ready.
@@ -641,13 +646,7 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
     // caches are registered as device allocations, copied device → host at
     // the source and host → device at the destination, where each layer is
     // published only after its copies' event completed.
-    let d = TempDir::new("e2e-device");
-    let dev = "[device]\nbackend = \"host\"\n";
-    let b = start_daemon(d.path(), "decode-host", SECRET, &[], dev);
-    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
-    let ca = Client::connect(&a.socket, "prefill").unwrap();
-    let cb = Client::connect(&b.socket, "decode").unwrap();
-    let p = Pair { _b: b, _a: a, ca, cb, dir: d };
+    let p = device_pair("device");
     for (name, prefix) in [("device", 0), ("device-prefix", 40)] {
         let mut sc = Scenario::new(name);
         sc.memory = scenario::Memory::StandIn;
