@@ -349,7 +349,10 @@ impl Daemon {
         let sums = if self.cfg.verify_checksums {
             let started = Instant::now();
             let sums = self.source_sums(g, p, codec, |_, l| l as usize == layer)?;
-            let bytes = p.plan.segments.iter().filter(|sg| sg.dst_region.layer as usize == layer).map(|sg| sg.bytes()).sum();
+            // The layer's own segments, from its schedule: not a pass over the whole plan per layer.
+            let ls = &p.schedule.layers[layer];
+            let segs = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg));
+            let bytes = segs.map(|i| p.plan.segments[i].bytes()).sum();
             self.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
             sums
         } else {
