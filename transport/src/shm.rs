@@ -468,10 +468,12 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
         let mut out = hello::Deadline::new(&writer, serve.limits.handshake_timeout);
         let proven = hello::challenge(&mut rd, &mut out, TRANSPORT, &serve.registry).map_err(|e| closing(&node, format!("handshake refused: {e}")))?;
         node = proven.hello.node.clone();
+        // Proven: out of the unauthenticated count before the initiator
+        // can read our hello and open another connection.
+        pass.authenticated();
         hello::send_hello(&mut out, &hello::prove(TRANSPORT, &proven, hello_of(&serve.node))).map_err(|e| closing(&node, e.to_string()))?;
         proven.session.credential.session
     };
-    pass.authenticated();
     rd.deadline = None;
     let idle = Some(serve.limits.idle_timeout);
     let _ = rd.sock.set_read_timeout(idle);

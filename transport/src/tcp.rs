@@ -165,8 +165,11 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
     stream.set_nodelay(true).map_err(TransportError::io("set_nodelay"))?;
     let mut hs = hello::Deadline::new(&stream, limits.handshake_timeout);
     let proven = hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, registry)?;
-    hello::send_hello(&mut hs, &hello::prove(TRANSPORT, &proven, hello(node)))?;
+    // The peer proved itself in the challenge. Leave the unauthenticated
+    // count before answering: once the initiator reads our hello it may
+    // open more connections, and they must find this place free.
     pass.authenticated();
+    hello::send_hello(&mut hs, &hello::prove(TRANSPORT, &proven, hello(node)))?;
     let (peer, session) = (proven.hello, proven.session.credential.session);
     stream.set_read_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
     stream.set_write_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
