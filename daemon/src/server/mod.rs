@@ -41,7 +41,7 @@ use kvwire_transport::{Endpoint, FlagTable, Hops, HostMem, Placement, Registry};
 use state::{Groups, Slots};
 use kvwire_core::shard::RegionId;
 use kvwire_transport::Region;
-use std::cell::RefCell;
+use std::cell::Cell;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{TcpListener, TcpStream};
 use std::os::unix::fs::PermissionsExt;
@@ -148,29 +148,28 @@ fn read_mem(mem: &HostMem, offset: u64, len: u64) -> Option<Vec<u8>> {
     Some(b)
 }
 
-/// Reads runs of registered regions for the checksums, into one reused
-/// buffer (a remap reads hundreds of thousands of row-sized runs: one
-/// allocation each cost more than hashing them), looking a region up once
-/// per run of the same region.
+/// Reads runs of registered regions for the checksums straight from their
+/// mappings: a remap reads hundreds of thousands of row-sized runs, and a
+/// copy of each (let alone an allocation) cost more than hashing it.
 struct RunReader<'a> {
     regions: &'a HashMap<RegionKey, Arc<Region>>,
-    buf: RefCell<Vec<u8>>,
-    last: RefCell<Option<(RegionKey, Arc<Region>)>>,
+    // The region of the previous run: runs come region by region.
+    last: Cell<Option<(RegionKey, &'a Region)>>,
 }
 
 /// A registered region of a rank.
 type RegionKey = (u32, RegionId);
 
-/// Bytes a [`RunReader`] hands out: its buffer, or a converted copy.
+/// Bytes a [`RunReader`] hands out: a view of the mapping, or a converted copy.
 enum RunBytes<'a> {
-    Scratch(std::cell::RefMut<'a, Vec<u8>>),
+    Mapped(&'a [u8]),
     Owned(Vec<u8>),
 }
 
 impl AsRef<[u8]> for RunBytes<'_> {
     fn as_ref(&self) -> &[u8] {
         match self {
-            RunBytes::Scratch(b) => b,
+            RunBytes::Mapped(b) => b,
             RunBytes::Owned(v) => v,
         }
     }
@@ -178,20 +177,30 @@ impl AsRef<[u8]> for RunBytes<'_> {
 
 impl<'a> RunReader<'a> {
     fn new(regions: &'a HashMap<RegionKey, Arc<Region>>) -> RunReader<'a> {
-        RunReader { regions, buf: RefCell::new(Vec::new()), last: RefCell::new(None) }
+        RunReader { regions, last: Cell::new(None) }
     }
 
-    /// `len` bytes at `offset` of (rank, region), in the reused buffer.
-    fn read(&self, rank: u32, region: RegionId, offset: u64, len: u64) -> Option<RunBytes<'_>> {
-        let mut last = self.last.borrow_mut();
-        if last.as_ref().is_none_or(|(k, _)| *k != (rank, region)) {
-            *last = Some(((rank, region), self.regions.get(&(rank, region))?.clone()));
+    /// `len` bytes at `offset` of (rank, region); None outside the region.
+    fn read(&self, rank: u32, region: RegionId, offset: u64, len: u64) -> Option<RunBytes<'a>> {
+        let r = match self.last.get() {
+            Some((k, r)) if k == (rank, region) => r,
+            _ => {
+                let r: &'a Region = self.regions.get(&(rank, region))?;
+                self.last.set(Some(((rank, region), r)));
+                r
+            }
+        };
+        let end = offset.checked_add(len)?;
+        if end > r.len {
+            return None;
         }
-        let r = &last.as_ref().expect("set above").1;
-        let mut b = self.buf.borrow_mut();
-        b.resize(usize::try_from(len).ok()?, 0);
-        r.mem.read(r.offset + offset, &mut b).ok()?;
-        Some(RunBytes::Scratch(b))
+        r.mem.check(r.offset + offset, len).ok()?;
+        // SAFETY: the range lies inside the region's live mapping (checked
+        // above), which the map's Arc keeps alive for 'a. The engine may
+        // write these pages meanwhile, as it may while `HostMem::read`
+        // copies them; the checksum then differs and the transfer fails,
+        // which is the point of it.
+        Some(RunBytes::Mapped(unsafe { std::slice::from_raw_parts(r.mem.as_ptr().add((r.offset + offset) as usize), len as usize) }))
     }
 }
 
