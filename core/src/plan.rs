@@ -316,6 +316,13 @@ impl Segment {
         }
     }
 
+    /// Whether its runs lie back to back at the source: then its bytes in
+    /// run order are one range there, and a packed segment can be written
+    /// from the source as it is, with no gather.
+    pub fn src_contiguous(&self) -> bool {
+        self.count <= 1 || self.src_stride == self.len
+    }
+
     /// `(src_offset, dst_offset)` of each run.
     pub fn runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         (0..self.count).map(|i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride))

@@ -94,6 +94,8 @@ pub enum WriteTarget {
     },
     /// A staged segment: the same offset in both staging buffers.
     Staged {
+        /// Index into `plan.segments`.
+        seg: usize,
         /// Offset in both staging buffers.
         offset: u64,
         /// Bytes.
@@ -172,7 +174,7 @@ impl Schedule {
                 len: s.len,
             })
         });
-        direct.chain(ls.staged.iter().map(|st| WriteTarget::Staged { offset: st.offset, len: st.size }))
+        direct.chain(ls.staged.iter().map(|st| WriteTarget::Staged { seg: st.seg, offset: st.offset, len: st.size }))
     }
 }
 

@@ -19,7 +19,7 @@ use kvwire_client::control::*;
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_at_source, LayerChecksum, Manifest};
-use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Side};
+use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Segment, Side};
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
 use kvwire_core::session::msg::{Accept, Expect, Offer, RailAddr};
@@ -140,7 +140,7 @@ impl Daemon {
         }
         self.expect_and_beat(id, &g, &s, &p, codec, &accept, &l)?;
         let src_stage = self.pack(id, &g, &p, codec)?;
-        let batches = match batches(&g, &p, &accept, src_stage.as_ref()) {
+        let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
             Err(r) => {
                 self.drop_src_stage(src_stage);
@@ -183,8 +183,8 @@ impl Daemon {
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
         self.expect_and_beat(id, &g, &s, &p, codec, &accept, &l)?;
-        let src_stage = self.stage_buffer(p.schedule.stage_bytes)?;
-        let batches = match batches(&g, &p, &accept, src_stage.as_ref()) {
+        let src_stage = self.stage_buffer(stage_needed(&p, codec))?;
+        let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
             Err(r) => {
                 self.drop_src_stage(src_stage);
@@ -362,7 +362,7 @@ impl Daemon {
         Metrics::add(&self.metrics.wire_bytes, serde_json::to_vec(&sums).map_or(0, |j| j.len() as u64));
         link.send_layer_sums(layer as u16, sums)?;
         let staged = &p.schedule.layers[layer].staged;
-        if let (Some(stage), false) = (stage, staged.is_empty()) {
+        if let (Some(stage), true) = (stage, staged.iter().any(|st| gathers(&p.plan.segments[st.seg], codec))) {
             let started = Instant::now();
             let bytes = self.pack_into(stage, g, p, codec, staged)?;
             self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
@@ -373,7 +373,7 @@ impl Daemon {
     /// Packs (and encodes) the staged segments into one registered buffer.
     fn pack(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<Option<Arc<Region>>, Refusal> {
         let started = Instant::now();
-        let Some(stage) = self.stage_buffer(p.schedule.stage_bytes)? else { return Ok(None) };
+        let Some(stage) = self.stage_buffer(stage_needed(p, codec))? else { return Ok(None) };
         match self.pack_into(&stage, g, p, codec, &p.schedule.staged) {
             Ok(bytes) => {
                 self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
@@ -397,12 +397,16 @@ impl Daemon {
         self.register_region(mem, 0, total, None).map(Some).map_err(|e| failed(&e))
     }
 
-    /// Packs (and encodes) `staged` into the staging buffer; returns the bytes written.
+    /// Packs (and encodes) the segments of `staged` that need it
+    /// ([`gathers`]) into the staging buffer; returns the bytes written.
     fn pack_into(&self, stage: &Region, g: &SourceGroup, p: &Planned, codec: Option<Codec>, staged: &[Staged]) -> Result<u64, Refusal> {
         let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
         let mut total = 0;
         for st in staged {
             let seg = &p.plan.segments[st.seg];
+            if !gathers(seg, codec) {
+                continue;
+            }
             let r = g.regions.get(&(seg.src_rank, seg.src_region)).ok_or_else(|| failed(&"source region missing"))?;
             total += st.size;
             if codec.is_none() {
@@ -583,8 +587,27 @@ fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>) -
     Ok(Planned { dst, plan, schedule })
 }
 
+/// Whether the source gathers staged segment `seg` into its staging buffer
+/// before sending it: with a codec (it converts the rows), or when its runs
+/// are apart at the source. Runs back to back there are one range already,
+/// written from the cache into the destination's staging as they are: a
+/// pass over the bytes saved (a tp8 -> tp2 remap's source holds each block
+/// whole, and only the destination scatters).
+fn gathers(seg: &Segment, codec: Option<Codec>) -> bool {
+    codec.is_some() || !seg.src_contiguous()
+}
+
+/// Bytes of the source's staging buffer: the schedule's staging layout,
+/// or none when no staged segment is gathered.
+fn stage_needed(p: &Planned, codec: Option<Codec>) -> u64 {
+    match p.schedule.staged.iter().any(|st| gathers(&p.plan.segments[st.seg], codec)) {
+        true => p.schedule.stage_bytes,
+        false => 0,
+    }
+}
+
 /// The schedule's writes per layer, with both sides' keys.
-fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Region>>) -> Result<Vec<Batch>, Refusal> {
+fn batches(g: &SourceGroup, p: &Planned, a: &Accept, codec: Option<Codec>, src_stage: Option<&Arc<Region>>) -> Result<Vec<Batch>, Refusal> {
     let dst_keys: HashMap<(u32, RegionId), u32> = a.regions.iter().map(|r| ((r.rank, r.region), r.key)).collect();
     let missing = |src: (u32, RegionId), dst: (u32, RegionId)| {
         Refusal::new(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", src.0, dst.0, dst.1))
@@ -598,9 +621,15 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, src_stage: Option<&Arc<Regi
                     let (Some(sr), Some(&dk)) = (g.regions.get(&src), dst_keys.get(&dst)) else { return Err(missing(src, dst)) };
                     WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len }
                 }
-                WriteTarget::Staged { offset, len } => {
-                    let stage = src_stage.ok_or_else(|| Refusal::new(Code::TransferFailed, "staged writes without a staging buffer"))?;
-                    WriteOp { src_key: stage.key, src_offset: offset, dst_key: a.stage_key, dst_offset: offset, len }
+                WriteTarget::Staged { seg, offset, len } => {
+                    let s = &p.plan.segments[seg];
+                    if gathers(s, codec) {
+                        let stage = src_stage.ok_or_else(|| Refusal::new(Code::TransferFailed, "staged writes without a staging buffer"))?;
+                        WriteOp { src_key: stage.key, src_offset: offset, dst_key: a.stage_key, dst_offset: offset, len }
+                    } else {
+                        let sr = g.regions.get(&(s.src_rank, s.src_region)).ok_or_else(|| missing((s.src_rank, s.src_region), (s.dst_rank, s.dst_region)))?;
+                        WriteOp { src_key: sr.key, src_offset: s.src_offset, dst_key: a.stage_key, dst_offset: offset, len }
+                    }
                 }
             };
             // Writes that continue one another on both sides go as one:
