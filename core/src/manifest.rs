@@ -417,6 +417,14 @@ pub enum ManifestError {
         /// Bytes asked for.
         len: u64,
     },
+    /// A segment index past the plan's end.
+    #[error("segment {index} of a plan of {segments}")]
+    NoSegment {
+        /// Index asked for.
+        index: usize,
+        /// Segments in the plan.
+        segments: usize,
+    },
     /// Manifest JSON longer than [`MAX_MANIFEST_JSON`].
     #[error("manifest JSON of {len} bytes exceeds the limit of {limit}")]
     TooLarge {
@@ -616,20 +624,48 @@ pub fn read_buffers<'a>(bufs: &'a Buffers) -> impl Fn(u32, RegionId, u64, u64) -
     }
 }
 
-/// Checksums of every destination region the plan writes, reading each run
-/// through `read(rank, region, offset, len)` at the side `source` picks.
-fn checksums<R: AsRef<[u8]>>(
+/// Which side of a plan's segments checksums read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    /// The source runs (the sender's checksums).
+    Source,
+    /// The destination runs (the receiver's recomputation).
+    Destination,
+}
+
+/// Checksums of the segments `segs` (indices into `plan.segments`, in plan
+/// order, and every segment of each destination (rank, layer, tensor) they
+/// touch: a layer's segments, or all of them), read at `side`.
+///
+/// A segment's bytes, in run order, come from `whole(i)` where they lie in
+/// one piece (a packed segment in a staging buffer: one large read instead
+/// of a gather of its runs), else run by run through
+/// `read(rank, region, offset, len)`. Either way the digest is the same.
+pub fn checksums_of<R: AsRef<[u8]>, W: AsRef<[u8]>>(
     plan: &Plan,
-    source: bool,
-    keep: impl Fn(u32, u32) -> bool,
+    side: Reading,
+    segs: impl IntoIterator<Item = usize>,
     mut read: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
+    mut whole: impl FnMut(usize) -> Option<W>,
 ) -> Result<Vec<LayerChecksum>, ManifestError> {
     const CHUNK: usize = 64 << 10;
+    let source = side == Reading::Source;
     let mut hashers: BTreeMap<(u32, RegionId), (Xxh3, u64)> = BTreeMap::new();
     let mut chunk: Vec<u8> = Vec::with_capacity(CHUNK);
-    for s in plan.segments.iter().filter(|s| keep(s.dst_rank, s.dst_region.layer)) {
+    for i in segs {
+        let s = plan.segments.get(i).ok_or(ManifestError::NoSegment { index: i, segments: plan.segments.len() })?;
         let (rank, region) = if source { (s.src_rank, s.src_region) } else { (s.dst_rank, s.dst_region) };
         let (h, bytes) = hashers.entry((s.dst_rank, s.dst_region)).or_insert_with(|| (Xxh3::new(), 0));
+        if let Some(data) = whole(i) {
+            let data = data.as_ref();
+            if data.len() as u64 != s.bytes() {
+                let offset = if source { s.src_offset } else { s.dst_offset };
+                return Err(ManifestError::Unreadable { side: if source { "source" } else { "destination" }, rank, layer: region.layer, tensor: region.tensor, offset, len: s.bytes() });
+            }
+            h.update(data);
+            *bytes += s.bytes();
+            continue;
+        }
         // Row-sized runs are gathered and hashed in large pieces: the
         // streaming hash costs several times more fed a run at a time.
         chunk.clear();
@@ -684,6 +720,18 @@ fn checksums<R: AsRef<[u8]>>(
         .collect())
 }
 
+/// Checksums of every destination region the plan writes that `keep`
+/// accepts, reading each run through `read(rank, region, offset, len)`.
+fn checksums<R: AsRef<[u8]>>(
+    plan: &Plan,
+    side: Reading,
+    keep: impl Fn(u32, u32) -> bool,
+    read: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
+) -> Result<Vec<LayerChecksum>, ManifestError> {
+    let segs = plan.segments.iter().enumerate().filter(|(_, s)| keep(s.dst_rank, s.dst_region.layer)).map(|(i, _)| i);
+    checksums_of(plan, side, segs, read, |_| None::<&[u8]>)
+}
+
 /// Recomputes, at the receiver, the checksums of the (destination rank,
 /// layer) pairs `keep` accepts — a rank subset, or one layer at a time —
 /// reading placed bytes through `read_dst(dst_rank, region, offset, len)`
@@ -694,7 +742,7 @@ pub fn checksums_at_destination<R: AsRef<[u8]>>(
     read_dst: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
     keep: impl Fn(u32, u32) -> bool,
 ) -> Result<Vec<LayerChecksum>, ManifestError> {
-    checksums(plan, false, keep, read_dst)
+    checksums(plan, Reading::Destination, keep, read_dst)
 }
 
 /// The sender's checksums of the (destination rank, layer) pairs `keep`
@@ -707,7 +755,7 @@ pub fn checksums_at_source<R: AsRef<[u8]>>(
     read_src: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
     keep: impl Fn(u32, u32) -> bool,
 ) -> Result<Vec<LayerChecksum>, ManifestError> {
-    checksums(plan, true, keep, read_src)
+    checksums(plan, Reading::Source, keep, read_src)
 }
 
 /// The field-by-field comparison: `Ok` when equal, else the error `make` builds.
@@ -760,7 +808,7 @@ impl Manifest {
         read_src: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
     ) -> Result<Manifest, ManifestError> {
         let mut m = Manifest::claims(identity, model, src, dst, plan, transfer)?;
-        m.checksums = checksums(plan, true, |_, _| true, read_src)?;
+        m.checksums = checksums(plan, Reading::Source, |_, _| true, read_src)?;
         Ok(m)
     }
 

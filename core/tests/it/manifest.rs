@@ -10,8 +10,8 @@
 use kvwire_core::format::{CacheFormat, FORMATS};
 use kvwire_core::layout::{builtin, from_toml_spec, ModelSpec, Tensor};
 use kvwire_core::manifest::{
-    checksums_at_destination, checksums_at_source, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
-    MapSummary, RankSummary, RopeParams, MAX_MANIFEST_JSON,
+    checksums_at_destination, checksums_at_source, checksums_of, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
+    MapSummary, RankSummary, Reading, RopeParams, MAX_MANIFEST_JSON,
 };
 use kvwire_core::plan::{build, execute, Buffers, CostModel, Plan, PlanInput, Side};
 use kvwire_core::reuse::CacheIdentity;
@@ -163,6 +163,31 @@ fn layer_sums_sent_one_layer_at_a_time_make_the_whole_manifest() {
     refused(&mut m, 1, &stray, "dst rank 9 does not hold layer 1");
     m.add_layer_checksums(1, &layer1).unwrap();
     refused(&mut m, 1, &layer1, "checksums of layer 1 were sent twice");
+}
+
+#[test]
+fn segments_read_whole_from_a_gathered_copy_hash_as_their_runs_do() {
+    let r = llama();
+    // Each segment's runs gathered into one buffer, as a source's staging
+    // holds a packed segment: read whole, the digests are the runs' digests.
+    let read = read_buffers(&r.src_bufs);
+    let gathered: Vec<Vec<u8>> = r.plan.segments.iter().map(|s| s.runs().flat_map(|(so, _)| read(s.src_rank, s.src_region, so, s.len).unwrap().to_vec()).collect()).collect();
+    assert!(r.plan.segments.iter().any(|s| s.count > 1 && s.src_stride != s.len), "some segment's runs are apart at the source");
+    let all = 0..r.plan.segments.len();
+    let whole = checksums_of(&r.plan, Reading::Source, all.clone(), read_buffers(&r.src_bufs), |i| Some(gathered[i].as_slice())).unwrap();
+    assert_eq!(whole, llama_manifest().checksums);
+    // Every other segment whole, the rest run by run: still the same.
+    let mixed = checksums_of(&r.plan, Reading::Source, all.clone(), read_buffers(&r.src_bufs), |i| (i % 2 == 0).then(|| gathered[i].as_slice())).unwrap();
+    assert_eq!(mixed, whole);
+    // One layer's segments alone give that layer's entries.
+    let layer3: Vec<usize> = all.clone().filter(|&i| r.plan.segments[i].dst_region.layer == 3).collect();
+    let sums = checksums_of(&r.plan, Reading::Destination, layer3, read_buffers(&r.dst_bufs), |_| None::<&[u8]>).unwrap();
+    assert_eq!(sums, checksums_at_destination(&r.plan, read_buffers(&r.dst_bufs), |_, l| l == 3).unwrap());
+    // A whole read of the wrong size, or a segment the plan lacks, is refused by name.
+    let short = checksums_of(&r.plan, Reading::Source, [0], read_buffers(&r.src_bufs), |_| Some(&gathered[0][1..])).unwrap_err();
+    assert!(matches!(short, ManifestError::Unreadable { side: "source", .. }), "{short}");
+    let past = checksums_of(&r.plan, Reading::Source, [r.plan.segments.len()], read_buffers(&r.src_bufs), |_| None::<&[u8]>).unwrap_err();
+    assert_eq!(past.to_string(), format!("segment {0} of a plan of {0}", r.plan.segments.len()));
 }
 
 #[test]

@@ -14,7 +14,7 @@ use kvwire_client::control::*;
 use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
-use kvwire_core::manifest::{checksums_at_destination, Expected, Manifest};
+use kvwire_core::manifest::{checksums_of, Expected, Manifest, Reading};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::reuse::check_prefix;
@@ -491,7 +491,10 @@ impl Daemon {
             let runs = RunReader::new(&r.regions);
             let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
             let this_layer = |_, l: u32| l as usize == layer;
-            let checked = checksums_at_destination(&r.plan, read, this_layer).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
+            // The layer's own segments, in plan order: not a pass over the whole plan per layer.
+            let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
+            segs.sort_unstable();
+            let checked = checksums_of(&r.plan, Reading::Destination, segs, read, |_| None::<&[u8]>).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
             self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);
             if let Err(err) = checked {
                 tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");

@@ -190,18 +190,22 @@ impl<'a> RunReader<'a> {
                 r
             }
         };
-        let end = offset.checked_add(len)?;
-        if end > r.len {
-            return None;
-        }
-        r.mem.check(r.offset + offset, len).ok()?;
-        // SAFETY: the range lies inside the region's live mapping (checked
-        // above), which the map's Arc keeps alive for 'a. The engine may
-        // write these pages meanwhile, as it may while `HostMem::read`
-        // copies them; the checksum then differs and the transfer fails,
-        // which is the point of it.
-        Some(RunBytes::Mapped(unsafe { std::slice::from_raw_parts(r.mem.as_ptr().add((r.offset + offset) as usize), len as usize) }))
+        region_view(r, offset, len).map(RunBytes::Mapped)
     }
+}
+
+/// `len` bytes at `offset` of `r`'s window, in place; None outside it.
+fn region_view(r: &Region, offset: u64, len: u64) -> Option<&[u8]> {
+    if offset.checked_add(len)? > r.len {
+        return None;
+    }
+    r.mem.check(r.offset + offset, len).ok()?;
+    // SAFETY: the range lies inside the region's live mapping (checked
+    // above), which `r` keeps alive while the view is borrowed. Whoever
+    // else maps it (the engine) may write these pages meanwhile, as it may
+    // while `HostMem::read` copies them; a checksum over them then differs
+    // and the transfer fails, which is the point of it.
+    Some(unsafe { std::slice::from_raw_parts(r.mem.as_ptr().add((r.offset + offset) as usize), len as usize) })
 }
 
 impl Daemon {

@@ -10,7 +10,7 @@ use super::device::Direction;
 use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::state::{Boundary, Role, SlotId};
-use super::{read_mem, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
+use super::{read_mem, region_view, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -18,7 +18,7 @@ use crate::stripe::Outcome;
 use kvwire_client::control::*;
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
-use kvwire_core::manifest::{checksums_at_source, LayerChecksum, Manifest};
+use kvwire_core::manifest::{checksums_of, LayerChecksum, Manifest, Reading};
 use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Segment, Side};
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
@@ -138,8 +138,13 @@ impl Daemon {
             self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, 0..n)
                 .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging: {e}")))?;
         }
-        self.expect_and_beat(id, &g, &s, &p, codec, &accept, &l)?;
+        // Packed first: the checksums then read gathered segments from
+        // staging in one piece, not run by run from the cache again.
         let src_stage = self.pack(id, &g, &p, codec)?;
+        if let Err(r) = self.expect_and_beat(id, &g, &s, &p, codec, &accept, src_stage.as_deref(), &l) {
+            self.drop_src_stage(src_stage);
+            return Err(r);
+        }
         let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
             Err(r) => {
@@ -161,8 +166,8 @@ impl Daemon {
     /// waits for bytes, so keep it told that this side is alive, and learn
     /// at once if it is not.
     #[allow(clippy::too_many_arguments)] // the phases' inputs
-    fn expect_and_beat(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(), Refusal> {
-        let manifest = self.manifest(id, g, s, p, codec)?;
+    fn expect_and_beat(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, l: &Arc<PeerLink>) -> Result<(), Refusal> {
+        let manifest = self.manifest(id, g, s, p, codec, stage)?;
         let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: s.stream };
         Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
         l.send_expect(expect, p.schedule.stage_bytes)?;
@@ -182,7 +187,7 @@ impl Daemon {
     /// transfer timeout.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
-        self.expect_and_beat(id, &g, &s, &p, codec, &accept, &l)?;
+        self.expect_and_beat(id, &g, &s, &p, codec, &accept, None, &l)?;
         let src_stage = self.stage_buffer(stage_needed(&p, codec))?;
         let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
@@ -304,19 +309,20 @@ impl Daemon {
     /// the source bytes as the destination will decode them. A streamed
     /// transfer's checksums follow layer by layer instead; with checksums
     /// off there are none.
-    fn manifest(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>) -> Result<Manifest, Refusal> {
+    fn manifest(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, stage: Option<&Region>) -> Result<Manifest, Refusal> {
         let mut m = Manifest::claims(&g.identity, &g.model, &g.side, &p.dst, &p.plan, &s.dst_request).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
         if self.cfg.verify_checksums && !s.stream {
             let started = Instant::now();
-            m.checksums = self.source_sums(g, p, codec, |_, _| true)?;
+            m.checksums = self.source_sums(g, p, codec, 0..p.plan.segments.len(), stage)?;
             self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
         }
         Ok(m)
     }
 
-    /// Checksums of the source bytes of the (destination rank, layer)
-    /// pairs `keep` accepts, as the destination will hold them.
-    fn source_sums(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, keep: impl Fn(u32, u32) -> bool) -> Result<Vec<LayerChecksum>, Refusal> {
+    /// Checksums of the source bytes of segments `segs` (whole layers, in
+    /// plan order), as the destination will hold them. Segments packed
+    /// into `stage` already (without a codec) are read there, in one piece.
+    fn source_sums(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, segs: impl IntoIterator<Item = usize>, stage: Option<&Region>) -> Result<Vec<LayerChecksum>, Refusal> {
         let elem = codec.and_then(|c| c.element_bytes(&g.format).ok()).unwrap_or(0);
         let dim_of = |region: RegionId| {
             g.model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
@@ -333,26 +339,43 @@ impl Daemon {
                 None => Some(raw),
             }
         };
-        checksums_at_source(&p.plan, read, keep).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))
+        let staged = &p.schedule.staged;
+        let whole = |i: usize| -> Option<RunBytes<'_>> {
+            let stage = stage.filter(|_| codec.is_none())?;
+            // Staging order is plan order.
+            let st = &staged[staged.binary_search_by_key(&i, |st| st.seg).ok()?];
+            if !gathers(&p.plan.segments[i], codec) {
+                return None;
+            }
+            region_view(stage, st.offset, st.size).map(RunBytes::Mapped)
+        };
+        checksums_of(&p.plan, Reading::Source, segs, read, whole).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))
     }
 
     /// One layer of a streamed transfer, once it is written: device →
-    /// host staging, its checksums out (before any of its bytes, so the
-    /// destination can verify it as soon as they land), and its staged
-    /// segments packed.
+    /// host staging, its staged segments packed, and its checksums out
+    /// (before any of its bytes, so the destination can verify it as soon
+    /// as they land).
     #[allow(clippy::too_many_arguments)] // the transfer's parts, each used once
     fn stream_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         if !g.devices.is_empty() {
             self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1)
                 .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging of layer {layer}: {e}")))?;
         }
+        let ls = &p.schedule.layers[layer];
+        if let (Some(stage), true) = (stage, ls.staged.iter().any(|st| gathers(&p.plan.segments[st.seg], codec))) {
+            let started = Instant::now();
+            let bytes = self.pack_into(stage, g, p, codec, &ls.staged)?;
+            self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
+        }
         let sums = if self.cfg.verify_checksums {
             let started = Instant::now();
-            let sums = self.source_sums(g, p, codec, |_, l| l as usize == layer)?;
-            // The layer's own segments, from its schedule: not a pass over the whole plan per layer.
-            let ls = &p.schedule.layers[layer];
-            let segs = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg));
-            let bytes = segs.map(|i| p.plan.segments[i].bytes()).sum();
+            // The layer's own segments, from its schedule (not a pass over
+            // the whole plan per layer), in plan order.
+            let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
+            segs.sort_unstable();
+            let bytes = segs.iter().map(|&i| p.plan.segments[i].bytes()).sum();
+            let sums = self.source_sums(g, p, codec, segs, stage)?;
             self.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
             sums
         } else {
@@ -361,12 +384,6 @@ impl Daemon {
         // Counted as the manifest is: its checksums, as sent.
         Metrics::add(&self.metrics.wire_bytes, serde_json::to_vec(&sums).map_or(0, |j| j.len() as u64));
         link.send_layer_sums(layer as u16, sums)?;
-        let staged = &p.schedule.layers[layer].staged;
-        if let (Some(stage), true) = (stage, staged.iter().any(|st| gathers(&p.plan.segments[st.seg], codec))) {
-            let started = Instant::now();
-            let bytes = self.pack_into(stage, g, p, codec, staged)?;
-            self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
-        }
         Ok(())
     }
 
