@@ -1,8 +1,10 @@
 //! `kvwire bench layouts`: the campaign's layout dimension. Real models'
 //! caches at several token counts move between two layouts through two
 //! daemons (this process runs both, over real sockets and the chosen
-//! transport), timed from submit until `decoder_usable` is seen, next to a
-//! raw socket streaming the same payload in the same run.
+//! transport), timed from submit until `decoder_usable` is seen, next to
+//! the same payload's baseline in the same run: a raw socket for tcp, a
+//! memcpy between two mappings for shm (what same-host shared memory is
+//! up against).
 
 use kvwire_core::protocol::TransportKind;
 use crate::Error;
@@ -84,7 +86,9 @@ pub struct LayoutPoint {
     pub p50_ns: u64,
     /// Payload GB/s at the best time.
     pub gbps: f64,
-    /// Raw socket streaming the payload, GB/s (same run).
+    /// What the baseline is: `socket` (tcp) or `memcpy` (shm).
+    pub baseline: &'static str,
+    /// The baseline moving the payload, GB/s (same run).
     pub baseline_gbps: f64,
     /// gbps / baseline_gbps.
     pub ratio: f64,
@@ -200,11 +204,19 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
         out.push_str(&jsonl);
         return Ok(());
     }
-    let _ = writeln!(out, "kvwire bench layouts: {} {} over {}, {} timed transfers per point; latency = submit -> decoder_usable seen", a.model, format.id(), a.transport, a.iterations);
+    let _ = writeln!(
+        out,
+        "kvwire bench layouts: {} {} over {}, {} timed transfers per point; latency = submit -> decoder_usable seen; base = {} of the payload, same run",
+        a.model,
+        format.id(),
+        a.transport,
+        a.iterations,
+        baseline_of(a.transport).0
+    );
     let _ = writeln!(
         out,
         "{:>7} {:<34} {:<34} {:>12} {:>9} {:>10} {:>10} {:>8} {:>9} {:>6}  bounding",
-        "tokens", "src", "dst", "payload B", "segments", "best ms", "p50 ms", "GB/s", "sock GB/s", "ratio"
+        "tokens", "src", "dst", "payload B", "segments", "best ms", "p50 ms", "GB/s", "base GB/s", "ratio"
     );
     for p in &points {
         let _ = writeln!(
@@ -286,7 +298,8 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
             let bounding = predict(&stages, model.layers.len() as u64, 0).bounding;
             let hops = stages.iter().map(|st| PointHop { hop: st.hop.clone(), ns: st.total_ns, bytes: st.bytes }).collect();
             let payload = s.bytes;
-            let base = crate::baseline::tcp_baseline(payload.max(1), a.iterations)?;
+            let (baseline, measure) = baseline_of(a.transport);
+            let base = measure(payload.max(1), a.iterations)?;
             let base_ns = base.iter().min().map_or(1, |d| d.as_nanos() as u64).max(1);
             let gbps = payload as f64 / best_ns as f64;
             let baseline_gbps = payload as f64 / base_ns as f64;
@@ -313,6 +326,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 best_ns,
                 p50_ns: times[times.len() / 2],
                 gbps,
+                baseline,
                 baseline_gbps,
                 ratio: gbps / baseline_gbps,
                 bounding,
@@ -326,3 +340,12 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
     Ok(points)
 }
 
+/// The baseline a transport is held against, and its measurement: a raw
+/// loopback socket for tcp, a single-thread memcpy for shm.
+type Measure = fn(u64, u32) -> anyhow::Result<Vec<std::time::Duration>>;
+fn baseline_of(t: TransportKind) -> (&'static str, Measure) {
+    match t {
+        TransportKind::Shm => ("memcpy", crate::baseline::memcpy_baseline),
+        _ => ("socket", crate::baseline::tcp_baseline),
+    }
+}
