@@ -58,7 +58,10 @@
 //!
 //! The destination keeps each shared source mapping for the life of the
 //! connection (keys are never reused, so a cached key always names the
-//! same window). [`HostMem::from_file`] insists the memfd is sealed
+//! same window). An initiator reuses a connection for later transfers
+//! only while every region it shared is still registered and it shared at
+//! most [`MAX_KEPT_SHARES`], so a kept connection pins no released memory
+//! and stays well under the peer's `max_sources`. [`HostMem::from_file`] insists the memfd is sealed
 //! against shrinking, so a peer cannot turn a copy into SIGBUS.
 
 use crate::auth::{ConnectionCaps, Credential, Gate, Pass};
@@ -72,7 +75,7 @@ use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
 use kvwire_core::protocol::{FrameError, Header, Hello, Kind, HEADER_LEN};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -80,7 +83,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -597,6 +600,10 @@ enum Event {
 /// Write requests and the memfds one `sendmsg` carries with them.
 type Piece = (Vec<u8>, Vec<RawFd>);
 
+/// Most source regions a connection may have shared and still be kept
+/// for another transfer (a quarter of the default `max_sources`).
+pub const MAX_KEPT_SHARES: usize = 256;
+
 /// The initiating side of an shm connection.
 #[derive(Debug)]
 pub struct ShmConnection {
@@ -604,8 +611,9 @@ pub struct ShmConnection {
     remote: Hello,
     registry: Arc<Registry>,
     hops: Arc<Hops>,
-    /// Source keys whose memfd the peer already holds.
-    shared: HashSet<u32>,
+    /// Source keys whose memfd the peer already holds, and the region each
+    /// named when shared (weakly: a kept connection pins no memory here).
+    shared: HashMap<u32, Weak<crate::Region>>,
     next_seq: u64,
     ledger: Ledger,
     events: mpsc::Receiver<Event>,
@@ -654,7 +662,7 @@ impl ShmConnection {
             registry,
             ledger: Ledger::new(hops.clone(), 0),
             hops,
-            shared: HashSet::new(),
+            shared: HashMap::new(),
             next_seq: 0,
             events,
             closed: None,
@@ -725,11 +733,11 @@ impl ShmConnection {
 
     /// The write requests of `batch` (parts of `id`), in pieces that each
     /// carry at most SCM_MAX_FD memfds, and the source keys they share.
-    fn requests(&mut self, id: BatchId, batch: &Batch, srcs: &[Arc<crate::Region>]) -> (Vec<Piece>, HashSet<u32>) {
-        let mut newly = HashSet::new();
+    fn requests(&mut self, id: BatchId, batch: &Batch, srcs: &[Arc<crate::Region>]) -> (Vec<Piece>, HashMap<u32, Weak<crate::Region>>) {
+        let mut newly = HashMap::new();
         let mut pieces: Vec<Piece> = vec![(Vec::new(), Vec::new())];
         for (w, region) in batch.writes.iter().zip(srcs) {
-            let share = !self.shared.contains(&w.src_key) && newly.insert(w.src_key);
+            let share = !self.shared.contains_key(&w.src_key) && newly.insert(w.src_key, Arc::downgrade(region)).is_none();
             if share && pieces.last().is_some_and(|p| p.1.len() == SCM_MAX_FD) {
                 pieces.push((Vec::new(), Vec::new()));
             }
@@ -833,6 +841,18 @@ impl Connection for ShmConnection {
     /// Batches posted whose completion [`Connection::poll`] has not yet returned.
     fn pending(&self) -> usize {
         self.ledger.pending()
+    }
+
+    /// Open, nothing outstanding, and every region the peer maps still
+    /// registered here under the key it was shared by: the peer keeps each shared mapping for the life of
+    /// the connection, so one that shared a region since released (or too
+    /// many of them) is let go, and the peer's mappings with it. Kept, the
+    /// next transfer reuses the peer's mappings of the same caches instead
+    /// of a handshake, a memfd hand-over and a fresh mapping to fault in.
+    fn reusable(&mut self) -> bool {
+        self.drain();
+        let current = |k: u32, was: &Weak<crate::Region>| self.registry.get(k).is_some_and(|r| std::ptr::eq(Arc::as_ptr(&r), was.as_ptr()));
+        self.closed.is_none() && self.ledger.pending() == 0 && self.shared.len() <= MAX_KEPT_SHARES && self.shared.iter().all(|(&k, was)| current(k, was))
     }
 
     /// A header and a trailer per write request.

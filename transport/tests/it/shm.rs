@@ -542,9 +542,37 @@ fn dropping_the_destination_fails_the_initiators_batches() {
 }
 
 #[test]
-fn a_shm_connection_is_never_kept_between_transfers() {
-    // It remembers which memfds the peer holds by key, and keys are reused.
+fn a_shm_connection_is_kept_only_while_every_region_it_shared_is_registered_as_it_was() {
+    // The peer keeps each shared memfd mapped by key for the connection's
+    // life: reusing it is right only while that key still names the region
+    // it named when shared.
     let mut p = pair();
+    assert!(p.conn().reusable());
     conformance::one_segment(&mut p);
+    assert!(p.conn().reusable(), "every write answered, its source still registered");
+    // A second transfer on the kept connection lands.
+    conformance::scatter(&mut p);
+    assert!(p.conn().reusable());
+    let send = |p: &mut Pair, src: &kvwire_transport::Region, slot: u16| {
+        let dst = Window::new(&*p.dst, slot, 4096);
+        p.dst.placement().expect(tag(slot, 0), 4096).unwrap();
+        p.conn().post(Batch { tag: tag(slot, 0), writes: vec![w(src, 0, &dst.region, 0, 4096)] }).unwrap();
+        assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    };
+    let (src, _) = source(&*p.src, 4096, 1);
+    send(&mut p, &src, 3);
+    assert!(p.conn().reusable());
+    // Released here: let go, and the peer's mapping with it.
+    assert!(p.src.revoke(src.key));
     assert!(!p.conn().reusable());
+
+    // A key that names another region than the one shared under it.
+    let mut p = pair();
+    let (src, _) = source(&*p.src, 4096, 2);
+    send(&mut p, &src, 4);
+    assert!(p.src.revoke(src.key));
+    let (other, _) = source(&*p.src, 4096, 3);
+    p.src.registry().revoke(other.key);
+    p.src.registry().register_with_key(other.mem.clone(), 0, 4096, src.key, None).unwrap();
+    assert!(!p.conn().reusable(), "the peer still maps the old region under that key");
 }
