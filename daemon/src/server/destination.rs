@@ -7,7 +7,7 @@
 use super::device::Direction;
 use super::error::Refusal;
 use super::state::{Boundary, Role, SlotId};
-use super::{read_mem, Daemon, RunReader};
+use super::{read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
 use crate::peer::{self, Sealed};
 use kvwire_client::control::*;
@@ -478,6 +478,14 @@ impl Daemon {
     /// segments, verify it, and copy it to the device where it lives there.
     fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
         let ls = &r.schedule.layers[layer];
+        // Without a codec a staged segment's bytes sit in staging exactly
+        // as its runs will hold them: verified there, in one piece, before
+        // they are scattered (a layer that fails is never unpacked). With a
+        // codec the checksums cover the decoded runs: unpacked first.
+        let in_staging = r.codec.is_none();
+        if in_staging {
+            self.verify_layer(r, manifest, layer, true)?;
+        }
         let t = Instant::now();
         for st in &ls.staged {
             let seg = &r.plan.segments[st.seg];
@@ -486,20 +494,8 @@ impl Daemon {
         if !ls.staged.is_empty() {
             self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.plan.segments[st.seg].bytes()).sum());
         }
-        if self.cfg.verify_checksums && ls.wire_bytes > 0 {
-            let t = Instant::now();
-            let runs = RunReader::new(&r.regions);
-            let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
-            let this_layer = |_, l: u32| l as usize == layer;
-            // The layer's own segments, in plan order: not a pass over the whole plan per layer.
-            let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
-            segs.sort_unstable();
-            let checked = checksums_of(&r.plan, Reading::Destination, segs, read, |_| None::<&[u8]>).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
-            self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);
-            if let Err(err) = checked {
-                tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
-                return Err(err.to_string());
-            }
+        if !in_staging {
+            self.verify_layer(r, manifest, layer, false)?;
         }
         // A device-resident cache is usable only once this layer's
         // host → device copies completed (their event, not their enqueue).
@@ -509,6 +505,34 @@ impl Daemon {
             self.slot_mark(r.id, Boundary::DeviceComplete(layer));
         }
         Ok(())
+    }
+
+    /// Checks layer `layer`'s bytes against the manifest (when this daemon
+    /// verifies): its direct segments where they landed, its staged ones
+    /// in staging when `in_staging`, else where they were unpacked to.
+    fn verify_layer(&self, r: &Receive, manifest: &Manifest, layer: usize, in_staging: bool) -> Result<(), String> {
+        let ls = &r.schedule.layers[layer];
+        if !self.cfg.verify_checksums || ls.wire_bytes == 0 {
+            return Ok(());
+        }
+        let t = Instant::now();
+        let runs = RunReader::new(&r.regions);
+        let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
+        let stage = r.stage.as_deref().filter(|_| in_staging);
+        let whole = |i: usize| {
+            let st = &ls.staged[ls.staged.binary_search_by_key(&i, |st| st.seg).ok()?];
+            region_view(stage?, st.offset, st.size)
+        };
+        // The layer's own segments, in plan order: not a pass over the whole plan per layer.
+        let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
+        segs.sort_unstable();
+        let this_layer = |_, l: u32| l as usize == layer;
+        let checked = checksums_of(&r.plan, Reading::Destination, segs, read, whole).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
+        self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);
+        checked.map_err(|err| {
+            tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
+            err.to_string()
+        })
     }
 
     /// Revokes a transfer's staging buffer (late writes to it fail) and
