@@ -1,6 +1,8 @@
 //! An engine that keeps its cache as its own tensors: per layer (or one
 //! cross-layer tensor per rank) in the engine's layout, each in its own
-//! memfd, registered as they are (`register_tensors`). A prefill engine
+//! memfd, registered as they are (`register_tensors`), or each its own
+//! allocation of the daemons' stand-in device memory
+//! (`register_device_tensors`). A prefill engine
 //! writes its tensors, a decode engine reads them, both by the engine's
 //! shape formula, written here from the engines' published shapes, not
 //! from kvwire's placement code.
@@ -8,7 +10,7 @@
 use crate::scenario::ScenarioError;
 use crate::tinylm::KvCache;
 use kvwire_client::client::Client;
-use kvwire_client::control::{ModelSource, RegisterCache, RegisterTensors};
+use kvwire_client::control::{DeviceMemory, ModelSource, RegisterCache, RegisterDeviceTensors, RegisterTensors};
 use kvwire_core::plan::Side;
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::tensors::{Role, TensorDesc};
@@ -60,9 +62,11 @@ impl EngineCache {
     }
 
     /// Allocates the engine's tensors for `side` (TP only, dense fp32
-    /// layers of `kv_heads` × `head_dim`) and registers every rank.
+    /// layers of `kv_heads` × `head_dim`) and registers every rank: as host
+    /// memfds, or with `device` as device allocations of the stand-in
+    /// backend (the memfds play the engine's GPU tensors).
     #[allow(clippy::too_many_arguments)]
-    pub fn register(c: &Client, group: &str, model_toml: &str, layout: &str, preset: &str, side: &Side, layers: u64, (kv_heads, head_dim): (u64, u64), id: &CacheIdentity) -> Result<EngineCache, ScenarioError> {
+    pub fn register(c: &Client, group: &str, model_toml: &str, layout: &str, preset: &str, side: &Side, layers: u64, (kv_heads, head_dim): (u64, u64), id: &CacheIdentity, device: bool) -> Result<EngineCache, ScenarioError> {
         let setup = |e: String| ScenarioError::Setup(e);
         if side.shard.pp_layers.len() != 1 {
             return Err(setup("engine: the per-layer engine scenario holds TP layouts only".into()));
@@ -105,7 +109,12 @@ impl EngineCache {
                 identity: id.clone(),
             };
             let fds: Vec<_> = mems.iter().map(|m| m.fd()).collect();
-            c.register_tensors(RegisterTensors { cache, tensors: descs }, &fds).map_err(|e| ScenarioError::Daemon { step: "register_tensors", source: e })?;
+            if device {
+                let memories = mems.iter().map(|m| DeviceMemory { ordinal: 0, len: m.len(), ipc: None }).collect();
+                c.register_device_tensors(RegisterDeviceTensors { cache, tensors: descs, memories }, &fds).map_err(|e| ScenarioError::Daemon { step: "register_device_tensors", source: e })?;
+            } else {
+                c.register_tensors(RegisterTensors { cache, tensors: descs }, &fds).map_err(|e| ScenarioError::Daemon { step: "register_tensors", source: e })?;
+            }
             e.mems.push(mems);
         }
         Ok(e)

@@ -349,6 +349,17 @@ fn read_rank(model: &ModelSpec, side: &Side, rank: u32, mem: &RankMem) -> BTreeM
 }
 
 #[allow(clippy::too_many_arguments)]
+/// Whether an engine's tensors are device allocations (of the stand-in
+/// backend); CUDA engine tensors are not part of the scenarios.
+fn engine_device(memory: Memory) -> Result<bool, ScenarioError> {
+    match memory {
+        Memory::Host => Ok(false),
+        Memory::StandIn => Ok(true),
+        #[cfg(feature = "cuda")]
+        Memory::Cuda => Err(ScenarioError::Setup("engine tensors in CUDA memory are not a scenario".into())),
+    }
+}
+
 fn register_group(
     c: &Client,
     group: &str,
@@ -402,10 +413,8 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     }
     let (_src_engine, src_mems) = match &src.kv {
         Some(order) => {
-            if sc.memory != Memory::Host {
-                return Err(ScenarioError::Setup("an engine-tensor source lives in host memory".into()));
-            }
-            let e = EngineCache::register(a, &src_group, &toml, &sc.src_layout, &order.name(), &src, cfg.layers as u64, shape, &sid)?;
+            let device = engine_device(sc.memory)?;
+            let e = EngineCache::register(a, &src_group, &toml, &sc.src_layout, &order.name(), &src, cfg.layers as u64, shape, &sid, device)?;
             e.scatter(&cache);
             (Some(e), Vec::new())
         }
@@ -427,10 +436,11 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
     (sc.dst_identity)(&mut did);
     let engine = match &dst.kv {
         Some(order) => {
-            if sc.prefix > 0 || sc.memory != Memory::Host {
-                return Err(ScenarioError::Setup("an engine-tensor destination holds no prefix and lives in host memory".into()));
+            if sc.prefix > 0 {
+                return Err(ScenarioError::Setup("an engine-tensor destination holds no prefix".into()));
             }
-            Some(EngineCache::register(b, &dst_group, &toml, &sc.dst_layout, &order.name(), &dst, cfg.layers as u64, shape, &did)?)
+            let device = engine_device(sc.memory)?;
+            Some(EngineCache::register(b, &dst_group, &toml, &sc.dst_layout, &order.name(), &dst, cfg.layers as u64, shape, &did, device)?)
         }
         None => None,
     };

@@ -147,6 +147,17 @@ impl Client {
         }
     }
 
+    /// Registers one rank's cache held in the engine's own tensors in
+    /// device memory; `fds` travel with it, one per allocation in order
+    /// (the stand-in backend's memfds, or CUDA dmabuf fds), or none.
+    pub fn register_device_tensors(&self, r: RegisterDeviceTensors, fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<(u32, u64, bool), ClientError> {
+        let fds: Vec<_> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        match self.call(&Request::RegisterDeviceTensors(r), &fds)? {
+            Reply::Registered { regions, bytes, complete } => Ok((regions, bytes, complete)),
+            other => Err(ClientError::Unexpected(format!("{other:?}"))),
+        }
+    }
+
     /// Registers one rank's cache held in device memory; `fd` travels with
     /// it: the stand-in backend's memfd, or a CUDA allocation's dmabuf fd.
     pub fn register_device(&self, r: RegisterDeviceCache, fd: Option<std::os::fd::BorrowedFd<'_>>) -> Result<(u32, u64, bool), ClientError> {

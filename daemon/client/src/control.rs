@@ -110,6 +110,37 @@ pub struct RegisterTensors {
     pub tensors: Vec<TensorDesc>,
 }
 
+/// One device allocation of an engine's tensors in device memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceMemory {
+    /// Device ordinal of the allocation.
+    pub ordinal: u32,
+    /// Bytes of the allocation.
+    pub len: u64,
+    /// CUDA IPC handle of the allocation (64 bytes), for `cuda`.
+    #[serde(default)]
+    pub ipc: Option<Vec<u8>>,
+}
+
+/// Registers one rank's cache held in the engine's own tensors in device
+/// memory, each tensor in an allocation of its own (vLLM's per-layer GPU
+/// tensors): as [`RegisterTensors`], with `memory` indexing `memories`.
+/// With the `host` stand-in backend one memfd per allocation travels with
+/// the message, in order; with `cuda` each allocation's IPC handle does
+/// (and no fd, or one dmabuf fd per allocation). The daemon stages each
+/// allocation through a host mirror of its own.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RegisterDeviceTensors {
+    /// The cache, as for one memfd.
+    pub cache: RegisterCache,
+    /// The rank's tensors; `memory` indexes `memories`.
+    pub tensors: Vec<TensorDesc>,
+    /// The device allocations the tensors live in.
+    pub memories: Vec<DeviceMemory>,
+}
+
 /// Prepares a destination group to receive a request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -192,6 +223,8 @@ pub enum Request {
     RegisterDeviceCache(RegisterDeviceCache),
     /// Register one rank's cache as the engine's tensors (memfds attached; see [`RegisterTensors`]).
     RegisterTensors(RegisterTensors),
+    /// Register one rank's cache as the engine's tensors in device memory (see [`RegisterDeviceTensors`]).
+    RegisterDeviceTensors(RegisterDeviceTensors),
     /// Share group `group` with the clients that present `token`: the first
     /// client to name the group this way owns it; every other client must
     /// present the same token (each rank's process of one engine, say)

@@ -216,7 +216,7 @@ impl Daemon {
     }
 
     fn handle(self: &Arc<Self>, client: u64, req: Request, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
-        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_) | Request::RegisterTensors(_)) && !fds.is_empty() {
+        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_) | Request::RegisterTensors(_) | Request::RegisterDeviceTensors(_)) && !fds.is_empty() {
             return Err(Refusal::new(Code::Malformed, "this request carries no file descriptors"));
         }
         match req {
@@ -227,6 +227,7 @@ impl Daemon {
             Request::RegisterCache(r) => self.register(client, r, fds),
             Request::RegisterDeviceCache(r) => self.register_device(client, r, fds),
             Request::RegisterTensors(r) => self.register_tensors(client, r, fds),
+            Request::RegisterDeviceTensors(r) => self.register_device_tensors(client, r, fds),
             Request::ReleaseCache { group, rank } => self.release(client, &group, rank),
             Request::ShareGroup { group, token } => self.share_group(client, &group, &token),
             Request::PrepareReceive(p) => self.prepare(client, p),
@@ -379,7 +380,36 @@ impl Daemon {
             let dev = backend.import(DeviceHandle { ordinal, len, fd, ipc }).map_err(|e| format!("device allocation: {e}"))?;
             let mirror = HostMem::new("kvwire-device-mirror", total).map(Arc::new).map_err(|e| format!("host mirror: {e}"))?;
             let pin = backend.pin(&mirror).map_err(|e| format!("pinning the host mirror: {e}"))?;
-            Ok((vec![mirror], Some(DeviceRank { _pin: pin, dev })))
+            Ok((vec![mirror.clone()], Some(DeviceRank { _pins: vec![pin], devs: vec![(mirror, dev)] })))
+        })
+    }
+
+    /// A rank in the engine's own tensors in device memory, each
+    /// allocation opened through the `[device]` backend and mirrored in
+    /// pinned host memory of its size; the tensors are checked against the
+    /// layout over the mirrors, which hold each allocation at its offsets.
+    fn register_device_tensors(&self, client: u64, r: RegisterDeviceTensors, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
+        let Some(backend) = &self.device else {
+            return Err(Refusal::new(Code::BadRegion, "this daemon has no device backend: set [device] backend = \"cuda\" (or \"host\", the stand-in)"));
+        };
+        if r.tensors.is_empty() || r.memories.is_empty() {
+            return Err(Refusal::new(Code::Malformed, "register_device_tensors lists no tensors or no device memories (one allocation of kvwire's layout is register_device_cache)"));
+        }
+        if !fds.is_empty() && fds.len() != r.memories.len() {
+            return Err(Refusal::new(Code::Malformed, format!("register_device_tensors carries {} fds for {} device memories: one per memory, in order, or none", fds.len(), r.memories.len())));
+        }
+        let memories = r.memories.clone();
+        let mut fds = fds.into_iter().map(File::from);
+        self.register_rank(client, r.cache, &r.tensors, move |_, _, _| {
+            let (mut mirrors, mut pins, mut devs) = (Vec::new(), Vec::new(), Vec::new());
+            for (i, m) in memories.into_iter().enumerate() {
+                let dev = backend.import(DeviceHandle { ordinal: m.ordinal, len: m.len, fd: fds.next(), ipc: m.ipc }).map_err(|e| format!("device memory {i}: {e}"))?;
+                let mirror = HostMem::new("kvwire-device-mirror", m.len).map(Arc::new).map_err(|e| format!("host mirror of device memory {i}: {e}"))?;
+                pins.push(backend.pin(&mirror).map_err(|e| format!("pinning the host mirror of device memory {i}: {e}"))?);
+                mirrors.push(mirror.clone());
+                devs.push((mirror, dev));
+            }
+            Ok((mirrors, Some(DeviceRank { _pins: pins, devs })))
         })
     }
 

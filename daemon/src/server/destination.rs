@@ -6,7 +6,7 @@
 
 use super::device::Direction;
 use super::error::Refusal;
-use super::state::{Boundary, Role, SlotId};
+use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
 use crate::peer::{self, Sealed};
@@ -23,7 +23,6 @@ use kvwire_core::session::msg::{Accept, Expect, LayerSums, Offer, PeerMsg, PeerR
 use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
-use kvwire_transport::device::bound::BoundMem;
 use kvwire_transport::auth::{ConnectionCaps, Deadline, Gate, Pass};
 use kvwire_transport::{Grant, Hop, Region, Tag};
 use std::collections::HashMap;
@@ -64,7 +63,7 @@ struct Receive {
     // What the manifest must claim: this side's identity, shapes, maps and positions.
     expected: Expected,
     regions: HashMap<(u32, RegionId), Arc<Region>>,
-    devices: HashMap<u32, Arc<dyn BoundMem>>,
+    devices: DeviceMems,
     stage: Option<Arc<Region>>,
 }
 

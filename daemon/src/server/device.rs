@@ -1,12 +1,11 @@
 //! Device-resident ranks: the copies between a rank's device allocation
 //! and the host mirror the data plane reads and writes.
 
-use super::state::SlotId;
+use super::state::{DeviceMems, SlotId};
 use super::transfers::RankSpan;
 use super::Daemon;
 use kvwire_core::plan::Plan;
 use kvwire_core::shard::RegionId;
-use kvwire_transport::device::bound::BoundMem;
 use kvwire_transport::{Hop, Region};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -26,41 +25,57 @@ impl Daemon {
         dir: Direction,
         plan: &Plan,
         regions: &HashMap<(u32, RegionId), Arc<Region>>,
-        devices: &HashMap<u32, Arc<dyn BoundMem>>,
+        devices: &DeviceMems,
         layers: std::ops::Range<usize>,
     ) -> Result<(), CopyError> {
         let timeout = Duration::from_secs(self.cfg.device.copy_timeout_secs);
+        // The segments of each layer asked for, in one pass over the plan.
+        let mut of_layer: Vec<Vec<usize>> = vec![Vec::new(); layers.len()];
+        for (i, seg) in plan.segments.iter().enumerate() {
+            let layer = match dir {
+                Direction::ToHost => seg.src_region.layer,
+                Direction::ToDevice => seg.dst_region.layer,
+            } as usize;
+            if layers.contains(&layer) {
+                of_layer[layer - layers.start].push(i);
+            }
+        }
         let mut pending = Vec::new();
-        for layer in layers {
-            for (&rank, dev) in devices {
-                let mut runs: Vec<(u64, u64, u64)> = Vec::new();
-                let mut mirror = None;
-                for seg in &plan.segments {
+        for (layer, segs) in layers.clone().zip(&of_layer) {
+            for (&rank, devs) in devices {
+                // Per allocation of the rank: its copy runs.
+                let mut runs: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); devs.len()];
+                for &i in segs {
+                    let seg = &plan.segments[i];
                     let (seg_rank, region) = match dir {
                         Direction::ToHost => (seg.src_rank, seg.src_region),
                         Direction::ToDevice => (seg.dst_rank, seg.dst_region),
                     };
-                    if seg_rank != rank || region.layer as usize != layer {
+                    if seg_rank != rank {
                         continue;
                     }
                     let r = regions.get(&(rank, region)).ok_or_else(|| CopyError { rank, layer, why: format!("no region {region:?}") })?;
-                    mirror.get_or_insert_with(|| r.mem.clone());
+                    let m = devs.iter().position(|(mirror, _)| Arc::ptr_eq(mirror, &r.mem)).ok_or_else(|| CopyError { rank, layer, why: format!("region {region:?} lies in no mirrored allocation") })?;
                     for (so, dof) in seg.runs() {
                         let at = r.offset + if dir == Direction::ToHost { so } else { dof };
                         // The mirror holds the allocation's bytes at the same offsets.
-                        runs.push((at, at, seg.len));
+                        runs[m].push((at, at, seg.len));
                     }
                 }
-                let Some(mirror) = mirror else { continue };
-                let runs = merge_runs(runs);
-                let bytes = runs.iter().map(|r| r.2).sum::<u64>();
-                let enqueued = Instant::now();
-                let ev = match dir {
-                    Direction::ToHost => dev.d2h(&runs, &mirror),
-                    Direction::ToDevice => dev.h2d(&runs, &mirror),
+                for ((mirror, dev), runs) in devs.iter().zip(runs) {
+                    if runs.is_empty() {
+                        continue;
+                    }
+                    let runs = merge_runs(runs);
+                    let bytes = runs.iter().map(|r| r.2).sum::<u64>();
+                    let enqueued = Instant::now();
+                    let ev = match dir {
+                        Direction::ToHost => dev.d2h(&runs, mirror),
+                        Direction::ToDevice => dev.h2d(&runs, mirror),
+                    }
+                    .map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
+                    pending.push((rank, layer, enqueued, bytes, ev));
                 }
-                .map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
-                pending.push((rank, layer, enqueued, bytes, ev));
             }
         }
         let hop = match dir {

@@ -9,7 +9,7 @@
 use super::device::Direction;
 use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
-use super::state::{Boundary, Role, SlotId};
+use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
@@ -26,7 +26,6 @@ use kvwire_core::session::msg::{Accept, Expect, Offer, RailAddr};
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
-use kvwire_transport::device::bound::BoundMem;
 use kvwire_transport::{Batch, Hop, Region, Tag, WriteOp};
 use std::collections::HashMap;
 use crate::peer::Sealed;
@@ -45,7 +44,7 @@ struct SourceGroup {
     identity: CacheIdentity,
     num_blocks: u32,
     regions: HashMap<(u32, RegionId), Arc<Region>>,
-    devices: HashMap<u32, Arc<dyn BoundMem>>,
+    devices: DeviceMems,
     side: Side,
 }
 

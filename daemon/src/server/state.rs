@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 pub(crate) struct RankCache {
     // Field order: regions (revoked on release) before the memory.
     pub regions: BTreeMap<RegionId, Arc<Region>>,
-    /// The memfds its regions are windows of (the first one for a device rank's mirror).
+    /// The memfds its regions are windows of (a device rank's: this
+    /// daemon's host mirrors of its allocations).
     pub mems: Vec<Arc<HostMem>>,
     pub client: u64,
-    // A device-resident rank: `mems[0]` is this daemon's host mirror of it.
     pub device: Option<DeviceRank>,
 }
 
@@ -30,12 +30,20 @@ pub(crate) fn bytes_of(mems: &[Arc<HostMem>]) -> u64 {
     mems.iter().map(|m| m.len()).sum()
 }
 
-/// A rank whose cache lives in device memory, staged through `mem`.
+/// A rank whose cache lives in device memory: each allocation (one, or
+/// one per engine tensor) with the host mirror it is staged through, at
+/// the same offsets.
 pub(crate) struct DeviceRank {
-    // Field order: unpin the mirror before the allocation is let go.
-    pub _pin: Box<dyn std::any::Any + Send + Sync>,
-    pub dev: Arc<dyn BoundMem>,
+    // Field order: unpin the mirrors before the allocations are let go.
+    pub _pins: Vec<Box<dyn std::any::Any + Send + Sync>>,
+    pub devs: Vec<Mirrored>,
 }
+
+/// A device allocation and its host mirror.
+pub(crate) type Mirrored = (Arc<HostMem>, Arc<dyn BoundMem>);
+
+/// The device-resident ranks of a group, by rank.
+pub(crate) type DeviceMems = HashMap<u32, Vec<Mirrored>>;
 
 pub(crate) struct Group {
     pub model: ModelSpec,
@@ -60,8 +68,8 @@ impl Group {
     }
 
     /// The device-resident ranks and their allocations.
-    pub fn devices(&self) -> HashMap<u32, Arc<dyn BoundMem>> {
-        self.ranks.iter().filter_map(|(rank, rc)| rc.device.as_ref().map(|d| (*rank, d.dev.clone()))).collect()
+    pub fn devices(&self) -> DeviceMems {
+        self.ranks.iter().filter_map(|(rank, rc)| rc.device.as_ref().map(|d| (*rank, d.devs.clone()))).collect()
     }
 
     /// Refuses a group with ranks still missing.

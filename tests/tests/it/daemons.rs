@@ -689,6 +689,69 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
     }
 }
 
+#[test]
+fn engine_tensors_each_in_its_own_device_allocation_decode_bitwise() {
+    let _shared = crate::shared();
+    // vLLM's GPU cache: one tensor per layer, each its own device
+    // allocation (here the stand-in backend's), registered as they are.
+    // Each allocation is staged through a host mirror of its own.
+    let p = device_pair("device-engine");
+    let hop = |st: &kvwire_client::control::TransferStatus, name: &str| st.hops.iter().find(|h| h.hop == name).map(|h| h.bytes);
+    for (name, src, dst) in [
+        ("dev-engine-nhd", "tp=4,block=16,table=shuffle:3", "tp=2,block=32,table=shuffle:2,kv=vllm_nhd"),
+        ("dev-engines-fi-hnd", "tp=4,block=16,table=shuffle:7,kv=flashinfer", "tp=1,block=16,table=shuffle:5,kv=vllm_hnd"),
+        ("dev-engine-cross", "tp=2,block=8,table=shuffle:1,kv=vllm_cross", "tp=2,block=16,table=shuffle:4,kv=vllm_nhd"),
+    ] {
+        let mut sc = Scenario::new(name);
+        sc.memory = scenario::Memory::StandIn;
+        sc.src_layout = src.into();
+        sc.dst_layout = dst.into();
+        let o = run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_bitwise(&o);
+        assert_eq!(hop(&o.source, "stage"), Some(o.source.bytes), "{name}: every byte read was staged from the device: {:?}", o.source.hops);
+        assert_eq!(hop(&o.destination, "device_complete"), Some(o.destination.bytes), "{name}: every byte written went to the device: {:?}", o.destination.hops);
+    }
+    // Bad registrations, refused by name; the daemon keeps serving.
+    let mem = kvwire_transport::HostMem::new("dev-engine-bad", 4096).unwrap();
+    let cache = kvwire_client::control::RegisterCache {
+        group: "dev-engine-bad".into(),
+        model: kvwire_client::control::ModelSource::Toml(scenario::model_toml(&scenario::config())),
+        format: "fp32".into(),
+        layout: "tp=1,block=16,kv=vllm_nhd".into(),
+        rank: 0,
+        num_blocks: 8,
+        identity: kvwire_core::reuse::CacheIdentity {
+            model_digest: "sha256:bad".into(),
+            adapter_digest: String::new(),
+            format: "fp32/v1".into(),
+            tenant: "demo".into(),
+            rope: "theta=10000".into(),
+            position_offset: 0,
+        },
+    };
+    let memory = kvwire_client::control::DeviceMemory { ordinal: 0, len: 4096, ipc: None };
+    let tensor = kvwire_core::tensors::TensorDesc {
+        memory: 0,
+        offset: 0,
+        dtype: "float32".into(),
+        shape: vec![2, 8, 16, 4, 32],
+        strides: vec![16384, 2048, 128, 32, 1],
+        role: kvwire_core::tensors::Role::Kv,
+        layers: [0, 1],
+    };
+    let register = |memories: Vec<kvwire_client::control::DeviceMemory>, fds: &[std::os::fd::BorrowedFd<'_>]| {
+        let r = kvwire_client::control::RegisterDeviceTensors { cache: cache.clone(), tensors: vec![tensor.clone()], memories };
+        p.cb.register_device_tensors(r, fds).unwrap_err().to_string()
+    };
+    let e = register(vec![memory.clone(), memory.clone()], &[mem.fd()]);
+    assert!(e.contains("1 fds for 2 device memories"), "{e}");
+    let e = register(Vec::new(), &[]);
+    assert!(e.contains("no device memories"), "{e}");
+    let e = register(vec![memory], &[mem.fd()]);
+    assert!(e.contains("rank 0: tensor 0") && e.contains("past memory 0's 4096 bytes"), "{e}");
+    assert!(run(&p, &Scenario::new("dev-engine-after")).is_ok());
+}
+
 /// The real GPU (scripts/gpu-check): with `--features cuda`, `KVWIRE_GPU=1`
 /// and a kvwired built with `--features cuda`, caches in CUDA memory move
 /// through two daemons over tcp on loopback (the staging path): tinylm's
