@@ -391,6 +391,39 @@ kvw_result kvw_register_tensors(const struct kvw_client *client,
                                 uint64_t *out_bytes,
                                 bool *out_complete);
 
+// Registers rank `rank` of cache group `group` as the engine's own
+// tensors in device memory, each tensor in a device allocation of its
+// own (vLLM's per-layer GPU tensors), as [`kvw_register_tensors`] does for
+// host memory, with `memory` indexing `memories_json`. The daemon needs a
+// `[device]` backend; it stages each allocation through a host mirror.
+//
+// - `memories_json`: a JSON list, one object per allocation:
+//   `{"ordinal": N, "len": BYTES, "ipc": [64 bytes of the CUDA IPC
+//   handle] or null}`.
+// - `fds`, `n_fds`: none, or one per allocation in order: the stand-in
+//   backend's memfds, or CUDA dmabuf fds.
+//
+// The other arguments, the outputs and the errors are those of
+// [`kvw_register_tensors`]; no device backend is `KVW_BAD_REGION` (103).
+//
+// # Safety
+// As [`kvw_register_tensors`].
+kvw_result kvw_register_device_tensors(const struct kvw_client *client,
+                                       const char *group,
+                                       const char *model_json,
+                                       const char *format,
+                                       const char *layout,
+                                       uint32_t rank,
+                                       uint32_t num_blocks,
+                                       const char *identity_json,
+                                       const char *tensors_json,
+                                       const char *memories_json,
+                                       const int *fds,
+                                       size_t n_fds,
+                                       uint32_t *out_regions,
+                                       uint64_t *out_bytes,
+                                       bool *out_complete);
+
 // Prepares destination group `group` to receive request `request` into
 // the blocks `block_table[0..n]` (block ids in position order, shared by
 // every rank of the group), `tokens` long, of which the first

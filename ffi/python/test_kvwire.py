@@ -147,6 +147,10 @@ class Daemons:
         )
         if peer:
             cfg += '[[peers]]\nname = "%s"\naddress = "%s"\n' % peer
+        else:
+            # The decode side serves device memory through the stand-in
+            # backend (memfds play the engine's GPU allocations).
+            cfg += '[device]\nbackend = "host"\n'
         path = os.path.join(self.dir, node + ".toml")
         with open(path, "w") as f:
             f.write(cfg)
@@ -448,6 +452,54 @@ def eng_locate(side, places, layer, kv, head, pos):
     return mem, off + eng_index(side, kv, b, pos % side["block"], head % per) * 2
 
 
+def test_engine_tensors_in_their_own_device_allocations(d):
+    a = kvwire.Client(d.sock_a, "py-deveng-prefill")
+    b = kvwire.Client(d.sock_b, "py-deveng-decode")
+    try:
+        src = eng_register(a, "py-deveng-src", ENG_SRC, True)
+        # The decode engine's per-layer tensors, each its own device
+        # allocation; with the stand-in backend a memfd plays each one.
+        side = ENG_DST
+        shape, role = kvwire.preset_shape(side["preset"], side["blocks"], side["block"], HEADS, ROW // 2)
+        nbytes = 2
+        for n in shape:
+            nbytes *= n
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        gpu = [kvwire.SharedMemory(nbytes, "gpu-layer%d" % l) for l in range(LAYERS)]
+        for m in gpu:
+            ctypes_fill(m, CANARY)
+        allocs = [kvwire.DeviceMemory(0, nbytes, m.fd) for m in gpu]
+        specs = [kvwire.TensorSpec(allocs[l], 0, "bf16", tuple(shape), tuple(strides), role, (l, l + 1)) for l in range(LAYERS)]
+        layout = "tp=1,block=%d,kv=%s" % (side["block"], side["preset"])
+        got = b.register_device_tensors("py-deveng-dst", MODEL, "bf16", layout, 0, side["blocks"], IDENTITY, specs)
+        assert got == (LAYERS, LAYERS * nbytes, True), got
+        dst = [[(m, 0) for m in gpu]]
+        want = [bytearray(m.read()) for m in gpu]
+        for layer, kv, h, pos in rows():
+            row = row_code(layer, kv, h, pos)
+            mem, off = eng_locate(ENG_SRC, src, layer, kv, h, pos)
+            mem.write(off, row)
+            _, o = eng_locate(side, dst, layer, kv, h, pos)
+            want[layer][o : o + ROW] = row
+        slot = b.prepare_receive("py-deveng-dst", "g1", side["table"], TOKENS)
+        sslot, _ = a.submit("pg1", "py-deveng-src", ENG_SRC["table"], TOKENS, d.peer_b, "py-deveng-dst", "g1")
+        b.decoder_usable(slot, timeout_ms=20000)
+        a.source_released(sslot, timeout_ms=20000)
+        for l, m in enumerate(gpu):
+            assert m.read() == bytes(want[l]), "layer %d's device allocation differs" % l
+        # A daemon without a device backend names the setting.
+        e = expect_error(kvwire.KVW_BAD_REGION, a.register_device_tensors, "py-deveng-bad", MODEL, "bf16", layout, 0, side["blocks"], IDENTITY, specs)
+        assert "[device] backend" in e.message, e.message
+        for rank in range(ENG_SRC["tp"]):
+            a.release_cache("py-deveng-src", rank)
+        b.release_cache("py-deveng-dst", 0)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_views_are_zero_copy(d):
     with kvwire.Mem(4096) as m:
         if numpy is None:
@@ -556,6 +608,7 @@ TESTS = [
     test_streamed_submit_moves_each_layer_once_it_is_produced,
     test_groups_are_shared_only_under_their_token,
     test_timeout_cancel_and_bad_arguments,
+    test_engine_tensors_in_their_own_device_allocations,
     test_views_are_zero_copy,
     test_adopted_memory_keeps_its_address_and_content,
     test_engine_tensors_move_between_two_layouts,

@@ -8,7 +8,7 @@ use crate::codes::kvw_result::{self, *};
 #[cfg(doc)] // for the doc links
 use crate::{kvw_cache_size, kvw_client_free, kvw_client_last_error, kvw_release_cache};
 use crate::{kvw_client, kvw_mem};
-use kvwire_client::control::{RegisterCache, RegisterDeviceCache, RegisterTensors};
+use kvwire_client::control::{DeviceMemory, RegisterCache, RegisterDeviceCache, RegisterDeviceTensors, RegisterTensors};
 use kvwire_core::tensors::TensorDesc;
 use kvwire_core::reuse::CacheIdentity;
 use std::ffi::{c_char, c_int};
@@ -174,20 +174,8 @@ pub unsafe extern "C" fn kvw_register_tensors(
         let tensors: Vec<TensorDesc> = serde_json::from_str(tensors_json).map_err(|e| {
             Fail::new(KVW_INVALID_JSON, format!("tensors_json: {e} (a list of {{memory, offset, dtype, shape, strides, role, layers}})"))
         })?;
-        if n_fds > kvwire_client::wire::MAX_FDS {
-            return Err(Fail::new(KVW_INVALID_ARGUMENT, format!("{n_fds} fds; at most {}", kvwire_client::wire::MAX_FDS)));
-        }
-        let raw: &[c_int] = match (fds.is_null(), n_fds) {
-            (_, 0) => &[],
-            (true, _) => return Err(Fail::null("fds")),
-            // SAFETY: readable for n_fds ints, per the contract.
-            (false, n) => unsafe { std::slice::from_raw_parts(fds, n) },
-        };
-        if let Some(bad) = raw.iter().find(|&&fd| fd < 0) {
-            return Err(Fail::new(KVW_INVALID_ARGUMENT, format!("fd {bad} is not an open descriptor")));
-        }
-        // SAFETY: open descriptors per the contract, borrowed for this call only.
-        let borrowed: Vec<_> = raw.iter().map(|&fd| unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).collect();
+        // SAFETY: forwarded caller contract.
+        let borrowed = unsafe { borrowed_fds(fds, n_fds) }?;
         let outs = (out(out_regions, "out_regions")?, out(out_bytes, "out_bytes")?, out(out_complete, "out_complete")?);
         let done = {
             let _call = lock(&c.call);
@@ -197,6 +185,86 @@ pub unsafe extern "C" fn kvw_register_tensors(
         unsafe { put_registered(outs, done) };
         Ok(())
     })
+}
+
+/// Registers rank `rank` of cache group `group` as the engine's own
+/// tensors in device memory, each tensor in a device allocation of its
+/// own (vLLM's per-layer GPU tensors), as [`kvw_register_tensors`] does for
+/// host memory, with `memory` indexing `memories_json`. The daemon needs a
+/// `[device]` backend; it stages each allocation through a host mirror.
+///
+/// - `memories_json`: a JSON list, one object per allocation:
+///   `{"ordinal": N, "len": BYTES, "ipc": [64 bytes of the CUDA IPC
+///   handle] or null}`.
+/// - `fds`, `n_fds`: none, or one per allocation in order: the stand-in
+///   backend's memfds, or CUDA dmabuf fds.
+///
+/// The other arguments, the outputs and the errors are those of
+/// [`kvw_register_tensors`]; no device backend is `KVW_BAD_REGION` (103).
+///
+/// # Safety
+/// As [`kvw_register_tensors`].
+#[no_mangle]
+pub unsafe extern "C" fn kvw_register_device_tensors(
+    client: *const kvw_client,
+    group: *const c_char,
+    model_json: *const c_char,
+    format: *const c_char,
+    layout: *const c_char,
+    rank: u32,
+    num_blocks: u32,
+    identity_json: *const c_char,
+    tensors_json: *const c_char,
+    memories_json: *const c_char,
+    fds: *const c_int,
+    n_fds: usize,
+    out_regions: *mut u32,
+    out_bytes: *mut u64,
+    out_complete: *mut bool,
+) -> kvw_result {
+    client_guard(client, |c| {
+        // SAFETY: forwarded caller contract.
+        let cache = unsafe { register_request(group, model_json, format, layout, rank, num_blocks, identity_json) }?;
+        // SAFETY: NULL or NUL-terminated, per the contract.
+        let (tensors_json, memories_json) = unsafe { (text(tensors_json, "tensors_json")?, text(memories_json, "memories_json")?) };
+        let tensors: Vec<TensorDesc> = serde_json::from_str(tensors_json).map_err(|e| {
+            Fail::new(KVW_INVALID_JSON, format!("tensors_json: {e} (a list of {{memory, offset, dtype, shape, strides, role, layers}})"))
+        })?;
+        let memories: Vec<DeviceMemory> =
+            serde_json::from_str(memories_json).map_err(|e| Fail::new(KVW_INVALID_JSON, format!("memories_json: {e} (a list of {{ordinal, len, ipc}})")))?;
+        // SAFETY: forwarded caller contract.
+        let borrowed = unsafe { borrowed_fds(fds, n_fds) }?;
+        let outs = (out(out_regions, "out_regions")?, out(out_bytes, "out_bytes")?, out(out_complete, "out_complete")?);
+        let done = {
+            let _call = lock(&c.call);
+            c.client.register_device_tensors(RegisterDeviceTensors { cache, tensors, memories }, &borrowed)?
+        };
+        // SAFETY: checked non-NULL; writable per the contract.
+        unsafe { put_registered(outs, done) };
+        Ok(())
+    })
+}
+
+/// The `n_fds` descriptors at `fds`, borrowed for one call: at most
+/// [`kvwire_client::wire::MAX_FDS`], each open (NULL allowed when none).
+///
+/// # Safety
+/// `fds` readable for `n_fds` ints, each an open descriptor for the call.
+unsafe fn borrowed_fds<'a>(fds: *const c_int, n_fds: usize) -> Result<Vec<std::os::fd::BorrowedFd<'a>>, Fail> {
+    if n_fds > kvwire_client::wire::MAX_FDS {
+        return Err(Fail::new(KVW_INVALID_ARGUMENT, format!("{n_fds} fds; at most {}", kvwire_client::wire::MAX_FDS)));
+    }
+    let raw: &[c_int] = match (fds.is_null(), n_fds) {
+        (_, 0) => &[],
+        (true, _) => return Err(Fail::null("fds")),
+        // SAFETY: readable for n_fds ints, per the contract.
+        (false, n) => unsafe { std::slice::from_raw_parts(fds, n) },
+    };
+    if let Some(bad) = raw.iter().find(|&&fd| fd < 0) {
+        return Err(Fail::new(KVW_INVALID_ARGUMENT, format!("fd {bad} is not an open descriptor")));
+    }
+    // SAFETY: open descriptors per the contract, borrowed for this call only.
+    Ok(raw.iter().map(|&fd| unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) }).collect())
 }
 
 /// The cache registration the register calls send.

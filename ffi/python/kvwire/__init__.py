@@ -33,6 +33,7 @@ __all__ = [
     "Mem",
     "SharedMemory",
     "TensorSpec",
+    "DeviceMemory",
     "preset_shape",
     "PRESETS",
     "cache_size",
@@ -144,6 +145,10 @@ _register_device = _sig(
 _register_tensors = _sig(
     "kvw_register_tensors",
     _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _c, _P(ctypes.c_int), _sz, _P(_u32), _P(_u64), _P(ctypes.c_bool),
+)
+_register_device_tensors = _sig(
+    "kvw_register_device_tensors",
+    _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _c, _c, _P(ctypes.c_int), _sz, _P(_u32), _P(_u64), _P(ctypes.c_bool),
 )
 _prepare = _sig("kvw_prepare_receive", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _u64, _P(_u16))
 _submit = _sig("kvw_submit", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
@@ -383,6 +388,43 @@ class Client(_Handle):
         )
         return regions.value, nbytes.value, complete.value
 
+    def register_device_tensors(self, group: str, model: Model, fmt: str, layout: str, rank: int, num_blocks: int, identity: Identity, tensors: Sequence["TensorSpec"]) -> Tuple[int, int, bool]:
+        """Registers one rank's cache as the engine's own tensors in device
+        memory, each in a device allocation of its own (vLLM's per-layer
+        GPU tensors): as :meth:`register_tensors`, with each tensor's
+        ``memory`` a :class:`DeviceMemory`. The daemon needs a ``[device]``
+        backend and stages each allocation through a host mirror of its
+        own. Returns ``(regions, bytes, complete)``."""
+        mems: list = []
+        for t in tensors:
+            if not any(t.memory is m for m in mems):
+                mems.append(t.memory)
+        listed = [t.describe(next(i for i, m in enumerate(mems) if m is t.memory)) for t in tensors]
+        with_fd = [m.fd >= 0 for m in mems]
+        if any(with_fd) and not all(with_fd):
+            raise ValueError("device memories: every one carries an fd, or none does")
+        fds = [m.fd for m in mems] if all(with_fd) else []
+        arr = (ctypes.c_int * max(len(fds), 1))(*fds)
+        regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
+        self._call(
+            _register_device_tensors,
+            _b(group),
+            _json(model),
+            _b(fmt),
+            _b(layout),
+            rank,
+            num_blocks,
+            _json(identity),
+            _json(listed),
+            _json([m.describe() for m in mems]),
+            arr,
+            len(fds),
+            ctypes.byref(regions),
+            ctypes.byref(nbytes),
+            ctypes.byref(complete),
+        )
+        return regions.value, nbytes.value, complete.value
+
     def prepare_receive(self, group: str, request: str, block_table: Sequence[int], tokens: int, prefix_tokens: int = 0) -> int:
         """Prepares to receive ``request``; returns the slot to wait on."""
         arr, n = _table(block_table)
@@ -478,4 +520,4 @@ class Client(_Handle):
 
 
 from . import _views  # noqa: E402  (after the ABI: the views use nothing of it)
-from ._views import PRESETS, SharedMemory, TensorSpec, preset_shape  # noqa: E402
+from ._views import PRESETS, DeviceMemory, SharedMemory, TensorSpec, preset_shape  # noqa: E402

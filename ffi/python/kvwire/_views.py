@@ -216,6 +216,24 @@ class SharedMemory:
         self.close()
 
 
+@dataclass(frozen=True, eq=False)
+class DeviceMemory:
+    """One device allocation an engine's tensors live in: ``length`` bytes
+    on device ``ordinal``, named by its CUDA IPC handle ``ipc`` (64 bytes)
+    and, where there is one, an ``fd`` that travels with it (a CUDA dmabuf
+    fd, or the memfd that plays device memory for the daemon's stand-in
+    ``host`` backend). A :class:`TensorSpec` in it gives its ``offset``
+    from the allocation's start."""
+
+    ordinal: int
+    length: int
+    fd: int = -1
+    ipc: bytes = b""
+
+    def describe(self) -> dict:
+        return {"ordinal": self.ordinal, "len": self.length, "ipc": list(self.ipc) if self.ipc else None}
+
+
 @dataclass
 class TensorSpec:
     """One engine tensor: where it lives (``memory`` at byte ``offset``), its

@@ -154,6 +154,31 @@ int main(int argc, char **argv) {
                            &dst.fd, 1, &regions, &bytes, &complete);
   REQUIRE(r == KVW_OK, "register destination tensors: %u %s", r, client_error(b));
 
+  /* The same tensors as device allocations, one each: daemon a has no
+   * device backend and says so; daemon b serves the stand-in one (its
+   * memfds play the allocations). */
+  char mem_json[512];
+  at = (size_t)snprintf(mem_json, sizeof mem_json, "[");
+  for (uint32_t l = 0; l < LAYERS; l++)
+    at += (size_t)snprintf(mem_json + at, sizeof mem_json - at, "%s{\"ordinal\":0,\"len\":%zu,\"ipc\":null}", l ? "," : "",
+                           (size_t)SRC_TENSOR);
+  snprintf(mem_json + at, sizeof mem_json - at, "]");
+  r = kvw_register_device_tensors(b, "c-eng-dev", MODEL, "bf16", "tp=1,block=16,kv=vllm_nhd", 0, SRC_BLOCKS, IDENTITY,
+                                  src_json, NULL, src_fds, LAYERS, &regions, &bytes, &complete);
+  CHECK(r == KVW_NULL_ARGUMENT, "NULL memories_json: %u", r);
+  r = kvw_register_device_tensors(b, "c-eng-dev", MODEL, "bf16", "tp=1,block=16,kv=vllm_nhd", 0, SRC_BLOCKS, IDENTITY,
+                                  src_json, "[{\"len\":1}]", src_fds, LAYERS, &regions, &bytes, &complete);
+  CHECK(r == KVW_INVALID_JSON, "memories_json without an ordinal: %u", r);
+  r = kvw_register_device_tensors(a, "c-eng-dev", MODEL, "bf16", "tp=1,block=16,kv=vllm_nhd", 0, SRC_BLOCKS, IDENTITY,
+                                  src_json, mem_json, src_fds, LAYERS, &regions, &bytes, &complete);
+  CHECK(r == KVW_BAD_REGION && strstr(client_error(a), "[device] backend") != NULL, "no device backend: %u %s", r,
+        client_error(a));
+  r = kvw_register_device_tensors(b, "c-eng-dev", MODEL, "bf16", "tp=1,block=16,kv=vllm_nhd", 0, SRC_BLOCKS, IDENTITY,
+                                  src_json, mem_json, src_fds, LAYERS, &regions, &bytes, &complete);
+  CHECK(r == KVW_OK && regions == LAYERS && bytes == (uint64_t)LAYERS * SRC_TENSOR && complete,
+        "device tensors on the stand-in backend: %u %s", r, client_error(b));
+  CHECK(kvw_release_cache(b, "c-eng-dev", 0) == KVW_OK, "release the device tensors");
+
   uint16_t slot = 0, sslot = 0, peer_slot = 0;
   uint64_t ns = 0;
   REQUIRE(kvw_prepare_receive(b, "c-eng-dst", "ce1", DST_TABLE, 4, TOKENS, 0, &slot) == KVW_OK, "prepare: %s",
