@@ -129,6 +129,8 @@ pub struct Sealed {
     recv_key: [u8; 32],
     sent: u64,
     received: u64,
+    // Bytes of the sealed frames both ways (length, JSON, seal), for wire_bytes.
+    bytes: u64,
 }
 
 impl Sealed {
@@ -137,7 +139,7 @@ impl Sealed {
     pub fn new(stream: TcpStream, cred: Credential, client: bool) -> Sealed {
         let (c2s, s2c) = (cred.subkey("kvwire-peer-client-to-server-v1"), cred.subkey("kvwire-peer-server-to-client-v1"));
         let (send_key, recv_key) = if client { (c2s, s2c) } else { (s2c, c2s) };
-        Sealed { stream, credential: cred, send_key, recv_key, sent: 0, received: 0 }
+        Sealed { stream, credential: cred, send_key, recv_key, sent: 0, received: 0, bytes: 0 }
     }
 
     /// The connection's data-plane session.
@@ -156,14 +158,38 @@ impl Sealed {
         self.sent += 1;
         let io = |cause| WireError::Io { op: "send", cause };
         self.stream.write_all(&out).map_err(io)?;
+        self.bytes += out.len() as u64;
         self.stream.flush().map_err(io)
     }
 
     /// Receives one message and checks its seal before parsing it.
     pub fn recv(&mut self) -> Result<PeerMsg, WireError> {
-        let m = open_frame(&self.recv_key, self.received, &mut self.stream)?;
+        let mut counted = Counted { inner: &mut self.stream, n: 0 };
+        let m = open_frame(&self.recv_key, self.received, &mut counted);
+        self.bytes += counted.n;
+        let m = m?;
         self.received += 1;
         Ok(m)
+    }
+
+    /// Bytes of every sealed frame sent and received on this connection so
+    /// far (its handshake not included). Cumulative.
+    pub fn frame_bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// A reader that counts what it read.
+struct Counted<'a, R> {
+    inner: &'a mut R,
+    n: u64,
+}
+
+impl<R: Read> Read for Counted<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.n += n as u64;
+        Ok(n)
     }
 }
 

@@ -328,7 +328,14 @@ pub struct TransferStatus {
     pub segments: u64,
     /// Destination bytes skipped by prefix reuse.
     pub reused_bytes: u64,
-    /// Bytes written on the data plane (after packing and any codec).
+    /// Source: what crossed the link for the transfer (DESIGN's
+    /// `wire_bytes`), counted as it ends: the payload its connections
+    /// carried, once (after packing and any codec; a slice sent again on
+    /// another rail is in `retransmitted_bytes`), their framing both ways
+    /// (frame headers, write requests, answers), and its control frames
+    /// both ways (offer, accept, manifest, layer checksums, pings, done,
+    /// verdict). Destination: the payload its schedule expects on the
+    /// data plane (what its layers' flags wait for).
     pub wire_bytes: u64,
     /// Bytes the transport sent again (source side; tcp: the kernel's
     /// count on the data connection, so loss and reordering show here).

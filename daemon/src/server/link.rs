@@ -9,7 +9,7 @@ use crate::peer::Sealed;
 use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
 use kvwire_transport::Credential;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -37,12 +37,37 @@ pub(super) struct PeerLink {
     peer_timeout: Duration,
     lost: Mutex<Option<String>>,
     ended: AtomicBool,
+    // The connection's frame bytes when this transfer took it, and the
+    // transfer's share once it handed the connection back.
+    frames_before: u64,
+    frames_when_handed_back: AtomicU64,
 }
 
 impl PeerLink {
     pub fn new(stream: Sealed, session: SourceSession, peer: &PeerConfig, peer_timeout: Duration) -> PeerLink {
         let credential = stream.credential().clone();
-        PeerLink { conn: Mutex::new((Some(stream), session)), credential, peer: peer.name.clone(), addr: peer.address.clone(), peer_timeout, lost: Mutex::new(None), ended: AtomicBool::new(false) }
+        let frames_before = stream.frame_bytes();
+        PeerLink {
+            conn: Mutex::new((Some(stream), session)),
+            credential,
+            peer: peer.name.clone(),
+            addr: peer.address.clone(),
+            peer_timeout,
+            lost: Mutex::new(None),
+            ended: AtomicBool::new(false),
+            frames_before,
+            frames_when_handed_back: AtomicU64::new(0),
+        }
+    }
+
+    /// Bytes of this transfer's control messages both ways (offer,
+    /// accept, manifest, layer checksums, pings, done, verdict, abort), as
+    /// sealed frames on the wire.
+    pub fn control_bytes(&self) -> u64 {
+        match &self.conn.lock().expect("peer link lock").0 {
+            Some(s) => s.frame_bytes().saturating_sub(self.frames_before),
+            None => self.frames_when_handed_back.load(Ordering::Acquire),
+        }
     }
 
     /// Sends `m` and hands the answer to the session.
@@ -124,7 +149,12 @@ impl PeerLink {
         }
         self.read_timeout(verdict);
         match self.exchange(&m) {
-            Ok(SourceEvent::Closed) => Ok(self.conn.lock().expect("peer link lock").0.take()),
+            Ok(SourceEvent::Closed) => {
+                let conn = self.conn.lock().expect("peer link lock").0.take();
+                let mine = conn.as_ref().map_or(0, |s| s.frame_bytes().saturating_sub(self.frames_before));
+                self.frames_when_handed_back.store(mine, Ordering::Release);
+                Ok(conn)
+            }
             Ok(other) => Err(format!("peer `{}` answered done with {other:?}", self.peer)),
             Err(LinkError::Session(e)) => Err(format!("peer `{}`: {e}", self.peer)),
             Err(LinkError::Wire(e)) => Err(format!("no verdict from the destination: {e}")),

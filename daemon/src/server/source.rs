@@ -60,13 +60,11 @@ struct Size {
     layers: usize,
     counters: PlanCounters,
     stage_bytes: u64,
-    // Bytes the batches write (packed and coded as they go).
-    wire: u64,
 }
 
 impl Size {
     fn of(g: &SourceGroup, p: &Planned) -> Size {
-        Size { layers: g.model.layers.len(), counters: p.plan.counters.clone(), stage_bytes: p.schedule.stage_bytes, wire: p.schedule.wire_bytes() }
+        Size { layers: g.model.layers.len(), counters: p.plan.counters.clone(), stage_bytes: p.schedule.stage_bytes }
     }
 }
 
@@ -95,6 +93,7 @@ impl Daemon {
             Err(r) => {
                 if let Some(l) = link {
                     l.abort(&r.message);
+                    self.count_wire(id, l.control_bytes());
                 }
                 self.fail(id, &r.message);
                 r.reply()
@@ -168,7 +167,6 @@ impl Daemon {
     fn expect_and_beat(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, l: &Arc<PeerLink>) -> Result<(), Refusal> {
         let manifest = self.manifest(id, g, s, p, codec, stage)?;
         let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: s.stream };
-        Metrics::add(&self.metrics.wire_bytes, expect.manifest.len() as u64);
         l.send_expect(expect, p.schedule.stage_bytes)?;
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
         let beat = l.clone();
@@ -380,8 +378,6 @@ impl Daemon {
         } else {
             Vec::new()
         };
-        // Counted as the manifest is: its checksums, as sent.
-        Metrics::add(&self.metrics.wire_bytes, serde_json::to_vec(&sums).map_or(0, |j| j.len() as u64));
         link.send_layer_sums(layer as u16, sums)?;
         Ok(())
     }
@@ -463,7 +459,8 @@ impl Daemon {
         mover: impl FnOnce(&Arc<Daemon>, &Arc<AtomicBool>, &Arc<PeerLink>) -> (Outcome, Result<(), String>) + Send + 'static,
     ) -> Result<Reply, Refusal> {
         let c = &size.counters;
-        self.with_slot(id, |sl| sl.sized(size.layers, c, size.wire));
+        // What crossed the link is counted as the transfer ends.
+        self.with_slot(id, |sl| sl.sized(size.layers, c, 0));
         Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
         let (payload, stage_total) = (c.total_bytes_moved, size.stage_bytes);
         let reply = Reply::Submitted { slot: id.slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
@@ -483,8 +480,10 @@ impl Daemon {
             let (outcome, result) = mover(&d, &stop, &thread_link);
             d.drop_src_stage(src_stage);
             // What the connections say they carried, not a guess at their
-            // framing; a failed transfer too, as far as it got.
-            Metrics::add(&d.metrics.wire_bytes, outcome.bytes + outcome.framing);
+            // framing, and the control frames both ways; a failed transfer
+            // too, as far as it got. Counted before the transfer's end is
+            // published, so its status is final when a waiter wakes.
+            let count = |d: &Daemon| d.count_wire(id, outcome.bytes + outcome.framing + thread_link.control_bytes());
             match result {
                 Ok(()) => {
                     let (bytes, writes) = (outcome.bytes, outcome.writes);
@@ -502,7 +501,9 @@ impl Daemon {
                     d.slot_mark(id, Boundary::SourceReleased);
                     d.publish(id, SOURCE_RELEASED);
                     tracing::info!(bytes, writes, "source released");
-                    match thread_link.done(Duration::from_secs(d.cfg.limits.transfer_timeout_secs)) {
+                    let verdict = thread_link.done(Duration::from_secs(d.cfg.limits.transfer_timeout_secs));
+                    count(&d);
+                    match verdict {
                         Ok(conn) => {
                             // The source's own decoder_usable: the destination's
                             // verdict, published as the transfer ends here.
@@ -525,6 +526,7 @@ impl Daemon {
                         Some(theirs) => format!("the destination failed the transfer: {theirs} (here: {e})"),
                         None => e,
                     };
+                    count(&d);
                     d.fail(id, e);
                 }
             }

@@ -185,6 +185,14 @@ impl Daemon {
     }
 
     /// Runs `f` on transfer `id`'s slot, if it still holds that transfer.
+    /// Counts `bytes` that crossed the link for source transfer `id` (its
+    /// data and framing as its connections counted them, its control
+    /// frames): in `kvwire_wire_bytes_total` and in its status.
+    pub(super) fn count_wire(&self, id: SlotId, bytes: u64) {
+        Metrics::add(&self.metrics.wire_bytes, bytes);
+        self.with_slot(id, |s| s.wire += bytes);
+    }
+
     pub(super) fn with_slot(&self, id: SlotId, f: impl FnOnce(&mut Slot)) {
         if let Some(s) = self.slots.lock().expect("slots lock").get_mut(id) {
             f(s);

@@ -11,6 +11,8 @@ use kvwire_client::client::{Client, Submitted};
 use kvwire_client::control::FlagName;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 const SECRET: &str = "e2e-shared-secret-0123456789";
 
@@ -336,6 +338,78 @@ fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
     let why = src.error.unwrap_or_default();
     assert!(why.contains("the destination failed the transfer") && why.contains("checksum mismatch"), "{why}");
     assert!(!p.ca.ready(src.slot, FlagName::DecoderUsable), "the source published decoder_usable for a failed transfer");
+}
+
+/// Forwards every connection to `upstream` as it is, adding the bytes
+/// that cross it both ways to `count`.
+fn counting_proxy(listen: TcpListener, upstream: String, count: Arc<AtomicU64>) {
+    std::thread::spawn(move || {
+        for c in listen.incoming() {
+            let Ok(down) = c else { return };
+            let Ok(up) = TcpStream::connect(&upstream) else { return };
+            let _ = (down.set_nodelay(true), up.set_nodelay(true));
+            for (mut from, mut to) in [(down.try_clone().unwrap(), up.try_clone().unwrap()), (up, down)] {
+                let count = count.clone();
+                std::thread::spawn(move || {
+                    let mut buf = vec![0u8; 256 << 10];
+                    loop {
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        count.fetch_add(n as u64, Ordering::SeqCst);
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            }
+        }
+    });
+}
+
+#[test]
+fn a_transfers_wire_bytes_are_what_crossed_the_link() {
+    let _shared = crate::shared();
+    // Both the peer control connection and the data plane go through one
+    // counting proxy each: what the source reports as the transfer's
+    // wire_bytes is what the proxies saw cross, both ways. The first
+    // transfer opens (and authenticates) the connections the second one
+    // reuses, so the second crosses no handshake.
+    let d = TempDir::new("e2e-wirebytes");
+    let data_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let (data_proxy, peer_proxy) = (TcpListener::bind("127.0.0.1:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
+    let (data_addr, peer_addr) = (data_proxy.local_addr().unwrap().to_string(), peer_proxy.local_addr().unwrap().to_string());
+    let b_cfg = format!("[transport]\ntcp_listen = \"127.0.0.1:{data_port}\"\ntcp_advertise = \"{data_addr}\"\n");
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], &b_cfg);
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &peer_addr)], "");
+    let crossed = Arc::new(AtomicU64::new(0));
+    counting_proxy(data_proxy, format!("127.0.0.1:{data_port}"), crossed.clone());
+    counting_proxy(peer_proxy, b.peer.clone(), crossed.clone());
+    let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a, dir: d };
+    let mut sc = Scenario::new("wirebytes-1");
+    sc.src_layout = "tp=1,block=16".into();
+    sc.dst_layout = "tp=1,block=16".into();
+    assert_bitwise(&run(&p, &sc).unwrap());
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    crossed.store(0, Ordering::SeqCst);
+    sc.name = "wirebytes-2".into();
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    // The proxies' threads may still be forwarding the verdict's last bytes.
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let seen = crossed.load(Ordering::SeqCst);
+    assert_eq!(o.source.wire_bytes, seen, "the source's wire_bytes against the bytes that crossed");
+    // Its data part, by hand: same layout and contiguous tables, so each
+    // layer's K and V each go as one write of 100 tokens x 4 heads x 32
+    // fp32: 8 frames, each a 40-byte header and a 40-byte answer.
+    let payload = 4 * 2 * 100 * 4 * 32 * 4;
+    assert_eq!(o.source.bytes, payload);
+    let control = seen - payload - 8 * 2 * HEADER_LEN as u64;
+    // The rest is control: at least offer, accept, manifest, done and
+    // verdict, each a 4-byte length, its JSON and a 32-byte seal.
+    assert!((5 * 36..64 << 10).contains(&control), "{control} control bytes");
 }
 
 #[test]
