@@ -587,25 +587,30 @@ fn packed_segments_travel_through_staging_and_decode_bitwise() {
     let hop = |st: &kvwire_client::control::TransferStatus, name: &str| st.hops.iter().find(|h| h.hop == name).map(|h| h.bytes);
     // TP4 NHD -> TP1 NHD: each source head's rows interleave at the
     // destination, so the plan packs them. A source rank holds its head's
-    // rows of a block back to back: they go from the cache into the
-    // destination's staging as they are, and only the destination scatters.
+    // rows back to back: with contiguous tables on both sides and 1100
+    // tokens, each such segment is 137.5 KiB and goes from the cache into
+    // the destination's staging as it is; only the destination scatters.
+    // Split by a shuffled destination table into blocks of 2 KiB, they are
+    // cheaper to gather than to send as writes of their own.
     // TP2 NHD -> TP1 HND: a source row holds two heads, so each head's runs
     // are apart at the source too and are gathered there first.
-    for (name, src, dst, gathered) in [
-        ("packed", "tp=4,block=16,layout=nhd", "tp=1,block=16,layout=nhd,table=shuffle:3", false),
-        ("packed-gathered", "tp=2,block=16,layout=nhd", "tp=1,block=32,layout=hnd,table=shuffle:3", true),
+    for (name, tokens, src, dst, gathered) in [
+        ("packed", 1100, "tp=4,block=16,layout=nhd", "tp=1,block=16,layout=nhd", false),
+        ("packed-small", 100, "tp=4,block=16,layout=nhd", "tp=1,block=16,layout=nhd,table=shuffle:3", true),
+        ("packed-gathered", 100, "tp=2,block=16,layout=nhd", "tp=1,block=32,layout=hnd,table=shuffle:3", true),
     ] {
         let mut sc = Scenario::new(name);
+        sc.tokens = tokens;
         sc.src_layout = src.into();
         sc.dst_layout = dst.into();
         let o = run(&p, &sc).unwrap();
         assert_bitwise(&o);
         assert_eq!(o.destination.wire_bytes, o.destination.bytes, "{name}: packing moves the same bytes");
-        assert!(o.source.segments < 4 * 2 * 4 * 100, "{name}: rows were coalesced into strided segments");
+        assert!(o.source.segments < 4 * 2 * 4 * tokens, "{name}: rows were coalesced into strided segments");
         assert_eq!(hop(&o.destination, "unpack"), Some(o.destination.bytes), "{name}: every byte is scattered at the destination");
         match gathered {
-            true => assert_eq!(hop(&o.source, "pack"), Some(o.source.bytes), "{name}: every byte is gathered at the source"),
-            false => assert_eq!(hop(&o.source, "pack"), None, "{name}: nothing is gathered at the source"),
+            true => assert_eq!(hop(&o.source, "pack"), Some(o.source.bytes), "{name}: every byte is gathered at the source: {:?}", o.source.hops),
+            false => assert_eq!(hop(&o.source, "pack"), None, "{name}: nothing is gathered at the source: {:?}", o.source.hops),
         }
     }
 }
