@@ -372,11 +372,11 @@ fn counting_proxy(listen: TcpListener, upstream: String, count: Arc<AtomicU64>) 
 #[test]
 fn a_transfers_wire_bytes_are_what_crossed_the_link() {
     let _shared = crate::shared();
-    // Both the peer control connection and the data plane go through one
-    // counting proxy each: what the source reports as the transfer's
-    // wire_bytes is what the proxies saw cross, both ways. The first
-    // transfer opens (and authenticates) the connections the second one
-    // reuses, so the second crosses no handshake.
+    // The peer control connection and the data plane each go through a
+    // counting proxy: what the source reports as a transfer's wire_bytes
+    // is what the proxies saw cross, both ways. The first transfer opens
+    // (and authenticates) the connections the later ones reuse, so those
+    // cross no handshake.
     let d = TempDir::new("e2e-wirebytes");
     let data_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let (data_proxy, peer_proxy) = (TcpListener::bind("127.0.0.1:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
@@ -384,32 +384,43 @@ fn a_transfers_wire_bytes_are_what_crossed_the_link() {
     let b_cfg = format!("[transport]\ntcp_listen = \"127.0.0.1:{data_port}\"\ntcp_advertise = \"{data_addr}\"\n");
     let b = start_daemon(d.path(), "decode-host", SECRET, &[], &b_cfg);
     let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &peer_addr)], "");
-    let crossed = Arc::new(AtomicU64::new(0));
-    counting_proxy(data_proxy, format!("127.0.0.1:{data_port}"), crossed.clone());
-    counting_proxy(peer_proxy, b.peer.clone(), crossed.clone());
+    let (data, control) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    counting_proxy(data_proxy, format!("127.0.0.1:{data_port}"), data.clone());
+    counting_proxy(peer_proxy, b.peer.clone(), control.clone());
     let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a, dir: d };
-    let mut sc = Scenario::new("wirebytes-1");
-    sc.src_layout = "tp=1,block=16".into();
-    sc.dst_layout = "tp=1,block=16".into();
-    assert_bitwise(&run(&p, &sc).unwrap());
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    crossed.store(0, Ordering::SeqCst);
-    sc.name = "wirebytes-2".into();
-    let o = run(&p, &sc).unwrap();
+    let transfer = |name: &str, codec: Option<&str>| {
+        // The proxies' threads may still be forwarding the last transfer's verdict.
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        data.store(0, Ordering::SeqCst);
+        control.store(0, Ordering::SeqCst);
+        let mut sc = Scenario::new(name);
+        sc.src_layout = "tp=1,block=16".into();
+        sc.dst_layout = "tp=1,block=16".into();
+        sc.codec = codec.map(str::to_string);
+        let o = run(&p, &sc).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        (o, data.load(Ordering::SeqCst), control.load(Ordering::SeqCst))
+    };
+    assert_bitwise(&transfer("wirebytes-1", None).0);
+    // By hand: same layout and contiguous tables, so each layer's K and V
+    // each go as one write of 100 tokens x 4 heads x 32 fp32: 8 frames,
+    // each a 40-byte header and a 40-byte answer.
+    let frame = 2 * HEADER_LEN as u64;
+    let (o, data_seen, control_seen) = transfer("wirebytes-2", None);
     assert_bitwise(&o);
-    // The proxies' threads may still be forwarding the verdict's last bytes.
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    let seen = crossed.load(Ordering::SeqCst);
-    assert_eq!(o.source.wire_bytes, seen, "the source's wire_bytes against the bytes that crossed");
-    // Its data part, by hand: same layout and contiguous tables, so each
-    // layer's K and V each go as one write of 100 tokens x 4 heads x 32
-    // fp32: 8 frames, each a 40-byte header and a 40-byte answer.
-    let payload = 4 * 2 * 100 * 4 * 32 * 4;
-    assert_eq!(o.source.bytes, payload);
-    let control = seen - payload - 8 * 2 * HEADER_LEN as u64;
-    // The rest is control: at least offer, accept, manifest, done and
-    // verdict, each a 4-byte length, its JSON and a 32-byte seal.
-    assert!((5 * 36..64 << 10).contains(&control), "{control} control bytes");
+    assert_eq!(o.source.bytes, 4 * 2 * 100 * 4 * 32 * 4);
+    assert_eq!(data_seen, o.source.bytes + 8 * frame, "the data plane");
+    assert_eq!(o.source.wire_bytes, data_seen + control_seen, "the source's wire_bytes against the bytes that crossed");
+    // Control is at least offer, accept, manifest, done and verdict, each
+    // a 4-byte length, its JSON and a 32-byte seal.
+    assert!((5 * 36..64 << 10).contains(&control_seen), "{control_seen} control bytes");
+    // With the fp8 codec every row travels as 32 one-byte elements and an
+    // f32 scale, staged: each layer's K and V lie back to back in staging
+    // and go as one write.
+    let (o, data_seen, control_seen) = transfer("wirebytes-fp8", Some("fp8_e4m3_row"));
+    let rows = 4 * 2 * 100 * 4;
+    assert_eq!(data_seen, rows * (32 + 4) + 4 * frame, "the data plane, fp8");
+    assert_eq!(o.source.wire_bytes, data_seen + control_seen, "the source's wire_bytes, fp8");
 }
 
 #[test]
