@@ -16,7 +16,12 @@
 //! | `d` | element of a head's row | `head_dim` |
 //!
 //! Without `k`, K and V are separate tensors (roles `k` and `v`); without
-//! `l`, there is one tensor (or one K and one V) per layer. Named presets:
+//! `l`, there is one tensor (or one K and one V) per layer. An MLA layer's
+//! latent is a tensor of its own (role `latent`) with the order's axes
+//! without `k`, its head axis of size 1 and `d` of `kv_lora_rank +
+//! qk_rope_head_dim`: vLLM's per-layer MLA cache `(num_blocks, block,
+//! kv_lora_rank + rope_dim)` under any preset but the cross-layer one,
+//! which refuses MLA. Named presets:
 //!
 //! | preset | order | engine shape |
 //! |---|---|---|
@@ -192,6 +197,10 @@ pub enum Role {
     Kv,
     /// K and V packed in the last dimension (`2 * head_dim`, K first).
     KvPacked,
+    /// An MLA layer's latent (compressed KV and rotary key, one row per
+    /// position): the order's axes without `k`, its head axis of size 1
+    /// (vLLM's per-layer `(num_blocks, block, kv_lora_rank + rope_dim)`).
+    Latent,
 }
 
 /// One engine tensor as a client registers it.
@@ -326,7 +335,12 @@ fn rank_geometry(order: &KvOrder, model: &ModelSpec, rank: &RankShard) -> Result
                 }
                 out.push((ls.layer, u64::from(ls.heads.end - ls.heads.start), u64::from(head_dim)));
             }
-            Attention::Mla { .. } => return Err(unsupported(format!("layer {} is an MLA latent; engine tensors hold dense K/V only", ls.layer))),
+            Attention::Mla { kv_lora_rank, qk_rope_head_dim } => {
+                if order.cross_layer() {
+                    return Err(unsupported(format!("layer {} is an MLA latent; a cross-layer tensor holds dense K/V only (latents take one tensor per layer)", ls.layer)));
+                }
+                out.push((ls.layer, u64::from(ls.heads.end - ls.heads.start), u64::from(kv_lora_rank + qk_rope_head_dim)));
+            }
             Attention::SharedWith { .. } | Attention::None => {}
         }
     }
@@ -392,6 +406,27 @@ pub fn rank_tensors(
     for group in groups {
         let (first, heads, dim) = group[0];
         let layers = first..first + group.len() as u32;
+        if let Attention::Mla { .. } = model.layers[first as usize].attention {
+            // A latent is one row per position: the order's axes without
+            // K/V (and never cross-layer, refused above).
+            let axes: Vec<Axis> = order.axes.iter().copied().filter(|&a| a != Axis::Kv && a != Axis::Layer).collect();
+            let shape: Vec<u64> = axes
+                .iter()
+                .map(|a| match a {
+                    Axis::Block => u64::from(num_blocks),
+                    Axis::Token => u64::from(block_size),
+                    Axis::Head => heads,
+                    _ => dim,
+                })
+                .collect();
+            let strides = row_major(&shape);
+            let at = |axis: Axis| axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i] * es);
+            let s = Strides { block: at(Axis::Block), token: at(Axis::Token), head: at(Axis::Head) };
+            let len = (u64::from(num_blocks) - 1) * s.block + (u64::from(block_size) - 1) * s.token + heads.saturating_sub(1) * s.head + dim * es;
+            places.push(Placement { id: RegionId { layer: first, tensor: Tensor::Latent }, tensor: tensors.len(), base: 0, len, strides: s });
+            tensors.push(Expected { role: Role::Latent, layers, shape, strides, elem_bytes: es });
+            continue;
+        }
         let shape = shape_of(order, group.len() as u64, num_blocks, block_size, heads, dim);
         let strides = row_major(&shape);
         let s = Strides { block: stride_of(&shape, Axis::Block), token: stride_of(&shape, Axis::Token), head: stride_of(&shape, Axis::Head) };
@@ -418,6 +453,7 @@ pub fn rank_tensors(
                     Role::Kv | Role::KvPacked => &[(Tensor::K, 0), (Tensor::V, 1)],
                     Role::K => &[(Tensor::K, 0)],
                     Role::V => &[(Tensor::V, 0)],
+                    Role::Latent => &[(Tensor::Latent, 0)],
                 };
                 for &(tensor, kv) in kinds {
                     let base = l_off + kv * stride_of(&shape, Axis::Kv);
@@ -450,6 +486,7 @@ fn what(t: &TensorDesc) -> String {
         Role::V => "v",
         Role::Kv => "kv",
         Role::KvPacked => "kv_packed",
+        Role::Latent => "latent",
     };
     format!("{role} of layers [{}, {})", t.layers[0], t.layers[1])
 }

@@ -55,6 +55,21 @@ fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, 
         .iter()
         .find(|t| t.layers.contains(&region.layer) && (order.kv_together() || (t.role == Role::V) == (kv == 1)))
         .expect("an engine tensor holds every held layer");
+    if t.role == Role::Latent {
+        // A latent's tensor has the order's axes without K/V (and layer).
+        let axes = || order.axes().iter().filter(|&&a| a != Axis::Kv && a != Axis::Layer);
+        let index = |b, s, h| {
+            axes().zip(&t.shape).fold(0, |i, (&a, &n)| {
+                i * n + match a {
+                    Axis::Block => b,
+                    Axis::Token => s,
+                    Axis::Head => h,
+                    _ => 0,
+                }
+            })
+        };
+        return (index(block, slot, head) - index(0, 0, 0)) * t.elem_bytes;
+    }
     let li = u64::from(region.layer - t.layers.start);
     let kv = if order.kv_together() { kv } else { 0 };
     let index = |kv, b, s, h| {

@@ -95,8 +95,8 @@ fn presets_and_order_words_parse_and_name_themselves() {
 #[test]
 fn models_engine_tensors_cannot_hold_are_refused_by_name() {
     let mla = from_toml_spec("m", "[[layers]]\nrepeat = 2\nattention = \"mla\"\nkv_lora_rank = 64\nqk_rope_head_dim = 16\n").unwrap();
-    let e = Side::new(&mla, &LayoutSpec::parse("kv=vllm_nhd").unwrap(), bf16(), 4).unwrap_err().to_string();
-    assert!(e.contains("MLA"), "{e}");
+    let e = Side::new(&mla, &LayoutSpec::parse("kv=vllm_cross").unwrap(), bf16(), 4).unwrap_err().to_string();
+    assert!(e.contains("MLA latent") && e.contains("one tensor per layer"), "{e}");
     let fp8 = CacheFormat::parse("fp8_e4m3_pth").unwrap();
     let e = Side::new(&model(2, 4, 8), &LayoutSpec::parse("kv=vllm_nhd").unwrap(), fp8, 4).unwrap_err().to_string();
     assert!(e.contains("scales"), "{e}");
@@ -187,6 +187,71 @@ fn a_transfer_between_any_two_presets_with_a_tp_change_places_every_row_where_th
         assert_eq!(checked, u64::from(layers) * 2 * tokens * u64::from(heads) * 16);
         assert_eq!(plan.counters.total_bytes_moved, checked);
     }
+}
+
+#[test]
+fn mla_latents_in_engine_tensors_move_across_presets_and_tp_to_every_replica() {
+    // Two dense layers, then an MLA layer: its latent is one tensor of the
+    // order's axes without `k` and a head axis of 1, vLLM's per-layer
+    // `(num_blocks, block, kv_lora_rank + rope_dim)`, held whole by every
+    // TP rank. Offsets by hand: a latent row (b, t) starts at element
+    // `(b * block + t) * 40`, for any order (the head axis has size 1).
+    let m = from_toml_spec(
+        "mixed",
+        "[[layers]]\nrepeat = 2\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 8\n\n[[layers]]\nattention = \"mla\"\nkv_lora_rank = 32\nqk_rope_head_dim = 8\n",
+    )
+    .unwrap();
+    let tokens = 21u64;
+    for (sp, dp, stp, dtp) in [("vllm_nhd", "flashinfer", 2, 1), ("vllm_cpu", "vllm_hnd", 1, 4), ("flashinfer_hnd", "vllm_nhd", 4, 2)] {
+        let src = side(&m, &format!("tp={stp},block=4,table=shuffle:3,kv={sp}"), tokens);
+        let dst = side(&m, &format!("tp={dtp},block=8,table=shuffle:9,kv={dp}"), tokens);
+        for (s, tp) in [(&src, stp), (&dst, dtp)] {
+            for rank in 0..tp as usize {
+                let t = &s.engine[rank].tensors[2];
+                assert_eq!((t.role, t.layers.clone()), (Role::Latent, 2..3), "{sp}/{dp}");
+                assert_eq!(t.shape.iter().product::<u64>(), u64::from(s.num_blocks) * u64::from(s.geo.block_size) * 40, "{:?}", t.shape);
+            }
+        }
+        let plan = build(&PlanInput { model: &m, tokens, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+        verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
+        let row = |s: &Side, p: u64| {
+            let bs = u64::from(s.geo.block_size);
+            (u64::from(s.block_table[(p / bs) as usize]) * bs + p % bs) * 40 * 2
+        };
+        // Each source replica holds the same latent rows.
+        let code = |p: u64, i: u64| (p * 37 + i * 3) as u8 | 1;
+        let mut src_rows = std::collections::HashMap::new();
+        for rank in 0..stp as usize {
+            for p in 0..tokens {
+                for i in 0..80 {
+                    src_rows.insert((rank, 2usize, row(&src, p) + i), code(p, i));
+                }
+            }
+        }
+        let dst_bufs = run_on_tensors(&src, &dst, &plan, |rank, t, o| src_rows.get(&(rank as usize, t, o)).copied().unwrap_or(0));
+        for (rank, bufs) in dst_bufs.iter().enumerate().take(dtp as usize) {
+            for p in 0..tokens {
+                for i in 0..80 {
+                    assert_eq!(bufs[2][(row(&dst, p) + i) as usize], code(p, i), "{sp} tp{stp} -> {dp} tp{dtp}: rank {rank} latent position {p} byte {i}");
+                }
+            }
+        }
+    }
+    // A client's latent tensor is matched by its role and shape like the others.
+    let s = side(&m, "tp=1,block=4,kv=vllm_nhd", tokens);
+    let t = &s.engine[0].tensors[2];
+    let latent = TensorDesc { memory: 0, offset: 0, dtype: "bf16".into(), shape: vec![u64::from(s.num_blocks), 4, 40], strides: vec![160, 40, 1], role: Role::Latent, layers: [2, 3] };
+    let dense = |l: u32| {
+        let e = &s.engine[0].tensors[l as usize];
+        TensorDesc { memory: l + 1, offset: 0, dtype: "bf16".into(), shape: e.shape.clone(), strides: e.strides.clone(), role: Role::Kv, layers: [l, l + 1] }
+    };
+    let sizes = [t.bytes(), s.engine[0].tensors[0].bytes(), s.engine[0].tensors[1].bytes()];
+    assert_eq!(match_tensors(&[latent.clone(), dense(0), dense(1)], &s.engine[0].tensors, bf16(), &sizes).unwrap(), vec![(1, 0), (2, 0), (0, 0)]);
+    let mut wrong = latent;
+    wrong.shape = vec![u64::from(s.num_blocks), 4, 2, 20];
+    wrong.strides = vec![160, 40, 20, 1];
+    let e = match_tensors(&[wrong, dense(0), dense(1)], &s.engine[0].tensors, bf16(), &sizes).unwrap_err().to_string();
+    assert!(e.contains("latent of layers [2, 3)") && e.contains("shape"), "{e}");
 }
 
 #[test]

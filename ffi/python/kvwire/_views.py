@@ -237,8 +237,9 @@ class DeviceMemory:
 @dataclass
 class TensorSpec:
     """One engine tensor: where it lives (``memory`` at byte ``offset``), its
-    dtype, shape and strides (in elements), its role (``k``, ``v``, ``kv``
-    or ``kv_packed``) and the half-open layer range it holds."""
+    dtype, shape and strides (in elements), its role (``k``, ``v``, ``kv``,
+    ``kv_packed``, or ``latent`` for an MLA layer) and the half-open layer
+    range it holds."""
 
     memory: SharedMemory
     offset: int
