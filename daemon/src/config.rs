@@ -88,6 +88,11 @@ pub struct TransportConfig {
     /// failed and its slices re-sent on the others (a port that went down
     /// breaks no TCP connection by itself).
     pub rail_stall_ms: u64,
+    /// A source transfer of at least this many payload bytes hashes beside
+    /// the wire: its manifest goes without checksums, and each layer's
+    /// follow as they are computed while the bytes already move. Smaller
+    /// ones hash first (the per-layer messages cost more than they save).
+    pub hash_beside_bytes: u64,
     /// The netdev or RDMA device of the `[transport]` rail (`rail0`), for
     /// locality (sysfs); with verbs and `[[rails]]`, the verbs device.
     pub device: Option<String>,
@@ -109,6 +114,7 @@ impl Default for TransportConfig {
             verbs_listen: "127.0.0.1:0".into(),
             slice_bytes: 1 << 20,
             rail_stall_ms: 2000,
+            hash_beside_bytes: 16 << 20,
             device: None,
             topology_file: None,
         }

@@ -31,8 +31,8 @@ use std::collections::HashMap;
 use crate::peer::Sealed;
 use kvwire_transport::auth::Deadline;
 use std::net::TcpStream;
-use std::sync::atomic::AtomicBool;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 /// What a submit reads of its source group, snapshotted once: the regions
@@ -139,7 +139,12 @@ impl Daemon {
         // Packed first: the checksums then read gathered segments from
         // staging in one piece, not run by run from the cache again.
         let src_stage = self.pack(id, &g, &p, codec)?;
-        if let Err(r) = self.expect_and_beat(id, &g, &s, &p, codec, &accept, src_stage.as_deref(), &l) {
+        // A large transfer hashes beside the wire: the manifest goes without
+        // checksums and each layer's follow as they are computed, while the
+        // bytes already move (the destination verifies a layer once both
+        // are in).
+        let beside = self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes;
+        if let Err(r) = self.expect_and_beat(id, &g, &s, &p, codec, &accept, src_stage.as_deref(), beside, &l) {
             self.drop_src_stage(src_stage);
             return Err(r);
         }
@@ -151,12 +156,61 @@ impl Daemon {
             }
         };
         let (rails, prefer) = rails_of(&accept);
+        let size = Size::of(&g, &p);
+        let (g, p, stage) = (Arc::new(g), Arc::new(p), src_stage.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
+            let hashing = match beside {
+                true => Some(d.hash_beside(id, g, p, codec, stage, link.clone(), stop.clone())),
+                false => None,
+            };
             let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
-            (total, moved)
+            // Every layer's checksums are out before `Done`: after it the
+            // destination reads nothing more until it gives its verdict.
+            let hashed = hashing.map_or(Ok(()), |rx| rx.recv().unwrap_or_else(|_| Err("the hashing job ended without a word".into())));
+            (total, moved.and(hashed))
         };
-        self.post(id, stop, s, Size::of(&g, &p), codec, accept, src_stage, l.clone(), mover)
+        self.post(id, stop, s, size, codec, accept, src_stage, l.clone(), mover)
+    }
+
+    /// Hashes a transfer's layers in order on a worker, sending each one's
+    /// checksums as soon as they are known; says on the returned channel
+    /// how it ended.
+    #[allow(clippy::too_many_arguments)] // what the job takes over
+    fn hash_beside(
+        self: &Arc<Self>,
+        id: SlotId,
+        g: Arc<SourceGroup>,
+        p: Arc<Planned>,
+        codec: Option<Codec>,
+        stage: Option<Arc<Region>>,
+        link: Arc<PeerLink>,
+        stop: Arc<AtomicBool>,
+    ) -> mpsc::Receiver<Result<(), String>> {
+        let (tx, rx) = mpsc::channel();
+        let (d, panicked) = (self.clone(), tx.clone());
+        let job = move || {
+            let done = (0..p.schedule.layers.len()).try_for_each(|layer| {
+                if stop.load(Ordering::Acquire) {
+                    return Err("cancelled".to_string());
+                }
+                let started = Instant::now();
+                let (segs, bytes) = layer_segments(&p, layer);
+                let sums = d.source_sums(&g, &p, codec, segs, stage.as_deref()).map_err(|r| r.message)?;
+                d.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
+                link.send_layer_sums(layer as u16, sums).map_err(|r| r.message)
+            });
+            let _ = tx.send(done);
+        };
+        let on_panic = move |why: String| {
+            let _ = panicked.send(Err(format!("internal error: the hashing job panicked: {why}")));
+        };
+        if let Err(e) = self.workers.spawn("kvwired-hash", job, on_panic) {
+            let (tx, rx) = mpsc::channel();
+            let _ = tx.send(Err(format!("cannot start the hashing job: {e}")));
+            return rx;
+        }
+        rx
     }
 
     /// The manifest out (checksums in it, or to follow per layer when the
@@ -164,9 +218,9 @@ impl Daemon {
     /// waits for bytes, so keep it told that this side is alive, and learn
     /// at once if it is not.
     #[allow(clippy::too_many_arguments)] // the phases' inputs
-    fn expect_and_beat(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, l: &Arc<PeerLink>) -> Result<(), Refusal> {
-        let manifest = self.manifest(id, g, s, p, codec, stage)?;
-        let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: s.stream };
+    fn expect_and_beat(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, sums_follow: bool, l: &Arc<PeerLink>) -> Result<(), Refusal> {
+        let manifest = self.manifest(id, g, p, &s.dst_request, codec, stage, sums_follow)?;
+        let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: sums_follow };
         l.send_expect(expect, p.schedule.stage_bytes)?;
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
         let beat = l.clone();
@@ -184,7 +238,7 @@ impl Daemon {
     /// transfer timeout.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
-        self.expect_and_beat(id, &g, &s, &p, codec, &accept, None, &l)?;
+        self.expect_and_beat(id, &g, &s, &p, codec, &accept, None, true, &l)?;
         let src_stage = self.stage_buffer(stage_needed(&p, codec))?;
         let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
@@ -303,12 +357,13 @@ impl Daemon {
 
     /// The manifest: identity, shapes, maps, positions, and checksums of
     /// what the destination must hold — the source bytes, or with a codec
-    /// the source bytes as the destination will decode them. A streamed
-    /// transfer's checksums follow layer by layer instead; with checksums
-    /// off there are none.
-    fn manifest(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, stage: Option<&Region>) -> Result<Manifest, Refusal> {
-        let mut m = Manifest::claims(&g.identity, &g.model, &g.side, &p.dst, &p.plan, &s.dst_request).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
-        if self.cfg.verify_checksums && !s.stream {
+    /// the source bytes as the destination will decode them. When
+    /// `sums_follow` (a streamed transfer, or one hashed beside the wire)
+    /// they follow layer by layer instead; with checksums off there are none.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    fn manifest(&self, id: SlotId, g: &SourceGroup, p: &Planned, dst_request: &str, codec: Option<Codec>, stage: Option<&Region>, sums_follow: bool) -> Result<Manifest, Refusal> {
+        let mut m = Manifest::claims(&g.identity, &g.model, &g.side, &p.dst, &p.plan, dst_request).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
+        if self.cfg.verify_checksums && !sums_follow {
             let started = Instant::now();
             m.checksums = self.source_sums(g, p, codec, 0..p.plan.segments.len(), stage)?;
             self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
@@ -367,11 +422,7 @@ impl Daemon {
         }
         let sums = if self.cfg.verify_checksums {
             let started = Instant::now();
-            // The layer's own segments, from its schedule (not a pass over
-            // the whole plan per layer), in plan order.
-            let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
-            segs.sort_unstable();
-            let bytes = segs.iter().map(|&i| p.plan.segments[i].bytes()).sum();
+            let (segs, bytes) = layer_segments(p, layer);
             let sums = self.source_sums(g, p, codec, segs, stage)?;
             self.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
             sums
@@ -603,6 +654,16 @@ fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>) -
     let plan = plan::build(&input).map_err(|e| failed(&e))?;
     let schedule = Schedule::new(&g.model, &g.format, &plan, codec).map_err(|e| Refusal::new(Code::BadRequest, format!("schedule: {e}")))?;
     Ok(Planned { dst, plan, schedule })
+}
+
+/// Layer `layer`'s own segments, from its schedule (not a pass over the
+/// whole plan per layer), in plan order, and the bytes they move.
+fn layer_segments(p: &Planned, layer: usize) -> (Vec<usize>, u64) {
+    let ls = &p.schedule.layers[layer];
+    let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
+    segs.sort_unstable();
+    let bytes = segs.iter().map(|&i| p.plan.segments[i].bytes()).sum();
+    (segs, bytes)
 }
 
 /// Whether the source gathers staged segment `seg` into its staging buffer

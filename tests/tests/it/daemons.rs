@@ -294,16 +294,43 @@ fn corrupting_proxy(listen: TcpListener, upstream: String) {
 #[test]
 fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
     let _shared = crate::shared();
-    // The decode daemon's data plane is reached through a proxy that flips one byte.
+    corrupted_in_transit("corrupt", "");
+}
+
+#[test]
+fn a_source_hashing_beside_the_wire_moves_bitwise_and_a_corrupted_byte_still_fails_its_layer() {
+    let _shared = crate::shared();
+    // Every transfer hashes beside the wire: the manifest carries no
+    // checksums, each layer's follow while the bytes move.
+    let beside = "[transport]\nhash_beside_bytes = 0\n";
+    let p = pair_with("beside", beside, "");
+    for name in ["beside", "beside-remap"] {
+        let mut sc = Scenario::new(name);
+        if name == "beside-remap" {
+            sc.src_layout = "tp=2,block=16,layout=nhd".into();
+            sc.dst_layout = "tp=1,block=32,layout=hnd,table=shuffle:3".into();
+        }
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        let verify = o.source.hops.iter().find(|h| h.hop == "verify").map(|h| h.bytes);
+        assert_eq!(verify, Some(o.source.bytes), "{name}: every byte hashed at the source: {:?}", o.source.hops);
+    }
+    corrupted_in_transit("corrupt-beside", "hash_beside_bytes = 0\n");
+}
+
+/// The decode daemon's data plane is reached through a proxy that flips
+/// one byte; the prefill daemon's `[transport]` gets `a_transport` too.
+fn corrupted_in_transit(tag: &str, a_transport: &str) {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let proxy = TcpListener::bind("127.0.0.1:0").unwrap();
     let proxy_addr = proxy.local_addr().unwrap().to_string();
-    let p = pair(
-        "corrupt",
+    let p = pair_with(
+        tag,
+        &format!("[transport]\n{a_transport}"),
         &format!("[transport]\ntcp_listen = \"127.0.0.1:{port}\"\ntcp_advertise = \"{proxy_addr}\"\n"),
     );
     corrupting_proxy(proxy, format!("127.0.0.1:{port}"));
-    match run(&p, &Scenario::new("corrupt")) {
+    match run(&p, &Scenario::new(tag)) {
         Err(ScenarioError::Daemon { step, source }) => {
             assert!(step.starts_with("wait"), "{step}: {source}");
             let text = source.to_string();
