@@ -361,7 +361,8 @@ kvw_result kvw_register_device_cache(const struct kvw_client *client,
 //
 // - `tensors_json`: a JSON list, one object per tensor: `{"memory": I,
 //   "offset": BYTES, "dtype": "bf16", "shape": [...], "strides": [...]
-//   (in elements), "role": "k"|"v"|"kv"|"kv_packed", "layers": [FIRST,
+//   (in elements), "role": "k"|"v"|"kv"|"kv_packed"|"latent" (an MLA
+//   layer's latent), "layers": [FIRST,
 //   END)}`; `memory` indexes `fds`.
 // - `fds`, `n_fds`: the memfds the tensors live in (shareable memory the
 //   engine allocated), at most 128.

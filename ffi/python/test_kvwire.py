@@ -405,15 +405,21 @@ def eng_index(side, kv, b, t, h):
     return (((b * 2 + kv) * nt + t) * nh + h) * nd  # flashinfer: (blocks, 2, block, heads, dim)
 
 
-def eng_register(client, group, side, per_layer_memfd):
-    """Allocates the engine's tensors in SharedMemory and registers them; returns per rank [(mem, offset)] by layer."""
-    shape, role = kvwire.preset_shape(side["preset"], side["blocks"], side["block"], HEADS // side["tp"], ROW // 2)
+def eng_shape(side, heads):
+    """A rank's per-layer tensor of the side's preset: shape, role, bf16 bytes and dense strides."""
+    shape, role = kvwire.preset_shape(side["preset"], side["blocks"], side["block"], heads, ROW // 2)
     nbytes = 2
     for n in shape:
         nbytes *= n
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
+    return shape, role, nbytes, strides
+
+
+def eng_register(client, group, side, per_layer_memfd):
+    """Allocates the engine's tensors in SharedMemory and registers them; returns per rank [(mem, offset)] by layer."""
+    shape, role, nbytes, strides = eng_shape(side, HEADS // side["tp"])
     out = []
     for rank in range(side["tp"]):
         if per_layer_memfd:
@@ -460,13 +466,7 @@ def test_engine_tensors_in_their_own_device_allocations(d):
         # The decode engine's per-layer tensors, each its own device
         # allocation; with the stand-in backend a memfd plays each one.
         side = ENG_DST
-        shape, role = kvwire.preset_shape(side["preset"], side["blocks"], side["block"], HEADS, ROW // 2)
-        nbytes = 2
-        for n in shape:
-            nbytes *= n
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
+        shape, role, nbytes, strides = eng_shape(side, HEADS)
         gpu = [kvwire.SharedMemory(nbytes, "gpu-layer%d" % l) for l in range(LAYERS)]
         for m in gpu:
             ctypes_fill(m, CANARY)

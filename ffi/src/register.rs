@@ -167,25 +167,9 @@ pub unsafe extern "C" fn kvw_register_tensors(
     out_bytes: *mut u64,
     out_complete: *mut bool,
 ) -> kvw_result {
-    client_guard(client, |c| {
-        // SAFETY: forwarded caller contract.
-        let cache = unsafe { register_request(group, model_json, format, layout, rank, num_blocks, identity_json) }?;
-        // SAFETY: NULL or NUL-terminated, per the contract.
-        let tensors_json = unsafe { text(tensors_json, "tensors_json") }?;
-        let tensors: Vec<TensorDesc> = serde_json::from_str(tensors_json).map_err(|e| {
-            Fail::new(KVW_INVALID_JSON, format!("tensors_json: {e} (a list of {{memory, offset, dtype, shape, strides, role, layers}})"))
-        })?;
-        // SAFETY: forwarded caller contract.
-        let borrowed = unsafe { borrowed_fds(fds, n_fds) }?;
-        let outs = (out(out_regions, "out_regions")?, out(out_bytes, "out_bytes")?, out(out_complete, "out_complete")?);
-        let done = {
-            let _call = lock(&c.call);
-            c.client.register_tensors(RegisterTensors { cache, tensors }, &borrowed)?
-        };
-        // SAFETY: checked non-NULL; writable per the contract.
-        unsafe { put_registered(outs, done) };
-        Ok(())
-    })
+    let request = (group, model_json, format, layout, rank, num_blocks, identity_json);
+    // SAFETY: forwarded caller contract.
+    unsafe { register_engine_tensors(client, request, tensors_json, None, (fds, n_fds), (out_regions, out_bytes, out_complete)) }
 }
 
 /// Registers rank `rank` of cache group `group` as the engine's own
@@ -223,22 +207,52 @@ pub unsafe extern "C" fn kvw_register_device_tensors(
     out_bytes: *mut u64,
     out_complete: *mut bool,
 ) -> kvw_result {
+    let request = (group, model_json, format, layout, rank, num_blocks, identity_json);
+    // SAFETY: forwarded caller contract.
+    unsafe { register_engine_tensors(client, request, tensors_json, Some(memories_json), (fds, n_fds), (out_regions, out_bytes, out_complete)) }
+}
+
+/// The arguments of [`register_request`].
+type RequestArgs = (*const c_char, *const c_char, *const c_char, *const c_char, u32, u32, *const c_char);
+
+/// Both engine-tensor registrations: in host memfds, or with
+/// `memories_json` in device allocations.
+///
+/// # Safety
+/// As [`kvw_register_device_tensors`].
+unsafe fn register_engine_tensors(
+    client: *const kvw_client,
+    (group, model_json, format, layout, rank, num_blocks, identity_json): RequestArgs,
+    tensors_json: *const c_char,
+    memories_json: Option<*const c_char>,
+    (fds, n_fds): (*const c_int, usize),
+    (out_regions, out_bytes, out_complete): (*mut u32, *mut u64, *mut bool),
+) -> kvw_result {
     client_guard(client, |c| {
         // SAFETY: forwarded caller contract.
         let cache = unsafe { register_request(group, model_json, format, layout, rank, num_blocks, identity_json) }?;
         // SAFETY: NULL or NUL-terminated, per the contract.
-        let (tensors_json, memories_json) = unsafe { (text(tensors_json, "tensors_json")?, text(memories_json, "memories_json")?) };
+        let tensors_json = unsafe { text(tensors_json, "tensors_json") }?;
         let tensors: Vec<TensorDesc> = serde_json::from_str(tensors_json).map_err(|e| {
             Fail::new(KVW_INVALID_JSON, format!("tensors_json: {e} (a list of {{memory, offset, dtype, shape, strides, role, layers}})"))
         })?;
-        let memories: Vec<DeviceMemory> =
-            serde_json::from_str(memories_json).map_err(|e| Fail::new(KVW_INVALID_JSON, format!("memories_json: {e} (a list of {{ordinal, len, ipc}})")))?;
+        let memories: Option<Vec<DeviceMemory>> = match memories_json {
+            None => None,
+            Some(json) => {
+                // SAFETY: NULL or NUL-terminated, per the contract.
+                let json = unsafe { text(json, "memories_json") }?;
+                Some(serde_json::from_str(json).map_err(|e| Fail::new(KVW_INVALID_JSON, format!("memories_json: {e} (a list of {{ordinal, len, ipc}})")))?)
+            }
+        };
         // SAFETY: forwarded caller contract.
         let borrowed = unsafe { borrowed_fds(fds, n_fds) }?;
         let outs = (out(out_regions, "out_regions")?, out(out_bytes, "out_bytes")?, out(out_complete, "out_complete")?);
         let done = {
             let _call = lock(&c.call);
-            c.client.register_device_tensors(RegisterDeviceTensors { cache, tensors, memories }, &borrowed)?
+            match memories {
+                None => c.client.register_tensors(RegisterTensors { cache, tensors }, &borrowed)?,
+                Some(memories) => c.client.register_device_tensors(RegisterDeviceTensors { cache, tensors, memories }, &borrowed)?,
+            }
         };
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe { put_registered(outs, done) };

@@ -163,6 +163,16 @@ _release = _sig("kvw_release_cache", _u32, _vp, _c, _u32)
 _share = _sig("kvw_share_group", _u32, _vp, _c, _c)
 
 
+def _tensor_list(tensors: Sequence["TensorSpec"]) -> Tuple[list, list]:
+    """The distinct memories ``tensors`` live in, in order of first use,
+    and each tensor's description naming its memory by that index."""
+    mems: list = []
+    for t in tensors:
+        if not any(t.memory is m for m in mems):
+            mems.append(t.memory)
+    return mems, [t.describe(next(i for i, m in enumerate(mems) if m is t.memory)) for t in tensors]
+
+
 def _text(fn, *args):
     buf = ctypes.create_string_buffer(MESSAGE_MAX)
     n = _sz(0)
@@ -363,11 +373,7 @@ class Client(_Handle):
         order with ``kv=`` (a preset such as ``vllm_nhd`` or ``flashinfer``);
         each :class:`TensorSpec` says where a tensor is and what it holds.
         Returns ``(regions, bytes, complete)``."""
-        mems: list = []
-        for t in tensors:
-            if not any(t.memory is m for m in mems):
-                mems.append(t.memory)
-        listed = [t.describe(next(i for i, m in enumerate(mems) if m is t.memory)) for t in tensors]
+        mems, listed = _tensor_list(tensors)
         fds = (ctypes.c_int * max(len(mems), 1))(*[m.fd for m in mems])
         regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
         self._call(
@@ -395,11 +401,7 @@ class Client(_Handle):
         ``memory`` a :class:`DeviceMemory`. The daemon needs a ``[device]``
         backend and stages each allocation through a host mirror of its
         own. Returns ``(regions, bytes, complete)``."""
-        mems: list = []
-        for t in tensors:
-            if not any(t.memory is m for m in mems):
-                mems.append(t.memory)
-        listed = [t.describe(next(i for i, m in enumerate(mems) if m is t.memory)) for t in tensors]
+        mems, listed = _tensor_list(tensors)
         with_fd = [m.fd >= 0 for m in mems]
         if any(with_fd) and not all(with_fd):
             raise ValueError("device memories: every one carries an fd, or none does")
