@@ -9,8 +9,8 @@ use crate::peer::Sealed;
 use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
 use kvwire_transport::Credential;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Why an exchange with the destination failed.
@@ -36,7 +36,10 @@ pub(super) struct PeerLink {
     pub addr: String,
     peer_timeout: Duration,
     lost: Mutex<Option<String>>,
-    ended: AtomicBool,
+    // Set when the transfer ends here; the heartbeat waits on it, so it
+    // leaves (and its worker goes back to the pool) at once, not at its
+    // next look.
+    ended: (Mutex<bool>, Condvar),
     // The connection's frame bytes when this transfer took it, and the
     // transfer's share once it handed the connection back.
     frames_before: u64,
@@ -54,7 +57,7 @@ impl PeerLink {
             addr: peer.address.clone(),
             peer_timeout,
             lost: Mutex::new(None),
-            ended: AtomicBool::new(false),
+            ended: (Mutex::new(false), Condvar::new()),
             frames_before,
             frames_when_handed_back: AtomicU64::new(0),
         }
@@ -101,6 +104,16 @@ impl PeerLink {
         }
     }
 
+    /// Marks the transfer ended here and wakes the heartbeat.
+    fn end(&self) {
+        *self.ended.0.lock().expect("peer link lock") = true;
+        self.ended.1.notify_all();
+    }
+
+    fn has_ended(&self) -> bool {
+        *self.ended.0.lock().expect("peer link lock")
+    }
+
     pub fn lost(&self) -> Option<String> {
         self.lost.lock().expect("peer link lock").clone()
     }
@@ -111,14 +124,13 @@ impl PeerLink {
     pub fn heartbeat(&self) {
         loop {
             let Some(due) = self.session(|s| s.poll_timeout()) else { return };
-            while Instant::now() < due {
-                if self.ended.load(Ordering::Acquire) {
+            {
+                let (lock, cv) = &self.ended;
+                let ended = lock.lock().expect("peer link lock");
+                let (ended, _) = cv.wait_timeout_while(ended, due.saturating_duration_since(Instant::now()), |ended| !*ended).expect("peer link lock");
+                if *ended {
                     return;
                 }
-                std::thread::sleep(Duration::from_millis(20).min(due.saturating_duration_since(Instant::now())));
-            }
-            if self.ended.load(Ordering::Acquire) {
-                return;
             }
             let why = match self.session(|s| s.handle_timeout(Instant::now())) {
                 Ok(None) => continue,
@@ -128,7 +140,7 @@ impl PeerLink {
                 },
                 Err(e) => format!("peer `{}`: {e}", self.peer),
             };
-            if !self.ended.load(Ordering::Acquire) {
+            if !self.has_ended() {
                 tracing::warn!(peer = self.peer, why, "peer lost");
                 *self.lost.lock().expect("peer link lock") = Some(why);
             }
@@ -142,7 +154,7 @@ impl PeerLink {
     /// destination published `decoder_usable`; else why not (its own
     /// reason when it failed the transfer).
     pub fn done(&self, verdict: Duration) -> Result<Option<Sealed>, String> {
-        self.ended.store(true, Ordering::Release);
+        self.end();
         let m = self.session(|s| s.moved()).map_err(|e| e.to_string())?;
         if let Some(lost) = self.lost() {
             return Err(format!("no verdict from the destination: {lost}"));
@@ -167,7 +179,7 @@ impl PeerLink {
     /// transfer first (its refusals of the source's writes then only
     /// echo that).
     pub fn abort(&self, reason: &str) -> Option<String> {
-        self.ended.store(true, Ordering::Release);
+        self.end();
         let m = self.session(|s| s.abort(reason))?;
         if self.lost().is_some() {
             return None;
