@@ -75,6 +75,16 @@ pub struct LayerSchedule {
     pub wire_bytes: u64,
 }
 
+impl LayerSchedule {
+    /// The layer's segments, direct and staged, in plan order (what the
+    /// layer's checksums are computed over).
+    pub fn segments(&self) -> Vec<usize> {
+        let mut segs: Vec<usize> = self.direct.iter().copied().chain(self.staged.iter().map(|st| st.seg)).collect();
+        segs.sort_unstable();
+        segs
+    }
+}
+
 /// Where one write of a layer's batch reads and lands, before keys are known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum WriteTarget {
@@ -153,6 +163,12 @@ impl Schedule {
             offset += size;
         }
         Ok(Schedule { layers, staged, stage_bytes: offset })
+    }
+
+    /// Where staged segment `seg` lies in staging; `None` for a direct one.
+    pub fn staged_of(&self, seg: usize) -> Option<&Staged> {
+        // Staging order is plan order.
+        self.staged.binary_search_by_key(&seg, |st| st.seg).ok().map(|i| &self.staged[i])
     }
 
     /// Bytes every layer's writes carry together.

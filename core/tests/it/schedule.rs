@@ -45,6 +45,15 @@ fn each_layer_waits_for_exactly_its_share_and_its_writes_carry_it() {
             assert_eq!(st.offset, at);
             at += st.size;
         }
+        // Each layer lists exactly its own segments, in plan order, and a
+        // segment is found in staging exactly when it was packed.
+        for (l, ls) in s.layers.iter().enumerate() {
+            let own: Vec<usize> = (0..plan.segments.len()).filter(|&i| plan.segments[i].dst_region.layer as usize == l).collect();
+            assert_eq!(ls.segments(), own, "{src} -> {dst} layer {l}");
+        }
+        for (i, seg) in plan.segments.iter().enumerate() {
+            assert_eq!(s.staged_of(i).map(|st| st.seg), (seg.mode == kvwire_core::plan::Mode::Packed).then_some(i), "{src} -> {dst} segment {i}");
+        }
     }
 }
 

@@ -519,12 +519,11 @@ impl Daemon {
         let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
         let stage = r.stage.as_deref().filter(|_| in_staging);
         let whole = |i: usize| {
-            let st = &ls.staged[ls.staged.binary_search_by_key(&i, |st| st.seg).ok()?];
+            let st = r.schedule.staged_of(i)?;
             region_view(stage?, st.offset, st.size)
         };
         // The layer's own segments, in plan order: not a pass over the whole plan per layer.
-        let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
-        segs.sort_unstable();
+        let segs = ls.segments();
         let this_layer = |_, l: u32| l as usize == layer;
         let checked = checksums_of(&r.plan, Reading::Destination, segs, read, whole).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
         self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);

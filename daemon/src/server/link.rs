@@ -162,10 +162,9 @@ impl PeerLink {
         self.read_timeout(verdict);
         match self.exchange(&m) {
             Ok(SourceEvent::Closed) => {
-                let conn = self.conn.lock().expect("peer link lock").0.take();
-                let mine = conn.as_ref().map_or(0, |s| s.frame_bytes().saturating_sub(self.frames_before));
-                self.frames_when_handed_back.store(mine, Ordering::Release);
-                Ok(conn)
+                // What this transfer sent and read on it, kept for `control_bytes`.
+                self.frames_when_handed_back.store(self.control_bytes(), Ordering::Release);
+                Ok(self.conn.lock().expect("peer link lock").0.take())
             }
             Ok(other) => Err(format!("peer `{}` answered done with {other:?}", self.peer)),
             Err(LinkError::Session(e)) => Err(format!("peer `{}`: {e}", self.peer)),

@@ -160,10 +160,7 @@ impl Daemon {
         let (g, p, stage) = (Arc::new(g), Arc::new(p), src_stage.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
-            let hashing = match beside {
-                true => Some(d.hash_beside(id, g, p, codec, stage, link.clone(), stop.clone())),
-                false => None,
-            };
+            let hashing = beside.then(|| d.hash_beside(id, g, p, codec, stage, link.clone(), stop.clone()));
             let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
             // Every layer's checksums are out before `Done`: after it the
             // destination reads nothing more until it gives its verdict.
@@ -391,11 +388,9 @@ impl Daemon {
                 None => Some(raw),
             }
         };
-        let staged = &p.schedule.staged;
         let whole = |i: usize| -> Option<RunBytes<'_>> {
             let stage = stage.filter(|_| codec.is_none())?;
-            // Staging order is plan order.
-            let st = &staged[staged.binary_search_by_key(&i, |st| st.seg).ok()?];
+            let st = p.schedule.staged_of(i)?;
             if !gathers(&p.plan.segments[i], codec) {
                 return None;
             }
@@ -659,9 +654,7 @@ fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>) -
 /// Layer `layer`'s own segments, from its schedule (not a pass over the
 /// whole plan per layer), in plan order, and the bytes they move.
 fn layer_segments(p: &Planned, layer: usize) -> (Vec<usize>, u64) {
-    let ls = &p.schedule.layers[layer];
-    let mut segs: Vec<usize> = ls.direct.iter().copied().chain(ls.staged.iter().map(|st| st.seg)).collect();
-    segs.sort_unstable();
+    let segs = p.schedule.layers[layer].segments();
     let bytes = segs.iter().map(|&i| p.plan.segments[i].bytes()).sum();
     (segs, bytes)
 }
