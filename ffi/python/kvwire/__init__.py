@@ -374,25 +374,8 @@ class Client(_Handle):
         each :class:`TensorSpec` says where a tensor is and what it holds.
         Returns ``(regions, bytes, complete)``."""
         mems, listed = _tensor_list(tensors)
-        fds = (ctypes.c_int * max(len(mems), 1))(*[m.fd for m in mems])
-        regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
-        self._call(
-            _register_tensors,
-            _b(group),
-            _json(model),
-            _b(fmt),
-            _b(layout),
-            rank,
-            num_blocks,
-            _json(identity),
-            _json(listed),
-            fds,
-            len(mems),
-            ctypes.byref(regions),
-            ctypes.byref(nbytes),
-            ctypes.byref(complete),
-        )
-        return regions.value, nbytes.value, complete.value
+        args = (group, model, fmt, layout, rank, num_blocks, identity)
+        return self._register_engine(_register_tensors, args, listed, [], [m.fd for m in mems])
 
     def register_device_tensors(self, group: str, model: Model, fmt: str, layout: str, rank: int, num_blocks: int, identity: Identity, tensors: Sequence["TensorSpec"]) -> Tuple[int, int, bool]:
         """Registers one rank's cache as the engine's own tensors in device
@@ -405,11 +388,19 @@ class Client(_Handle):
         with_fd = [m.fd >= 0 for m in mems]
         if any(with_fd) and not all(with_fd):
             raise ValueError("device memories: every one carries an fd, or none does")
+        args = (group, model, fmt, layout, rank, num_blocks, identity)
         fds = [m.fd for m in mems] if all(with_fd) else []
+        return self._register_engine(_register_device_tensors, args, listed, [_json([m.describe() for m in mems])], fds)
+
+    def _register_engine(self, fn, args, listed: list, extra: list, fds: list) -> Tuple[int, int, bool]:
+        """One engine-tensor registration through ``fn``: the cache's
+        arguments, the tensors' descriptions, ``extra`` (the device
+        memories' JSON, for device tensors) and the fds that travel."""
+        group, model, fmt, layout, rank, num_blocks, identity = args
         arr = (ctypes.c_int * max(len(fds), 1))(*fds)
         regions, nbytes, complete = _u32(0), _u64(0), ctypes.c_bool(False)
         self._call(
-            _register_device_tensors,
+            fn,
             _b(group),
             _json(model),
             _b(fmt),
@@ -418,7 +409,7 @@ class Client(_Handle):
             num_blocks,
             _json(identity),
             _json(listed),
-            _json([m.describe() for m in mems]),
+            *extra,
             arr,
             len(fds),
             ctypes.byref(regions),
