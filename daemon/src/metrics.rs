@@ -71,7 +71,7 @@ impl Metrics {
         type Series<'a> = (&'a str, &'a str, &'a [(&'a str, u64)]);
         let counters: [Series<'_>; 8] = [
             ("kvwire_payload_bytes_total", "Payload bytes sent by plans from this daemon (after prefix reuse).", &[("", g(&self.payload_bytes))]),
-            ("kvwire_wire_bytes_total", "Bytes that crossed the link: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
+            ("kvwire_wire_bytes_total", "Bytes that crossed the link for transfers this daemon sent: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
             ("kvwire_reused_bytes_total", "Destination bytes skipped by validated prefix reuse.", &[("", g(&self.reused_bytes))]),
             ("kvwire_compressed_bytes_total", "Wire payload after a converting codec (transfers that used one).", &[("", g(&self.compressed_bytes))]),
             ("kvwire_retransmitted_bytes_total", "Bytes sent again.", &[("", g(&self.retransmitted_bytes))]),

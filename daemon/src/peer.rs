@@ -172,6 +172,11 @@ impl Sealed {
         Ok(m)
     }
 
+    /// Bytes `m` takes on the wire as a sealed frame: length, JSON, seal.
+    pub fn frame_len(m: &PeerMsg) -> u64 {
+        (kvwire_client::wire::frame(m).len() + SEAL_LEN) as u64
+    }
+
     /// Bytes of every sealed frame sent and received on this connection so
     /// far (its handshake not included). Cumulative.
     pub fn frame_bytes(&self) -> u64 {

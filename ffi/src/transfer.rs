@@ -295,8 +295,9 @@ pub unsafe extern "C" fn kvw_status(client: *const kvw_client, slot: u16, out_st
 /// Writes the daemon's full status of the transfer in `slot` as JSON into
 /// `buf`, NUL-terminated, and its length into `*out_len`, with a round trip
 /// to the daemon: `state`, `error` (why it failed), `layers`, `bytes`,
-/// `reused_bytes`, `wire_bytes`, `elapsed_ns`, the per-hop busy times
-/// (`hops`) and the lifetime boundaries this side reached (`marks`: each a
+/// `reused_bytes`, `compressed_bytes` (the payload after packing and any
+/// codec), `wire_bytes` (what crossed the link, as this side counted it),
+/// `elapsed_ns`, the per-hop busy times (`hops`) and the lifetime boundaries this side reached (`marks`: each a
 /// `name` such as `layer_ready(3)` or `decoder_usable`, and `at_ns` since
 /// this side started the transfer). `KVW_BUFFER_TOO_SMALL` (its message
 /// names the size needed) when `len` cannot hold it; nothing is written

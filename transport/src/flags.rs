@@ -92,6 +92,11 @@ impl FlagTable {
         Ok(FlagTable { mem, slots, layers })
     }
 
+    /// Transfer slots (rows) of the table.
+    pub fn slots(&self) -> u16 {
+        self.slots
+    }
+
     /// Whether `tag` has a word in this table.
     pub fn contains(&self, tag: Tag) -> bool {
         tag.slot < self.slots && tag.layer < self.layers

@@ -6,6 +6,7 @@ use crate::flags::FlagTable;
 use crate::metrics::{Hop, Hops};
 use kvwire_core::protocol::Tag;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -69,6 +70,10 @@ pub struct Placement {
     // deliver a write twice (a slice re-sent on another rail after its
     // first rail failed): a range is counted once, however often it lands.
     ranges: Mutex<HashMap<(Tag, u32), BTreeMap<u64, u64>>>,
+    // Bytes that crossed the link per slot, as this end saw them: each
+    // write's framing, its payload and its answer. A fixed row per slot
+    // of the flag table, so nothing an outsider sends can grow it.
+    crossed: Box<[AtomicU64]>,
     flags: FlagTable,
     hops: Arc<Hops>,
     // Bytes only for (slot, layer)s declared first: what a daemon facing
@@ -80,7 +85,8 @@ pub struct Placement {
 impl Placement {
     /// Accounting publishing into `flags`, timing into `hops`.
     pub fn new(flags: FlagTable, hops: Arc<Hops>) -> Placement {
-        Placement { counts: Mutex::new(HashMap::new()), ranges: Mutex::new(HashMap::new()), flags, hops, declared_only: false }
+        let crossed = (0..flags.slots()).map(|_| AtomicU64::new(0)).collect();
+        Placement { counts: Mutex::new(HashMap::new()), ranges: Mutex::new(HashMap::new()), crossed, flags, hops, declared_only: false }
     }
 
     /// This accounting, refusing bytes for any (slot, layer) no
@@ -186,6 +192,30 @@ impl Placement {
         self.counts.lock().expect("placement lock").get(&tag).map_or(0, |c| c.placed)
     }
 
+    /// Adds `bytes` that crossed the link for a write to `slot` (its
+    /// framing, payload and answer, as the receiving backend read and sent
+    /// them). Backends count a write before its bytes are counted as placed,
+    /// so the figure already holds it once a flag it completes is seen.
+    /// Slots outside the flag table count nothing.
+    pub fn crossed(&self, slot: u16, bytes: u64) {
+        if let Some(c) = self.crossed.get(usize::from(slot)) {
+            c.fetch_add(bytes, Ordering::Relaxed);
+        }
+    }
+
+    /// Takes back `bytes` counted by [`Placement::crossed`] ahead of a write
+    /// that then did not move them (an shm write refused before its copy).
+    pub fn uncrossed(&self, slot: u16, bytes: u64) {
+        if let Some(c) = self.crossed.get(usize::from(slot)) {
+            let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(bytes)));
+        }
+    }
+
+    /// Bytes that crossed the link for writes to `slot` since it was last reset.
+    pub fn crossed_bytes(&self, slot: u16) -> u64 {
+        self.crossed.get(usize::from(slot)).map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
     /// Waits for `tag`'s flag; returns how long after its publish it was
     /// seen. Not recorded as the `notify` hop: this table says the bytes
     /// are placed, and the one who waits on it here is the daemon itself,
@@ -208,6 +238,9 @@ impl Placement {
     pub fn reset_slot(&self, slot: u16) {
         self.counts.lock().expect("placement lock").retain(|t, _| t.slot != slot);
         self.ranges.lock().expect("placement lock").retain(|(t, _), _| t.slot != slot);
+        if let Some(c) = self.crossed.get(usize::from(slot)) {
+            c.store(0, Ordering::Relaxed);
+        }
         self.flags.clear_slot(slot);
     }
 }

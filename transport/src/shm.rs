@@ -530,21 +530,30 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
         }
 
         let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len };
+        // The request, the payload and an Ack, counted before the write can
+        // complete a flag; a refusal takes back what did not move.
+        serve.placement.crossed(h.tag.slot, 2 * HEADER_LEN as u64 + TRAILER_LEN + len);
+        let mut copied = false;
         let result = match refused {
             Some(r) => Err(r),
-            None => place(serve, session, &sources, w, src_key, src_offset),
+            None => place(serve, session, &sources, w, src_key, src_offset, &mut copied),
         };
         if let Err(why) = &result {
             accept::log_refusal(TRANSPORT, &node, w, why);
         }
         let answer = hello::answer(h.tag, h.key, h.seq, result.as_ref().map(|_| len));
+        if result.is_err() {
+            serve.placement.crossed(h.tag.slot, answer.len() as u64);
+            serve.placement.uncrossed(h.tag.slot, HEADER_LEN as u64 + if copied { 0 } else { len });
+        }
         out.write_all(&answer).map_err(|e| closing(&node, format!("send answer: {e}")))?;
     }
 }
 
 /// Accepts one write: the shared checks, then a copy from the shared
 /// source (step 5 of [`accept`]), then the count.
-fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64) -> Result<u64, Refusal> {
+/// `copied` says whether the payload was copied, even if then refused.
+fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64, copied: &mut bool) -> Result<u64, Refusal> {
     accept::accept(&serve.registry, &serve.placement, session, w, |a: &Admitted| {
         let src = sources.get(&src_key).ok_or(Refusal::SourceNotShared(src_key))?;
         match src_offset.checked_add(w.len) {
@@ -554,6 +563,7 @@ fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incomin
         src.mem
             .copy_to(src.offset + src_offset, &a.region().mem, a.mem_offset(), w.len)
             .map_err(|e| Refusal::SourceUnusable { key: src_key, reason: format!("copy: {e}") })?;
+        *copied = true;
         Ok(Instant::now())
     })
 }

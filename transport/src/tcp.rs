@@ -190,6 +190,10 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
             return Err(TransportError::Refused(format!("unexpected {:?} frame from initiator", h.kind)));
         }
         let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len };
+        // The frame and its payload cross whatever becomes of them, and an
+        // accepted write's answer is a bare header: counted before the
+        // write can complete a flag.
+        placement.crossed(h.tag.slot, 2 * HEADER_LEN as u64 + h.len);
         let mut payload_read = false;
         let result = accept::accept(registry, placement, session, w, |a: &Admitted| {
             payload_read = true;
@@ -212,7 +216,9 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
                 if !payload_read {
                     drain(&mut reader, h.len, &mut discard)?;
                 }
-                hello::answer(h.tag, h.key, h.seq, Err(&why))
+                let nack = hello::answer(h.tag, h.key, h.seq, Err(&why));
+                placement.crossed(h.tag.slot, nack.len() as u64 - HEADER_LEN as u64);
+                nack
             }
         };
         acks.write_all(&answer).map_err(TransportError::io("send answer"))?;

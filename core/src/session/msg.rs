@@ -88,6 +88,19 @@ pub enum PeerMsg {
     },
 }
 
+impl PeerMsg {
+    /// The destination slot a message of a transfer names, if it names one.
+    pub fn slot(&self) -> Option<u16> {
+        match self {
+            PeerMsg::Accept(a) => Some(a.slot),
+            PeerMsg::Expect(e) => Some(e.slot),
+            PeerMsg::LayerSums(l) => Some(l.slot),
+            PeerMsg::Abort { slot, .. } | PeerMsg::Done { slot } => Some(*slot),
+            _ => None,
+        }
+    }
+}
+
 /// An offered transfer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

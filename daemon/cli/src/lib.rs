@@ -319,7 +319,7 @@ fn render_inventory(inv: &Inventory, out: &mut String) {
             let _ = writeln!(out, "per_token_bytes not uniform (windowed layers retain fewer tokens)  fixed_bytes {}", inv.fixed_bytes);
         }
     }
-    let _ = writeln!(out, "wire_bytes: set by the transfer layer (payload actually sent + framing)");
+    let _ = writeln!(out, "wire_bytes: set by the transfer layer (what crosses the link: payload after packing and codec, framing, answers, control)");
 }
 
 fn layout_arg(flag: &str, text: &str, map: Option<&str>) -> anyhow::Result<LayoutSpec> {

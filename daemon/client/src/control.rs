@@ -328,14 +328,19 @@ pub struct TransferStatus {
     pub segments: u64,
     /// Destination bytes skipped by prefix reuse.
     pub reused_bytes: u64,
-    /// Source: what crossed the link for the transfer (DESIGN's
-    /// `wire_bytes`), counted as it ends: the payload its connections
-    /// carried, once (after packing and any codec; a slice sent again on
-    /// another rail is in `retransmitted_bytes`), their framing both ways
-    /// (frame headers, write requests, answers), and its control frames
-    /// both ways (offer, accept, manifest, layer checksums, pings, done,
-    /// verdict). Destination: the payload its schedule expects on the
-    /// data plane (what its layers' flags wait for).
+    /// The payload the transfer's writes carry, after packing and any
+    /// codec (the schedule's figure; `bytes` when no codec converts).
+    #[serde(default)]
+    pub compressed_bytes: u64,
+    /// What crossed the link for the transfer (DESIGN's `wire_bytes`), as
+    /// this side counted it: its control frames both ways (offer, accept,
+    /// manifest, layer checksums, pings, done, verdict) and its data
+    /// plane's payload and framing both ways (frame headers, write requests
+    /// or notes, answers). The source counts as the transfer ends, the
+    /// payload once (a slice sent again on another rail is in
+    /// `retransmitted_bytes`). The destination counts as writes arrive,
+    /// each one it received (a re-sent slice twice); its figure is final
+    /// once the source has its verdict.
     pub wire_bytes: u64,
     /// Bytes the transport sent again (source side; tcp: the kernel's
     /// count on the data connection, so loss and reordering show here).

@@ -284,7 +284,9 @@ impl Daemon {
             bytes: s.bytes,
             segments: s.segments,
             reused_bytes: s.reused,
-            wire_bytes: s.wire,
+            compressed_bytes: s.compressed,
+            // A destination's data plane counts per slot as writes arrive.
+            wire_bytes: s.wire + if s.role == Role::Source { 0 } else { self.ep.placement().crossed_bytes(slot) },
             retransmitted_bytes: s.retransmitted,
             hops: s
                 .hops

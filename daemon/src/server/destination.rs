@@ -119,6 +119,7 @@ impl Daemon {
         let ended = loop {
             let wait = session.poll_timeout().saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let _ = s.stream().set_read_timeout(Some(wait));
+            let before = s.frame_bytes();
             let msg = match s.recv() {
                 Ok(m) => m,
                 Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
@@ -128,7 +129,19 @@ impl Daemon {
                 },
                 Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),
             };
-            let Some(reply) = self.peer_step(&peer, session_id, &mut session, &mut mine, msg) else { continue };
+            // A message counts toward the transfer it names, a ping toward
+            // the connection's one transfer; an offer toward the slot its
+            // accept names. Its answer too, counted before it is sent: once
+            // the source hears its verdict, this side's figure is final.
+            let read = s.frame_bytes() - before;
+            let named = msg.slot().or_else(|| (mine.len() == 1).then(|| mine.keys().copied().next()).flatten());
+            let named = named.and_then(|slot| mine.get(&slot)).map(|m| m.id);
+            let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, msg);
+            let accepted = reply.as_ref().and_then(PeerMsg::slot).and_then(|slot| mine.get(&slot)).map(|m| m.id);
+            if let Some(id) = named.or(accepted) {
+                self.with_slot(id, |sl| sl.wire += read + reply.as_ref().map_or(0, Sealed::frame_len));
+            }
+            let Some(reply) = reply else { continue };
             if let Err(e) = s.send(&reply) {
                 break format!("peer `{peer}` connection failed mid-transfer: {e}");
             }

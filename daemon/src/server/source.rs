@@ -60,11 +60,13 @@ struct Size {
     layers: usize,
     counters: PlanCounters,
     stage_bytes: u64,
+    // What the writes carry, after packing and any codec.
+    compressed: u64,
 }
 
 impl Size {
     fn of(g: &SourceGroup, p: &Planned) -> Size {
-        Size { layers: g.model.layers.len(), counters: p.plan.counters.clone(), stage_bytes: p.schedule.stage_bytes }
+        Size { layers: g.model.layers.len(), counters: p.plan.counters.clone(), stage_bytes: p.schedule.stage_bytes, compressed: p.schedule.wire_bytes() }
     }
 }
 
@@ -506,7 +508,7 @@ impl Daemon {
     ) -> Result<Reply, Refusal> {
         let c = &size.counters;
         // What crossed the link is counted as the transfer ends.
-        self.with_slot(id, |sl| sl.sized(size.layers, c, 0));
+        self.with_slot(id, |sl| sl.sized(size.layers, c, size.compressed));
         Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
         let (payload, stage_total) = (c.total_bytes_moved, size.stage_bytes);
         let reply = Reply::Submitted { slot: id.slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };

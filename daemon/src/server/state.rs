@@ -201,6 +201,11 @@ pub(crate) struct Slot {
     pub bytes: u64,
     pub segments: u64,
     pub reused: u64,
+    // Payload the schedule sends, after packing and any codec.
+    pub compressed: u64,
+    // Source: what crossed the link, counted as the transfer ends.
+    // Destination: its control frames; the data plane's count lives in
+    // the placement (read with it).
     pub wire: u64,
     pub hops: BTreeMap<&'static str, (u64, u64)>,
     // Per-rank (ns, bytes) of the hops ranks work on concurrently.
@@ -231,6 +236,7 @@ impl Slot {
             bytes: 0,
             segments: 0,
             reused: 0,
+            compressed: 0,
             wire: 0,
             hops: BTreeMap::new(),
             rank_hops: BTreeMap::new(),
@@ -244,12 +250,12 @@ impl Slot {
     }
 
     /// Records the transfer's size once planned.
-    pub fn sized(&mut self, layers: usize, c: &kvwire_core::plan::PlanCounters, wire: u64) {
+    pub fn sized(&mut self, layers: usize, c: &kvwire_core::plan::PlanCounters, compressed: u64) {
         self.layers = layers as u16;
         self.bytes = c.total_bytes_moved;
         self.segments = c.segments;
         self.reused = c.reused_bytes;
-        self.wire = wire;
+        self.compressed = compressed;
     }
 }
 

@@ -399,20 +399,36 @@ fn counting_proxy(listen: TcpListener, upstream: String, count: Arc<AtomicU64>) 
 #[test]
 fn a_transfers_wire_bytes_are_what_crossed_the_link() {
     let _shared = crate::shared();
-    // The peer control connection and the data plane each go through a
-    // counting proxy: what the source reports as a transfer's wire_bytes
-    // is what the proxies saw cross, both ways. The first transfer opens
-    // (and authenticates) the connections the later ones reuse, so those
-    // cross no handshake.
-    let d = TempDir::new("e2e-wirebytes");
+    wire_bytes_by_hand("tcp");
+}
+
+#[test]
+fn a_transfers_wire_bytes_over_shm_are_derived_by_hand() {
+    let _shared = crate::shared();
+    wire_bytes_by_hand("shm");
+}
+
+/// The peer control connection goes through a counting proxy, and over
+/// tcp the data plane through one of its own: what each side reports as a
+/// transfer's wire_bytes is what crossed, both ways. Over shm the data
+/// plane has no socket to count, so its part is derived by hand only. The
+/// first transfer opens (and authenticates) the connections the later ones
+/// reuse, so those cross no handshake.
+fn wire_bytes_by_hand(kind: &str) {
+    let d = TempDir::new(&format!("e2e-wirebytes-{kind}"));
     let data_port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let (data_proxy, peer_proxy) = (TcpListener::bind("127.0.0.1:0").unwrap(), TcpListener::bind("127.0.0.1:0").unwrap());
     let (data_addr, peer_addr) = (data_proxy.local_addr().unwrap().to_string(), peer_proxy.local_addr().unwrap().to_string());
-    let b_cfg = format!("[transport]\ntcp_listen = \"127.0.0.1:{data_port}\"\ntcp_advertise = \"{data_addr}\"\n");
+    let (a_cfg, b_cfg) = match kind {
+        "tcp" => (String::new(), format!("[transport]\ntcp_listen = \"127.0.0.1:{data_port}\"\ntcp_advertise = \"{data_addr}\"\n")),
+        _ => (format!("[transport]\nkind = \"{kind}\"\n"), format!("[transport]\nkind = \"{kind}\"\n")),
+    };
     let b = start_daemon(d.path(), "decode-host", SECRET, &[], &b_cfg);
-    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &peer_addr)], "");
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &peer_addr)], &a_cfg);
     let (data, control) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
-    counting_proxy(data_proxy, format!("127.0.0.1:{data_port}"), data.clone());
+    if kind == "tcp" {
+        counting_proxy(data_proxy, format!("127.0.0.1:{data_port}"), data.clone());
+    }
     counting_proxy(peer_proxy, b.peer.clone(), control.clone());
     let p = Pair { ca: Client::connect(&a.socket, "prefill").unwrap(), cb: Client::connect(&b.socket, "decode").unwrap(), _b: b, _a: a, dir: d };
     let transfer = |name: &str, codec: Option<&str>| {
@@ -428,26 +444,40 @@ fn a_transfers_wire_bytes_are_what_crossed_the_link() {
         std::thread::sleep(std::time::Duration::from_millis(200));
         (o, data.load(Ordering::SeqCst), control.load(Ordering::SeqCst))
     };
-    assert_bitwise(&transfer("wirebytes-1", None).0);
+    assert_bitwise(&transfer(&format!("wirebytes-{kind}-1"), None).0);
+    // Per write: tcp, a 40-byte header and a 40-byte answer; shm, a 40-byte
+    // header and 40-byte trailer, and a 40-byte answer.
+    let frame = match kind {
+        "tcp" => 2 * HEADER_LEN as u64,
+        _ => 3 * HEADER_LEN as u64,
+    };
     // By hand: same layout and contiguous tables, so each layer's K and V
-    // each go as one write of 100 tokens x 4 heads x 32 fp32: 8 frames,
-    // each a 40-byte header and a 40-byte answer.
-    let frame = 2 * HEADER_LEN as u64;
-    let (o, data_seen, control_seen) = transfer("wirebytes-2", None);
+    // each go as one write of 100 tokens x 4 heads x 32 fp32: 8 writes.
+    let (o, data_seen, control_seen) = transfer(&format!("wirebytes-{kind}-2"), None);
     assert_bitwise(&o);
     assert_eq!(o.source.bytes, 4 * 2 * 100 * 4 * 32 * 4);
-    assert_eq!(data_seen, o.source.bytes + 8 * frame, "the data plane");
-    assert_eq!(o.source.wire_bytes, data_seen + control_seen, "the source's wire_bytes against the bytes that crossed");
+    assert_eq!(o.source.compressed_bytes, o.source.bytes);
+    let data_plane = o.source.bytes + 8 * frame;
+    if kind == "tcp" {
+        assert_eq!(data_seen, data_plane, "the data plane as the proxy saw it");
+    }
+    assert_eq!(o.source.wire_bytes, data_plane + control_seen, "the source's wire_bytes against the bytes that crossed");
+    assert_eq!(o.destination.wire_bytes, data_plane + control_seen, "the destination's wire_bytes against the bytes that crossed");
     // Control is at least offer, accept, manifest, done and verdict, each
     // a 4-byte length, its JSON and a 32-byte seal.
     assert!((5 * 36..64 << 10).contains(&control_seen), "{control_seen} control bytes");
     // With the fp8 codec every row travels as 32 one-byte elements and an
     // f32 scale, staged: each layer's K and V lie back to back in staging
     // and go as one write.
-    let (o, data_seen, control_seen) = transfer("wirebytes-fp8", Some("fp8_e4m3_row"));
+    let (o, data_seen, control_seen) = transfer(&format!("wirebytes-{kind}-fp8"), Some("fp8_e4m3_row"));
     let rows = 4 * 2 * 100 * 4;
-    assert_eq!(data_seen, rows * (32 + 4) + 4 * frame, "the data plane, fp8");
-    assert_eq!(o.source.wire_bytes, data_seen + control_seen, "the source's wire_bytes, fp8");
+    assert_eq!(o.source.compressed_bytes, rows * (32 + 4), "fp8 payload");
+    let data_plane = rows * (32 + 4) + 4 * frame;
+    if kind == "tcp" {
+        assert_eq!(data_seen, data_plane, "the data plane, fp8");
+    }
+    assert_eq!(o.source.wire_bytes, data_plane + control_seen, "the source's wire_bytes, fp8");
+    assert_eq!(o.destination.wire_bytes, data_plane + control_seen, "the destination's wire_bytes, fp8");
 }
 
 #[test]
@@ -643,7 +673,7 @@ fn packed_segments_travel_through_staging_and_decode_bitwise() {
         sc.dst_layout = dst.into();
         let o = run(&p, &sc).unwrap();
         assert_bitwise(&o);
-        assert_eq!(o.destination.wire_bytes, o.destination.bytes, "{name}: packing moves the same bytes");
+        assert_eq!((o.source.compressed_bytes, o.destination.compressed_bytes), (o.destination.bytes, o.destination.bytes), "{name}: packing moves the same bytes");
         assert!(o.source.segments < 4 * 2 * 4 * tokens, "{name}: rows were coalesced into strided segments");
         assert_eq!(hop(&o.destination, "unpack"), Some(o.destination.bytes), "{name}: every byte is scattered at the destination");
         match gathered {
@@ -702,7 +732,8 @@ fn fp8_codec_through_daemons_reports_compressed_bytes_and_stays_in_tolerance() {
     assert!(o.max_abs_diff() <= FP8_MAX_ABS, "max abs diff {}", o.max_abs_diff());
     let rows = 4 /*layers*/ * 2 /*K,V*/ * 4 /*heads*/ * 100 /*tokens*/;
     assert_eq!(o.destination.bytes, rows * 32 * 4, "payload: fp32 rows");
-    assert_eq!(o.destination.wire_bytes, rows * (32 + 4), "wire: one fp8 byte per element + an f32 scale per row");
+    assert_eq!(o.destination.compressed_bytes, rows * (32 + 4), "wire: one fp8 byte per element + an f32 scale per row");
+    assert_eq!(o.source.compressed_bytes, o.destination.compressed_bytes);
     let stats = p.ca.stats().unwrap();
     assert!(stats.contains(&format!("kvwire_compressed_bytes_total{{node=\"prefill-host\"}} {}", rows * 36)), "{stats}");
     // A codec the destination's format cannot take is refused by name.

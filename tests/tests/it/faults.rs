@@ -910,6 +910,23 @@ fn verbs_rails_stripe_a_transfer_over_two_devices_exactly() {
     assert!(r0.bytes > 0 && r1.bytes > 0, "both devices carried slices: {:?}", st.rails);
     assert!(r0.failed.is_none() && r1.failed.is_none(), "{:?}", st.rails);
     assert_eq!(st.retransmitted_bytes, 0, "{st:?}");
+    // wire_bytes, counted by each side on its own: the source from what its
+    // connections say they sent, the destination from the notes that came
+    // (payload and a 24-byte note per write, at least one per slice), both
+    // with the same control frames. Final once the source has its verdict.
+    let t = Instant::now();
+    let st = loop {
+        let st = ca.status(sslot).unwrap();
+        if st.state != TransferState::Running {
+            break st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "no verdict 15 s after decoder_usable: {st:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let dst_st = cb.status(dslot).unwrap();
+    assert_eq!((st.state, dst_st.state), (TransferState::Done, TransferState::Done), "{st:?} {dst_st:?}");
+    assert_eq!(st.wire_bytes, dst_st.wire_bytes, "the two sides' counts");
+    assert!(st.wire_bytes >= c.bytes() + 24 * (r0.slices + r1.slices), "{} wire bytes for {} payload bytes in {} slices", st.wire_bytes, c.bytes(), r0.slices + r1.slices);
 }
 
 #[test]

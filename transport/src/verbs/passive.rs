@@ -11,6 +11,7 @@ use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::auth::{Gate, Pass};
 use crate::hello;
 use crate::TransportError;
+use kvwire_core::protocol::NOTE_LEN;
 use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
@@ -66,6 +67,8 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
     for n in ring.read(wc.wr_id, wc.byte_len)? {
         let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len };
+        // The NIC placed the payload before the note came, accepted or not.
+        shared.placement.crossed(n.tag.slot, NOTE_LEN as u64 + n.len);
         if let Err(why) = accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
             accept::log_refusal(TRANSPORT, peer, w, &why);
         }

@@ -392,20 +392,46 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
 /// the link per write (module docs): a 40-byte header per TCP frame, a
 /// 40-byte header and 40-byte trailer per shm request, a 24-byte note per
 /// verbs write; each TCP and shm write is answered by a 40-byte `Ack`.
+/// The destination counts the same bytes for the slot the writes name:
+/// framing, payload and answers; for a refused write, its `Nack`, and
+/// its payload only where it crossed (TCP reads it off the socket, shm
+/// never copies it).
 pub fn framing_bytes_are_what_the_connection_sent(p: &mut Pair) {
+    use kvwire_transport::TransportKind;
     let dst = Window::new(&*p.dst, 12, 4096);
     let (src, _) = source(&*p.src, 4096, 15);
     let (framing0, answers0) = (p.conn().framing_bytes(), p.conn().answer_bytes());
+    let crossed0 = p.dst.placement().crossed_bytes(12);
     let writes = (0..3).map(|i| w(&src, i * 1000, &dst.region, i * 1000, 1000)).collect();
     p.conn().post(Batch { tag: tag(12, 0), writes }).unwrap();
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     let (per_write, per_answer) = match p.dst.transport() {
-        kvwire_transport::TransportKind::Tcp => (40, 40),
-        kvwire_transport::TransportKind::Shm => (40 + 40, 40),
-        kvwire_transport::TransportKind::Verbs => (24, 0),
+        TransportKind::Tcp => (40, 40),
+        TransportKind::Shm => (40 + 40, 40),
+        TransportKind::Verbs => (24, 0),
     };
     assert_eq!(p.conn().framing_bytes() - framing0, 3 * per_write);
     assert_eq!(p.conn().answer_bytes() - answers0, 3 * per_answer);
+    // A verbs source completes locally; its notes reach the destination after.
+    let want = 3 * (per_write + per_answer + 1000);
+    let start = Instant::now();
+    while p.dst.placement().crossed_bytes(12) - crossed0 < want && start.elapsed() < WAIT {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(p.dst.placement().crossed_bytes(12) - crossed0, want, "the destination's count for the slot");
+    if p.dst.transport() == TransportKind::Verbs {
+        // Its source refuses what the destination would, before posting.
+        return;
+    }
+    // Slot 13 is not the region's: refused by name, its bytes counted for
+    // the slot the write named.
+    let (framing0, answers0, crossed0) = (p.conn().framing_bytes(), p.conn().answer_bytes(), p.dst.placement().crossed_bytes(13));
+    p.conn().post(Batch { tag: tag(13, 0), writes: vec![w(&src, 0, &dst.region, 0, 1000)] }).unwrap();
+    assert!(complete(p.conn(), 1)[0].result.is_err());
+    let nack = p.conn().answer_bytes() - answers0;
+    assert!(nack > 40, "a Nack carries its reason: {nack} bytes");
+    let payload = if p.dst.transport() == TransportKind::Tcp { 1000 } else { 0 };
+    assert_eq!(p.dst.placement().crossed_bytes(13) - crossed0, p.conn().framing_bytes() - framing0 + nack + payload);
 }
 
 /// Instantiates every conformance case for a backend. `optional` backends
