@@ -9,7 +9,8 @@
 //! transfer simulator: every roof is a measured per-hop bandwidth
 //! (`bytes / sum_ns`), and the achieved rate is the campaign's `gbps_avg`.
 
-use crate::campaign::{Baseline, HopStat, LatNs};
+use crate::campaign::{fit_label, model_error, Baseline, HopStat, LatNs};
+use kvwire_core::timing::Prediction;
 use crate::Error;
 use anyhow::{anyhow, Context};
 use clap::Args;
@@ -233,6 +234,10 @@ pub struct Point {
     /// Per-hop summaries, by hop name.
     #[serde(default)]
     pub hops: BTreeMap<String, HopStat>,
+    /// The timing model per transfer on average (absent from campaigns
+    /// written before it was kept).
+    #[serde(default)]
+    pub model: Option<Prediction>,
 }
 
 /// The hops in transfer order; a hop not listed here sorts after them, by name.
@@ -601,7 +606,7 @@ fn plots(points: &[Point], series: &[Series]) -> String {
 fn table(points: &[Point]) -> String {
     let mut t = String::new();
     t.push_str(
-        r#"<table id="points"><thead><tr><th>#</th><th>transport</th><th>size</th><th>conc.</th><th>chunk</th><th>depth</th><th>iters</th><th>GB/s avg</th><th>GB/s peak</th><th>lat min</th><th>p50</th><th>p99</th><th>p99.9</th><th>max</th><th>payload bytes</th><th>wire bytes</th><th>baselines (GB/s)</th><th>lowest hop roof (GB/s)</th></tr></thead><tbody>"#,
+        r#"<table id="points"><thead><tr><th>#</th><th>transport</th><th>size</th><th>conc.</th><th>chunk</th><th>depth</th><th>iters</th><th>GB/s avg</th><th>GB/s peak</th><th>lat min</th><th>p50</th><th>p99</th><th>p99.9</th><th>max</th><th>payload bytes</th><th>wire bytes</th><th>baselines (GB/s)</th><th>lowest hop roof (GB/s)</th><th>mean</th><th>lower bound</th><th>model</th></tr></thead><tbody>"#,
     );
     for (i, p) in points.iter().enumerate() {
         let l = &p.lat_ns;
@@ -637,7 +642,25 @@ fn table(points: &[Point]) -> String {
             }
             None => t.push_str(r#"<span class="muted">no measured hop</span>"#),
         }
-        t.push_str("</td></tr>");
+        t.push_str("</td>");
+        match &p.model {
+            Some(m) => {
+                let fit = fit_label(m);
+                let class = if model_error("", m).is_some() { "model model-error" } else { "model" };
+                let _ = write!(
+                    t,
+                    r#"<td class="n" title="{} ns">{}</td><td class="n" title="{} ns, bounded by {}">{}</td><td class="{class}">{}</td>"#,
+                    m.measured_ns.unwrap_or(0),
+                    esc(&ns_label(m.measured_ns.unwrap_or(0) as f64)),
+                    m.lower_ns,
+                    esc(m.bounding.as_deref().unwrap_or("no hop")),
+                    esc(&ns_label(m.lower_ns as f64)),
+                    esc(&fit)
+                );
+            }
+            None => t.push_str(r#"<td colspan="3" class="muted">not in this campaign</td>"#),
+        }
+        t.push_str("</tr>");
     }
     t.push_str("</tbody></table>");
     t
@@ -677,6 +700,13 @@ pub fn render_html(c: &Campaign, source: &str) -> String {
         "points": c.raw,
     });
     let mut notes = String::new();
+    // A mean below its lower bound is the model's failure, said at the top.
+    for (i, p) in c.points.iter().enumerate() {
+        let what = format!("#{i} {} {} ×{}", p.transport, size_label(p.size), p.concurrency);
+        if let Some(line) = p.model.as_ref().and_then(|m| model_error(&what, m)) {
+            let _ = write!(notes, "<p class=\"model-error\">{}</p>", esc(&line));
+        }
+    }
     if !c.other_kinds.is_empty() {
         let kinds: Vec<String> = c.other_kinds.iter().map(|(k, n)| format!("{n} × {}", esc(k))).collect();
         let _ = write!(notes, "<p class=\"muted\">Lines of other kinds not shown: {}.</p>", kinds.join(", "));

@@ -30,7 +30,7 @@
 //! each at its own rate. Its pipelined figure replays that chain chunk by
 //! chunk, so the ring's depth and a short last chunk count.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use std::collections::VecDeque;
 
 /// One stage's busy time over the whole transfer.
@@ -56,7 +56,7 @@ impl Stage {
 }
 
 /// Both predictions, the bounding stage, and (when given) the measurement.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Prediction {
     /// Chunks the transfer was split into.
     pub chunks: u64,
@@ -80,7 +80,7 @@ pub struct Prediction {
 }
 
 /// Where a measurement falls against a [`Prediction`]'s bounds.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "snake_case")]
 pub enum Fit {
     /// Between the bounds: the share of the possible overlap achieved.

@@ -1,8 +1,9 @@
 //! A point's figures from its timed transfers, and the size arithmetic the
 //! campaign shares (pure).
 
-use super::records::LatNs;
+use super::records::{LatNs, PointHops};
 use hdrhistogram::Histogram;
+use kvwire_core::timing::{predict, Fit, Prediction, Stage};
 
 /// One timed transfer, as nanoseconds since a common origin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -14,6 +15,10 @@ pub struct Sample {
     /// Framing the connection sent and got back for this transfer's
     /// writes, as the connection reports it.
     pub framing: u64,
+    /// Time with a write of this transfer in flight (post returned →
+    /// completion seen, clipped at `end_ns`): the union of its writes'
+    /// spans, so writes in flight together count once.
+    pub wire_ns: u64,
 }
 
 impl Sample {
@@ -71,6 +76,58 @@ pub fn figures(size: u64, rounds: &[Vec<Sample>]) -> Figures {
             p999: supports(n, 0.999).then(|| hist.value_at_quantile(0.999)),
             max: hist.max(),
         },
+    }
+}
+
+/// The timing model of a point, per transfer on average (DESIGN.md §6,
+/// [`kvwire_core::timing`]): chunks are the transfer's writes, stages its
+/// hops — `post` (source CPU), `wire` (time with a write in flight, its
+/// [`Sample::wire_ns`]), `place` (destination), `notify` (flag published →
+/// seen) — each the point's busy total over its transfers, and the
+/// measurement the mean latency.
+///
+/// Every hop's time lies inside its transfer and one hop's work for one
+/// transfer is serial (one posting thread, one receiving thread per
+/// connection), so each stage's mean is at most the mean latency: the
+/// lower bound holds, and a mean below it is a model error, never overlap.
+pub fn model(size: u64, chunk: u64, rounds: &[Vec<Sample>], hops: &PointHops) -> Prediction {
+    let samples: Vec<&Sample> = rounds.iter().flatten().collect();
+    let n = (samples.len() as u64).max(1);
+    let stage = |hop: &str, total_ns: u64, bytes: u64| Stage { hop: hop.into(), total_ns: total_ns / n, bytes: bytes / n };
+    let stages = [
+        stage("post", hops.post.sum_ns, hops.post.bytes),
+        stage("wire", samples.iter().map(|s| s.wire_ns).sum(), size * n),
+        stage("place", hops.place.sum_ns, hops.place.bytes),
+        stage("notify", hops.notify.sum_ns, 0),
+    ];
+    let mean = samples.iter().map(|s| s.took()).sum::<u64>() / n;
+    predict(&stages, size.div_ceil(chunk.max(1)), 0).measured(mean)
+}
+
+/// Where a point's mean fell against its model, in a few words: the
+/// overlap achieved between the bounds, `beat estimate` (at or above the
+/// bound, below the equal-chunk estimate), `above sequential` (time no hop
+/// holds), or `MODEL ERROR` (below the lower bound).
+pub fn fit_label(m: &Prediction) -> String {
+    match m.fit {
+        Some(Fit::Overlap { share }) => format!("overlap {:.0}%", share * 100.0),
+        Some(Fit::BelowEstimate { .. }) => "beat estimate".into(),
+        Some(Fit::AboveSequential { .. }) => "above sequential".into(),
+        Some(Fit::BelowLowerBound { .. }) => "MODEL ERROR".into(),
+        None => "-".into(),
+    }
+}
+
+/// A loud line for a point whose mean undercut its lower bound, naming
+/// the numbers; `None` when the model holds.
+pub fn model_error(what: &str, m: &Prediction) -> Option<String> {
+    match m.fit {
+        Some(Fit::BelowLowerBound { measured_ns, lower_ns }) => Some(format!(
+            "MODEL ERROR: {what}: mean latency {measured_ns} ns is below the lower bound {lower_ns} ns ({} per transfer): \
+             a hop's time is counted where it did not run serially",
+            m.bounding.as_deref().unwrap_or("no hop")
+        )),
+        _ => None,
     }
 }
 

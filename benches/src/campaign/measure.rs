@@ -2,7 +2,8 @@
 //! through them, and one point measured with its in-run baselines.
 
 use super::baselines::{memcpy_baseline, socket_baseline};
-use super::figures::{chunks, figures, Sample};
+use super::figures::{chunks, figures, model, Sample};
+use kvwire_core::timing::union_ns;
 use super::lockstep::lockstep;
 use super::records::{Baseline, HopStat, Point, PointHops};
 use super::settings::Settings;
@@ -51,7 +52,7 @@ pub(super) fn verbs_endpoint(limits: VerbsLimits) -> Result<VerbsEndpoint, Trans
 /// clipped at `end`, the transfer's end when it is already known: an ack
 /// that comes back after the destination's flag was seen must not make the
 /// hop outlast the transfer it belongs to.
-fn reap(conn: &mut dyn Connection, posted: &mut HashMap<u64, Instant>, end: Option<Instant>, wire: &Hops) -> anyhow::Result<usize> {
+fn reap(conn: &mut dyn Connection, posted: &mut HashMap<u64, Instant>, end: Option<Instant>, wire: &Hops, spans: &mut Vec<(Instant, Instant)>) -> anyhow::Result<usize> {
     let done = conn.poll(TIMEOUT)?;
     let seen = Instant::now();
     if done.is_empty() {
@@ -60,7 +61,9 @@ fn reap(conn: &mut dyn Connection, posted: &mut HashMap<u64, Instant>, end: Opti
     for c in &done {
         c.result.clone().with_context(|| format!("batch {} ({} bytes)", c.batch.0, c.bytes))?;
         if let Some(at) = posted.remove(&c.batch.0) {
-            wire.record(Hop::Wire, end.map_or(seen, |e| e.min(seen)).saturating_duration_since(at), c.bytes);
+            let until = end.map_or(seen, |e| e.min(seen)).max(at);
+            wire.record(Hop::Wire, until - at, c.bytes);
+            spans.push((at, until));
         }
     }
     Ok(done.len())
@@ -83,9 +86,10 @@ fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32,
     let start = Instant::now();
     let mut outstanding = 0usize;
     let mut posted = HashMap::new();
+    let mut spans = Vec::new();
     for (off, len) in chunks(size, chunk) {
         while outstanding >= depth as usize {
-            outstanding -= reap(&mut *lane.conn, &mut posted, None, wire)?.min(outstanding);
+            outstanding -= reap(&mut *lane.conn, &mut posted, None, wire, &mut spans)?.min(outstanding);
         }
         let w = WriteOp { src_key: lane.src_key, src_offset: off, dst_key: lane.dst_key, dst_offset: off, len };
         let id = lane.conn.post(Batch { tag: lane.tag, writes: vec![w] }).context("post")?;
@@ -97,13 +101,14 @@ fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32,
     // The campaign is the waiter: flag published → seen here.
     wire.record(Hop::Notify, notify, 0);
     while outstanding > 0 {
-        outstanding -= reap(&mut *lane.conn, &mut posted, Some(end), wire)?.min(outstanding);
+        outstanding -= reap(&mut *lane.conn, &mut posted, Some(end), wire, &mut spans)?.min(outstanding);
     }
     // Every write of this transfer was placed and answered: the slot is free.
     dst.reset_slot(lane.tag.slot);
     let ns = |t: Instant| u64::try_from(t.duration_since(origin).as_nanos()).unwrap_or(u64::MAX);
     let framing = lane.conn.framing_bytes() + lane.conn.answer_bytes() - framed;
-    Ok(Sample { start_ns: ns(start), end_ns: ns(end), framing })
+    let spans: Vec<(u64, u64)> = spans.iter().map(|&(a, b)| (ns(a), ns(b))).collect();
+    Ok(Sample { start_ns: ns(start), end_ns: ns(end), framing, wire_ns: union_ns(&spans) })
 }
 
 /// Registers one source and one destination region per lane, connects one
@@ -163,6 +168,7 @@ pub(super) fn measure(t: TransportKind, size: u64, c: u32, s: &Settings) -> anyh
     let hops = PointHops { post: HopStat::of(sh, Hop::Post), wire: HopStat::of(&wire, Hop::Wire), place: HopStat::of(dh, Hop::Place), notify: HopStat::of(&wire, Hop::Notify) };
     drop((src, dst, mem));
     let f = figures(size, &rounds);
+    let model = model(size, s.chunk.min(size), &rounds, &hops);
     let mut baselines = vec![Baseline { name: "memcpy".into(), gbps: memcpy_baseline(size, c, s.iterations).context("memcpy baseline")? }];
     match t {
         TransportKind::Tcp => {
@@ -191,5 +197,6 @@ pub(super) fn measure(t: TransportKind, size: u64, c: u32, s: &Settings) -> anyh
         wire_bytes: size * transfers + rounds.iter().flatten().map(|x| x.framing).sum::<u64>(),
         baselines,
         hops,
+        model,
     })
 }

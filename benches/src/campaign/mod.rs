@@ -44,6 +44,12 @@
 //!   transfer, so no hop's max exceeds `lat_ns.max`; a hop's p99 follows the
 //!   rule of `lat_ns`.
 //!
+//! - `model`: the timing model per transfer on average
+//!   ([`figures::model`]): post, wire (the union of a transfer's writes in
+//!   flight), place and notify as stages, the writes as chunks, against the
+//!   mean latency. Its lower bound is a bound; a mean below it is printed as
+//!   `MODEL ERROR` with the numbers, never as overlap.
+//!
 //! Outputs: a fixed-width table (or, with `--json`, the JSONL lines),
 //! `DIR/campaign.jsonl` (one `{"kind":"point",…}` object per point, and one
 //! `{"kind":"skipped",…}` object per transport that could not run), and
@@ -65,7 +71,7 @@ mod table;
 #[cfg(test)]
 mod tests;
 
-pub use figures::{chunks, figures, size_label, supports, Figures, Sample};
+pub use figures::{chunks, figures, fit_label, model, model_error, size_label, supports, Figures, Sample};
 pub use plots::{hop_ceiling_svg, hop_latency_svg, throughput_svg};
 pub use records::{Baseline, HopStat, LatNs, Point, PointHops, Skipped};
 pub use settings::{CampaignArgs, Settings};
@@ -125,6 +131,10 @@ pub fn run(a: CampaignArgs, out: &mut String) -> Result<(), Error> {
                 let p = measure(t, size, c, &s)
                     .with_context(|| format!("{} {} bytes, concurrency {c}", t.as_str(), size))
                     .map_err(Error::Failed)?;
+                if let Some(e) = model_error(&format!("{} {} conc {c}", t.as_str(), size_label(size)), &p.model) {
+                    // Loud in JSON mode too, where no table follows.
+                    eprintln!("kvwire: {e}");
+                }
                 line(&p, out)?;
                 points.push(p);
             }

@@ -1,6 +1,7 @@
 //! The records of a campaign: one [`Point`] per measured point and one
 //! [`Skipped`] per transport that could not run, each a JSONL line.
 
+use kvwire_core::timing::Prediction;
 use kvwire_transport::{Hop, Hops};
 use serde::{Deserialize, Serialize};
 
@@ -114,6 +115,9 @@ pub struct Point {
     pub baselines: Vec<Baseline>,
     /// Hop histograms of this point's endpoints.
     pub hops: PointHops,
+    /// The timing model per transfer on average, against the mean latency
+    /// ([`super::figures::model`]).
+    pub model: Prediction,
 }
 
 impl Point {

@@ -1,6 +1,6 @@
 //! The fixed-width table printed without `--json`.
 
-use super::figures::size_label;
+use super::figures::{fit_label, model_error, size_label};
 use super::records::{Point, Skipped};
 use super::settings::Settings;
 use std::fmt::Write as _;
@@ -16,8 +16,9 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
     );
     let _ = writeln!(
         out,
-        "{:<9} {:>6} {:>4} {:>5} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>15} {:>9} {:>6}",
-        "transport", "size", "conc", "iters", "GB/s avg", "GB/s peak", "GB/s agg", "min µs", "p50 µs", "p99 µs", "p99.9 µs", "max µs", "baseline", "base GB/s", "ratio"
+        "{:<9} {:>6} {:>4} {:>5} {:>9} {:>9} {:>9} {:>10} {:>10} {:>10} {:>10} {:>10} {:>15} {:>9} {:>6} {:>10} {:>10} {:>16}",
+        "transport", "size", "conc", "iters", "GB/s avg", "GB/s peak", "GB/s agg", "min µs", "p50 µs", "p99 µs", "p99.9 µs", "max µs", "baseline", "base GB/s", "ratio",
+        "mean µs", "bound µs", "model"
     );
     let us = |ns: u64| format!("{:.1}", ns as f64 / 1e3);
     let tail = |ns: Option<u64>| ns.map_or("n/a".into(), us);
@@ -25,7 +26,7 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
         let base = p.baselines.last();
         let _ = writeln!(
             out,
-            "{:<9} {:>6} {:>4} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>15} {:>9.3} {:>6}",
+            "{:<9} {:>6} {:>4} {:>5} {:>9.3} {:>9.3} {:>9.3} {:>10} {:>10} {:>10} {:>10} {:>10} {:>15} {:>9.3} {:>6} {:>10} {:>10} {:>16}",
             p.transport,
             size_label(p.size),
             p.concurrency,
@@ -40,8 +41,17 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
             us(p.lat_ns.max),
             base.map_or("-", |b| b.name.as_str()),
             base.map_or(0.0, |b| b.gbps),
-            p.ratio().map_or("-".into(), |r| format!("{r:.3}"))
+            p.ratio().map_or("-".into(), |r| format!("{r:.3}")),
+            us(p.model.measured_ns.unwrap_or(0)),
+            us(p.model.lower_ns),
+            fit_label(&p.model)
         );
+    }
+    for p in points {
+        let what = format!("{} {} conc {}", p.transport, size_label(p.size), p.concurrency);
+        if let Some(line) = model_error(&what, &p.model) {
+            let _ = writeln!(out, "{line}");
+        }
     }
     for sk in skipped {
         let _ = writeln!(out, "{:<9} SKIPPED: {}", sk.transport, sk.reason);
@@ -60,6 +70,12 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
         "conc c: c transfers at once sharing one link (c connections from one source endpoint to one destination, one thread each). \
          A duration measured alone (conc 1) must not be subtracted from a latency budget that runs under contention: \
          read the row with the concurrency the budget runs at."
+    );
+    let _ = writeln!(
+        out,
+        "model, per transfer on average: mean = mean latency; bound = the lower bound, the busiest of post, wire (writes in flight, \
+         counted once when several are), place and notify; model = where the mean fell: overlap achieved between the pipelined \
+         estimate and the sequential sum, beat estimate, above sequential, or MODEL ERROR (below the bound: the model is wrong)."
     );
     let _ = writeln!(
         out,

@@ -1,7 +1,38 @@
 use super::*;
 
 fn sample(start_ns: u64, end_ns: u64) -> Sample {
-    Sample { start_ns, end_ns, framing: 0 }
+    Sample { start_ns, end_ns, framing: 0, wire_ns: 0 }
+}
+
+fn hop(sum_ns: u64, bytes: u64) -> HopStat {
+    HopStat { count: 1, sum_ns, p50_ns: 0, p99_ns: None, max_ns: 0, bytes }
+}
+
+#[test]
+fn the_model_of_a_point_by_hand() {
+    use kvwire_core::timing::Fit;
+    // Two 4000-byte transfers of 1000-byte writes (4 chunks), 100 and 140 ns
+    // (mean 120), with writes in flight 80 and 100 ns of them (mean 90).
+    // Per transfer on average: post 40/2 = 20, place 60/2 = 30, notify 8/2 = 4.
+    let rounds = vec![vec![Sample { wire_ns: 80, ..sample(0, 100) }], vec![Sample { wire_ns: 100, ..sample(200, 340) }]];
+    let hops = PointHops { post: hop(40, 8000), wire: hop(0, 8000), place: hop(60, 8000), notify: hop(8, 0) };
+    let m = model(4000, 1000, &rounds, &hops);
+    assert_eq!((m.chunks, m.lower_ns, m.sequential_ns, m.measured_ns), (4, 90, 20 + 90 + 30 + 4, Some(120)));
+    assert_eq!(m.bounding.as_deref(), Some("wire"));
+    // Pipelined: per chunk 5 + 22 + 7 + 1 = 35, plus 3 more of the slowest (22).
+    assert_eq!(m.pipelined_ns, 35 + 3 * 22);
+    // 120 lies between 101 and 144: (144 - 120) / (144 - 101) of the overlap.
+    assert_eq!(m.fit, Some(Fit::Overlap { share: 24.0 / 43.0 }));
+    assert_eq!(fit_label(&m), "overlap 56%");
+    assert_eq!(model_error("tcp 4K conc 1", &m), None);
+    // Writes in flight for longer than the transfers took cannot be: the
+    // mean undercuts the bound, and it says so with the numbers.
+    let rounds = vec![vec![Sample { wire_ns: 150, ..sample(0, 100) }]];
+    let m = model(4000, 1000, &rounds, &hops);
+    assert_eq!(m.fit, Some(Fit::BelowLowerBound { measured_ns: 100, lower_ns: 150 }));
+    assert_eq!(fit_label(&m), "MODEL ERROR");
+    let line = model_error("tcp 4K conc 1", &m).unwrap();
+    assert!(line.starts_with("MODEL ERROR: tcp 4K conc 1: mean latency 100 ns is below the lower bound 150 ns (wire"), "{line}");
 }
 
 #[test]

@@ -121,6 +121,15 @@ fn small_campaign_writes_table_jsonl_and_plots() {
         }
         // Every write is placed once: at least one place sample per batch.
         assert!(u(&hops["place"], "count") >= batches, "{what}");
+        // The model's order, not a time: the mean latency never undercuts
+        // the lower bound, which lies below the sequential sum.
+        let m = &p["model"];
+        let (mean, lower, sequential) = (u(m, "measured_ns"), u(m, "lower_ns"), u(m, "sequential_ns"));
+        assert_eq!(u(m, "chunks"), size.div_ceil(chunk), "{what}");
+        assert!(lower <= sequential, "{what}");
+        assert!(mean >= lower, "MODEL ERROR: mean {mean} ns below the lower bound {lower} ns: {what}");
+        assert_ne!(m["fit"]["kind"], "below_lower_bound", "{what}");
+        assert!((min..=max).contains(&mean), "the mean lies among the transfers: {what}");
     }
 
     for svg in ["throughput_vs_size.svg", "hop_latency.svg", "hop_ceiling.svg"] {

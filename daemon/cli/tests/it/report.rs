@@ -225,6 +225,26 @@ fn report_escapes_what_it_inserts() {
 }
 
 #[test]
+fn report_shows_each_points_model_and_a_model_error_at_the_top() {
+    let dir = TempDir::new("report-it-model");
+    let mut points = fixture_points();
+    // The 64 MiB point's mean holds its bound; the 64 KiB point's undercuts it.
+    points[0]["model"] = json!({"chunks":64,"setup_ns":0,"sequential_ns":25_300_000,"pipelined_ns":20_100_000,"lower_ns":20_000_000,
+        "bounding":"wire","measured_ns":22_000_000,"overlap":0.6,"fit":{"kind":"overlap","share":0.6}});
+    points[1]["model"] = json!({"chunks":1,"setup_ns":0,"sequential_ns":72_000,"pipelined_ns":72_000,"lower_ns":60_000,
+        "bounding":"wire","measured_ns":50_000,"overlap":null,"fit":{"kind":"below_lower_bound","measured_ns":50_000,"lower_ns":60_000}});
+    let from = write_fixture(&dir, &points, &[]);
+    let page = report_page(&from, &dir);
+    assert!(page.contains(r#"<td class="model">overlap 60%</td>"#), "the model's fit per point");
+    assert!(page.contains(r#"<td class="model model-error">MODEL ERROR</td>"#), "the undercut bound, in its cell");
+    let banner = r#"<p class="model-error">MODEL ERROR: #1 tcp 64 KiB ×1: mean latency 50000 ns is below the lower bound 60000 ns (wire per transfer)"#;
+    assert!(page.contains(banner), "the undercut bound, at the top, with its numbers: {}", page.lines().filter(|l| l.contains("model-error")).collect::<Vec<_>>().join("\n"));
+    assert_eq!(page.matches(r#"<p class="model-error">"#).count(), 1, "only the point that undercut its bound");
+    // A campaign written before the model was kept still renders.
+    assert!(page.contains(r#"<td colspan="3" class="muted">not in this campaign</td>"#), "the third point has no model");
+}
+
+#[test]
 fn report_malformed_line_names_its_number() {
     let dir = TempDir::new("report-it-bad");
     // Line 1 is the campaign header, lines 2-4 the points, line 5 is cut short.
