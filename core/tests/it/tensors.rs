@@ -272,9 +272,11 @@ fn same_preset_same_tp_moves_whole_blocks_per_region_as_one_run() {
         assert!(plan.segments.iter().all(|s| s.count == 1 && s.len == 4 * 16 * 2 * 2 * 8 * 2), "{preset}");
         verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
     }
-    // With shuffled tables: one run per block (K and V together), as many writes as blocks.
+    // With shuffled tables: one run per block (K and V together), as many
+    // writes as blocks when writes cost nothing (none is worth packing).
     let (src, dst) = (side(&m, "tp=2,block=16,kv=flashinfer,table=shuffle:1", 64), side(&m, "tp=2,block=16,kv=flashinfer,table=shuffle:2", 64));
-    let plan = build(&PlanInput { model: &m, tokens: 64, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+    let free = CostModel { per_write_ns: 0.0, ..CostModel::default() };
+    let plan = build(&PlanInput { model: &m, tokens: 64, prefix_tokens: 0, src: &src, dst: &dst, cost: free }).unwrap();
     assert_eq!(plan.counters.writes, 2 * 4 * 4);
     verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
 }

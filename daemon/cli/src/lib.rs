@@ -12,6 +12,7 @@ use anyhow::{anyhow, Context};
 use clap::{Args, Parser, Subcommand};
 use kvwire_core::layout::{self, Inventory};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Side};
+use kvwire_core::protocol::TransportKind;
 use kvwire_core::shard::LayoutSpec;
 use kvwire_core::{verify, CacheFormat, Geometry, ModelSpec};
 use std::fmt::Write as _;
@@ -144,6 +145,9 @@ struct PlanArgs {
     /// Leading positions the destination already holds (same model, format, tenant, positions).
     #[arg(long, default_value_t = 0)]
     prefix_tokens: u64,
+    /// The data plane the plan is for (tcp, shm or verbs): its cost per write decides which strided segments go packed.
+    #[arg(long, default_value = "tcp")]
+    transport: String,
     /// Execute the plan on synthetic buffers and check every destination byte.
     #[arg(long)]
     verify: bool,
@@ -341,10 +345,11 @@ pub fn build_plan(
     src: &LayoutSpec,
     dst: &LayoutSpec,
     prefix_tokens: u64,
+    transport: TransportKind,
 ) -> anyhow::Result<(Side, Side, Plan)> {
     let src = Side::new(model, src, format, tokens).context("source layout")?;
     let dst = Side::new(model, dst, format, tokens).context("destination layout")?;
-    let input = PlanInput { model, tokens, prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() };
+    let input = PlanInput { model, tokens, prefix_tokens, src: &src, dst: &dst, cost: CostModel::for_transport(transport) };
     let plan = plan::build(&input)?;
     Ok((src, dst, plan))
 }
@@ -354,8 +359,9 @@ fn plan_cmd(a: PlanArgs, out: &mut String) -> Result<(), Failure> {
     let format = resolve_format(&model, a.common.format.as_deref()).map_err(bad)?;
     let src_spec = layout_arg("src", &a.src, a.src_map.as_deref()).map_err(bad)?;
     let dst_spec = layout_arg("dst", &a.dst, a.dst_map.as_deref()).map_err(bad)?;
+    let transport: TransportKind = a.transport.parse().context("--transport").map_err(bad)?;
     let (src, dst, plan) =
-        build_plan(&model, a.common.tokens, format, &src_spec, &dst_spec, a.prefix_tokens).map_err(bad)?;
+        build_plan(&model, a.common.tokens, format, &src_spec, &dst_spec, a.prefix_tokens, transport).map_err(bad)?;
     let verified = if a.verify {
         let report = verify::verify(&model, &src, &dst, &plan, a.verify_limit_mib << 20).map_err(|e| match e {
             verify::VerifyError::TooLarge { .. } => bad(e),

@@ -17,6 +17,7 @@ use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_of, Expected, Manifest, Reading};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
+use kvwire_core::protocol::TransportKind;
 use kvwire_core::reuse::check_prefix;
 use kvwire_core::schedule::{self, Schedule, Staged};
 use kvwire_core::session::msg::{Accept, Expect, LayerSums, Offer, PeerMsg, PeerRegion, RailAddr};
@@ -373,7 +374,7 @@ impl Daemon {
             (g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions(), g.devices())
         };
         let src_layout = LayoutSpec::parse(&src_layout).map_err(|err| refuse(format!("source plan: {err}")))?;
-        let (dst, plan) = replan(&model, layout, format, num_blocks, &recv, &src_layout, src_num_blocks, src_table).map_err(|err| refuse(format!("source plan: {err}")))?;
+        let (dst, plan) = replan(&model, layout, format, num_blocks, &recv, &src_layout, src_num_blocks, src_table, self.ep.transport()).map_err(|err| refuse(format!("source plan: {err}")))?;
         let expected = Expected::new(&identity, &model, &dst, &recv.request, recv.tokens, recv.prefix_tokens).map_err(|err| refuse(format!("registration: {err}")))?;
         let codec = codec.as_deref().map(Codec::parse).transpose().map_err(|err| refuse(err.to_string()))?;
         let schedule = Schedule::new(&model, &format, &plan, codec).map_err(|err| refuse(err.to_string()))?;
@@ -580,10 +581,11 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
 /// This side's plan of the transfer, from its own registration and the
 /// source's layout and block table.
 #[allow(clippy::too_many_arguments)] // both sides' layouts and tables
-fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, src_layout: &LayoutSpec, src_num_blocks: u32, src_table: Vec<u32>) -> Result<(Side, Plan), String> {
+#[allow(clippy::too_many_arguments)] // both sides' parts, and the transport the plan's costs come from
+fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, src_layout: &LayoutSpec, src_num_blocks: u32, src_table: Vec<u32>, transport: TransportKind) -> Result<(Side, Plan), String> {
     let dst = Side::with_table(model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks).map_err(|e| e.to_string())?;
     let src = Side::with_table(model, src_layout, format, recv.tokens, src_table, src_num_blocks).map_err(|e| e.to_string())?;
-    let input = PlanInput { model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::default() };
+    let input = PlanInput { model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::for_transport(transport) };
     let plan = plan::build(&input).map_err(|e| e.to_string())?;
     Ok((dst, plan))
 }

@@ -20,6 +20,7 @@ use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_of, LayerChecksum, Manifest, Reading};
 use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Segment, Side};
+use kvwire_core::protocol::TransportKind;
 use kvwire_core::reuse::CacheIdentity;
 use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
 use kvwire_core::session::msg::{Accept, Expect, Offer, RailAddr};
@@ -127,7 +128,7 @@ impl Daemon {
         };
         let accept = self.negotiate(id, peer, offer, link)?;
         let l = link.as_ref().expect("negotiated").clone();
-        let p = plan_against(&g, &s, &accept, codec)?;
+        let p = plan_against(&g, &s, &accept, codec, self.ep.transport())?;
         if s.stream {
             return self.stream_source(id, stop, s, g, p, codec, accept, l);
         }
@@ -642,12 +643,12 @@ fn negotiation_failed(peer: &str, e: LinkError, refused_what: &str) -> Refusal {
 }
 
 /// Plans against the destination's layout, and schedules the plan.
-fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>) -> Result<Planned, Refusal> {
+fn plan_against(g: &SourceGroup, s: &Submit, a: &Accept, codec: Option<Codec>, transport: TransportKind) -> Result<Planned, Refusal> {
     let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::BadRequest, format!("planning failed: {e:#}"));
     let dst_format = CacheFormat::parse(&a.format).map_err(|e| failed(&e))?;
     let dst_layout = LayoutSpec::parse(&a.layout).map_err(|e| failed(&e))?;
     let dst = Side::with_table(&g.model, &dst_layout, dst_format, s.tokens, a.block_table.clone(), a.num_blocks).map_err(|e| failed(&e))?;
-    let input = PlanInput { model: &g.model, tokens: s.tokens, prefix_tokens: a.prefix_tokens, src: &g.side, dst: &dst, cost: CostModel::default() };
+    let input = PlanInput { model: &g.model, tokens: s.tokens, prefix_tokens: a.prefix_tokens, src: &g.side, dst: &dst, cost: CostModel::for_transport(transport) };
     let plan = plan::build(&input).map_err(|e| failed(&e))?;
     let schedule = Schedule::new(&g.model, &g.format, &plan, codec).map_err(|e| Refusal::new(Code::BadRequest, format!("schedule: {e}")))?;
     Ok(Planned { dst, plan, schedule })

@@ -683,6 +683,40 @@ fn packed_segments_travel_through_staging_and_decode_bitwise() {
     }
 }
 
+#[test]
+fn the_data_plane_prices_a_write_shm_packs_what_tcp_writes_in_place() {
+    let _shared = crate::shared();
+    // TP4 NHD/16 -> TP1 HND/32: a source rank's head is 32 rows x 128 B =
+    // 4 KiB per destination block, back to back at the source and a block
+    // apart at the destination. Over tcp (500 ns a write) each goes as a
+    // write of its own; over shm (2000 ns a write) writing them costs more
+    // than one unpack at the destination, so each segment goes whole.
+    for kind in ["tcp", "shm"] {
+        let cfg = format!("[transport]\nkind = \"{kind}\"\n");
+        let p = pair_with(&format!("priced-{kind}"), &cfg, &cfg);
+        let mut sc = Scenario::new(&format!("priced-{kind}"));
+        sc.tokens = 1100;
+        sc.src_layout = "tp=4,block=16,layout=nhd".into();
+        sc.dst_layout = "tp=1,block=32,layout=hnd".into();
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        let unpacked = o.destination.hops.iter().find(|h| h.hop == "unpack").map(|h| h.bytes);
+        let packed = o.source.hops.iter().find(|h| h.hop == "pack").map(|h| h.bytes);
+        // The same segments both ways; only how each goes differs.
+        assert_eq!(o.source.segments, 4 * 2 * 4 * 2, "{kind}");
+        // Per (layer, K/V, head): a segment of the 34 whole destination
+        // blocks, and the last block's 12 rows (1100 = 34 x 32 + 12), one
+        // run, which goes as a write of its own either way.
+        let last_blocks = 4 * 2 * 4 * 12 * 128;
+        match kind {
+            "tcp" => assert_eq!(unpacked, None, "{kind}: {:?}", o.destination.hops),
+            _ => assert_eq!(unpacked, Some(o.destination.bytes - last_blocks), "{kind}: {:?}", o.destination.hops),
+        }
+        // The runs are back to back at the source: nothing is gathered there.
+        assert_eq!(packed, None, "{kind}: {:?}", o.source.hops);
+    }
+}
+
 /// Top-1 agreement and max abs logit error of `codec` over `prompts` prompts.
 fn codec_quality(prompts: u64) -> (f64, f32) {
     use kvwire_core::codec::{decode_rows, encode_rows};
