@@ -616,14 +616,7 @@ fn a_cancelled_requests_late_writes_are_refused_after_its_blocks_were_reused() {
     // Now r1's late writes arrive.
     hold.released.store(true, Ordering::Release);
     let t = Instant::now();
-    let st = loop {
-        let st = ca.status(slot_a).unwrap();
-        if st.state != TransferState::Running {
-            break st;
-        }
-        assert!(t.elapsed() < Duration::from_secs(15), "A still running 15 s after its writes were released: {st:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let st = ended(&ca, slot_a, "A, after its writes were released");
     let held = hold.writes_seen.load(Ordering::Acquire);
     eprintln!("{name}: {held} write frames held; A ended {:?} after the release: {:?} {:?}", t.elapsed(), st.state, st.error);
     assert_eq!(st.state, TransferState::Failed, "{st:?}");
@@ -654,6 +647,20 @@ fn two_rails(tag: &str, test: &str, extra: &str, src_extra: &str) -> Option<(Lin
     let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], &rails);
     let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], &format!("{src_extra}{extra}"));
     Some((link, second, d, b, a))
+}
+
+/// The status of transfer `slot` once it no longer runs; fails the test
+/// when `what` still runs 15 s on.
+fn ended(c: &Client, slot: u16, what: &str) -> TransferStatus {
+    let t = Instant::now();
+    loop {
+        let st = c.status(slot).unwrap();
+        if st.state != TransferState::Running {
+            return st;
+        }
+        assert!(t.elapsed() < Duration::from_secs(15), "{what} still running 15 s on: {st:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn rail<'a>(st: &'a TransferStatus, name: &str) -> &'a RailUse {
@@ -914,15 +921,7 @@ fn verbs_rails_stripe_a_transfer_over_two_devices_exactly() {
     // connections say they sent, the destination from the notes that came
     // (payload and a 24-byte note per write, at least one per slice), both
     // with the same control frames. Final once the source has its verdict.
-    let t = Instant::now();
-    let st = loop {
-        let st = ca.status(sslot).unwrap();
-        if st.state != TransferState::Running {
-            break st;
-        }
-        assert!(t.elapsed() < Duration::from_secs(15), "no verdict 15 s after decoder_usable: {st:?}");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let st = ended(&ca, sslot, "the source, after decoder_usable");
     let dst_st = cb.status(dslot).unwrap();
     assert_eq!((st.state, dst_st.state), (TransferState::Done, TransferState::Done), "{st:?} {dst_st:?}");
     assert_eq!(st.wire_bytes, dst_st.wire_bytes, "the two sides' counts");
