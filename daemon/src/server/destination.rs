@@ -580,8 +580,7 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
 
 /// This side's plan of the transfer, from its own registration and the
 /// source's layout and block table.
-#[allow(clippy::too_many_arguments)] // both sides' layouts and tables
-#[allow(clippy::too_many_arguments)] // both sides' parts, and the transport the plan's costs come from
+#[allow(clippy::too_many_arguments)] // both sides' layouts and tables, and the transport the plan's costs come from
 fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, src_layout: &LayoutSpec, src_num_blocks: u32, src_table: Vec<u32>, transport: TransportKind) -> Result<(Side, Plan), String> {
     let dst = Side::with_table(model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks).map_err(|e| e.to_string())?;
     let src = Side::with_table(model, src_layout, format, recv.tokens, src_table, src_num_blocks).map_err(|e| e.to_string())?;
