@@ -204,7 +204,9 @@ impl Placement {
     }
 
     /// Takes back `bytes` counted by [`Placement::crossed`] ahead of a write
-    /// that then did not move them (an shm write refused before its copy).
+    /// that then did not move them (an shm write refused before its copy),
+    /// or whose range had landed before: payload counts once, as at the
+    /// source, where a re-sent slice is `retransmitted_bytes`.
     pub fn uncrossed(&self, slot: u16, bytes: u64) {
         if let Some(c) = self.crossed.get(usize::from(slot)) {
             let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(bytes)));

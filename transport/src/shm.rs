@@ -542,9 +542,13 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
             accept::log_refusal(TRANSPORT, &node, w, why);
         }
         let answer = hello::answer(h.tag, h.key, h.seq, result.as_ref().map(|_| len));
-        if result.is_err() {
-            serve.placement.crossed(h.tag.slot, answer.len() as u64);
-            serve.placement.uncrossed(h.tag.slot, HEADER_LEN as u64 + if copied { 0 } else { len });
+        match result {
+            // Payload counts once: a range placed before adds only its request and answer.
+            Ok(fresh) => serve.placement.uncrossed(h.tag.slot, len - fresh.min(len)),
+            Err(_) => {
+                serve.placement.crossed(h.tag.slot, answer.len() as u64);
+                serve.placement.uncrossed(h.tag.slot, HEADER_LEN as u64 + if copied { 0 } else { len });
+            }
         }
         out.write_all(&answer).map_err(|e| closing(&node, format!("send answer: {e}")))?;
     }

@@ -209,7 +209,12 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
             Ok(Instant::now())
         });
         let answer = match result {
-            Ok(placed) => hello::answer(h.tag, h.key, h.seq, Ok(placed)),
+            Ok(placed) => {
+                // A range that landed before (a slice re-sent on another
+                // rail) crossed again, but wire_bytes counts payload once.
+                placement.uncrossed(h.tag.slot, h.len - placed.min(h.len));
+                hello::answer(h.tag, h.key, h.seq, Ok(placed))
+            }
             Err(Served::Closed(e)) => return Err(e),
             Err(Served::Refused(why)) => {
                 accept::log_refusal(TRANSPORT, &peer.node, w, &why);

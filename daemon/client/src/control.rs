@@ -339,8 +339,8 @@ pub struct TransferStatus {
     /// or notes, answers). The source counts as the transfer ends, the
     /// payload once (a slice sent again on another rail is in
     /// `retransmitted_bytes`). The destination counts as writes arrive,
-    /// each one it received (a re-sent slice twice); its figure is final
-    /// once the source has its verdict.
+    /// a re-sent slice's payload once too; its figure is final once the
+    /// source has its verdict.
     pub wire_bytes: u64,
     /// Bytes the transport sent again (source side; tcp: the kernel's
     /// count on the data connection, so loss and reordering show here).

@@ -67,10 +67,12 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
     for n in ring.read(wc.wr_id, wc.byte_len)? {
         let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len };
-        // The NIC placed the payload before the note came, accepted or not.
+        // The NIC placed the payload before the note came, accepted or not;
+        // a range placed before (a re-sent slice) counts its payload once.
         shared.placement.crossed(n.tag.slot, NOTE_LEN as u64 + n.len);
-        if let Err(why) = accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
-            accept::log_refusal(TRANSPORT, peer, w, &why);
+        match accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
+            Ok(fresh) => shared.placement.uncrossed(n.tag.slot, n.len - fresh.min(n.len)),
+            Err(why) => accept::log_refusal(TRANSPORT, peer, w, &why),
         }
     }
     Ok(())

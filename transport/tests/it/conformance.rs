@@ -319,6 +319,14 @@ pub fn a_range_written_twice_counts_once(p: &mut Pair) {
     assert_eq!(pl.placed_bytes(t), 8192);
     assert_eq!(dst.bytes(), data);
     dst.assert_guards();
+    // What crossed for the slot counts each payload byte once, and every
+    // write's framing and answer: 6 writes, 8192 + 16 distinct bytes.
+    let per_write = match p.dst.transport() {
+        kvwire_transport::TransportKind::Tcp => 40 + 40,
+        kvwire_transport::TransportKind::Shm => 80 + 40,
+        kvwire_transport::TransportKind::Verbs => 24,
+    };
+    assert_eq!(pl.crossed_bytes(8), 8192 + 16 + 6 * per_write);
 }
 
 /// Unknown key, out of bounds, zero length and a tag outside the flag
