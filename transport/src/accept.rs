@@ -137,6 +137,16 @@ pub enum Refusal {
     Uncounted(PlacementError),
 }
 
+impl Refusal {
+    /// Whether the write is not its slot's to make: its key is unknown,
+    /// not this session's, or another slot's, or no transfer declared the
+    /// slot. What it carried counts toward no transfer's `wire_bytes`, so a
+    /// peer cannot charge its traffic to a transfer it does not hold.
+    pub fn foreign(&self) -> bool {
+        matches!(self, Refusal::UnknownKey(_) | Refusal::NotGranted(_) | Refusal::OtherSlot { .. } | Refusal::UnknownTag { .. })
+    }
+}
+
 impl From<WriteError> for Refusal {
     fn from(e: WriteError) -> Refusal {
         match e {

@@ -531,7 +531,8 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
 
         let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len };
         // The request, the payload and an Ack, counted before the write can
-        // complete a flag; a refusal takes back what did not move.
+        // complete a flag; a refusal takes back what did not move, and a
+        // foreign write all of it.
         serve.placement.crossed(h.tag.slot, 2 * HEADER_LEN as u64 + TRAILER_LEN + len);
         let mut copied = false;
         let result = match refused {
@@ -545,6 +546,7 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
         match result {
             // Payload counts once: a range placed before adds only its request and answer.
             Ok(fresh) => serve.placement.uncrossed(h.tag.slot, len - fresh.min(len)),
+            Err(why) if why.foreign() => serve.placement.uncrossed(h.tag.slot, 2 * HEADER_LEN as u64 + TRAILER_LEN + len),
             Err(_) => {
                 serve.placement.crossed(h.tag.slot, answer.len() as u64);
                 serve.placement.uncrossed(h.tag.slot, HEADER_LEN as u64 + if copied { 0 } else { len });

@@ -192,7 +192,7 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
         let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len };
         // The frame and its payload cross whatever becomes of them, and an
         // accepted write's answer is a bare header: counted before the
-        // write can complete a flag.
+        // write can complete a flag. A foreign write is taken back whole.
         placement.crossed(h.tag.slot, 2 * HEADER_LEN as u64 + h.len);
         let mut payload_read = false;
         let result = accept::accept(registry, placement, session, w, |a: &Admitted| {
@@ -222,7 +222,10 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
                     drain(&mut reader, h.len, &mut discard)?;
                 }
                 let nack = hello::answer(h.tag, h.key, h.seq, Err(&why));
-                placement.crossed(h.tag.slot, nack.len() as u64 - HEADER_LEN as u64);
+                match why.foreign() {
+                    true => placement.uncrossed(h.tag.slot, 2 * HEADER_LEN as u64 + h.len),
+                    false => placement.crossed(h.tag.slot, nack.len() as u64 - HEADER_LEN as u64),
+                }
                 nack
             }
         };

@@ -72,7 +72,12 @@ fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at:
         shared.placement.crossed(n.tag.slot, NOTE_LEN as u64 + n.len);
         match accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
             Ok(fresh) => shared.placement.uncrossed(n.tag.slot, n.len - fresh.min(n.len)),
-            Err(why) => accept::log_refusal(TRANSPORT, peer, w, &why),
+            Err(why) => {
+                if why.foreign() {
+                    shared.placement.uncrossed(n.tag.slot, NOTE_LEN as u64 + n.len);
+                }
+                accept::log_refusal(TRANSPORT, peer, w, &why)
+            }
         }
     }
     Ok(())

@@ -431,15 +431,22 @@ pub fn framing_bytes_are_what_the_connection_sent(p: &mut Pair) {
         // Its source refuses what the destination would, before posting.
         return;
     }
-    // Slot 13 is not the region's: refused by name, its bytes counted for
-    // the slot the write named.
-    let (framing0, answers0, crossed0) = (p.conn().framing_bytes(), p.conn().answer_bytes(), p.dst.placement().crossed_bytes(13));
-    p.conn().post(Batch { tag: tag(13, 0), writes: vec![w(&src, 0, &dst.region, 0, 1000)] }).unwrap();
+    // Past the region's end: refused by name, and counted for the slot,
+    // whose transfer sent it: its request, its Nack, and its payload
+    // where that crossed.
+    let (framing0, answers0, crossed0) = (p.conn().framing_bytes(), p.conn().answer_bytes(), p.dst.placement().crossed_bytes(12));
+    p.conn().post(Batch { tag: tag(12, 0), writes: vec![w(&src, 0, &dst.region, 4000, 1000)] }).unwrap();
     assert!(complete(p.conn(), 1)[0].result.is_err());
     let nack = p.conn().answer_bytes() - answers0;
     assert!(nack > 40, "a Nack carries its reason: {nack} bytes");
     let payload = if p.dst.transport() == TransportKind::Tcp { 1000 } else { 0 };
-    assert_eq!(p.dst.placement().crossed_bytes(13) - crossed0, p.conn().framing_bytes() - framing0 + nack + payload);
+    assert_eq!(p.dst.placement().crossed_bytes(12) - crossed0, p.conn().framing_bytes() - framing0 + nack + payload);
+    // Slot 13 is not the region's: a write there is not slot 13's to make,
+    // and counts toward no slot.
+    let (slot12, slot13) = (p.dst.placement().crossed_bytes(12), p.dst.placement().crossed_bytes(13));
+    p.conn().post(Batch { tag: tag(13, 0), writes: vec![w(&src, 0, &dst.region, 0, 1000)] }).unwrap();
+    assert!(complete(p.conn(), 1)[0].result.is_err());
+    assert_eq!((p.dst.placement().crossed_bytes(12), p.dst.placement().crossed_bytes(13)), (slot12, slot13));
 }
 
 /// Instantiates every conformance case for a backend. `optional` backends
