@@ -154,11 +154,24 @@ impl Sealed {
 
     /// Sends one sealed message.
     pub fn send(&mut self, m: &PeerMsg) -> Result<(), WireError> {
+        let f = self.seal(m);
+        self.send_frame(f)
+    }
+
+    /// Seals `m` as the next message of this direction, for a caller that
+    /// must know its size before it goes: send it next, with
+    /// [`Sealed::send_frame`], or the peer finds the sequence broken.
+    pub fn seal(&mut self, m: &PeerMsg) -> Frame {
         let out = seal_frame(&self.send_key, self.sent, m);
         self.sent += 1;
+        Frame(out)
+    }
+
+    /// Sends a frame [`Sealed::seal`] made.
+    pub fn send_frame(&mut self, f: Frame) -> Result<(), WireError> {
         let io = |cause| WireError::Io { op: "send", cause };
-        self.stream.write_all(&out).map_err(io)?;
-        self.bytes += out.len() as u64;
+        self.stream.write_all(&f.0).map_err(io)?;
+        self.bytes += f.wire_len();
         self.stream.flush().map_err(io)
     }
 
@@ -172,15 +185,21 @@ impl Sealed {
         Ok(m)
     }
 
-    /// Bytes `m` takes on the wire as a sealed frame: length, JSON, seal.
-    pub fn frame_len(m: &PeerMsg) -> u64 {
-        (kvwire_client::wire::frame(m).len() + SEAL_LEN) as u64
-    }
-
     /// Bytes of every sealed frame sent and received on this connection so
     /// far (its handshake not included). Cumulative.
     pub fn frame_bytes(&self) -> u64 {
         self.bytes
+    }
+}
+
+/// One sealed message as it goes on the wire: length, JSON, seal.
+#[derive(Debug)]
+pub struct Frame(Vec<u8>);
+
+impl Frame {
+    /// Its bytes on the wire.
+    pub fn wire_len(&self) -> u64 {
+        self.0.len() as u64
     }
 }
 

@@ -9,7 +9,7 @@ use super::error::Refusal;
 use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
-use crate::peer::{self, Sealed};
+use crate::peer::{self, Frame, Sealed};
 use kvwire_client::control::*;
 use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
@@ -132,18 +132,20 @@ impl Daemon {
             };
             // A message counts toward the transfer it names, a ping toward
             // the connection's one transfer; an offer toward the slot its
-            // accept names. Its answer too, counted before it is sent: once
-            // the source hears its verdict, this side's figure is final.
+            // accept names. Its answer too, sealed once and counted before
+            // it is sent: once the source hears its verdict, this side's
+            // figure is final.
             let read = s.frame_bytes() - before;
-            let named = msg.slot().or_else(|| (mine.len() == 1).then(|| mine.keys().copied().next()).flatten());
+            let named = msg.slot().or_else(|| if mine.len() == 1 { mine.keys().next().copied() } else { None });
             let named = named.and_then(|slot| mine.get(&slot)).map(|m| m.id);
             let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, msg);
             let accepted = reply.as_ref().and_then(PeerMsg::slot).and_then(|slot| mine.get(&slot)).map(|m| m.id);
+            let frame = reply.as_ref().map(|r| s.seal(r));
             if let Some(id) = named.or(accepted) {
-                self.with_slot(id, |sl| sl.wire += read + reply.as_ref().map_or(0, Sealed::frame_len));
+                self.with_slot(id, |sl| sl.wire += read + frame.as_ref().map_or(0, Frame::wire_len));
             }
-            let Some(reply) = reply else { continue };
-            if let Err(e) = s.send(&reply) {
+            let Some(frame) = frame else { continue };
+            if let Err(e) = s.send_frame(frame) {
                 break format!("peer `{peer}` connection failed mid-transfer: {e}");
             }
         };
