@@ -188,17 +188,13 @@ impl Daemon {
         stop: Arc<AtomicBool>,
     ) -> mpsc::Receiver<Result<(), String>> {
         let (tx, rx) = mpsc::channel();
-        let (d, panicked) = (self.clone(), tx.clone());
+        let (d, panicked, unstarted) = (self.clone(), tx.clone(), tx.clone());
         let job = move || {
             let done = (0..p.schedule.layers.len()).try_for_each(|layer| {
                 if stop.load(Ordering::Acquire) {
                     return Err("cancelled".to_string());
                 }
-                let started = Instant::now();
-                let (segs, bytes) = layer_segments(&p, layer);
-                let sums = d.source_sums(&g, &p, codec, segs, stage.as_deref()).map_err(|r| r.message)?;
-                d.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
-                link.send_layer_sums(layer as u16, sums).map_err(|r| r.message)
+                d.send_layer_checksums(id, &g, &p, codec, layer, stage.as_deref(), &link).map_err(|r| r.message)
             });
             let _ = tx.send(done);
         };
@@ -206,9 +202,7 @@ impl Daemon {
             let _ = panicked.send(Err(format!("internal error: the hashing job panicked: {why}")));
         };
         if let Err(e) = self.workers.spawn("kvwired-hash", job, on_panic) {
-            let (tx, rx) = mpsc::channel();
-            let _ = tx.send(Err(format!("cannot start the hashing job: {e}")));
-            return rx;
+            let _ = unstarted.send(Err(format!("cannot start the hashing job: {e}")));
         }
         rx
     }
@@ -418,6 +412,14 @@ impl Daemon {
             let bytes = self.pack_into(stage, g, p, codec, &ls.staged)?;
             self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
         }
+        self.send_layer_checksums(id, g, p, codec, layer, stage, link)
+    }
+
+    /// Hashes layer `layer` (its own segments, in plan order) and sends its
+    /// checksums, unanswered, ahead of or beside its writes; with checksums
+    /// off, an empty list.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    fn send_layer_checksums(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         let sums = if self.cfg.verify_checksums {
             let started = Instant::now();
             let (segs, bytes) = layer_segments(p, layer);
@@ -427,8 +429,7 @@ impl Daemon {
         } else {
             Vec::new()
         };
-        link.send_layer_sums(layer as u16, sums)?;
-        Ok(())
+        link.send_layer_sums(layer as u16, sums)
     }
 
     /// Packs (and encodes) the staged segments into one registered buffer.
