@@ -633,6 +633,16 @@ pub enum Reading {
     Destination,
 }
 
+impl Reading {
+    /// `source` or `destination`, as errors name the side.
+    fn name(self) -> &'static str {
+        match self {
+            Reading::Source => "source",
+            Reading::Destination => "destination",
+        }
+    }
+}
+
 /// Checksums of the segments `segs` (indices into `plan.segments`, in plan
 /// order, and every segment of each destination (rank, layer, tensor) they
 /// touch: a layer's segments, or all of them), read at `side`.
@@ -660,7 +670,7 @@ pub fn checksums_of<R: AsRef<[u8]>, W: AsRef<[u8]>>(
             let data = data.as_ref();
             if data.len() as u64 != s.bytes() {
                 let offset = if source { s.src_offset } else { s.dst_offset };
-                return Err(ManifestError::Unreadable { side: if source { "source" } else { "destination" }, rank, layer: region.layer, tensor: region.tensor, offset, len: s.bytes() });
+                return Err(ManifestError::Unreadable { side: side.name(), rank, layer: region.layer, tensor: region.tensor, offset, len: s.bytes() });
             }
             h.update(data);
             *bytes += s.bytes();
@@ -681,7 +691,7 @@ pub fn checksums_of<R: AsRef<[u8]>, W: AsRef<[u8]>>(
                     continue;
                 }
                 let unreadable = || ManifestError::Unreadable {
-                    side: if source { "source" } else { "destination" },
+                    side: side.name(),
                     rank,
                     layer: region.layer,
                     tensor: region.tensor,
