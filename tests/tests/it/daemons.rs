@@ -45,6 +45,11 @@ fn pair_with(tag: &str, a_extra: &str, b_extra: &str) -> Pair {
     Pair { _b: b, _a: a, ca, cb, dir: d }
 }
 
+/// Bytes of hop `name` in a transfer's status, if it has the hop.
+fn hop(st: &kvwire_client::control::TransferStatus, name: &str) -> Option<u64> {
+    st.hops.iter().find(|h| h.hop == name).map(|h| h.bytes)
+}
+
 fn run(p: &Pair, sc: &Scenario) -> Result<scenario::Outcome, ScenarioError> {
     scenario::run(&p.ca, &p.cb, "decode-host", sc)
 }
@@ -312,7 +317,7 @@ fn a_source_hashing_beside_the_wire_moves_bitwise_and_a_corrupted_byte_still_fai
         }
         let o = run(&p, &sc).unwrap();
         assert_bitwise(&o);
-        let verify = o.source.hops.iter().find(|h| h.hop == "verify").map(|h| h.bytes);
+        let verify = hop(&o.source, "verify");
         assert_eq!(verify, Some(o.source.bytes), "{name}: every byte hashed at the source: {:?}", o.source.hops);
     }
     corrupted_in_transit("corrupt-beside", "hash_beside_bytes = 0\n");
@@ -652,7 +657,6 @@ fn a_client_of_another_uid_is_refused() {
 fn packed_segments_travel_through_staging_and_decode_bitwise() {
     let _shared = crate::shared();
     let p = pair("packed", "");
-    let hop = |st: &kvwire_client::control::TransferStatus, name: &str| st.hops.iter().find(|h| h.hop == name).map(|h| h.bytes);
     // TP4 NHD -> TP1 NHD: each source head's rows interleave at the
     // destination, so the plan packs them. A source rank holds its head's
     // rows back to back: with contiguous tables on both sides and 1100
@@ -700,8 +704,7 @@ fn the_data_plane_prices_a_write_shm_packs_what_tcp_writes_in_place() {
         sc.dst_layout = "tp=1,block=32,layout=hnd".into();
         let o = run(&p, &sc).unwrap();
         assert_bitwise(&o);
-        let unpacked = o.destination.hops.iter().find(|h| h.hop == "unpack").map(|h| h.bytes);
-        let packed = o.source.hops.iter().find(|h| h.hop == "pack").map(|h| h.bytes);
+        let (unpacked, packed) = (hop(&o.destination, "unpack"), hop(&o.source, "pack"));
         // The same segments both ways; only how each goes differs.
         assert_eq!(o.source.segments, 4 * 2 * 4 * 2, "{kind}");
         // Per (layer, K/V, head): a segment of the 34 whole destination
@@ -878,7 +881,6 @@ fn engine_tensors_each_in_its_own_device_allocation_decode_bitwise() {
     // allocation (here the stand-in backend's), registered as they are.
     // Each allocation is staged through a host mirror of its own.
     let p = device_pair("device-engine");
-    let hop = |st: &kvwire_client::control::TransferStatus, name: &str| st.hops.iter().find(|h| h.hop == name).map(|h| h.bytes);
     for (name, src, dst) in [
         ("dev-engine-nhd", "tp=4,block=16,table=shuffle:3", "tp=2,block=32,table=shuffle:2,kv=vllm_nhd"),
         ("dev-engines-fi-hnd", "tp=4,block=16,table=shuffle:7,kv=flashinfer", "tp=1,block=16,table=shuffle:5,kv=vllm_hnd"),
