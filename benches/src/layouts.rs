@@ -260,7 +260,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
             let mut best: Option<(u64, TransferStatus, TransferStatus)> = None;
             for it in 0..=a.iterations {
                 let req = format!("r{pi}-{tokens}-{it}");
-                let slot = cb.prepare(PrepareReceive { group: dg.clone(), request: req.clone(), block_table: dst.block_table.clone(), tokens, prefix_tokens: 0 })?;
+                let slot = cb.prepare(PrepareReceive { group: dg.clone(), request: req.clone(), block_table: dst.block_table.clone(), tokens, prefix_tokens: 0, source: Some("bench-a".into()) })?;
                 let t = Instant::now();
                 let sslot = ca.submit(Submit {
                     request: req.clone(),

@@ -93,6 +93,13 @@ pub struct TransportConfig {
     /// follow as they are computed while the bytes already move. Smaller
     /// ones hash first (the per-layer messages cost more than they save).
     pub hash_beside_bytes: u64,
+    /// A receive prepared for a named source node (`source` in the
+    /// prepare) of at most this many payload bytes is announced to it:
+    /// keys granted and a staging buffer of the payload's size set aside
+    /// ahead, so its submit needs no round trip. Larger ones wait for the
+    /// source's offer (the round trip is small beside their bytes, and the
+    /// buffer would be large). 0 announces nothing.
+    pub announce_max_bytes: u64,
     /// The netdev or RDMA device of the `[transport]` rail (`rail0`), for
     /// locality (sysfs); with verbs and `[[rails]]`, the verbs device.
     pub device: Option<String>,
@@ -115,6 +122,7 @@ impl Default for TransportConfig {
             slice_bytes: 1 << 20,
             rail_stall_ms: 2000,
             hash_beside_bytes: 16 << 20,
+            announce_max_bytes: 16 << 20,
             device: None,
             topology_file: None,
         }

@@ -30,6 +30,12 @@ pub struct Metrics {
     pub destination_failed: AtomicU64,
     /// Transfers cancelled by clients.
     pub cancelled: AtomicU64,
+    /// Receives announced to their source node (destination).
+    pub announced: AtomicU64,
+    /// Source transfers that claimed an announced receive: no round trip.
+    pub claimed: AtomicU64,
+    /// Source transfers that offered and waited for the accept.
+    pub offered: AtomicU64,
     /// Peer handshakes refused (wrong secret or protocol).
     pub peers_refused: AtomicU64,
     /// Control clients refused (uid).
@@ -69,7 +75,7 @@ impl Metrics {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         // (metric, help, [(labels, value)])
         type Series<'a> = (&'a str, &'a str, &'a [(&'a str, u64)]);
-        let counters: [Series<'_>; 8] = [
+        let counters: [Series<'_>; 9] = [
             ("kvwire_payload_bytes_total", "Payload bytes sent by plans from this daemon (after prefix reuse).", &[("", g(&self.payload_bytes))]),
             ("kvwire_wire_bytes_total", "Bytes that crossed the link for transfers this daemon sent: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
             ("kvwire_reused_bytes_total", "Destination bytes skipped by validated prefix reuse.", &[("", g(&self.reused_bytes))]),
@@ -86,6 +92,11 @@ impl Metrics {
                     ("role=\"destination\",outcome=\"failed\"", g(&self.destination_failed)),
                     ("role=\"any\",outcome=\"cancelled\"", g(&self.cancelled)),
                 ],
+            ),
+            (
+                "kvwire_starts_total",
+                "How transfers began: receives announced here, and transfers sent from here that claimed an announcement or offered.",
+                &[("how=\"announced\"", g(&self.announced)), ("how=\"claimed\"", g(&self.claimed)), ("how=\"offered\"", g(&self.offered))],
             ),
             (
                 "kvwire_refused_total",

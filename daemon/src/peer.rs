@@ -27,6 +27,7 @@ use kvwire_core::session::kind;
 use kvwire_transport::auth::{self, Credential};
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::{Arc, Mutex};
 
 /// Why authentication failed.
 #[derive(Debug, thiserror::Error)]
@@ -121,16 +122,53 @@ pub const SEAL_LEN: usize = 32;
 /// length, its JSON, and `HMAC(direction key, sequence ‖ JSON)`. Each side
 /// counts the messages it sent and received, so a replayed, reordered,
 /// dropped or altered message fails its check and ends the connection.
+///
+/// The sending half sits behind a lock shared with [`Outbox`]es, so
+/// another thread may send on the connection (a destination announcing a
+/// request) while its owner reads: a frame is sealed and written under
+/// that lock, and the sequence stays whole.
 #[derive(Debug)]
 pub struct Sealed {
-    stream: TcpStream,
+    stream: Arc<TcpStream>,
     credential: Credential,
-    send_key: [u8; 32],
     recv_key: [u8; 32],
-    sent: u64,
     received: u64,
-    // Bytes of the sealed frames both ways (length, JSON, seal), for wire_bytes.
+    // Bytes of the sealed frames read (length, JSON, seal), for wire_bytes.
+    read_bytes: u64,
+    tx: Arc<Mutex<Tx>>,
+}
+
+#[derive(Debug)]
+struct Tx {
+    stream: Arc<TcpStream>,
+    key: [u8; 32],
+    sent: u64,
     bytes: u64,
+}
+
+impl Tx {
+    fn send(&mut self, m: &PeerMsg, before: impl FnOnce(u64)) -> Result<(), WireError> {
+        let f = seal_frame(&self.key, self.sent, m);
+        self.sent += 1;
+        before(f.len() as u64);
+        let io = |cause| WireError::Io { op: "send", cause };
+        let mut w = &*self.stream;
+        w.write_all(&f).map_err(io)?;
+        self.bytes += f.len() as u64;
+        w.flush().map_err(io)
+    }
+}
+
+/// The sending half of a [`Sealed`] connection, for a thread other than
+/// the one reading it.
+#[derive(Debug, Clone)]
+pub struct Outbox(Arc<Mutex<Tx>>);
+
+impl Outbox {
+    /// Sends one sealed message, after those already sent.
+    pub fn send(&self, m: &PeerMsg) -> Result<(), WireError> {
+        self.0.lock().expect("peer send lock").send(m, |_| ())
+    }
 }
 
 impl Sealed {
@@ -139,7 +177,9 @@ impl Sealed {
     pub fn new(stream: TcpStream, cred: Credential, client: bool) -> Sealed {
         let (c2s, s2c) = (cred.subkey("kvwire-peer-client-to-server-v1"), cred.subkey("kvwire-peer-server-to-client-v1"));
         let (send_key, recv_key) = if client { (c2s, s2c) } else { (s2c, c2s) };
-        Sealed { stream, credential: cred, send_key, recv_key, sent: 0, received: 0, bytes: 0 }
+        let stream = Arc::new(stream);
+        let tx = Arc::new(Mutex::new(Tx { stream: stream.clone(), key: send_key, sent: 0, bytes: 0 }));
+        Sealed { stream, credential: cred, recv_key, received: 0, read_bytes: 0, tx }
     }
 
     /// The connection's data-plane session.
@@ -154,52 +194,54 @@ impl Sealed {
 
     /// Sends one sealed message.
     pub fn send(&mut self, m: &PeerMsg) -> Result<(), WireError> {
-        let f = self.seal(m);
-        self.send_frame(f)
+        self.send_counted(m, |_| ())
     }
 
-    /// Seals `m` as the next message of this direction, for a caller that
-    /// must know its size before it goes: send it next, with
-    /// [`Sealed::send_frame`], or the peer finds the sequence broken.
-    pub fn seal(&mut self, m: &PeerMsg) -> Frame {
-        let out = seal_frame(&self.send_key, self.sent, m);
-        self.sent += 1;
-        Frame(out)
+    /// Sends one sealed message, first telling `before` its size on the
+    /// wire (for a count that must be final before the peer can answer).
+    pub fn send_counted(&mut self, m: &PeerMsg, before: impl FnOnce(u64)) -> Result<(), WireError> {
+        self.tx.lock().expect("peer send lock").send(m, before)
     }
 
-    /// Sends a frame [`Sealed::seal`] made.
-    pub fn send_frame(&mut self, f: Frame) -> Result<(), WireError> {
-        let io = |cause| WireError::Io { op: "send", cause };
-        self.stream.write_all(&f.0).map_err(io)?;
-        self.bytes += f.wire_len();
-        self.stream.flush().map_err(io)
+    /// Another thread's way to send on this connection.
+    pub fn outbox(&self) -> Outbox {
+        Outbox(self.tx.clone())
     }
 
     /// Receives one message and checks its seal before parsing it.
     pub fn recv(&mut self) -> Result<PeerMsg, WireError> {
-        let mut counted = Counted { inner: &mut self.stream, n: 0 };
+        let mut r = &*self.stream;
+        let mut counted = Counted { inner: &mut r, n: 0 };
         let m = open_frame(&self.recv_key, self.received, &mut counted);
-        self.bytes += counted.n;
+        self.read_bytes += counted.n;
         let m = m?;
         self.received += 1;
         Ok(m)
     }
 
+    /// Whether bytes wait to be read (an idle connection's unsolicited
+    /// messages), without blocking; an error once the peer closed it.
+    pub fn pending(&self) -> std::io::Result<bool> {
+        self.stream.set_nonblocking(true)?;
+        let peeked = self.stream.peek(&mut [0u8; 1]);
+        self.stream.set_nonblocking(false)?;
+        match peeked {
+            Ok(0) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed by the peer")),
+            Ok(_) => Ok(true),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Bytes of the sealed frames received so far. Cumulative.
+    pub fn frames_read(&self) -> u64 {
+        self.read_bytes
+    }
+
     /// Bytes of every sealed frame sent and received on this connection so
     /// far (its handshake not included). Cumulative.
     pub fn frame_bytes(&self) -> u64 {
-        self.bytes
-    }
-}
-
-/// One sealed message as it goes on the wire: length, JSON, seal.
-#[derive(Debug)]
-pub struct Frame(Vec<u8>);
-
-impl Frame {
-    /// Its bytes on the wire.
-    pub fn wire_len(&self) -> u64 {
-        self.0.len() as u64
+        self.read_bytes + self.tx.lock().expect("peer send lock").bytes
     }
 }
 
@@ -279,7 +321,7 @@ mod tests {
         // The second message's seal covers sequence 1: replaying the first
         // one's bytes there fails.
         let body = serde_json::to_vec(&PeerMsg::Ping).unwrap();
-        let first = auth::mac(&a.send_key, "kvwire-peer-frame-v1", &[&0u64.to_le_bytes(), &body]);
+        let first = auth::mac(&a.tx.lock().unwrap().key, "kvwire-peer-frame-v1", &[&0u64.to_le_bytes(), &body]);
         a.send(&PeerMsg::Ping).unwrap();
         assert_eq!(b.recv().unwrap(), PeerMsg::Ping);
         let mut s = a.stream.try_clone().unwrap();

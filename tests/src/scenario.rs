@@ -471,6 +471,8 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
             block_table: dst.block_table.clone(),
             tokens: sc.tokens,
             prefix_tokens: sc.prefix,
+            // Told ahead, so the source's submit starts with no round trip.
+            source: Some(a.node.clone()),
         })
         .map_err(step("prepare"))?;
     let started = Instant::now();

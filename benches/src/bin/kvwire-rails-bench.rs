@@ -77,7 +77,7 @@ fn transfer(src: &Client, dst: &Client, peer: &str, blocks: u32, request: &str) 
     let tokens = u64::from(blocks) * 16;
     let table: Vec<u32> = (0..blocks).collect();
     let slot = dst
-        .prepare(PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.clone(), tokens, prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.clone(), tokens, prefix_tokens: 0, source: None })
         .map_err(|e| format!("prepare: {e}"))?;
     let t = Instant::now();
     let sslot = src

@@ -337,6 +337,7 @@ impl<'a> Session<'a> {
                 block_table: fx.dst.block_table.clone(),
                 tokens: fx.tokens,
                 prefix_tokens: 0,
+                source: Some(self.ca.node.clone()),
             })
             .map_err(step("prepare"))?;
         let started = Instant::now();

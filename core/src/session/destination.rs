@@ -1,7 +1,7 @@
 //! The receiving side: one authenticated peer connection, carrying any
 //! number of transfers, each in its own slot.
 
-use super::msg::{Accept, Expect, LayerSums, Offer, PeerMsg};
+use super::msg::{Accept, Claim, Expect, LayerSums, Offer, PeerMsg};
 use super::{kind, SessionError, Timeouts};
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -25,6 +25,10 @@ pub enum DestinationStep {
     /// A new offer: check it, then answer with
     /// [`DestinationSession::accept`] or [`DestinationSession::refuse`].
     Offer(Box<Offer>),
+    /// A claim of an announced slot: check it, then enter it with
+    /// [`DestinationSession::claimed`] (nothing is sent), or answer
+    /// [`DestinationSession::refuse`]'s message.
+    Claim(Box<Claim>),
     /// The manifest of an accepted slot: check it before any flag of the
     /// slot is published. Nothing is sent back: a manifest that fails the
     /// check fails the slot, and the source hears it as refused writes
@@ -77,6 +81,8 @@ impl DestinationSession {
         let stale = |what: &str, slot: u16| DestinationStep::Reply(PeerMsg::Refused { reason: format!("{what} for slot {slot}, which is not a transfer of this connection") });
         match m {
             PeerMsg::Offer(o) => DestinationStep::Offer(Box::new(o)),
+            PeerMsg::Claim(c) if self.slots.contains_key(&c.slot) => DestinationStep::Reply(PeerMsg::Refused { reason: format!("claim for slot {}, which this connection runs already", c.slot) }),
+            PeerMsg::Claim(c) => DestinationStep::Claim(Box::new(c)),
             // Never answered (the source does not read an answer): a
             // second or stale manifest is ignored.
             PeerMsg::Expect(e) => match self.slots.get_mut(&e.slot) {
@@ -116,7 +122,13 @@ impl DestinationSession {
         PeerMsg::Accept(a)
     }
 
-    /// The daemon refused an offer (no slot was taken).
+    /// The daemon honoured a claim of `slot`: its manifest comes next,
+    /// and nothing is sent.
+    pub fn claimed(&mut self, slot: u16) {
+        self.slots.insert(slot, SlotPhase::Accepted);
+    }
+
+    /// The daemon refused an offer or a claim (no slot was taken).
     pub fn refuse(&mut self, reason: String) -> PeerMsg {
         PeerMsg::Refused { reason }
     }

@@ -25,6 +25,9 @@
 //! source's side of the plan, so the destination plans, stages and grants
 //! keys before it accepts; the manifest follows without an answer, while
 //! the bytes already flow, and no flag is published before it is checked.
+//! None comes when the destination announced the request ahead: the
+//! source starts at `Accepted` ([`SourceSession::claim`]), and the
+//! destination enters the slot at `Accepted` when the claim arrives.
 
 pub mod destination;
 pub mod msg;
@@ -116,6 +119,8 @@ pub fn kind(m: &msg::PeerMsg) -> &'static str {
         Refused { .. } => "refused",
         Offer(_) => "offer",
         Accept(_) => "accept",
+        Announce(_) => "announce",
+        Claim(_) => "claim",
         Expect(_) => "expect",
         LayerSums(_) => "layer_sums",
         Ok => "ok",

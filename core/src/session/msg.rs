@@ -9,6 +9,14 @@
 //! checksums (`LayerSums`) just before that layer's writes instead.
 //! Bytes flow on the data plane while the source pings; `Done` or `Abort`
 //! ends the transfer.
+//!
+//! A destination told at prepare which node will fill a request sends that
+//! node `Announce` on an idle connection the node opened: the accept,
+//! made ahead (keys, an upper-bound staging buffer, each layer's byte
+//! count declared). The source's submit then sends `Claim` and `Expect`
+//! and posts its writes without waiting for anything; a claim the
+//! destination cannot honour is answered `Refused`, and the writes find
+//! their keys revoked.
 
 use crate::manifest::LayerChecksum;
 use crate::reuse::CacheIdentity;
@@ -19,7 +27,8 @@ use serde::{Deserialize, Serialize};
 /// 3: messages after the handshake are sealed, and data connections prove the session.
 /// 4: one round trip before the bytes (the offer carries the source's side, the accept the staging buffer; `Expect` is not answered).
 /// 5: a source may stream layers as its engine produces them (`Expect::layer_sums`, `LayerSums`).
-pub const PEER_VERSION: u32 = 5;
+/// 6: a destination may announce a prepared request (`Announce`); the source claims it with no round trip (`Claim`).
+pub const PEER_VERSION: u32 = 6;
 
 /// Messages on a peer connection.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -66,6 +75,14 @@ pub enum PeerMsg {
     /// the layer's writes, unanswered; the destination verifies the layer
     /// against them before it publishes `layer_ready`.
     LayerSums(LayerSums),
+    /// A prepared request, accepted ahead for the node this connection
+    /// authenticated: unsolicited, from destination to source, only on a
+    /// connection with no transfer running.
+    Announce(Announce),
+    /// The source takes an announced request: the offer it would have
+    /// made, for the announced slot. Unanswered when the destination
+    /// honours it; `Refused` with the reason when it does not.
+    Claim(Claim),
     /// Generic success.
     Ok,
     /// The source gave up on a transfer.
@@ -93,6 +110,7 @@ impl PeerMsg {
     pub fn slot(&self) -> Option<u16> {
         match self {
             PeerMsg::Accept(a) => Some(a.slot),
+            PeerMsg::Claim(c) => Some(c.slot),
             PeerMsg::Expect(e) => Some(e.slot),
             PeerMsg::LayerSums(l) => Some(l.slot),
             PeerMsg::Abort { slot, .. } | PeerMsg::Done { slot } => Some(*slot),
@@ -125,6 +143,42 @@ pub struct Offer {
     pub src_num_blocks: u32,
     /// Source block table.
     pub src_block_table: Vec<u32>,
+}
+
+/// A request the destination prepared and accepted ahead, for the node
+/// it names in its prepare.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Announce {
+    /// Destination group.
+    pub group: String,
+    /// Destination request.
+    pub request: String,
+    /// Which preparation of the slot this is: a claim must name it, so a
+    /// claim of an earlier, cancelled preparation cannot take a later one.
+    pub gen: u64,
+    /// Tokens the request will hold.
+    pub tokens: u64,
+    /// What the destination holds (its prefix must match the source's).
+    pub identity: CacheIdentity,
+    /// Bytes each layer receives, declared already: a source whose
+    /// schedule sends other counts (a codec) must offer instead.
+    pub layer_bytes: Vec<u64>,
+    /// The accept, made ahead. Its staging buffer is an upper bound: the
+    /// source's schedule may stage less.
+    pub accept: Accept,
+}
+
+/// A source's claim of an announced request.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Claim {
+    /// The announced slot.
+    pub slot: u16,
+    /// The announcement's `gen`.
+    pub gen: u64,
+    /// What an offer would have said; no codec.
+    pub offer: Offer,
 }
 
 /// The manifest of an accepted transfer.

@@ -1,6 +1,6 @@
 //! The sending side of one transfer.
 
-use super::msg::{Accept, Expect, LayerSums, Offer, PeerMsg};
+use super::msg::{Accept, Claim, Expect, LayerSums, Offer, PeerMsg};
 use super::{kind, SessionError, Timeouts, MAX_RAILS};
 use crate::protocol::TransportKind;
 use std::collections::HashSet;
@@ -57,6 +57,9 @@ pub struct SourceSession {
     waiting_since: Instant,
     last_ping: Instant,
     error: Option<SessionError>,
+    // Started from an announcement: its staging buffer is an upper bound,
+    // and the destination's answer to the claim comes only as a refusal.
+    claimed: bool,
 }
 
 impl SourceSession {
@@ -74,8 +77,21 @@ impl SourceSession {
             waiting_since: now,
             last_ping: now,
             error: None,
+            claimed: false,
         };
         (s, PeerMsg::Offer(offer))
+    }
+
+    /// Starts a transfer into a request the destination announced: the
+    /// session is at `Accepted` at once (the announcement's accept, checked
+    /// as an answer would be), and the `Claim` goes out unanswered. `gen`
+    /// is the announcement's.
+    pub fn claim(now: Instant, accept: Accept, gen: u64, offer: Offer, transport: TransportKind, timeouts: Timeouts) -> Result<(SourceSession, PeerMsg), SessionError> {
+        let (mut s, _) = SourceSession::start(now, offer.clone(), transport, timeouts);
+        s.claimed = true;
+        let slot = accept.slot;
+        s.accepted(Box::new(accept))?;
+        Ok((s, PeerMsg::Claim(Claim { slot, gen, offer })))
     }
 
     /// The phase.
@@ -100,6 +116,9 @@ impl SourceSession {
             (SourcePhase::Offered, PeerMsg::Refused { reason }) => Err(SessionError::Refused(reason)),
             (SourcePhase::Offered, PeerMsg::Accept(a)) => self.accepted(Box::new(a)),
             (SourcePhase::Moving, PeerMsg::Pong) => Ok(SourceEvent::Alive),
+            // The destination would not honour the claim (its slot was
+            // cancelled, or the claim does not fit it): it holds no slot.
+            (SourcePhase::Accepted | SourcePhase::Moving, PeerMsg::Refused { reason }) if self.claimed => Err(SessionError::Refused(reason)),
             (SourcePhase::Done | SourcePhase::Failed, PeerMsg::Ok) => Ok(SourceEvent::Closed),
             // The destination's verdict on what arrived: it failed there.
             (SourcePhase::Done, PeerMsg::Refused { reason }) => Err(SessionError::Rejected(reason)),
@@ -135,12 +154,14 @@ impl SourceSession {
 
     /// The daemon planned: returns the `Expect` to send, after which it
     /// posts the writes. `stage_bytes` is the schedule's staging size,
-    /// which the destination's staging buffer must match.
+    /// which the destination's staging buffer must match (hold, when
+    /// announced).
     pub fn expect(&mut self, now: Instant, e: Expect, stage_bytes: u64) -> Result<PeerMsg, SessionError> {
         if self.phase != SourcePhase::Accepted {
             return Err(SessionError::OutOfOrder { step: "expect", phase: self.phase.name() });
         }
-        if stage_bytes != self.stage_len {
+        let fits = if self.claimed { stage_bytes <= self.stage_len } else { stage_bytes == self.stage_len };
+        if !fits {
             return Err(self.fail(SessionError::StagingSize { got: self.stage_len, want: stage_bytes }));
         }
         self.phase = SourcePhase::Moving;

@@ -7,7 +7,7 @@ use kvwire_core::layout::Tensor;
 use kvwire_core::manifest::LayerChecksum;
 use kvwire_core::protocol::TransportKind;
 use kvwire_core::reuse::CacheIdentity;
-use kvwire_core::session::msg::{Accept, Expect, LayerSums, Offer, PeerMsg, RailAddr, RankRails};
+use kvwire_core::session::msg::{Accept, Claim, Expect, LayerSums, Offer, PeerMsg, RailAddr, RankRails};
 use kvwire_core::session::{DestinationSession, DestinationStep, SessionError, SlotPhase, SourceEvent, SourcePhase, SourceSession, Timeouts, MAX_RAILS};
 use std::time::{Duration, Instant};
 
@@ -108,7 +108,7 @@ fn default_daemon(d: &mut DestinationSession, step: DestinationStep) -> PeerMsg 
     match step {
         DestinationStep::Offer(_) => d.accept(accept()),
         DestinationStep::Reply(m) | DestinationStep::Aborted { reply: m, .. } | DestinationStep::Done { reply: m, .. } => m,
-        step @ (DestinationStep::Expect(_) | DestinationStep::LayerSums(_) | DestinationStep::Ignore) => panic!("{step:?} has no answer"),
+        step @ (DestinationStep::Expect(_) | DestinationStep::LayerSums(_) | DestinationStep::Ignore | DestinationStep::Claim(_)) => panic!("{step:?} has no answer"),
     }
 }
 
@@ -359,4 +359,51 @@ fn a_closed_connection_returns_the_slots_still_running() {
     assert_eq!(p.dst.closed(), Vec::<u16>::new());
     // An idle connection waits for the transfer timeout.
     assert_eq!(p.dst.poll_timeout(), p.now + Duration::from_secs(60));
+}
+
+/// A claimed transfer: the source starts accepted from the announcement,
+/// its claim and manifest go out unanswered, and the destination enters
+/// the slot when the daemon honours the claim.
+#[test]
+fn a_claimed_transfer_runs_with_no_answer_before_its_verdict() {
+    let now = Instant::now();
+    let (mut src, claim) = SourceSession::claim(now, accept(), 3, offer(), TransportKind::Tcp, timeouts()).unwrap();
+    assert_eq!(claim, PeerMsg::Claim(Claim { slot: SLOT, gen: 3, offer: offer() }));
+    assert_eq!((src.phase(), src.peer_slot()), (SourcePhase::Accepted, Some(SLOT)));
+    let mut dst = DestinationSession::new(now, "prefill", timeouts());
+    let DestinationStep::Claim(c) = dst.handle(now, claim.clone()) else { panic!("not a claim step") };
+    assert_eq!((c.slot, c.gen), (SLOT, 3));
+    dst.claimed(SLOT);
+    assert_eq!(dst.slot(SLOT), Some(SlotPhase::Accepted));
+    // A second claim of a slot the connection runs is refused, the slot untouched.
+    assert!(matches!(dst.handle(now, claim), DestinationStep::Reply(PeerMsg::Refused { reason }) if reason.contains("runs already")));
+    // The announced staging buffer is an upper bound: a schedule staging less fits.
+    let e = src.expect(now, expect(), STAGE / 2).unwrap();
+    assert!(matches!(dst.handle(now, e), DestinationStep::Expect(_)));
+    assert_eq!((src.phase(), dst.slot(SLOT)), (SourcePhase::Moving, Some(SlotPhase::Receiving)));
+    let done = src.moved().unwrap();
+    let DestinationStep::Done { reply, .. } = dst.handle(now, done) else { panic!("not done") };
+    assert_eq!(src.handle(now, reply), Ok(SourceEvent::Closed));
+}
+
+#[test]
+fn a_claim_staging_more_than_was_set_aside_or_refused_ends_without_an_abort() {
+    let now = Instant::now();
+    let (mut src, _) = SourceSession::claim(now, accept(), 1, offer(), TransportKind::Tcp, timeouts()).unwrap();
+    assert_eq!(src.expect(now, expect(), STAGE + 1), Err(SessionError::StagingSize { got: STAGE, want: STAGE + 1 }));
+    // The destination would not honour the claim: its refusal arrives
+    // while the writes move, and it holds no slot to abort.
+    let (mut src, _) = SourceSession::claim(now, accept(), 1, offer(), TransportKind::Tcp, timeouts()).unwrap();
+    src.expect(now, expect(), STAGE).unwrap();
+    let why = "claim of slot 7 (preparation 1), which is not announced to this connection now";
+    assert_eq!(src.handle(now, PeerMsg::Refused { reason: why.into() }), Err(SessionError::Refused(why.into())));
+    assert_eq!(src.abort("writes refused"), None);
+    // An offered transfer still takes a refusal while moving as out of turn.
+    let mut p = Pair::new();
+    p.to_moving();
+    assert!(matches!(p.src.handle(p.now, PeerMsg::Refused { reason: "x".into() }), Err(SessionError::Unexpected { .. })));
+    // An announcement that breaks an accept's rules is refused as an accept would be.
+    let mut bad = accept();
+    bad.transport = "shm".into();
+    assert!(matches!(SourceSession::claim(now, bad, 1, offer(), TransportKind::Tcp, timeouts()), Err(SessionError::BadAccept(_))));
 }

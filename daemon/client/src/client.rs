@@ -170,8 +170,14 @@ impl Client {
 
     /// Prepares to receive; returns the slot whose flags to wait on.
     pub fn prepare(&self, p: PrepareReceive) -> Result<u16, ClientError> {
+        self.prepare_announced(p).map(|(slot, _)| slot)
+    }
+
+    /// Prepares to receive; returns the slot, and, when the prepare named
+    /// a source, whether that source was told ahead or why not.
+    pub fn prepare_announced(&self, p: PrepareReceive) -> Result<(u16, Option<Result<(), String>>), ClientError> {
         match self.call(&Request::PrepareReceive(p), &[])? {
-            Reply::Prepared { slot } => Ok(slot),
+            Reply::Prepared { slot, announce } => Ok((slot, announce)),
             other => Err(ClientError::Unexpected(format!("{other:?}"))),
         }
     }

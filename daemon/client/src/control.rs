@@ -155,6 +155,13 @@ pub struct PrepareReceive {
     pub tokens: u64,
     /// Leading positions this side already holds (checked against identity).
     pub prefix_tokens: u64,
+    /// The node that will fill the request, when known: the daemon then
+    /// announces the receive to it (grants its keys and sets its staging
+    /// aside now), so the source's submit starts writing with no round
+    /// trip. Best effort: a receive that cannot be announced waits for the
+    /// source's offer, as one prepared without a source does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
 }
 
 /// Submits a transfer from a local group to a peer's prepared request.
@@ -447,6 +454,10 @@ pub enum Reply {
     Prepared {
         /// Slot.
         slot: u16,
+        /// The prepare named a source and it was told (`announced`), or
+        /// why it was not: it will have to offer.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        announce: Option<Result<(), String>>,
     },
     /// Transfer started in `slot`.
     Submitted {

@@ -584,9 +584,16 @@ impl Daemon {
         if mine >= quota {
             return Err(Refusal::new(Code::Limit, format!("limits.max_prepared_per_client {quota} reached: this client holds {mine} receives no source has offered into")));
         }
-        let (request, group) = (p.request.clone(), p.group.clone());
-        let (SlotId { slot, .. }, _) = self.alloc_slot(Role::Destination, &request, &group, client, Some(p))?;
-        Ok(Reply::Prepared { slot })
+        let (request, group, source) = (p.request.clone(), p.group.clone(), p.source.clone());
+        let (id, _) = self.alloc_slot(Role::Destination, &request, &group, client, Some(p))?;
+        let announce = source.map(|to| {
+            let told = self.announce(id, &to);
+            if let Err(why) = &told {
+                tracing::debug!(slot = id.slot, to, why, "receive not announced; its source will offer");
+            }
+            told
+        });
+        Ok(Reply::Prepared { slot: id.slot, announce })
     }
 }
 

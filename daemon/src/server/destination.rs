@@ -4,12 +4,13 @@
 //! thread that checks the manifest, then unpacks, verifies and publishes
 //! each layer.
 
+use super::announce::mismatch;
 use super::device::Direction;
 use super::error::Refusal;
 use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
-use crate::peer::{self, Frame, Sealed};
+use crate::peer::{self, Sealed};
 use kvwire_client::control::*;
 use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
@@ -18,14 +19,13 @@ use kvwire_core::manifest::{checksums_of, Expected, Manifest, Reading};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::protocol::TransportKind;
-use kvwire_core::reuse::check_prefix;
 use kvwire_core::schedule::{self, Schedule, Staged};
-use kvwire_core::session::msg::{Accept, Expect, LayerSums, Offer, PeerMsg, PeerRegion, RailAddr};
+use kvwire_core::session::msg::{Accept, Expect, LayerSums, Offer, PeerMsg};
 use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
 use kvwire_transport::auth::{ConnectionCaps, Deadline, Gate, Pass};
-use kvwire_transport::{Grant, Hop, Region, Tag};
+use kvwire_transport::{Hop, Region, Tag};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
@@ -37,13 +37,13 @@ const PEER_HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// A transfer accepted on a peer connection: its slot, and where its
 /// manifest and per-layer checksums go (its receive thread).
-struct Mine {
-    id: SlotId,
-    inbound: Sender<Inbound>,
+pub(super) struct Mine {
+    pub id: SlotId,
+    pub inbound: Sender<Inbound>,
 }
 
 /// What the peer connection hands a transfer's receive thread.
-enum Inbound {
+pub(super) enum Inbound {
     Expect(Box<Expect>),
     Sums(Box<LayerSums>),
 }
@@ -110,6 +110,8 @@ impl Daemon {
         let _ = s.set_write_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
         let session_id = cred.session;
         let mut s = Sealed::new(s, cred, false);
+        // Announcements to this peer may go on this connection while it is idle.
+        let idle = self.outboxes.open(&peer, session_id, s.outbox());
         let l = &self.cfg.limits;
         let transfer = Duration::from_secs(l.transfer_timeout_secs);
         let timeouts = Timeouts { reply: transfer, peer: Duration::from_secs(l.peer_timeout_secs), transfer };
@@ -120,7 +122,7 @@ impl Daemon {
         let ended = loop {
             let wait = session.poll_timeout().saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
             let _ = s.stream().set_read_timeout(Some(wait));
-            let before = s.frame_bytes();
+            let before = s.frames_read();
             let msg = match s.recv() {
                 Ok(m) => m,
                 Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
@@ -135,23 +137,39 @@ impl Daemon {
             // accept names. Its answer too, sealed once and counted before
             // it is sent: once the source hears its verdict, this side's
             // figure is final.
-            let read = s.frame_bytes() - before;
-            let named = msg.slot().or_else(|| if mine.len() == 1 { mine.keys().next().copied() } else { None });
+            let read = s.frames_read() - before;
+            let msg_slot = msg.slot();
+            let named = msg_slot.or_else(|| if mine.len() == 1 { mine.keys().next().copied() } else { None });
             let named = named.and_then(|slot| mine.get(&slot)).map(|m| m.id);
             let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, msg);
-            let accepted = reply.as_ref().and_then(PeerMsg::slot).and_then(|slot| mine.get(&slot)).map(|m| m.id);
-            let frame = reply.as_ref().map(|r| s.seal(r));
-            if let Some(id) = named.or(accepted) {
-                self.with_slot(id, |sl| sl.wire += read + frame.as_ref().map_or(0, Frame::wire_len));
-            }
-            let Some(frame) = frame else { continue };
-            if let Err(e) = s.send_frame(frame) {
+            // A claim's slot is this connection's only once honoured.
+            let entered = reply.as_ref().and_then(PeerMsg::slot).or(msg_slot).and_then(|slot| mine.get(&slot)).map(|m| m.id);
+            let id = named.or(entered);
+            let count = |len: u64| {
+                if let Some(id) = id {
+                    self.with_slot(id, |sl| sl.wire += read + len);
+                }
+            };
+            // Idle before the answer goes: a source that has its verdict
+            // may prepare its next request at once.
+            idle.store(mine.is_empty(), Ordering::Release);
+            let sent = match reply {
+                Some(reply) => s.send_counted(&reply, count),
+                None => {
+                    count(0);
+                    Ok(())
+                }
+            };
+            if let Err(e) = sent {
                 break format!("peer `{peer}` connection failed mid-transfer: {e}");
             }
         };
         // No new data connection can prove this session now; its transfers'
-        // regions are revoked as each ends.
+        // regions are revoked as each ends, and what was announced on it
+        // waits for an offer.
+        self.outboxes.close(&peer, session_id);
         self.ep.registry().close_session(session_id);
+        self.unannounce_session(session_id);
         // A source that ends its connection without `Done` will write no
         // more: what has not arrived never will.
         for slot in session.closed() {
@@ -176,6 +194,17 @@ impl Daemon {
                 }
                 Err(reason) => session.refuse(reason),
             },
+            DestinationStep::Claim(c) => {
+                let slot = c.slot;
+                match self.claim(peer, session_id, *c) {
+                    Ok(m) => {
+                        mine.insert(slot, m);
+                        session.claimed(slot);
+                        return None;
+                    }
+                    Err(reason) => session.refuse(reason),
+                }
+            }
             // Handed to the slot's receive thread, which checks them (the
             // session passes one manifest per slot, and sums only after it).
             DestinationStep::Expect(e) => {
@@ -241,7 +270,7 @@ impl Daemon {
     fn offer(self: &Arc<Self>, peer: &str, session: u64, o: Offer) -> Result<(Accept, Mine), String> {
         let src = (o.src_layout.clone(), o.src_num_blocks, o.src_block_table.clone(), o.codec.clone());
         let (mut accept, id) = self.grant(peer, session, o)?;
-        match self.receive_for(id, session, src) {
+        match self.receive_for(id, session, src, None) {
             Ok((key, len, inbound)) => {
                 (accept.stage_key, accept.stage_len) = (key, len);
                 Ok((accept, Mine { id, inbound }))
@@ -266,52 +295,22 @@ impl Daemon {
         };
         let recv = sl.recv.clone().expect("prepared slots hold their receive");
         let id = SlotId { slot, gen: sl.gen };
-        // The source must hold the cache this side was registered for; the
-        // reuse check names the first field that differs. A source offering
-        // something else into this request ends it: the decode side's waits
-        // fail now, with the reason, instead of at their own timeout.
-        let mismatch = if o.tokens != recv.tokens {
-            Some(format!("offer has {} tokens, the prepared request {}", o.tokens, recv.tokens))
-        } else {
-            check_prefix(&g.identity, &o.identity, recv.prefix_tokens, recv.tokens).err().map(|e| e.to_string())
-        };
-        if let Some(why) = mismatch {
+        // A source offering into a request announced to it (it missed the
+        // announcement) replaces the announcement.
+        if let Some(sl) = slots.get_mut(id) {
+            self.unannounce_in(id, sl);
+        }
+        // A source offering something else into this request ends it: the
+        // decode side's waits fail now, with the reason, instead of at
+        // their own timeout.
+        if let Some(why) = mismatch(g, &recv, &o) {
             if let Some(sl) = slots.get_mut(id) {
                 self.end(id, sl, TransferState::Failed, Some(format!("refused the offer of `{peer}` (request `{}`): {why}", o.src_request)));
             }
             tracing::warn!(peer, slot, request = o.dst_request, why, "offer refused; the prepared receive fails");
             return Err(why);
         }
-        // Keys for this transfer alone (see `Slot::keys`).
-        let mut regions = Vec::new();
-        for (rank, rc) in &g.ranks {
-            for (region, r) in &rc.regions {
-                match self.register_region(r.mem.clone(), r.offset, r.len, Some(Grant { session, slot })) {
-                    Ok(w) => regions.push(PeerRegion { rank: *rank, region: *region, key: w.key, len: w.len }),
-                    Err(e) => {
-                        for r in &regions {
-                            self.revoke_key(r.key);
-                        }
-                        return Err(format!("{} cannot register the transfer's regions: {e}", self.cfg.node));
-                    }
-                }
-            }
-        }
-        let accept = Accept {
-            slot,
-            layout: g.layout_text.clone(),
-            format: g.format.id(),
-            num_blocks: g.num_blocks,
-            block_table: recv.block_table.clone(),
-            prefix_tokens: recv.prefix_tokens,
-            data_addr: self.rails[0].advertise.clone(),
-            rails: self.rails.iter().map(|r| RailAddr { name: r.name.clone(), addr: r.advertise.clone() }).collect(),
-            locality: self.rank_rails(g),
-            transport: self.ep.transport().as_str().into(),
-            regions,
-            stage_key: 0,
-            stage_len: 0,
-        };
+        let accept = self.accept_for(g, &recv, slot, session)?;
         if let Some(sl) = slots.get_mut(id) {
             sl.state = TransferState::Running;
             sl.keys = accept.regions.iter().map(|r| r.key).collect();
@@ -327,8 +326,8 @@ impl Daemon {
     /// registration, stages it, expects its bytes, and starts the receive
     /// thread, which waits for the manifest. Returns the staging buffer's
     /// key and size, and where the manifest goes.
-    fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide) -> Result<(u32, u64, Sender<Inbound>), Refusal> {
-        let mut r = self.receive_of(id, session, src)?;
+    pub(super) fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<(u32, u64, Sender<Inbound>), Refusal> {
+        let mut r = self.receive_of(id, session, src, announced)?;
         let n = r.model.layers.len();
         let c = &r.plan.counters;
         self.with_slot(id, |sl| sl.sized(n, c, r.schedule.wire_bytes()));
@@ -363,7 +362,7 @@ impl Daemon {
     /// Everything the receive thread needs, checked: the plan from both
     /// sides' layouts, what the manifest must claim, the schedule and its
     /// staging buffer.
-    fn receive_of(&self, id: SlotId, session: u64, (src_layout, src_num_blocks, src_table, codec): SourceSide) -> Result<Receive, Refusal> {
+    fn receive_of(&self, id: SlotId, session: u64, (src_layout, src_num_blocks, src_table, codec): SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
         let refuse = |m: String| Refusal::new(Code::TransferFailed, m);
         let recv = {
             let st = self.slots.lock().expect("slots lock");
@@ -380,16 +379,19 @@ impl Daemon {
         let expected = Expected::new(&identity, &model, &dst, &recv.request, recv.tokens, recv.prefix_tokens).map_err(|err| refuse(format!("registration: {err}")))?;
         let codec = codec.as_deref().map(Codec::parse).transpose().map_err(|err| refuse(err.to_string()))?;
         let schedule = Schedule::new(&model, &format, &plan, codec).map_err(|err| refuse(err.to_string()))?;
-        // Staged segments land in one buffer and are unpacked per layer.
-        let stage = match schedule.stage_bytes {
-            0 => None,
-            n => Some(
-                self.stage_pool
-                    .take(n)
-                    .map_err(|e| e.to_string())
-                    .and_then(|m| self.register_region(m, 0, n, Some(Grant { session, slot: id.slot })).map_err(|e| e.to_string()))
-                    .map_err(|err| refuse(format!("staging: {err}")))?,
-            ),
+        // Staged segments land in one buffer and are unpacked per layer:
+        // the one set aside at the announcement (as large as the payload,
+        // so it holds any schedule's), or a new one.
+        let stage = match announced {
+            Some(stage) => {
+                let have = stage.as_ref().map_or(0, |r| r.len);
+                if schedule.stage_bytes > have {
+                    self.drop_stage(stage);
+                    return Err(refuse(format!("the claim stages {} bytes, the announcement set {have} aside", schedule.stage_bytes)));
+                }
+                stage
+            }
+            None => self.stage_for(schedule.stage_bytes, session, id.slot).map_err(|err| refuse(format!("staging: {err}")))?,
         };
         Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, expected, regions, devices, stage })
     }
@@ -551,7 +553,7 @@ impl Daemon {
 
     /// Revokes a transfer's staging buffer (late writes to it fail) and
     /// hands its memory back to the pool.
-    fn drop_stage(&self, stage: Option<Arc<Region>>) {
+    pub(super) fn drop_stage(&self, stage: Option<Arc<Region>>) {
         if let Some(r) = stage {
             self.revoke_key(r.key);
             self.stage_pool.give(r, || self.keeping());
@@ -583,7 +585,7 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
 /// This side's plan of the transfer, from its own registration and the
 /// source's layout and block table.
 #[allow(clippy::too_many_arguments)] // both sides' layouts and tables, and the transport the plan's costs come from
-fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, src_layout: &LayoutSpec, src_num_blocks: u32, src_table: Vec<u32>, transport: TransportKind) -> Result<(Side, Plan), String> {
+pub(super) fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat, num_blocks: u32, recv: &PrepareReceive, src_layout: &LayoutSpec, src_num_blocks: u32, src_table: Vec<u32>, transport: TransportKind) -> Result<(Side, Plan), String> {
     let dst = Side::with_table(model, &layout, format, recv.tokens, recv.block_table.clone(), num_blocks).map_err(|e| e.to_string())?;
     let src = Side::with_table(model, src_layout, format, recv.tokens, src_table, src_num_blocks).map_err(|e| e.to_string())?;
     let input = PlanInput { model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::for_transport(transport) };

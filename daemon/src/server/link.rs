@@ -4,13 +4,14 @@
 //! can tell a dead source from a slow one, and an unanswered ping marks the
 //! destination lost.
 
+use super::announce::AnnounceBook;
 use crate::config::PeerConfig;
 use crate::peer::Sealed;
 use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
 use kvwire_transport::Credential;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Why an exchange with the destination failed.
@@ -44,10 +45,12 @@ pub(super) struct PeerLink {
     // transfer's share once it handed the connection back.
     frames_before: u64,
     frames_when_handed_back: AtomicU64,
+    // Where announcements the destination sends meanwhile go.
+    book: Arc<AnnounceBook>,
 }
 
 impl PeerLink {
-    pub fn new(stream: Sealed, session: SourceSession, peer: &PeerConfig, peer_timeout: Duration) -> PeerLink {
+    pub fn new(stream: Sealed, session: SourceSession, peer: &PeerConfig, peer_timeout: Duration, book: Arc<AnnounceBook>) -> PeerLink {
         let credential = stream.credential().clone();
         let frames_before = stream.frame_bytes();
         PeerLink {
@@ -60,6 +63,7 @@ impl PeerLink {
             ended: (Mutex::new(false), Condvar::new()),
             frames_before,
             frames_when_handed_back: AtomicU64::new(0),
+            book,
         }
     }
 
@@ -73,12 +77,20 @@ impl PeerLink {
         }
     }
 
-    /// Sends `m` and hands the answer to the session.
+    /// Sends `m` and hands the answer to the session. Announcements the
+    /// destination sent meanwhile (it saw the connection idle) are booked
+    /// on the way.
     pub fn exchange(&self, m: &PeerMsg) -> Result<SourceEvent, LinkError> {
         let mut c = self.conn.lock().expect("peer link lock");
         let (s, session) = &mut *c;
         let s = s.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
-        let answer = s.send(m).and_then(|()| s.recv()).map_err(|e| match e {
+        let answer = s.send(m).and_then(|()| loop {
+            match s.recv()? {
+                PeerMsg::Announce(a) => self.book.note(&self.peer, self.credential.session, a),
+                other => break Ok(other),
+            }
+        });
+        let answer = answer.map_err(|e| match e {
             e if e.is_timeout() => LinkError::Wire(format!("peer `{}` silent for {}s", self.peer, self.peer_timeout.as_secs())),
             e => LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)),
         })?;

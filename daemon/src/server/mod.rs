@@ -15,6 +15,7 @@
 //! thread unpacks, verifies and publishes each layer. Errors are
 //! [`error::Refusal`]s, turned into a reply and an abort in one place.
 
+mod announce;
 mod control;
 mod destination;
 mod device;
@@ -111,6 +112,10 @@ pub struct Daemon {
     workers: workers::Workers,
     // Layers engines announced as written, for streamed submits.
     produced: produced::Produced,
+    // Destination: authenticated peer connections, where announcements go.
+    outboxes: announce::Outboxes,
+    // Source: announcements heard, not yet claimed.
+    announcements: Arc<announce::AnnounceBook>,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -253,6 +258,8 @@ impl Daemon {
             data_conns: kept::Kept::new(KEEP_PER_KEY),
             workers: workers::Workers::default(),
             produced: produced::Produced::default(),
+            outboxes: announce::Outboxes::default(),
+            announcements: Arc::default(),
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();

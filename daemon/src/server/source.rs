@@ -21,7 +21,7 @@ use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_of, LayerChecksum, Manifest, Reading};
 use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Segment, Side};
 use kvwire_core::protocol::TransportKind;
-use kvwire_core::reuse::CacheIdentity;
+use kvwire_core::reuse::{check_prefix, CacheIdentity};
 use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
 use kvwire_core::session::msg::{Accept, Expect, Offer, RailAddr};
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
@@ -126,9 +126,27 @@ impl Daemon {
             src_num_blocks: g.num_blocks,
             src_block_table: s.block_table.clone(),
         };
-        let accept = self.negotiate(id, peer, offer, link)?;
+        // An idle kept connection first: what the destination announced on
+        // it is read on the way, and a request announced there is claimed
+        // with no round trip. Otherwise the offer, and its accept.
+        self.with_slot(id, |sl| sl.peer = peer.name.clone());
+        let key = (peer.name.clone(), peer.address.clone());
+        let kept = self.peer_conns.take(&key, |c| self.drain_announcements(&peer.name, c), PEER_CONN_WAIT);
+        let claimed = match kept {
+            Some(c) => self.claim_on(c, peer, &s, &g, codec, &offer, link),
+            None => Err(None),
+        };
+        let (accept, p) = match claimed {
+            Ok(x) => x,
+            Err(conn) => {
+                let accept = self.negotiate(peer, offer, link, conn)?;
+                // An announcement of this request that crossed the offer is stale now.
+                let _ = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request);
+                let p = plan_against(&g, &s, &accept, codec, self.ep.transport())?;
+                (accept, p)
+            }
+        };
         let l = link.as_ref().expect("negotiated").clone();
-        let p = plan_against(&g, &s, &accept, codec, self.ep.transport())?;
         if s.stream {
             return self.stream_source(id, stop, s, g, p, codec, accept, l);
         }
@@ -298,17 +316,13 @@ impl Daemon {
     }
 
     /// Negotiate: the offer out on an authenticated connection to `peer` —
-    /// an idle one kept from an earlier transfer, else a new one — and the
-    /// accept back. A kept connection the peer has since closed is replaced
-    /// by a new one.
-    fn negotiate(&self, id: SlotId, peer: &PeerConfig, offer: Offer, link: &mut Option<Arc<PeerLink>>) -> Result<Box<Accept>, Refusal> {
-        let timeouts = Timeouts {
-            reply: REPLY_TIMEOUT,
-            peer: Duration::from_secs(self.cfg.limits.peer_timeout_secs),
-            transfer: Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
-        };
-        self.with_slot(id, |sl| sl.peer = peer.name.clone());
-        let answer = match self.peer_conns.take(&(peer.name.clone(), peer.address.clone()), |_| true, PEER_CONN_WAIT) {
+    /// `kept`, an idle one kept from an earlier transfer, else a new one —
+    /// and the accept back. A kept connection the peer has since closed is
+    /// replaced by a new one.
+    fn negotiate(&self, peer: &PeerConfig, offer: Offer, link: &mut Option<Arc<PeerLink>>, kept: Option<Sealed>) -> Result<Box<Accept>, Refusal> {
+        let timeouts = self.peer_timeouts();
+        Metrics::add(&self.metrics.offered, 1);
+        let answer = match kept {
             Some(kept) => match self.offer_on(kept, peer, offer.clone(), timeouts, link) {
                 Err(LinkError::Wire(why)) => {
                     tracing::debug!(peer = peer.name, why, "kept peer connection is gone; connecting anew");
@@ -324,11 +338,54 @@ impl Daemon {
         }
     }
 
+    fn peer_timeouts(&self) -> Timeouts {
+        Timeouts {
+            reply: REPLY_TIMEOUT,
+            peer: Duration::from_secs(self.cfg.limits.peer_timeout_secs),
+            transfer: Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
+        }
+    }
+
+    /// Claims the request on kept connection `c` when the destination
+    /// announced it there, and this side's plan fits what it set aside
+    /// (each layer's bytes, the staging buffer): the claim goes out
+    /// unanswered, and the transfer is accepted already. Otherwise the
+    /// connection back for the offer (none when it failed); a claim the
+    /// destination would refuse (tokens, identity) is offered instead,
+    /// so the refusal comes back with its reason.
+    #[allow(clippy::too_many_arguments)] // the submit's parts
+    fn claim_on(&self, c: Sealed, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Planned), Option<Sealed>> {
+        let Some((session, ann)) = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request) else { return Err(Some(c)) };
+        if codec.is_some() || session != c.credential().session || ann.tokens != s.tokens {
+            return Err(Some(c));
+        }
+        if check_prefix(&ann.identity, &g.identity, ann.accept.prefix_tokens, s.tokens).is_err() {
+            return Err(Some(c));
+        }
+        let transport = self.ep.transport();
+        let Ok(p) = plan_against(g, s, &ann.accept, None, transport) else { return Err(Some(c)) };
+        let sends: Vec<u64> = p.schedule.layers.iter().map(|l| l.wire_bytes).collect();
+        if sends != ann.layer_bytes || p.schedule.stage_bytes > ann.accept.stage_len {
+            return Err(Some(c));
+        }
+        let timeouts = self.peer_timeouts();
+        let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err(Some(c)) };
+        let _ = c.stream().set_read_timeout(Some(REPLY_TIMEOUT));
+        let l = link.insert(Arc::new(PeerLink::new(c, session, peer, timeouts.peer, self.announcements.clone())));
+        if let Err(e) = l.send(&claim) {
+            tracing::debug!(peer = peer.name, error = %e, "kept peer connection is gone; offering on a new one");
+            *link = None;
+            return Err(None);
+        }
+        Metrics::add(&self.metrics.claimed, 1);
+        Ok((Box::new(ann.accept), p))
+    }
+
     /// Opens the transfer's session on `stream` and sends its offer.
     fn offer_on(&self, stream: Sealed, peer: &PeerConfig, offer: Offer, timeouts: Timeouts, link: &mut Option<Arc<PeerLink>>) -> Result<SourceEvent, LinkError> {
         let _ = stream.stream().set_read_timeout(Some(REPLY_TIMEOUT));
         let (session, first) = SourceSession::start(Instant::now(), offer, self.ep.transport(), timeouts);
-        link.insert(Arc::new(PeerLink::new(stream, session, peer, timeouts.peer))).exchange(&first)
+        link.insert(Arc::new(PeerLink::new(stream, session, peer, timeouts.peer, self.announcements.clone()))).exchange(&first)
     }
 
     /// Connects to `peer` and authenticates both ways; the peer must be

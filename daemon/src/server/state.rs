@@ -216,7 +216,17 @@ pub(crate) struct Slot {
     pub started: Instant,
     pub elapsed: Option<Duration>,
     pub recv: Option<PrepareReceive>,
+    // Destination: announced to its source and not claimed yet.
+    pub announced: Option<Announced>,
     pub stop: Arc<AtomicBool>,
+}
+
+/// What an announced receive holds until its source claims it: the
+/// session its keys (in `Slot::keys`) are granted to, and the staging
+/// buffer set aside. Each layer's bytes are declared in the placement.
+pub(crate) struct Announced {
+    pub session: u64,
+    pub stage: Option<Arc<Region>>,
 }
 
 impl Slot {
@@ -245,6 +255,7 @@ impl Slot {
             started: Instant::now(),
             elapsed: None,
             recv,
+            announced: None,
             stop,
         }
     }

@@ -113,6 +113,9 @@ impl Daemon {
         for key in std::mem::take(&mut s.keys) {
             self.revoke_key(key);
         }
+        if let Some(a) = s.announced.take() {
+            self.drop_stage(a.stage);
+        }
         if state != TransferState::Done {
             self.fail_flags(id.slot);
         }

@@ -137,7 +137,7 @@ fn remapped_transfer_between_two_daemons_is_exact() {
         m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
     }
     let slot = cb
-        .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
     let Submitted { slot: sslot, peer_slot, bytes, .. } = submit(&ca, &ss, tokens, "r1").unwrap();
     assert_eq!(peer_slot, slot);
@@ -208,7 +208,7 @@ fn wrong_secret_is_refused_and_the_daemon_keeps_serving() {
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let _src = register(&ca, "prefill", SRC, &ss, None, identity());
     let _dst = register(&cb, "decode", DST, &ds, None, identity());
-    cb.prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+    cb.prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
     let e = submit(&ca, &ss, tokens, "r").unwrap_err();
     assert!(matches!(&e, ClientError::Daemon { code: 202, .. }), "{e}");
@@ -229,7 +229,7 @@ fn identity_mismatch_is_refused_by_field() {
     let _src = register(&ca, "prefill", SRC, &ss, None, other);
     let _dst = register(&cb, "decode", DST, &ds, None, identity());
     let slot = cb
-        .prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
     let e = submit(&ca, &ss, tokens, "r").unwrap_err();
     assert!(e.to_string().contains("adapter digest mismatch"), "{e}");
@@ -354,7 +354,7 @@ fn transfer_exact(ca: &Client, cb: &Client, ss: &Side, ds: &Side, dst: &Side_, t
         m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
     }
     let slot = cb
-        .prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
     let sslot = submit(ca, ss, tokens, request).unwrap().slot;
     cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
@@ -379,7 +379,7 @@ fn a_client_touches_only_the_groups_and_transfers_it_registered() {
     let dst = register(&cb, "decode", DST, &ds, None, identity());
 
     denied(xb.release("decode", 0), "release of another client's rank");
-    let prep = PrepareReceive { group: "decode".into(), request: "x".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 };
+    let prep = PrepareReceive { group: "decode".into(), request: "x".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None };
     denied(xb.prepare(prep.clone()), "prepare into another client's group");
     denied(submit(&xa, &ss, tokens, "x"), "submit of another client's group");
     let slot = cb.prepare(prep).unwrap();
@@ -416,7 +416,7 @@ fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
     let ds = side(DST, tokens);
     let _dst = register(&cb, "decode", DST, &ds, None, identity());
     let slot = cb
-        .prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "decode".into(), request: "r".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
     // An authenticated peer that never offered anything.
     let mut s = std::net::TcpStream::connect(&b.peer).unwrap();
@@ -476,7 +476,7 @@ fn limits_are_enforced_by_name_and_what_is_registered_keeps_working() {
     limit(reg("fat", group_bytes * 2), "limits.max_memory_bytes");
     // Two receives in flight, not three.
     let prep = |request: &str| {
-        cb.prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        cb.prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
     };
     let s1 = prep("p1").unwrap();
     let _s2 = prep("p2").unwrap();
@@ -485,4 +485,94 @@ fn limits_are_enforced_by_name_and_what_is_registered_keeps_working() {
     cb.cancel(_s2).unwrap();
     // The refusals cost nothing already registered: a transfer is exact.
     transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "after");
+}
+
+/// A count of `kvwire_starts_total` in `stats`.
+fn starts(stats: &str, node: &str, how: &str) -> u64 {
+    let key = format!("kvwire_starts_total{{node=\"{node}\",how=\"{how}\"}} ");
+    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+}
+
+#[test]
+fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back_to_the_offer() {
+    let dir = TempDir::new("announce");
+    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    let tokens = 100;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let src_bytes = verify::fill_source(&model(), &ss, tokens);
+    let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
+    let dst = register(&cb, "decode", DST, &ds, None, identity());
+    let canary = || {
+        for m in &dst.mems {
+            m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
+        }
+    };
+    let prepare = |request: &str, tokens: u64| {
+        let p = PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: Some("a".into()) };
+        cb.prepare_announced(p).unwrap()
+    };
+    let moved = |slot: u16, request: &str| {
+        let sslot = submit(&ca, &ss, tokens, request).unwrap().slot;
+        cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+        ca.wait(sslot, FlagName::DecoderUsable, WAIT).unwrap();
+        assert!(read_back(&dst) == verify::expected_destination(&model(), &ds, tokens, 0), "destination bytes differ ({request})");
+    };
+
+    // `a` has no connection here yet: nothing to announce on, so it offers.
+    canary();
+    let (slot, told) = prepare("r1", tokens);
+    let why = told.expect("the prepare named a source").expect_err("announced with no connection");
+    assert!(why.contains("no connection from `a`"), "{why}");
+    moved(slot, "r1");
+    // Its connection is idle here now: the next receive is announced, and
+    // the submit claims it.
+    canary();
+    let (slot, told) = prepare("r2", tokens);
+    assert_eq!(told, Some(Ok(())));
+    moved(slot, "r2");
+    let (sa, sb) = (ca.stats().unwrap(), cb.stats().unwrap());
+    assert_eq!((starts(&sa, "a", "offered"), starts(&sa, "a", "claimed"), starts(&sb, "b", "announced")), (1, 1, 1));
+
+    // Announced for another token count: the source sees it will not fit
+    // and offers instead, and hears why from the destination, whose
+    // prepared receive fails with it.
+    let (slot, told) = prepare("r3", tokens + 1);
+    assert_eq!(told, Some(Ok(())));
+    let e = submit(&ca, &ss, tokens, "r3").unwrap_err().to_string();
+    assert!(e.contains("offer has 100 tokens, the prepared request 101"), "{e}");
+    let st = cb.status(slot).unwrap();
+    assert_eq!(st.state, TransferState::Failed);
+    assert!(st.error.as_deref().unwrap_or("").contains("offer has 100 tokens"), "{st:?}");
+
+    // A failed transfer's connection is not kept: the next one offers on a
+    // new connection, after which announcements have somewhere to go again.
+    canary();
+    let (slot, told) = prepare("r4", tokens);
+    assert!(told.is_some_and(|t| t.is_err()));
+    moved(slot, "r4");
+
+    // Announced, then cancelled before the submit: the claim is refused,
+    // no byte lands, and the source names the refusal.
+    canary();
+    let before = read_back(&dst);
+    let (slot, told) = prepare("r5", tokens);
+    assert_eq!(told, Some(Ok(())));
+    cb.cancel(slot).unwrap();
+    let failed = match submit(&ca, &ss, tokens, "r5") {
+        Err(e) => e.to_string(),
+        Ok(s) => {
+            assert!(ca.wait(s.slot, FlagName::DecoderUsable, WAIT).is_err());
+            ca.status(s.slot).unwrap().error.unwrap_or_default()
+        }
+    };
+    assert!(failed.contains("not announced to this connection now") || failed.contains("not prepared"), "{failed}");
+    assert!(read_back(&dst) == before, "a cancelled receive was written");
+
+    // And the next transfer is exact, however it starts.
+    canary();
+    let (slot, _) = prepare("r6", tokens);
+    moved(slot, "r6");
 }

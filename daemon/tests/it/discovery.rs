@@ -215,7 +215,7 @@ fn daemons_register_in_etcd_and_transfer_by_name() {
         m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
     }
     let slot = cb
-        .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
     let Submitted { slot: sslot, peer_slot, .. } = submit_to(&ca, "b", &ss, tokens, "r1").unwrap();
     assert_eq!(peer_slot, slot);

@@ -17,7 +17,7 @@ const SECRET: &str = "a-secret-of-at-least-16-bytes";
 /// into the blocks of `s`.
 fn prepare(c: &Client, s: &kvwire_core::plan::Side, tokens: u64, group: &str, request: &str) -> Result<u16, kvwire_client::client::ClientError> {
     use kvwire_client::control::PrepareReceive;
-    c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0 })
+    c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0, source: None })
 }
 
 /// Open descriptors of process `pid`.
@@ -550,5 +550,89 @@ fn the_peer_and_data_ports_cap_connections_still_in_their_handshake() {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}
+
+/// An announcement goes only to the node the prepare names, on one of its
+/// idle connections, and only that connection may claim it, in that
+/// preparation, for that request, with an offer that fits: each other
+/// claim is refused by name and leaves the receive as it was; a claim that
+/// does not fit fails it, with why.
+#[test]
+fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_client::control::{PrepareReceive, TransferState};
+    use kvwire_core::session::msg::{Claim, Offer, PeerMsg};
+    use kvwired::peer::{connect_auth, Sealed};
+    let dir = TempDir::new("hostile-claim");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let c = Client::connect(&d.socket, "victim").unwrap();
+    let tokens = 20;
+    let s = side(crate::daemons::DST, tokens);
+    let id = identity_of("toy-digest", "t1");
+    let victim = register(&c, "g", crate::daemons::DST, &s, None, id.clone());
+    let before = snapshot(&victim);
+    let open = |node: &str| {
+        let mut pc = std::net::TcpStream::connect(&d.peer).unwrap();
+        let (_, cred) = connect_auth(&mut pc, SECRET.as_bytes(), node).unwrap();
+        let mut sealed = Sealed::new(pc, cred, true);
+        // Answered: the daemon serves the connection from here on.
+        sealed.send(&PeerMsg::Ping).unwrap();
+        assert_eq!(sealed.recv().unwrap(), PeerMsg::Pong);
+        sealed.stream().set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        sealed
+    };
+    let (mut one, mut two, mut other) = (open("holder"), open("holder"), open("bystander"));
+    let prep = |request: &str| PrepareReceive { group: "g".into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0, source: Some("holder".into()) };
+    let (slot, told) = c.prepare_announced(prep("r")).unwrap();
+    assert_eq!(told, Some(Ok(())));
+    // On the newest idle connection of the node named, and on no other.
+    let PeerMsg::Announce(ann) = two.recv().unwrap() else { panic!("no announcement") };
+    assert_eq!((ann.accept.slot, ann.request.as_str(), ann.tokens), (slot, "r", tokens));
+    for c in [&one, &other] {
+        assert_eq!(c.pending().unwrap(), false, "an announcement on another connection");
+    }
+    let offer = Offer {
+        dst_group: "g".into(),
+        dst_request: "r".into(),
+        src_request: "x".into(),
+        identity: id.clone(),
+        tokens,
+        codec: None,
+        src_layout: crate::daemons::SRC.into(),
+        src_num_blocks: side(crate::daemons::SRC, tokens).num_blocks,
+        src_block_table: side(crate::daemons::SRC, tokens).block_table,
+    };
+    let claim = |gen: u64, o: &Offer| PeerMsg::Claim(Claim { slot, gen, offer: o.clone() });
+    let refused = |c: &mut Sealed, m: PeerMsg, why: &str| {
+        c.send(&m).unwrap();
+        match c.recv().unwrap() {
+            PeerMsg::Refused { reason } => assert!(reason.contains(why), "{reason}"),
+            m => panic!("{m:?}"),
+        }
+    };
+    // Another connection of the same node, another node, an earlier
+    // preparation, another request: refused, the receive untouched.
+    refused(&mut one, claim(ann.gen, &offer), "not announced to this connection");
+    refused(&mut other, claim(ann.gen, &offer), "not announced to this connection");
+    refused(&mut two, claim(ann.gen - 1, &offer), "not announced to this connection");
+    refused(&mut two, claim(ann.gen, &Offer { dst_request: "q".into(), ..offer.clone() }), "names request `q`");
+    assert_eq!(c.status(slot).unwrap().state, TransferState::Prepared);
+    // A coded claim (a coded transfer must offer): refused, and the receive fails.
+    refused(&mut two, claim(ann.gen, &Offer { codec: Some("fp8".into()), ..offer.clone() }), "no codec");
+    assert_eq!(c.status(slot).unwrap().state, TransferState::Failed);
+    // A cache that is not the one this side holds: refused by field, and
+    // the receive fails with it.
+    let (slot, told) = c.prepare_announced(prep("r2")).unwrap();
+    assert_eq!(told, Some(Ok(())));
+    let PeerMsg::Announce(ann) = two.recv().unwrap() else { panic!("no announcement") };
+    let wrong = Offer { dst_request: "r2".into(), identity: identity_of("another-digest", "t1"), ..offer.clone() };
+    let m = PeerMsg::Claim(Claim { slot, gen: ann.gen, offer: wrong });
+    refused(&mut two, m, "model digest mismatch");
+    let st = c.status(slot).unwrap();
+    assert_eq!(st.state, TransferState::Failed);
+    assert!(st.error.as_deref().unwrap_or("").contains("refused the claim of `holder`"), "{st:?}");
+    assert_eq!(snapshot(&victim), before);
+    drop((one, two, other));
     assert!(Client::connect(&d.socket, "still").is_ok());
 }

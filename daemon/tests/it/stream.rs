@@ -47,7 +47,7 @@ fn sides(p: &Pair, tokens: u64, filled: bool) -> (Side_, Side_, Buffers) {
 }
 
 fn prepare(p: &Pair, dst: &Side_, request: &str, tokens: u64) -> u16 {
-    p.cb.prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: dst.side.block_table.clone(), tokens, prefix_tokens: 0 }).unwrap()
+    p.cb.prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: dst.side.block_table.clone(), tokens, prefix_tokens: 0, source: None }).unwrap()
 }
 
 /// The engine's forward pass reaching layer `layer` on `rank`: its bytes

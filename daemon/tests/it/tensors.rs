@@ -173,7 +173,7 @@ fn transfer(name: &str, src_e: Engine, dst_e: Engine, tokens: u64) {
         let row: Vec<u8> = (0..DIM * 2).map(|i| code(l, kv, p, h, i)).collect();
         src.mems[rank][mem].write(off, &row).unwrap();
     }
-    let slot = cb.prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: dst.table.clone(), tokens, prefix_tokens: 0 }).unwrap();
+    let slot = cb.prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: dst.table.clone(), tokens, prefix_tokens: 0, source: None }).unwrap();
     let sub = ca
         .submit(Submit {
             request: "p-r1".into(),

@@ -572,7 +572,7 @@ fn a_client_dying_mid_transfer_releases_its_regions_and_nothing_else_is_affected
     reg(&dying, "dst", &dst_mem);
     let table: Vec<u32> = (0..256).collect();
     let slot = dying
-        .prepare(PrepareReceive { group: "dst".into(), request: "r".into(), block_table: table.clone(), tokens, prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "dst".into(), request: "r".into(), block_table: table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
     drop(dying);
     // Its group is gone: the source is refused or fails cleanly, never "done".
@@ -1032,7 +1032,7 @@ mod gpu {
         let table: Vec<u32> = (0..BLOCKS).collect();
         let dslot = p
             .cb
-            .prepare(PrepareReceive { group: "gdst".into(), request: "big".into(), block_table: table.clone(), tokens, prefix_tokens: 0 })
+            .prepare(PrepareReceive { group: "gdst".into(), request: "big".into(), block_table: table.clone(), tokens, prefix_tokens: 0, source: None })
             .unwrap();
         let t = Instant::now();
         let Submitted { slot: sslot, bytes: moved, .. } = p

@@ -179,7 +179,7 @@ fn first_difference(a: &[u8], b: &[u8]) -> Option<usize> {
 /// `src_group` (identity table) from `ca`: (source slot, destination slot).
 fn start(ca: &Client, cb: &Client, peer: &str, c: &Cache, src_group: &str, request: &str, table: &[u32]) -> (u16, u16) {
     let dslot = cb
-        .prepare(PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.to_vec(), tokens: c.tokens(), prefix_tokens: 0 })
+        .prepare(PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.to_vec(), tokens: c.tokens(), prefix_tokens: 0, source: None })
         .unwrap();
     let Submitted { slot: sslot, peer_slot, bytes, .. } = ca
         .submit(Submit {
