@@ -448,6 +448,28 @@ kvw_result kvw_prepare_receive(const struct kvw_client *client,
                                uint64_t prefix_tokens,
                                uint16_t *out_slot);
 
+// As [`kvw_prepare_receive`], for a request that daemon `source` (its
+// node name; NULL for none) will fill: this daemon announces the receive
+// to it ahead, so its submit starts writing with no round trip to ask
+// where the bytes go. Best effort: writes 1 to `out_announced` when
+// `source` was told, 0 when not (it had no connection here yet, the
+// request is above `transport.announce_max_bytes`; the daemon logs why),
+// and the transfer then starts with the source's offer as usual.
+//
+// # Safety
+// As [`kvw_prepare_receive`]; `source` NULL or NUL-terminated;
+// `out_announced` NULL or writable.
+kvw_result kvw_prepare_receive_from(const struct kvw_client *client,
+                                    const char *group,
+                                    const char *request,
+                                    const uint32_t *block_table,
+                                    size_t n,
+                                    uint64_t tokens,
+                                    uint64_t prefix_tokens,
+                                    const char *source,
+                                    uint16_t *out_slot,
+                                    int *out_announced);
+
 // Starts moving request `request` (`tokens` long, in the blocks
 // `block_table[0..n]` of local group `group`) to the request `dst_request`
 // that daemon `peer` prepared in its group `dst_group`. Writes this

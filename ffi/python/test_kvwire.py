@@ -299,6 +299,19 @@ def test_transfer_every_layer_and_every_byte(d):
                 bad = [i for i in range(len(got)) if got[i] != want[rank][i]]
                 raise AssertionError("rank %d: %d bytes differ, first at %d" % (rank, len(bad), bad[0]))
 
+        # Prepared naming its source: A's connection is idle at B now, so the
+        # receive is announced and A's submit claims it; the same bytes land.
+        for m in dst:
+            m.fill(CANARY)
+        slot, announced = b.prepare_announced("py-decode", "r1b", DST["table"], TOKENS, source=a.node)
+        assert announced, "not announced to %s" % a.node
+        sslot, peer_slot = a.submit("p1b", "py-prefill", SRC["table"], TOKENS, d.peer_b, "py-decode", "r1b")
+        assert peer_slot == slot, (peer_slot, slot)
+        b.decoder_usable(slot, timeout_ms=20000)
+        a.decoder_usable(sslot, timeout_ms=20000)
+        for rank, m in enumerate(dst):
+            assert m.read() == bytes(want[rank]), "rank %d differs after the announced transfer" % rank
+
         for rank in range(SRC["tp"]):
             a.release_cache("py-prefill", rank)
         for rank in range(DST["tp"]):

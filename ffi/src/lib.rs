@@ -58,4 +58,4 @@ pub use layout::kvw_cache_size;
 pub use mem::{kvw_mem, kvw_mem_free, kvw_mem_len, kvw_mem_new, kvw_mem_ptr};
 pub use message::{kvw_client_last_error, kvw_last_error, kvw_strerror};
 pub use register::{kvw_register_cache, kvw_register_device_cache, kvw_register_tensors};
-pub use transfer::{kvw_cancel, kvw_is_ready, kvw_prepare_receive, kvw_release_cache, kvw_share_group, kvw_produced, kvw_status, kvw_status_json, kvw_submit, kvw_submit_streamed, kvw_wait};
+pub use transfer::{kvw_cancel, kvw_is_ready, kvw_prepare_receive, kvw_prepare_receive_from, kvw_release_cache, kvw_share_group, kvw_produced, kvw_status, kvw_status_json, kvw_submit, kvw_submit_streamed, kvw_wait};

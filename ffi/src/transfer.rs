@@ -11,7 +11,7 @@ use crate::kvw_client;
 use kvwire_client::client::ClientError;
 use kvwire_client::control::{FlagName, PrepareReceive, Submit, TransferState, FLAG_SLOTS, MAX_TRANSFER_LAYERS};
 use kvwire_transport::flags::WaitError;
-use std::ffi::c_char;
+use std::ffi::{c_char, c_int};
 use std::time::Duration;
 
 /// Prepares destination group `group` to receive request `request` into
@@ -39,10 +39,40 @@ pub unsafe extern "C" fn kvw_prepare_receive(
     prefix_tokens: u64,
     out_slot: *mut u16,
 ) -> kvw_result {
+    // SAFETY: forwarded caller contract; no source, no announcement.
+    unsafe { kvw_prepare_receive_from(client, group, request, block_table, n, tokens, prefix_tokens, std::ptr::null(), out_slot, std::ptr::null_mut()) }
+}
+
+/// As [`kvw_prepare_receive`], for a request that daemon `source` (its
+/// node name; NULL for none) will fill: this daemon announces the receive
+/// to it ahead, so its submit starts writing with no round trip to ask
+/// where the bytes go. Best effort: writes 1 to `out_announced` when
+/// `source` was told, 0 when not (it had no connection here yet, the
+/// request is above `transport.announce_max_bytes`; the daemon logs why),
+/// and the transfer then starts with the source's offer as usual.
+///
+/// # Safety
+/// As [`kvw_prepare_receive`]; `source` NULL or NUL-terminated;
+/// `out_announced` NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn kvw_prepare_receive_from(
+    client: *const kvw_client,
+    group: *const c_char,
+    request: *const c_char,
+    block_table: *const u32,
+    n: usize,
+    tokens: u64,
+    prefix_tokens: u64,
+    source: *const c_char,
+    out_slot: *mut u16,
+    out_announced: *mut c_int,
+) -> kvw_result {
     client_guard(client, |c| {
         // SAFETY: forwarded caller contract.
         let (group, request, block_table) =
             unsafe { (text(group, "group")?, text(request, "request")?, table(block_table, n)?) };
+        // SAFETY: NULL or NUL-terminated per the contract.
+        let source = if source.is_null() { None } else { Some(unsafe { text(source, "source")? }) };
         let out_slot = out(out_slot, "out_slot")?;
         let p: PrepareReceive = self::request(serde_json::json!({
             "group": group,
@@ -50,13 +80,18 @@ pub unsafe extern "C" fn kvw_prepare_receive(
             "block_table": block_table,
             "tokens": tokens,
             "prefix_tokens": prefix_tokens,
+            "source": source,
         }))?;
-        let slot = {
+        let (slot, told) = {
             let _call = lock(&c.call);
-            c.client.prepare(p)?
+            c.client.prepare_announced(p)?
         };
         // SAFETY: checked non-NULL; writable per the contract.
         unsafe { *out_slot = slot };
+        if !out_announced.is_null() {
+            // SAFETY: non-NULL, writable per the contract.
+            unsafe { *out_announced = c_int::from(matches!(told, Some(Ok(())))) };
+        }
         Ok(())
     })
 }

@@ -150,7 +150,7 @@ _register_device_tensors = _sig(
     "kvw_register_device_tensors",
     _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _c, _c, _P(ctypes.c_int), _sz, _P(_u32), _P(_u64), _P(ctypes.c_bool),
 )
-_prepare = _sig("kvw_prepare_receive", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _u64, _P(_u16))
+_prepare = _sig("kvw_prepare_receive_from", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _u64, _c, _P(_u16), _P(ctypes.c_int))
 _submit = _sig("kvw_submit", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
 _submit_streamed = _sig("kvw_submit_streamed", _u32, _vp, _c, _c, _P(_u32), _sz, _u64, _c, _c, _c, _P(_u16), _P(_u16))
 _produced = _sig("kvw_produced", _u32, _vp, _c, _c, _u32, _u16)
@@ -418,12 +418,23 @@ class Client(_Handle):
         )
         return regions.value, nbytes.value, complete.value
 
-    def prepare_receive(self, group: str, request: str, block_table: Sequence[int], tokens: int, prefix_tokens: int = 0) -> int:
-        """Prepares to receive ``request``; returns the slot to wait on."""
+    def prepare_receive(self, group: str, request: str, block_table: Sequence[int], tokens: int, prefix_tokens: int = 0, source: Optional[str] = None) -> int:
+        """Prepares to receive ``request``; returns the slot to wait on.
+        Naming the ``source`` node that will fill it lets this daemon
+        announce the receive to it ahead (see :meth:`prepare_announced`)."""
+        return self.prepare_announced(group, request, block_table, tokens, prefix_tokens, source)[0]
+
+    def prepare_announced(self, group: str, request: str, block_table: Sequence[int], tokens: int, prefix_tokens: int = 0, source: Optional[str] = None) -> Tuple[int, bool]:
+        """As :meth:`prepare_receive`; returns ``(slot, announced)``.
+        ``announced``: the ``source`` node was told ahead, so its submit
+        starts writing with no round trip. Best effort: when False (no
+        connection from it yet, a request above the daemon's
+        ``transport.announce_max_bytes``) the source offers, as without one."""
         arr, n = _table(block_table)
-        slot = _u16(0)
-        self._call(_prepare, _b(group), _b(request), arr, n, tokens, prefix_tokens, ctypes.byref(slot))
-        return slot.value
+        slot, told = _u16(0), ctypes.c_int(0)
+        src = _b(source) if source is not None else None
+        self._call(_prepare, _b(group), _b(request), arr, n, tokens, prefix_tokens, src, ctypes.byref(slot), ctypes.byref(told))
+        return slot.value, bool(told.value)
 
     def submit(self, request: str, group: str, block_table: Sequence[int], tokens: int, peer: str, dst_group: str, dst_request: str, stream: bool = False) -> Tuple[int, int]:
         """Starts a transfer; returns ``(slot, peer_slot)``. With ``stream``,

@@ -279,6 +279,33 @@ static void test_transfer(const char *sock_a, const char *sock_b, const char *pe
   CHECK(bad == 0, "%zu destination bytes differ, first at %zu (got %02x want %02x)", bad, first_bad, d[first_bad],
         want[first_bad]);
 
+  /* Prepared naming its source: A's peer connection is idle at B now, so
+   * B announces the receive to A, whose submit claims it with no round
+   * trip; the bytes are the same. */
+  char node_a[KVW_MESSAGE_MAX];
+  REQUIRE(kvw_client_node(a, node_a, sizeof node_a, &n) == KVW_OK, "A's node");
+  memset(d, CANARY, (size_t)dst_bytes);
+  int announced = -1;
+  r = kvw_prepare_receive_from(b, "decode", "r1b", DST_TABLE, sizeof DST_TABLE / sizeof DST_TABLE[0], TOKENS, 0, node_a,
+                               &slot, &announced);
+  REQUIRE(r == KVW_OK, "prepare naming the source: %u %s", r, client_error(b));
+  CHECK(announced == 1, "announced to %s: %d", node_a, announced);
+  r = kvw_submit(a, "p1b", "prefill", SRC_TABLE, sizeof SRC_TABLE / sizeof SRC_TABLE[0], TOKENS, peer_b, "decode", "r1b",
+                 &sslot, &peer_slot);
+  REQUIRE(r == KVW_OK, "submit into the announced receive: %u %s", r, client_error(a));
+  CHECK(peer_slot == slot, "peer slot %u, prepared slot %u", peer_slot, slot);
+  r = kvw_wait(b, slot, KVW_FLAG_DECODER_USABLE, 0, 20000, &ns);
+  CHECK(r == KVW_OK, "decoder_usable (announced): %u %s", r, client_error(b));
+  r = kvw_wait(a, sslot, KVW_FLAG_DECODER_USABLE, 0, 20000, &ns);
+  CHECK(r == KVW_OK, "source decoder_usable (announced): %u %s", r, client_error(a));
+  CHECK(memcmp(d, want, (size_t)dst_bytes) == 0, "destination bytes of the announced transfer differ");
+  uint16_t slot3 = 0;
+  CHECK(kvw_prepare_receive_from(b, "decode", "r1c", DST_TABLE, 4, TOKENS, 0, node_a, &slot3, NULL) == KVW_OK,
+        "out_announced may be NULL: %s", client_error(b));
+  CHECK(kvw_cancel(b, slot3) == KVW_OK, "cancel the announced receive: %s", client_error(b));
+  CHECK(kvw_prepare_receive_from(b, "decode", "r1d", DST_TABLE, 4, TOKENS, 0, node_a, NULL, &announced) == KVW_NULL_ARGUMENT,
+        "NULL out_slot");
+
   /* A flag that does not come: timeout, then cancel → cancelled. */
   uint16_t slot2 = 0;
   r = kvw_prepare_receive(b, "decode", "r2", DST_TABLE, 4, TOKENS, 0, &slot2);
