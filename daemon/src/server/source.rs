@@ -165,7 +165,7 @@ impl Daemon {
         // bytes already move (the destination verifies a layer once both
         // are in).
         let beside = self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes;
-        if let Err(r) = self.expect_and_beat(id, &g, &s, &p, codec, &accept, src_stage.as_deref(), beside, &l) {
+        if let Err(r) = self.expect(id, &g, &s, &p, codec, &accept, src_stage.as_deref(), beside, &l) {
             self.drop_src_stage(src_stage);
             return Err(r);
         }
@@ -225,20 +225,16 @@ impl Daemon {
         rx
     }
 
-    /// The manifest out (checksums in it, or to follow per layer when the
-    /// transfer streams), then the heartbeat: from here the destination
-    /// waits for bytes, so keep it told that this side is alive, and learn
-    /// at once if it is not.
+    /// The manifest out: checksums in it, or to follow per layer when the
+    /// transfer streams or hashes beside the wire. From here the
+    /// destination waits for bytes; the heartbeat starts with the
+    /// transfer thread ([`Daemon::post`]).
     #[allow(clippy::too_many_arguments)] // the phases' inputs
-    fn expect_and_beat(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, sums_follow: bool, l: &Arc<PeerLink>) -> Result<(), Refusal> {
+    fn expect(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, sums_follow: bool, l: &Arc<PeerLink>) -> Result<(), Refusal> {
         let manifest = self.manifest(id, g, p, &s.dst_request, codec, stage, sums_follow)?;
         let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: sums_follow };
         l.send_expect(expect, p.schedule.stage_bytes)?;
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
-        let beat = l.clone();
-        self.workers
-            .spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked"))
-            .map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the heartbeat thread: {e}")))?;
         Ok(())
     }
 
@@ -250,7 +246,7 @@ impl Daemon {
     /// transfer timeout.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
-        self.expect_and_beat(id, &g, &s, &p, codec, &accept, None, true, &l)?;
+        self.expect(id, &g, &s, &p, codec, &accept, None, true, &l)?;
         let src_stage = self.stage_buffer(stage_needed(&p, codec))?;
         let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
@@ -639,6 +635,15 @@ impl Daemon {
             }
         }, on_panic);
         spawned.map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the transfer thread: {e}")))?;
+        // The heartbeat keeps the destination told that this side is alive
+        // while bytes flow, and learns at once when it is not. Started
+        // after the transfer thread: its start is not on the bytes' path.
+        let beat = link.clone();
+        if let Err(e) = self.workers.spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked")) {
+            let why = format!("cannot start the heartbeat thread: {e}");
+            self.fail(id, &why);
+            return Err(Refusal::new(Code::TransferFailed, why));
+        }
         Ok(reply)
     }
 
