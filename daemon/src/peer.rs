@@ -165,9 +165,10 @@ impl Tx {
 pub struct Outbox(Arc<Mutex<Tx>>);
 
 impl Outbox {
-    /// Sends one sealed message, after those already sent.
-    pub fn send(&self, m: &PeerMsg) -> Result<(), WireError> {
-        self.0.lock().expect("peer send lock").send(m, |_| ())
+    /// Sends one sealed message, after those already sent, first telling
+    /// `before` its size on the wire.
+    pub fn send_counted(&self, m: &PeerMsg, before: impl FnOnce(u64)) -> Result<(), WireError> {
+        self.0.lock().expect("peer send lock").send(m, before)
     }
 }
 

@@ -79,33 +79,41 @@ impl Outboxes {
     }
 }
 
+/// An announcement a source heard: on which connection (its keys are
+/// granted to that session alone), and its sealed frame's bytes, which
+/// count toward the transfer into the request it announces.
+pub(super) struct Heard {
+    pub session: u64,
+    pub bytes: u64,
+    pub announce: Announce,
+}
+
 /// Announcements a source heard and has not claimed, by (peer, group,
-/// request), with the session of the connection each came on: its keys
-/// are granted to that session alone.
+/// request).
 #[derive(Default)]
 pub(super) struct AnnounceBook {
-    map: Mutex<HashMap<(String, String, String), (u64, u64, Announce)>>,
+    map: Mutex<HashMap<(String, String, String), (u64, Heard)>>,
     seq: AtomicU64,
 }
 
 impl AnnounceBook {
-    /// Books `a` from `peer` on connection `session`; a newer one for the
-    /// same request replaces it, and past [`BOOK_MAX`] the oldest goes.
-    pub fn note(&self, peer: &str, session: u64, a: Announce) {
+    /// Books `h` from `peer`; a newer one for the same request replaces
+    /// it, and past [`BOOK_MAX`] the oldest goes.
+    pub fn note(&self, peer: &str, h: Heard) {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let mut m = self.map.lock().expect("announce book lock");
-        m.insert((peer.to_string(), a.group.clone(), a.request.clone()), (seq, session, a));
+        m.insert((peer.to_string(), h.announce.group.clone(), h.announce.request.clone()), (seq, h));
         if m.len() > BOOK_MAX {
-            if let Some(oldest) = m.iter().min_by_key(|(_, (seq, _, _))| *seq).map(|(k, _)| k.clone()) {
+            if let Some(oldest) = m.iter().min_by_key(|(_, (seq, _))| *seq).map(|(k, _)| k.clone()) {
                 m.remove(&oldest);
             }
         }
     }
 
     /// Takes the announcement of `peer`'s request `request` of `group`.
-    pub fn take(&self, peer: &str, group: &str, request: &str) -> Option<(u64, Announce)> {
+    pub fn take(&self, peer: &str, group: &str, request: &str) -> Option<Heard> {
         let mut m = self.map.lock().expect("announce book lock");
-        m.remove(&(peer.to_string(), group.to_string(), request.to_string())).map(|(_, session, a)| (session, a))
+        m.remove(&(peer.to_string(), group.to_string(), request.to_string())).map(|(_, h)| h)
     }
 }
 
@@ -215,7 +223,8 @@ impl Daemon {
             PeerMsg::Announce(Announce { group: recv.group.clone(), request: recv.request.clone(), gen: id.gen, tokens: recv.tokens, identity: g.identity.clone(), layer_bytes, accept })
         };
         // Sent outside the locks: a slow peer holds up no other request.
-        if let Err(e) = outbox.send(&msg) {
+        // It crossed for this receive: its bytes count toward its wire_bytes.
+        if let Err(e) = outbox.send_counted(&msg, |len| self.with_slot(id, |sl| sl.wire += len)) {
             let mut slots = self.slots.lock().expect("slots lock");
             if let Some(sl) = slots.get_mut(id) {
                 self.unannounce_in(id, sl);
@@ -304,8 +313,12 @@ impl Daemon {
                 Err(_) => return false,
             }
             let _ = c.stream().set_read_timeout(Some(DRAIN_TIMEOUT));
+            let before = c.frames_read();
             match c.recv() {
-                Ok(PeerMsg::Announce(a)) => self.announcements.note(peer, c.credential().session, a),
+                Ok(PeerMsg::Announce(announce)) => {
+                    let h = Heard { session: c.credential().session, bytes: c.frames_read() - before, announce };
+                    self.announcements.note(peer, h);
+                }
                 Ok(other) => {
                     tracing::warn!(peer, got = kvwire_core::session::kind(&other), "an idle peer connection sent something other than an announcement; dropped");
                     return false;

@@ -4,7 +4,7 @@
 //! can tell a dead source from a slow one, and an unanswered ping marks the
 //! destination lost.
 
-use super::announce::AnnounceBook;
+use super::announce::{AnnounceBook, Heard};
 use crate::config::PeerConfig;
 use crate::peer::Sealed;
 use kvwire_core::session::msg::PeerMsg;
@@ -45,8 +45,12 @@ pub(super) struct PeerLink {
     // transfer's share once it handed the connection back.
     frames_before: u64,
     frames_when_handed_back: AtomicU64,
-    // Where announcements the destination sends meanwhile go.
+    // Where announcements the destination sends meanwhile go. Their frames
+    // count toward the transfers they announce, not this one's (`others`),
+    // and one this transfer claimed or crossed counts here (`ours`).
     book: Arc<AnnounceBook>,
+    others: AtomicU64,
+    ours: AtomicU64,
 }
 
 impl PeerLink {
@@ -64,6 +68,8 @@ impl PeerLink {
             frames_before,
             frames_when_handed_back: AtomicU64::new(0),
             book,
+            others: AtomicU64::new(0),
+            ours: AtomicU64::new(0),
         }
     }
 
@@ -71,10 +77,17 @@ impl PeerLink {
     /// accept, manifest, layer checksums, pings, done, verdict, abort), as
     /// sealed frames on the wire.
     pub fn control_bytes(&self) -> u64 {
-        match &self.conn.lock().expect("peer link lock").0 {
+        let frames = match &self.conn.lock().expect("peer link lock").0 {
             Some(s) => s.frame_bytes().saturating_sub(self.frames_before),
-            None => self.frames_when_handed_back.load(Ordering::Acquire),
-        }
+            None => return self.frames_when_handed_back.load(Ordering::Acquire),
+        };
+        (frames + self.ours.load(Ordering::Acquire)).saturating_sub(self.others.load(Ordering::Acquire))
+    }
+
+    /// An announcement of this transfer's request, heard before it or
+    /// beside its offer: its frame counts toward this transfer.
+    pub fn count_announcement(&self, bytes: u64) {
+        self.ours.fetch_add(bytes, Ordering::AcqRel);
     }
 
     /// Sends `m` and hands the answer to the session. Announcements the
@@ -85,8 +98,13 @@ impl PeerLink {
         let (s, session) = &mut *c;
         let s = s.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
         let answer = s.send(m).and_then(|()| loop {
+            let before = s.frames_read();
             match s.recv()? {
-                PeerMsg::Announce(a) => self.book.note(&self.peer, self.credential.session, a),
+                PeerMsg::Announce(announce) => {
+                    let bytes = s.frames_read() - before;
+                    self.others.fetch_add(bytes, Ordering::AcqRel);
+                    self.book.note(&self.peer, Heard { session: self.credential.session, bytes, announce });
+                }
                 other => break Ok(other),
             }
         });

@@ -6,6 +6,7 @@
 //! the destination is told (`Abort`, when it holds a slot), the slot fails,
 //! and the client gets the error's code.
 
+use super::announce::Heard;
 use super::device::Direction;
 use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
@@ -132,16 +133,22 @@ impl Daemon {
         self.with_slot(id, |sl| sl.peer = peer.name.clone());
         let key = (peer.name.clone(), peer.address.clone());
         let kept = self.peer_conns.take(&key, |c| self.drain_announcements(&peer.name, c), PEER_CONN_WAIT);
-        let claimed = match kept {
-            Some(c) => self.claim_on(c, peer, &s, &g, codec, &offer, link),
-            None => Err(None),
+        let heard = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request);
+        let claimed = match (kept, heard) {
+            (Some(c), Some(h)) => self.claim_on(c, h, peer, &s, &g, codec, &offer, link),
+            (kept, heard) => Err((kept, heard.map_or(0, |h| h.bytes))),
         };
         let (accept, p) = match claimed {
             Ok(x) => x,
-            Err(conn) => {
+            Err((conn, announced)) => {
                 let accept = self.negotiate(peer, offer, link, conn)?;
-                // An announcement of this request that crossed the offer is stale now.
-                let _ = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request);
+                // An announcement of this request that was not claimed, or
+                // that crossed the offer, is stale now; it crossed for
+                // this transfer all the same.
+                let crossed = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request).map_or(0, |h| h.bytes);
+                if let Some(l) = link.as_ref() {
+                    l.count_announcement(announced + crossed);
+                }
                 let p = plan_against(&g, &s, &accept, codec, self.ep.transport())?;
                 (accept, p)
             }
@@ -343,36 +350,38 @@ impl Daemon {
     }
 
     /// Claims the request on kept connection `c` when the destination
-    /// announced it there, and this side's plan fits what it set aside
-    /// (each layer's bytes, the staging buffer): the claim goes out
+    /// announced it there (`h`), and this side's plan fits what it set
+    /// aside (each layer's bytes, the staging buffer): the claim goes out
     /// unanswered, and the transfer is accepted already. Otherwise the
-    /// connection back for the offer (none when it failed); a claim the
-    /// destination would refuse (tokens, identity) is offered instead,
-    /// so the refusal comes back with its reason.
+    /// connection back for the offer (none when it failed), and the
+    /// announcement's bytes; a claim the destination would refuse (tokens,
+    /// identity) is offered instead, so the refusal comes back with its
+    /// reason.
     #[allow(clippy::too_many_arguments)] // the submit's parts
-    fn claim_on(&self, c: Sealed, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Planned), Option<Sealed>> {
-        let Some((session, ann)) = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request) else { return Err(Some(c)) };
-        if codec.is_some() || session != c.credential().session || ann.tokens != s.tokens {
-            return Err(Some(c));
+    fn claim_on(&self, c: Sealed, h: Heard, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Planned), (Option<Sealed>, u64)> {
+        let (ann, bytes) = (h.announce, h.bytes);
+        if codec.is_some() || h.session != c.credential().session || ann.tokens != s.tokens {
+            return Err((Some(c), bytes));
         }
         if check_prefix(&ann.identity, &g.identity, ann.accept.prefix_tokens, s.tokens).is_err() {
-            return Err(Some(c));
+            return Err((Some(c), bytes));
         }
         let transport = self.ep.transport();
-        let Ok(p) = plan_against(g, s, &ann.accept, None, transport) else { return Err(Some(c)) };
+        let Ok(p) = plan_against(g, s, &ann.accept, None, transport) else { return Err((Some(c), bytes)) };
         let sends: Vec<u64> = p.schedule.layers.iter().map(|l| l.wire_bytes).collect();
         if sends != ann.layer_bytes || p.schedule.stage_bytes > ann.accept.stage_len {
-            return Err(Some(c));
+            return Err((Some(c), bytes));
         }
         let timeouts = self.peer_timeouts();
-        let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err(Some(c)) };
+        let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err((Some(c), bytes)) };
         let _ = c.stream().set_read_timeout(Some(REPLY_TIMEOUT));
         let l = link.insert(Arc::new(PeerLink::new(c, session, peer, timeouts.peer, self.announcements.clone())));
         if let Err(e) = l.send(&claim) {
             tracing::debug!(peer = peer.name, error = %e, "kept peer connection is gone; offering on a new one");
             *link = None;
-            return Err(None);
+            return Err((None, bytes));
         }
+        l.count_announcement(bytes);
         Metrics::add(&self.metrics.claimed, 1);
         Ok((Box::new(ann.accept), p))
     }

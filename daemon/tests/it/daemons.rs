@@ -519,6 +519,9 @@ fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back
         cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
         ca.wait(sslot, FlagName::DecoderUsable, WAIT).unwrap();
         assert!(read_back(&dst) == verify::expected_destination(&model(), &ds, tokens, 0), "destination bytes differ ({request})");
+        // Both sides count the same crossing, the announcement included.
+        let (src, dst) = (ca.status(sslot).unwrap().wire_bytes, cb.status(slot).unwrap().wire_bytes);
+        assert_eq!(src, dst, "{request}: the source's wire_bytes against the destination's");
     };
 
     // `a` has no connection here yet: nothing to announce on, so it offers.
