@@ -586,6 +586,9 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
     for t in &st.transfers {
         let _ = writeln!(out, "{:<44} {:>26}", format!("transfers role={} outcome={}", t.role, t.outcome), t.count);
     }
+    for h in &st.starts {
+        let _ = writeln!(out, "{:<44} {:>26}", format!("starts {}", h.how), h.count);
+    }
     for r in &st.refused {
         let _ = writeln!(out, "{:<44} {:>26}", format!("refused {}", r.who), r.count);
     }

@@ -198,6 +198,16 @@ pub struct TransferCount {
     pub count: u64,
 }
 
+/// Transfers that began one way (`kvwire_starts_total`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct StartCount {
+    /// `announced` (receives announced here), `claimed` or `offered`
+    /// (transfers sent from here).
+    pub how: String,
+    /// How many.
+    pub count: u64,
+}
+
 /// Refusals of one kind.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RefusalCount {
@@ -281,6 +291,9 @@ pub struct Stats {
     pub counters: ByteCounters,
     /// Transfers by role and outcome, in the order the daemon lists them.
     pub transfers: Vec<TransferCount>,
+    /// How transfers began, in the order the daemon lists them (empty
+    /// from a daemon that does not count them).
+    pub starts: Vec<StartCount>,
     /// Refusals, in the order the daemon lists them.
     pub refused: Vec<RefusalCount>,
     /// Hop table, in the order the daemon lists the hops.
@@ -344,6 +357,7 @@ impl Stats {
         let node = samples.iter().find_map(|s| s.label("node")).map(str::to_string);
         let mut transfers = Vec::new();
         let mut refused = Vec::new();
+        let mut starts = Vec::new();
         let mut hops: Vec<HopStats> = Vec::new();
         fn hop_mut<'h>(hops: &'h mut Vec<HopStats>, name: &str) -> &'h mut HopStats {
             let i = match hops.iter().position(|h| h.hop == name) {
@@ -380,6 +394,7 @@ impl Stats {
                     count: count(s)?,
                 }),
                 "kvwire_refused_total" => refused.push(RefusalCount { who: need(s, "who")?.to_string(), count: count(s)? }),
+                "kvwire_starts_total" => starts.push(StartCount { how: need(s, "how")?.to_string(), count: count(s)? }),
                 "kvwire_hop_seconds_bucket" => {
                     let hop = need(s, "hop")?;
                     let le = need(s, "le")?;
@@ -462,7 +477,7 @@ impl Stats {
                 h.bandwidth_bytes_per_second = Some(h.bytes as f64 / h.sum_seconds);
             }
         }
-        Ok(Stats { node, counters, transfers, refused, hops })
+        Ok(Stats { node, counters, transfers, starts, refused, hops })
     }
 }
 

@@ -188,6 +188,9 @@ kvwire_transfers_total{node="a",role="source",outcome="failed"} 1
 kvwire_transfers_total{node="a",role="any",outcome="cancelled"} 2
 kvwire_refused_total{node="a",who="peer"} 5
 kvwire_refused_total{node="a",who="client"} 0
+kvwire_starts_total{node="a",how="announced"} 0
+kvwire_starts_total{node="a",how="claimed"} 2
+kvwire_starts_total{node="a",how="offered"} 1
 # TYPE kvwire_hop_seconds histogram
 kvwire_hop_seconds_bucket{node="a",hop="wire",le="0.001"} 2
 kvwire_hop_seconds_bucket{node="a",hop="wire",le="0.01"} 6
@@ -218,6 +221,8 @@ fn promtext_reads_counters_and_hops_from_a_sample() {
     assert_eq!(t, [("source", "done", 3), ("source", "failed", 1), ("any", "cancelled", 2)]);
     let r: Vec<_> = s.refused.iter().map(|r| (r.who.as_str(), r.count)).collect();
     assert_eq!(r, [("peer", 5), ("client", 0)]);
+    let h: Vec<_> = s.starts.iter().map(|h| (h.how.as_str(), h.count)).collect();
+    assert_eq!(h, [("announced", 0), ("claimed", 2), ("offered", 1)]);
     assert_eq!(s.hops.len(), 2);
 
     let w = &s.hops[0];
