@@ -92,6 +92,9 @@ def engine_main(argv) -> None:
     extra = {"socket": sock, "group": group, "trace": trace, "digest": True, "stream": os.environ.get("KVWIRE_TEST_STREAM", "1") == "1"}
     if role == "kv_producer":
         extra.update(peer="decode-host", dst_group="decode")
+    else:
+        # Each receive is announced to the producer's daemon: its submits claim them with no round trip.
+        extra.update(source="prefill-host")
     ktc = KVTransferConfig(
         kv_connector="KvwireConnector",
         kv_connector_module_path="kvwire.vllm",
@@ -314,6 +317,18 @@ class Daemons:
         self.sock_d, addr_d = self._start(exe, "decode-host", transport, secret)
         transport = '[transport]\nkind = "tcp"\ntcp_listen = "127.0.0.1:0"\n[[peers]]\nname = "decode-host"\naddress = "%s"\n' % addr_d
         self.sock_p, _ = self._start(exe, "prefill-host", transport, secret)
+
+    def starts(self):
+        """Each daemon's kvwire_starts_total (receives announced, transfers claimed or offered), from `kvwire stats`."""
+        cli = os.path.join(os.path.dirname(os.environ.get("KVWIRED", os.path.join(ROOT, "target", "debug", "kvwired"))), "kvwire")
+        out = []
+        for node, sock in (("prefill-host", self.sock_p), ("decode-host", self.sock_d)):
+            try:
+                st = json.loads(subprocess.run([cli, "stats", "--socket", sock, "--json"], capture_output=True, text=True, timeout=30).stdout)
+                out.append("%s %s" % (node, ", ".join("%s %d" % (h["how"], h["count"]) for h in st.get("starts", []))))
+            except (OSError, ValueError, subprocess.SubprocessError) as e:
+                out.append("%s: no stats (%s)" % (node, e))
+        return "; ".join(out)
 
     def _start(self, exe, node, transport, secret):
         sock = os.path.join(self.work, node + ".sock")
@@ -699,6 +714,7 @@ def main(argv) -> int:
         log("  consumer: " + hook_order(read_trace(ctrace), "pd-13"))
         log("  producer: " + hook_order(read_trace(ptrace), "pd-13"))
         log("")
+        log("how the transfers began: " + daemons.starts())
         log("vllm pd: all checks passed in %.0f s" % (time.monotonic() - t_start))
         return 0
     finally:

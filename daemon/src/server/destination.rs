@@ -362,7 +362,18 @@ impl Daemon {
     /// Everything the receive thread needs, checked: the plan from both
     /// sides' layouts, what the manifest must claim, the schedule and its
     /// staging buffer.
-    fn receive_of(&self, id: SlotId, session: u64, (src_layout, src_num_blocks, src_table, codec): SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
+    fn receive_of(&self, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
+        // An announced staging buffer not taken into the receive (it failed
+        // first) goes back, its key revoked.
+        let mut announced = announced;
+        let r = self.receive_of_with(id, session, src, &mut announced);
+        if let Some(stage) = announced {
+            self.drop_stage(stage);
+        }
+        r
+    }
+
+    fn receive_of_with(&self, id: SlotId, session: u64, (src_layout, src_num_blocks, src_table, codec): SourceSide, announced: &mut Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
         let refuse = |m: String| Refusal::new(Code::TransferFailed, m);
         let recv = {
             let st = self.slots.lock().expect("slots lock");
@@ -386,10 +397,9 @@ impl Daemon {
             Some(stage) => {
                 let have = stage.as_ref().map_or(0, |r| r.len);
                 if schedule.stage_bytes > have {
-                    self.drop_stage(stage);
                     return Err(refuse(format!("the claim stages {} bytes, the announcement set {have} aside", schedule.stage_bytes)));
                 }
-                stage
+                announced.take().flatten()
             }
             None => self.stage_for(schedule.stage_bytes, session, id.slot).map_err(|err| refuse(format!("staging: {err}")))?,
         };
