@@ -186,6 +186,14 @@ impl Daemon {
             let sl = slots.get_mut(id).filter(|s| s.state == TransferState::Prepared && s.announced.is_none()).ok_or("the receive is no longer prepared")?;
             let recv = sl.recv.clone().expect("prepared slots hold their receive");
             let g = groups.map.get(&recv.group).ok_or_else(|| format!("group `{}` is gone", recv.group))?;
+            // A request's payload is what its blocks hold, less a prefix and
+            // a partial last block: one whose blocks hold more than twice
+            // the bound is not planned here at all.
+            let blocks = recv.block_table.len() as u64;
+            let held: u64 = g.ranks.values().flat_map(|rc| rc.regions.values()).map(|r| r.len / u64::from(g.num_blocks.max(1)) * blocks).sum();
+            if held / 2 > max {
+                return Err(format!("its blocks hold {held} bytes, above transport.announce_max_bytes {max}"));
+            }
             // Each layer's bytes, whatever the source's layout: every
             // destination byte past the prefix is written once. A plan from
             // this side's own layout counts them.

@@ -579,3 +579,30 @@ fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back
     let (slot, _) = prepare("r6", tokens);
     moved(slot, "r6");
 }
+
+#[test]
+fn a_receive_above_the_announce_bound_is_not_announced_and_its_transfer_offers() {
+    let dir = TempDir::new("announce-bound");
+    let b = start_daemon(dir.path(), "b", "a-secret-of-at-least-16-bytes", &[], "[transport]\nannounce_max_bytes = 1000\n");
+    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let ca = Client::connect(&a.socket, "prefill").unwrap();
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    let tokens = 100;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let src_bytes = verify::fill_source(&model(), &ss, tokens);
+    let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
+    let dst = register(&cb, "decode", DST, &ds, None, identity());
+    // The first transfer opens `a`'s connection here; the second finds it
+    // idle, but its 102400 bytes are above the bound: it offers.
+    transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "r1");
+    let p = PrepareReceive { group: "decode".into(), request: "r2".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: Some("a".into()) };
+    let (slot, told) = cb.prepare_announced(p).unwrap();
+    let why = told.expect("the prepare named a source").expect_err("announced above the bound");
+    assert!(why.contains("above transport.announce_max_bytes 1000"), "{why}");
+    let sslot = submit(&ca, &ss, tokens, "r2").unwrap().slot;
+    cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+    ca.wait(sslot, FlagName::DecoderUsable, WAIT).unwrap();
+    assert!(read_back(&dst) == verify::expected_destination(&model(), &ds, tokens, 0), "destination bytes differ");
+    let sa = ca.stats().unwrap();
+    assert_eq!((starts(&sa, "a", "offered"), starts(&sa, "a", "claimed")), (2, 0));
+}
