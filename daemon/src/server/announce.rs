@@ -179,8 +179,7 @@ impl Daemon {
         if max == 0 {
             return Err("transport.announce_max_bytes is 0".into());
         }
-        let (session, outbox) = self.outboxes.idle(to)?;
-        let msg = {
+        let (msg, outbox) = {
             let groups = self.groups.lock().expect("groups lock");
             let mut slots = self.slots.lock().expect("slots lock");
             let sl = slots.get_mut(id).filter(|s| s.state == TransferState::Prepared && s.announced.is_none()).ok_or("the receive is no longer prepared")?;
@@ -204,6 +203,8 @@ impl Daemon {
             if total > max {
                 return Err(format!("{total} payload bytes, above transport.announce_max_bytes {max}"));
             }
+            // Where it goes: the bound first, a property of the request.
+            let (session, outbox) = self.outboxes.idle(to)?;
             let mut accept = self.accept_for(g, &recv, id.slot, session)?;
             let keys: Vec<u32> = accept.regions.iter().map(|r| r.key).collect();
             let undo = |d: &Daemon| keys.iter().for_each(|&k| {
@@ -227,12 +228,18 @@ impl Daemon {
                 return Err(e.to_string());
             }
             sl.keys = keys;
-            sl.announced = Some(Announced { session, stage });
-            PeerMsg::Announce(Announce { group: recv.group.clone(), request: recv.request.clone(), gen: id.gen, tokens: recv.tokens, identity: g.identity.clone(), layer_bytes, accept })
+            sl.announced = Some(Announced { session, stage, bytes: 0 });
+            (PeerMsg::Announce(Announce { group: recv.group.clone(), request: recv.request.clone(), gen: id.gen, tokens: recv.tokens, identity: g.identity.clone(), layer_bytes, accept }), outbox)
         };
         // Sent outside the locks: a slow peer holds up no other request.
-        // It crossed for this receive: its bytes count toward its wire_bytes.
-        if let Err(e) = outbox.send_counted(&msg, |len| self.with_slot(id, |sl| sl.wire += len)) {
+        let size = |len: u64| {
+            self.with_slot(id, |sl| {
+                if let Some(a) = sl.announced.as_mut() {
+                    a.bytes = len;
+                }
+            })
+        };
+        if let Err(e) = outbox.send_counted(&msg, size) {
             let mut slots = self.slots.lock().expect("slots lock");
             if let Some(sl) = slots.get_mut(id) {
                 self.unannounce_in(id, sl);
@@ -246,14 +253,16 @@ impl Daemon {
 
     /// Takes back slot `sl`'s announcement, if it has one (its keys, its
     /// staging buffer, its declared bytes): it is a plain prepared receive
-    /// again. The caller holds the slots lock.
-    pub(super) fn unannounce_in(&self, id: SlotId, sl: &mut Slot) {
-        let Some(a) = sl.announced.take() else { return };
+    /// again. The caller holds the slots lock. Returns the session it was
+    /// sent on and its frame's bytes.
+    pub(super) fn unannounce_in(&self, id: SlotId, sl: &mut Slot) -> Option<(u64, u64)> {
+        let a = sl.announced.take()?;
         for key in std::mem::take(&mut sl.keys) {
             self.revoke_key(key);
         }
         self.drop_stage(a.stage);
         self.ep.placement().reset_slot(id.slot);
+        Some((a.session, a.bytes))
     }
 
     /// Connection `session` ended: its announced receives wait for an offer.
@@ -294,6 +303,8 @@ impl Daemon {
                 return Err(why);
             }
             let a = sl.announced.take().expect("announced");
+            // The claim shows the announcement crossed: it counts.
+            sl.wire += a.bytes;
             sl.state = TransferState::Running;
             sl.started = std::time::Instant::now();
             sl.marks = vec![super::state::Boundary::Enqueued.at(Duration::ZERO)];

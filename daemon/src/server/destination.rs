@@ -296,9 +296,15 @@ impl Daemon {
         let recv = sl.recv.clone().expect("prepared slots hold their receive");
         let id = SlotId { slot, gen: sl.gen };
         // A source offering into a request announced to it (it missed the
-        // announcement) replaces the announcement.
+        // announcement, or could not use it) replaces the announcement,
+        // which counts only where the source could have read it: on this
+        // connection.
         if let Some(sl) = slots.get_mut(id) {
-            self.unannounce_in(id, sl);
+            if let Some((on, bytes)) = self.unannounce_in(id, sl) {
+                if on == session {
+                    sl.wire += bytes;
+                }
+            }
         }
         // A source offering something else into this request ends it: the
         // decode side's waits fail now, with the reason, instead of at

@@ -136,18 +136,20 @@ impl Daemon {
         let heard = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request);
         let claimed = match (kept, heard) {
             (Some(c), Some(h)) => self.claim_on(c, h, peer, &s, &g, codec, &offer, link),
-            (kept, heard) => Err((kept, heard.map_or(0, |h| h.bytes))),
+            (kept, heard) => Err((kept, heard.map(|h| (h.session, h.bytes)))),
         };
         let (accept, p) = match claimed {
             Ok(x) => x,
             Err((conn, announced)) => {
                 let accept = self.negotiate(peer, offer, link, conn)?;
                 // An announcement of this request that was not claimed, or
-                // that crossed the offer, is stale now; it crossed for
-                // this transfer all the same.
-                let crossed = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request).map_or(0, |h| h.bytes);
+                // that crossed the offer, is stale now. It crossed for this
+                // transfer where the offer went on its connection: the
+                // destination counts it then too.
+                let crossed = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request).map(|h| (h.session, h.bytes));
                 if let Some(l) = link.as_ref() {
-                    l.count_announcement(announced + crossed);
+                    let here = |a: Option<(u64, u64)>| a.filter(|(on, _)| *on == l.credential.session).map_or(0, |(_, b)| b);
+                    l.count_announcement(here(announced) + here(crossed));
                 }
                 let p = plan_against(&g, &s, &accept, codec, self.ep.transport())?;
                 (accept, p)
@@ -358,30 +360,30 @@ impl Daemon {
     /// identity) is offered instead, so the refusal comes back with its
     /// reason.
     #[allow(clippy::too_many_arguments)] // the submit's parts
-    fn claim_on(&self, c: Sealed, h: Heard, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Planned), (Option<Sealed>, u64)> {
-        let (ann, bytes) = (h.announce, h.bytes);
+    fn claim_on(&self, c: Sealed, h: Heard, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Planned), (Option<Sealed>, Option<(u64, u64)>)> {
+        let (ann, heard) = (h.announce, Some((h.session, h.bytes)));
         if codec.is_some() || h.session != c.credential().session || ann.tokens != s.tokens {
-            return Err((Some(c), bytes));
+            return Err((Some(c), heard));
         }
         if check_prefix(&ann.identity, &g.identity, ann.accept.prefix_tokens, s.tokens).is_err() {
-            return Err((Some(c), bytes));
+            return Err((Some(c), heard));
         }
         let transport = self.ep.transport();
-        let Ok(p) = plan_against(g, s, &ann.accept, None, transport) else { return Err((Some(c), bytes)) };
+        let Ok(p) = plan_against(g, s, &ann.accept, None, transport) else { return Err((Some(c), heard)) };
         let sends: Vec<u64> = p.schedule.layers.iter().map(|l| l.wire_bytes).collect();
         if sends != ann.layer_bytes || p.schedule.stage_bytes > ann.accept.stage_len {
-            return Err((Some(c), bytes));
+            return Err((Some(c), heard));
         }
         let timeouts = self.peer_timeouts();
-        let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err((Some(c), bytes)) };
+        let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err((Some(c), heard)) };
         let _ = c.stream().set_read_timeout(Some(REPLY_TIMEOUT));
         let l = link.insert(Arc::new(PeerLink::new(c, session, peer, timeouts.peer, self.announcements.clone())));
         if let Err(e) = l.send(&claim) {
             tracing::debug!(peer = peer.name, error = %e, "kept peer connection is gone; offering on a new one");
             *link = None;
-            return Err((None, bytes));
+            return Err((None, heard));
         }
-        l.count_announcement(bytes);
+        l.count_announcement(h.bytes);
         Metrics::add(&self.metrics.claimed, 1);
         Ok((Box::new(ann.accept), p))
     }

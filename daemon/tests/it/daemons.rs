@@ -550,11 +550,14 @@ fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back
     assert_eq!(st.state, TransferState::Failed);
     assert!(st.error.as_deref().unwrap_or("").contains("offer has 100 tokens"), "{st:?}");
 
-    // A failed transfer's connection is not kept: the next one offers on a
-    // new connection, after which announcements have somewhere to go again.
+    // A failed transfer's connection is not kept: the next transfer offers
+    // on a new connection (an announcement may still have gone out on the
+    // old one while this side had not yet seen it close; it is withdrawn
+    // and counts on neither side), after which announcements have
+    // somewhere to go again.
     canary();
     let (slot, told) = prepare("r4", tokens);
-    assert!(told.is_some_and(|t| t.is_err()));
+    assert!(told.is_some());
     moved(slot, "r4");
 
     // Announced, then cancelled before the submit: the claim is refused,
