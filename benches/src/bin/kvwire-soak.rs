@@ -470,6 +470,9 @@ struct DaemonReport {
     // Busy seconds per hop over the whole run, from the daemon's own
     // histograms (`stats`), in the order it lists them.
     hops: Vec<(String, f64)>,
+    // How its transfers began (`kvwire_starts_total`): announced,
+    // claimed, offered.
+    starts: Vec<(String, u64)>,
 }
 
 #[derive(Debug)]
@@ -544,7 +547,7 @@ fn soak(s: &Settings) -> Result<Report, String> {
         stop.store(true, Ordering::Release);
         (tallies, after)
     });
-    let hops = [&src, &dst].map(busy_per_hop);
+    let stats = [&src, &dst].map(daemon_stats);
     let elapsed = deadline.saturating_duration_since(t0).max(Duration::from_millis(1));
     let after = after?;
     let samples = samples.into_inner().expect("samples");
@@ -568,7 +571,8 @@ fn soak(s: &Settings) -> Result<Report, String> {
                 rss_max_kib: warm.iter().copied().max().unwrap_or(0),
                 rss_mid_max_kib: rss_in(secs / 3.0, 2.0 * secs / 3.0),
                 rss_late_max_kib: rss_in(2.0 * secs / 3.0, secs),
-                hops: hops[d].clone(),
+                hops: stats[d].0.clone(),
+                starts: stats[d].1.clone(),
             }
         })
         .collect();
@@ -592,14 +596,18 @@ fn soak(s: &Settings) -> Result<Report, String> {
     Ok(report)
 }
 
-/// A daemon's busy seconds per hop so far (hops without samples left out);
-/// empty when its stats cannot be read, which the report then shows.
-fn busy_per_hop(d: &DaemonProc) -> Vec<(String, f64)> {
-    let Ok(c) = Client::connect(&d.socket, "soak-stats") else { return Vec::new() };
-    let Ok(text) = c.stats() else { return Vec::new() };
+/// A daemon's busy seconds per hop so far (hops without samples left out),
+/// and how its transfers began; empty when its stats cannot be read,
+/// which the report then shows.
+fn daemon_stats(d: &DaemonProc) -> (Vec<(String, f64)>, Vec<(String, u64)>) {
+    let Ok(c) = Client::connect(&d.socket, "soak-stats") else { return Default::default() };
+    let Ok(text) = c.stats() else { return Default::default() };
     match kvwire_client::promtext::Stats::from_text(&text) {
-        Ok(st) => st.hops.into_iter().filter(|h| h.count > 0).map(|h| (h.hop, h.sum_seconds)).collect(),
-        Err(_) => Vec::new(),
+        Ok(st) => (
+            st.hops.into_iter().filter(|h| h.count > 0).map(|h| (h.hop, h.sum_seconds)).collect(),
+            st.starts.into_iter().map(|h| (h.how, h.count)).collect(),
+        ),
+        Err(_) => Default::default(),
     }
 }
 
@@ -691,8 +699,9 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
         .iter()
         .map(|d| {
             let hops: Vec<String> = d.hops.iter().map(|(h, s)| format!("{}:{:.6}", json_str(h), s)).collect();
+            let starts: Vec<String> = d.starts.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
             format!(
-                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}}}}",
+                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}},\"starts\":{{{}}}}}",
                 json_str(d.name),
                 d.pid,
                 figs(&d.before),
@@ -704,7 +713,8 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
                 d.rss_max_kib,
                 opt(d.rss_mid_max_kib),
                 opt(d.rss_late_max_kib),
-                hops.join(",")
+                hops.join(","),
+                starts.join(",")
             )
         })
         .collect();
@@ -773,6 +783,11 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     for d in &r.daemons {
         let per: Vec<String> = d.hops.iter().map(|(h, s)| format!("{h} {:.1}", s * 1e6 / r.transfers.max(1) as f64)).collect();
         println!("{:<9} busy us per transfer: {}", d.name, if per.is_empty() { "(stats unreadable)".into() } else { per.join(", ") });
+    }
+    // Whether receives were announced and claimed (no round trip) or offered.
+    for d in &r.daemons {
+        let starts: Vec<String> = d.starts.iter().map(|(how, n)| format!("{how} {n}")).collect();
+        println!("{:<9} transfers began: {}", d.name, if starts.is_empty() { "(stats unreadable)".into() } else { starts.join(", ") });
     }
     println!(
         "{:<9} {:>7}  {:>24}  {:>22}  {:>26}",

@@ -67,14 +67,16 @@ impl Outboxes {
         }
     }
 
-    /// The newest idle connection from `peer`, or why there is none.
-    fn idle(&self, peer: &str) -> Result<(u64, Outbox), String> {
+    /// Where to announce to `peer`: its newest idle connection, else its
+    /// newest one (its source reads an announcement there in the current
+    /// transfer's next exchange, at the latest its verdict, and books it
+    /// for when the connection comes back), or why there is none.
+    fn pick(&self, peer: &str) -> Result<(u64, Outbox), String> {
         let m = self.0.lock().expect("outboxes lock");
         let all = m.get(peer).map_or(&[][..], |v| &v[..]);
-        match all.iter().rev().find(|o| o.idle.load(Ordering::Acquire)) {
+        match all.iter().rev().find(|o| o.idle.load(Ordering::Acquire)).or_else(|| all.last()) {
             Some(o) => Ok((o.session, o.outbox.clone())),
-            None if all.is_empty() => Err(format!("no connection from `{peer}` to announce on (its first transfer here offers)")),
-            None => Err(format!("no idle connection from `{peer}` to announce on: its {} connections here each run a transfer", all.len())),
+            None => Err(format!("no connection from `{peer}` to announce on (its first transfer here offers)")),
         }
     }
 }
@@ -108,6 +110,12 @@ impl AnnounceBook {
                 m.remove(&oldest);
             }
         }
+    }
+
+    /// The connection `peer`'s announcement of `request` of `group` came on.
+    pub fn session_of(&self, peer: &str, group: &str, request: &str) -> Option<u64> {
+        let m = self.map.lock().expect("announce book lock");
+        m.get(&(peer.to_string(), group.to_string(), request.to_string())).map(|(_, h)| h.session)
     }
 
     /// Takes the announcement of `peer`'s request `request` of `group`.
@@ -172,8 +180,8 @@ impl Daemon {
         self.register_region(mem, 0, len, Some(Grant { session, slot })).map(Some).map_err(|e| e.to_string())
     }
 
-    /// Announces prepared receive `id` to node `to`, on its newest idle
-    /// connection here; why not, when it cannot.
+    /// Announces prepared receive `id` to node `to`, on a connection it
+    /// opened here ([`Outboxes::pick`]); why not, when it cannot.
     pub(super) fn announce(&self, id: SlotId, to: &str) -> Result<(), String> {
         let max = self.cfg.transport.announce_max_bytes;
         if max == 0 {
@@ -204,7 +212,7 @@ impl Daemon {
                 return Err(format!("{total} payload bytes, above transport.announce_max_bytes {max}"));
             }
             // Where it goes: the bound first, a property of the request.
-            let (session, outbox) = self.outboxes.idle(to)?;
+            let (session, outbox) = self.outboxes.pick(to)?;
             let mut accept = self.accept_for(g, &recv, id.slot, session)?;
             let keys: Vec<u32> = accept.regions.iter().map(|r| r.key).collect();
             let undo = |d: &Daemon| keys.iter().for_each(|&k| {

@@ -55,6 +55,22 @@ impl<K: Eq + Hash + Clone, V> Kept<K, V> {
         }
     }
 
+    /// As [`Kept::take`], but every idle one for `key` is shown to
+    /// `usable` first, and the one `preferred` picks is taken if there is
+    /// one (the others stay kept).
+    pub fn take_preferring(&self, key: &K, mut usable: impl FnMut(&mut V) -> bool, preferred: impl Fn(&V) -> bool, wait: Duration) -> Option<V> {
+        {
+            let mut inner = self.inner.lock().expect("kept lock");
+            if let Some(v) = inner.idle.get_mut(key) {
+                v.retain_mut(|x| usable(x));
+                if let Some(i) = v.iter().position(&preferred) {
+                    return Some(v.remove(i));
+                }
+            }
+        }
+        self.take(key, usable, wait)
+    }
+
     /// One in use for `key` is expected back soon: [`Kept::take`] may wait
     /// for it. Each call is ended by [`Kept::keep`] or [`Kept::lost`].
     pub fn expect(&self, key: &K) {
@@ -136,5 +152,27 @@ mod tests {
         // Other keys are not waited for.
         k.expect(&"q");
         assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), None);
+    }
+
+    #[test]
+    fn take_preferring_takes_the_preferred_one_and_keeps_the_rest() {
+        let k: Kept<&str, u32> = Kept::new(4);
+        for x in [1, 2, 3, 4] {
+            k.keep("p", x, || true);
+        }
+        // Every idle one is shown to `usable` (4 is refused and dropped),
+        // the preferred one is taken, the rest stay.
+        let mut shown = Vec::new();
+        let got = k.take_preferring(&"p", |x| {
+            shown.push(*x);
+            *x != 4
+        }, |x| *x == 2, Duration::ZERO);
+        assert_eq!(got, Some(2));
+        shown.sort();
+        assert_eq!(shown, [1, 2, 3, 4]);
+        // None preferred: the newest usable one, as `take` gives.
+        assert_eq!(k.take_preferring(&"p", |_| true, |x| *x == 9, Duration::ZERO), Some(3));
+        assert_eq!(k.take(&"p", |_| true, Duration::ZERO), Some(1));
+        assert_eq!(k.take(&"p", |_| true, Duration::ZERO), None);
     }
 }

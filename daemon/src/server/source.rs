@@ -128,11 +128,13 @@ impl Daemon {
             src_block_table: s.block_table.clone(),
         };
         // An idle kept connection first: what the destination announced on
-        // it is read on the way, and a request announced there is claimed
-        // with no round trip. Otherwise the offer, and its accept.
+        // each is read on the way, the one this request was announced on is
+        // taken, and the request is claimed there with no round trip.
+        // Otherwise the offer, and its accept.
         self.with_slot(id, |sl| sl.peer = peer.name.clone());
         let key = (peer.name.clone(), peer.address.clone());
-        let kept = self.peer_conns.take(&key, |c| self.drain_announcements(&peer.name, c), PEER_CONN_WAIT);
+        let announced_on = |c: &Sealed| self.announcements.session_of(&peer.name, &s.dst_group, &s.dst_request) == Some(c.credential().session);
+        let kept = self.peer_conns.take_preferring(&key, |c| self.drain_announcements(&peer.name, c), announced_on, PEER_CONN_WAIT);
         let heard = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request);
         let claimed = match (kept, heard) {
             (Some(c), Some(h)) => self.claim_on(c, h, peer, &s, &g, codec, &offer, link),
