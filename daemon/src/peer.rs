@@ -223,14 +223,14 @@ impl Sealed {
     /// Whether bytes wait to be read (an idle connection's unsolicited
     /// messages), without blocking; an error once the peer closed it.
     pub fn pending(&self) -> std::io::Result<bool> {
-        self.stream.set_nonblocking(true)?;
-        let peeked = self.stream.peek(&mut [0u8; 1]);
-        self.stream.set_nonblocking(false)?;
-        match peeked {
+        use nix::sys::socket::{recv, MsgFlags};
+        use std::os::fd::AsRawFd;
+        // One peek that does not wait, leaving the socket blocking.
+        match recv(self.stream.as_raw_fd(), &mut [0u8; 1], MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
             Ok(0) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed by the peer")),
             Ok(_) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(false),
-            Err(e) => Err(e),
+            Err(nix::errno::Errno::EAGAIN) => Ok(false),
+            Err(e) => Err(e.into()),
         }
     }
 

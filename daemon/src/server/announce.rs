@@ -20,7 +20,7 @@ use kvwire_client::control::{PrepareReceive, TransferState};
 use kvwire_core::reuse::check_prefix;
 use kvwire_core::schedule::Schedule;
 use kvwire_core::session::msg::{Accept, Announce, Claim, Offer, PeerMsg, PeerRegion, RailAddr};
-use kvwire_transport::{Grant, Region, Tag};
+use kvwire_transport::{Grant, Tag};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -170,16 +170,6 @@ impl Daemon {
         })
     }
 
-    /// A staging buffer of `len` bytes (none for 0), writable only by
-    /// connections of `session` for `slot`.
-    pub(super) fn stage_for(&self, len: u64, session: u64, slot: u16) -> Result<Option<Arc<Region>>, String> {
-        if len == 0 {
-            return Ok(None);
-        }
-        let mem = self.stage_pool.take(len).map_err(|e| e.to_string())?;
-        self.register_region(mem, 0, len, Some(Grant { session, slot })).map(Some).map_err(|e| e.to_string())
-    }
-
     /// Announces prepared receive `id` to node `to`, on a connection it
     /// opened here ([`Outboxes::pick`]); why not, when it cannot.
     pub(super) fn announce(&self, id: SlotId, to: &str) -> Result<(), String> {
@@ -220,7 +210,7 @@ impl Daemon {
             });
             // The staging buffer is as large as the payload: it holds
             // whatever part of it a source's schedule packs.
-            let stage = match self.stage_for(total, session, id.slot) {
+            let stage = match self.stage_for(total, Some(Grant { session, slot: id.slot })) {
                 Ok(s) => s,
                 Err(e) => {
                     undo(self);
@@ -313,10 +303,7 @@ impl Daemon {
             let a = sl.announced.take().expect("announced");
             // The claim shows the announcement crossed: it counts.
             sl.wire += a.bytes;
-            sl.state = TransferState::Running;
-            sl.started = std::time::Instant::now();
-            sl.marks = vec![super::state::Boundary::Enqueued.at(Duration::ZERO)];
-            sl.peer = peer.to_string();
+            sl.receiving_from(peer);
             (id, a.stage)
         };
         tracing::info!(peer, slot = c.slot, request = o.dst_request, src_request = o.src_request, "announced transfer claimed");

@@ -25,7 +25,7 @@ use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
 use kvwire_transport::auth::{ConnectionCaps, Deadline, Gate, Pass};
-use kvwire_transport::{Hop, Region, Tag};
+use kvwire_transport::{Grant, Hop, Region, Tag};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
@@ -318,11 +318,8 @@ impl Daemon {
         }
         let accept = self.accept_for(g, &recv, slot, session)?;
         if let Some(sl) = slots.get_mut(id) {
-            sl.state = TransferState::Running;
             sl.keys = accept.regions.iter().map(|r| r.key).collect();
-            sl.started = Instant::now();
-            sl.marks = vec![Boundary::Enqueued.at(Duration::ZERO)];
-            sl.peer = peer.to_string();
+            sl.receiving_from(peer);
         }
         tracing::info!(peer, slot, request = o.dst_request, src_request = o.src_request, "transfer accepted");
         Ok((accept, id))
@@ -407,7 +404,7 @@ impl Daemon {
                 }
                 announced.take().flatten()
             }
-            None => self.stage_for(schedule.stage_bytes, session, id.slot).map_err(|err| refuse(format!("staging: {err}")))?,
+            None => self.stage_for(schedule.stage_bytes, Some(Grant { session, slot: id.slot })).map_err(|err| refuse(format!("staging: {err}")))?,
         };
         Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, expected, regions, devices, stage })
     }
@@ -569,6 +566,17 @@ impl Daemon {
 
     /// Revokes a transfer's staging buffer (late writes to it fail) and
     /// hands its memory back to the pool.
+    /// A registered staging buffer of `len` bytes from the pool (none for
+    /// 0); a destination's is writable only under `grant`.
+    pub(super) fn stage_for(&self, len: u64, grant: Option<Grant>) -> Result<Option<Arc<Region>>, String> {
+        if len == 0 {
+            return Ok(None);
+        }
+        let mem = self.stage_pool.take(len).map_err(|e| e.to_string())?;
+        self.register_region(mem, 0, len, grant).map(Some).map_err(|e| e.to_string())
+    }
+
+    /// Revokes a staging buffer (either side's) and hands its memory back to the pool.
     pub(super) fn drop_stage(&self, stage: Option<Arc<Region>>) {
         if let Some(r) = stage {
             self.revoke_key(r.key);

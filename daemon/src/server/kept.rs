@@ -66,6 +66,10 @@ impl<K: Eq + Hash + Clone, V> Kept<K, V> {
                 if let Some(i) = v.iter().position(&preferred) {
                     return Some(v.remove(i));
                 }
+                // Shown to `usable` already: not again.
+                if let Some(x) = v.pop() {
+                    return Some(x);
+                }
             }
         }
         self.take(key, usable, wait)

@@ -177,13 +177,13 @@ impl Daemon {
         // are in).
         let beside = self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes;
         if let Err(r) = self.expect(id, &g, &s, &p, codec, &accept, src_stage.as_deref(), beside, &l) {
-            self.drop_src_stage(src_stage);
+            self.drop_stage(src_stage);
             return Err(r);
         }
         let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
             Err(r) => {
-                self.drop_src_stage(src_stage);
+                self.drop_stage(src_stage);
                 return Err(r);
             }
         };
@@ -262,7 +262,7 @@ impl Daemon {
         let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
             Ok(b) => b,
             Err(r) => {
-                self.drop_src_stage(src_stage);
+                self.drop_stage(src_stage);
                 return Err(r);
             }
         };
@@ -508,7 +508,7 @@ impl Daemon {
                 Ok(Some(stage))
             }
             Err(r) => {
-                self.drop_src_stage(Some(stage));
+                self.drop_stage(Some(stage));
                 Err(r)
             }
         }
@@ -517,12 +517,7 @@ impl Daemon {
     /// A registered staging buffer of `total` bytes from the pool (none
     /// when nothing is staged).
     fn stage_buffer(&self, total: u64) -> Result<Option<Arc<Region>>, Refusal> {
-        if total == 0 {
-            return Ok(None);
-        }
-        let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
-        let mem = self.stage_pool.take(total).map_err(|e| failed(&e))?;
-        self.register_region(mem, 0, total, None).map(Some).map_err(|e| failed(&e))
+        self.stage_for(total, None).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))
     }
 
     /// Packs (and encodes) the segments of `staged` that need it
@@ -548,14 +543,6 @@ impl Daemon {
             stage.mem.write(stage.offset + st.offset, &bytes).map_err(|e| failed(&e))?;
         }
         Ok(total)
-    }
-
-    /// Revokes a source staging buffer and hands its memory back to the pool.
-    fn drop_src_stage(&self, stage: Option<Arc<Region>>) {
-        if let Some(stage) = stage {
-            self.revoke_key(stage.key);
-            self.stage_pool.give(stage, || self.keeping());
-        }
     }
 
     /// Post: records the transfer's size and starts the transfer thread,
@@ -594,7 +581,7 @@ impl Daemon {
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
             let (outcome, result) = mover(&d, &stop, &thread_link);
-            d.drop_src_stage(src_stage);
+            d.drop_stage(src_stage);
             // What the connections say they carried, not a guess at their
             // framing, and the control frames both ways; a failed transfer
             // too, as far as it got. Counted before the transfer's end is

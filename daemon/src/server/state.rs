@@ -264,6 +264,15 @@ impl Slot {
         }
     }
 
+    /// A prepared receive starts: `peer`'s offer was accepted or its claim
+    /// honoured; its time and marks count from here.
+    pub fn receiving_from(&mut self, peer: &str) {
+        self.state = TransferState::Running;
+        self.started = Instant::now();
+        self.marks = vec![Boundary::Enqueued.at(Duration::ZERO)];
+        self.peer = peer.to_string();
+    }
+
     /// Records the transfer's size once planned.
     pub fn sized(&mut self, layers: usize, c: &kvwire_core::plan::PlanCounters, compressed: u64) {
         self.layers = layers as u16;

@@ -82,6 +82,13 @@ pub(crate) fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Op
     Side_ { side: s.clone(), mems }
 }
 
+/// Canary in every byte of `s`'s memfds: a byte no transfer wrote shows.
+pub(crate) fn canary(s: &Side_) {
+    for m in &s.mems {
+        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
+    }
+}
+
 /// What the destination's memfds hold, as Buffers.
 pub(crate) fn read_back(s: &Side_) -> Buffers {
     let m = model();
@@ -133,9 +140,7 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     let src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
     let dst = register(&cb, "decode", DST, &ds, None, identity());
     // Canary everywhere at the destination first.
-    for m in &dst.mems {
-        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
-    }
+    canary(&dst);
     let slot = cb
         .prepare(PrepareReceive { group: "decode".into(), request: "r1".into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
@@ -350,9 +355,7 @@ fn limit(r: Result<impl std::fmt::Debug, ClientError>, key: &str) {
 
 /// Moves group `prefill` into request `request` of group `decode` and checks every destination byte.
 fn transfer_exact(ca: &Client, cb: &Client, ss: &Side, ds: &Side, dst: &Side_, tokens: u64, request: &str) {
-    for m in &dst.mems {
-        m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
-    }
+    canary(dst);
     let slot = cb
         .prepare(PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
         .unwrap();
@@ -493,23 +496,40 @@ fn starts(stats: &str, node: &str, how: &str) -> u64 {
     stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
 }
 
-#[test]
-fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back_to_the_offer() {
-    let dir = TempDir::new("announce");
-    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+/// Daemon `a` sending to daemon `b` (started with config `b_extra`), a
+/// client of each, and `tokens` of the test model registered: the source
+/// filled, the destination zero. Clients go before daemons, daemons
+/// before their directory.
+struct Pair {
+    ca: Client,
+    cb: Client,
+    ss: Side,
+    ds: Side,
+    _src: Side_,
+    dst: Side_,
+    _a: DaemonProc,
+    _b: DaemonProc,
+    _dir: TempDir,
+}
+
+fn pair(name: &str, b_extra: &str, tokens: u64) -> Pair {
+    let dir = TempDir::new(name);
+    let b = start_daemon(dir.path(), "b", "a-secret-of-at-least-16-bytes", &[], b_extra);
     let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
     let ca = Client::connect(&a.socket, "prefill").unwrap();
     let cb = Client::connect(&b.socket, "decode").unwrap();
-    let tokens = 100;
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
     let src_bytes = verify::fill_source(&model(), &ss, tokens);
     let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
     let dst = register(&cb, "decode", DST, &ds, None, identity());
-    let canary = || {
-        for m in &dst.mems {
-            m.write(0, &vec![verify::CANARY; m.len() as usize]).unwrap();
-        }
-    };
+    Pair { ca, cb, ss, ds, _src, dst, _a: a, _b: b, _dir: dir }
+}
+
+#[test]
+fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back_to_the_offer() {
+    let tokens = 100;
+    let Pair { ca, cb, ss, ds, dst, .. } = &pair("announce", "", tokens);
+    let canary = || canary(dst);
     let prepare = |request: &str, tokens: u64| {
         let p = PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: Some("a".into()) };
         cb.prepare_announced(p).unwrap()
@@ -585,16 +605,8 @@ fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back
 
 #[test]
 fn a_receive_above_the_announce_bound_is_not_announced_and_its_transfer_offers() {
-    let dir = TempDir::new("announce-bound");
-    let b = start_daemon(dir.path(), "b", "a-secret-of-at-least-16-bytes", &[], "[transport]\nannounce_max_bytes = 1000\n");
-    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
-    let ca = Client::connect(&a.socket, "prefill").unwrap();
-    let cb = Client::connect(&b.socket, "decode").unwrap();
     let tokens = 100;
-    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
-    let src_bytes = verify::fill_source(&model(), &ss, tokens);
-    let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
-    let dst = register(&cb, "decode", DST, &ds, None, identity());
+    let Pair { ca, cb, ss, ds, dst, .. } = &pair("announce-bound", "[transport]\nannounce_max_bytes = 1000\n", tokens);
     // The first transfer opens `a`'s connection here; the second finds it
     // idle, but its 102400 bytes are above the bound: it offers.
     transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "r1");
