@@ -144,8 +144,11 @@ impl Placement {
         let mut counts = self.counts.lock().expect("placement lock");
         let c = counts.entry(tag).or_default();
         c.placed = c.placed.saturating_add(bytes);
+        // Read the clock before settling: once the flag is up the waiter may
+        // end the transfer, and a sample read after that would outlast it.
+        let took = seen_at.elapsed();
         let r = self.settle(tag, c);
-        self.hops.record(Hop::Place, seen_at.elapsed(), bytes);
+        self.hops.record(Hop::Place, took, bytes);
         r
     }
 
