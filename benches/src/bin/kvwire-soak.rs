@@ -132,7 +132,13 @@ struct ProcFigures {
     rss_kib: u64,
     threads: u64,
     fds: u64,
+    // User plus system CPU of all its threads, ended ones included, in
+    // clock ticks (USER_HZ, 100 per second in /proc's ABI).
+    cpu_ticks: u64,
 }
+
+/// /proc's clock ticks per second (USER_HZ: fixed for /proc/<pid>/stat).
+const TICKS_PER_S: f64 = 100.0;
 
 fn proc_figures(pid: u32) -> Result<ProcFigures, String> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).map_err(|e| format!("/proc/{pid}/status: {e}"))?;
@@ -147,7 +153,13 @@ fn proc_figures(pid: u32) -> Result<ProcFigures, String> {
     let rss_kib = field("VmRSS:").ok_or_else(|| format!("pid {pid} has no VmRSS (exited?)"))?;
     let threads = field("Threads:").ok_or_else(|| format!("pid {pid}: no Threads line"))?;
     let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).map_err(|e| format!("/proc/{pid}/fd: {e}"))?.count() as u64;
-    Ok(ProcFigures { rss_kib, threads, fds })
+    // utime and stime are the 14th and 15th fields; the name before them
+    // sits in parentheses and may hold spaces.
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| format!("/proc/{pid}/stat: {e}"))?;
+    let after_name = stat.rsplit_once(')').map(|(_, rest)| rest).ok_or_else(|| format!("/proc/{pid}/stat: no command name"))?;
+    let ticks: Vec<u64> = after_name.split_whitespace().skip(11).take(2).filter_map(|v| v.parse().ok()).collect();
+    let [utime, stime] = ticks[..] else { return Err(format!("/proc/{pid}/stat: no utime and stime")) };
+    Ok(ProcFigures { rss_kib, threads, fds, cpu_ticks: utime + stime })
 }
 
 /// `ip netns exec` execs its command without forking, so the child's pid is
@@ -475,6 +487,14 @@ struct DaemonReport {
     starts: Vec<(String, u64)>,
 }
 
+impl DaemonReport {
+    /// CPU µs the daemon spent per transfer, all threads, over the run
+    /// (setup and settling included, so a floor-raising overestimate).
+    fn cpu_us_per(&self, transfers: u64) -> f64 {
+        self.after.cpu_ticks.saturating_sub(self.before.cpu_ticks) as f64 / TICKS_PER_S * 1e6 / transfers.max(1) as f64
+    }
+}
+
 #[derive(Debug)]
 struct Report {
     settings: Settings,
@@ -692,7 +712,7 @@ fn json_str(s: &str) -> String {
 
 fn print_json(r: &Report, verdicts: &[Verdict]) {
     let secs = r.elapsed.as_secs_f64();
-    let figs = |f: &ProcFigures| format!("{{\"rss_kib\":{},\"fds\":{},\"threads\":{}}}", f.rss_kib, f.fds, f.threads);
+    let figs = |f: &ProcFigures| format!("{{\"rss_kib\":{},\"fds\":{},\"threads\":{},\"cpu_ticks\":{}}}", f.rss_kib, f.fds, f.threads, f.cpu_ticks);
     let opt = |v: Option<u64>| v.map_or("null".to_string(), |v| v.to_string());
     let daemons: Vec<String> = r
         .daemons
@@ -701,7 +721,7 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
             let hops: Vec<String> = d.hops.iter().map(|(h, s)| format!("{}:{:.6}", json_str(h), s)).collect();
             let starts: Vec<String> = d.starts.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
             format!(
-                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}},\"starts\":{{{}}}}}",
+                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}},\"starts\":{{{}}},\"cpu_us_per_transfer\":{:.1}}}",
                 json_str(d.name),
                 d.pid,
                 figs(&d.before),
@@ -714,7 +734,8 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
                 opt(d.rss_mid_max_kib),
                 opt(d.rss_late_max_kib),
                 hops.join(","),
-                starts.join(",")
+                starts.join(","),
+                d.cpu_us_per(r.transfers)
             )
         })
         .collect();
@@ -784,6 +805,10 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
         let per: Vec<String> = d.hops.iter().map(|(h, s)| format!("{h} {:.1}", s * 1e6 / r.transfers.max(1) as f64)).collect();
         println!("{:<9} busy us per transfer: {}", d.name, if per.is_empty() { "(stats unreadable)".into() } else { per.join(", ") });
     }
+    // What each side cost in CPU, beside the latency: on 2 cores a
+    // transfer bound by CPU shows here, one bound by waits does not.
+    let cpu: Vec<String> = r.daemons.iter().map(|d| format!("{} {:.0}", d.name, d.cpu_us_per(r.transfers))).collect();
+    println!("cpu us per transfer (all threads): {}", cpu.join(", "));
     // Whether receives were announced and claimed (no round trip) or offered.
     for d in &r.daemons {
         let starts: Vec<String> = d.starts.iter().map(|(how, n)| format!("{how} {n}")).collect();
