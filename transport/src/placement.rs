@@ -5,7 +5,7 @@
 use crate::flags::FlagTable;
 use crate::metrics::{Hop, Hops};
 use kvwire_core::protocol::Tag;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -65,11 +65,13 @@ struct Count {
 /// Placed-byte counters of one destination endpoint, and its flags.
 #[derive(Debug)]
 pub struct Placement {
-    counts: Mutex<HashMap<Tag, Count>>,
+    // Ordered by (slot, layer): a slot's reset removes its own range
+    // rather than scanning every bucket a busy moment left allocated.
+    counts: Mutex<BTreeMap<Tag, Count>>,
     // Byte ranges placed per (tag, region key), for transports that may
     // deliver a write twice (a slice re-sent on another rail after its
     // first rail failed): a range is counted once, however often it lands.
-    ranges: Mutex<HashMap<(Tag, u32), BTreeMap<u64, u64>>>,
+    ranges: Mutex<BTreeMap<(Tag, u32), BTreeMap<u64, u64>>>,
     // Bytes that crossed the link per slot, as this end saw them: each
     // write's framing, its payload and its answer. A fixed row per slot
     // of the flag table, so nothing an outsider sends can grow it.
@@ -86,7 +88,7 @@ impl Placement {
     /// Accounting publishing into `flags`, timing into `hops`.
     pub fn new(flags: FlagTable, hops: Arc<Hops>) -> Placement {
         let crossed = (0..flags.slots()).map(|_| AtomicU64::new(0)).collect();
-        Placement { counts: Mutex::new(HashMap::new()), ranges: Mutex::new(HashMap::new()), crossed, flags, hops, declared_only: false }
+        Placement { counts: Mutex::new(BTreeMap::new()), ranges: Mutex::new(BTreeMap::new()), crossed, flags, hops, declared_only: false }
     }
 
     /// This accounting, refusing bytes for any (slot, layer) no
@@ -241,8 +243,21 @@ impl Placement {
     /// serve a new transfer. Call only after the old transfer's region keys
     /// were revoked, or late writes would count toward the new one.
     pub fn reset_slot(&self, slot: u16) {
-        self.counts.lock().expect("placement lock").retain(|t, _| t.slot != slot);
-        self.ranges.lock().expect("placement lock").retain(|(t, _), _| t.slot != slot);
+        let (first, last) = (Tag { slot, layer: 0 }, Tag { slot, layer: u16::MAX });
+        {
+            let mut counts = self.counts.lock().expect("placement lock");
+            let gone: Vec<Tag> = counts.range(first..=last).map(|(t, _)| *t).collect();
+            for t in gone {
+                counts.remove(&t);
+            }
+        }
+        {
+            let mut ranges = self.ranges.lock().expect("placement lock");
+            let gone: Vec<(Tag, u32)> = ranges.range((first, 0)..=(last, u32::MAX)).map(|(k, _)| *k).collect();
+            for k in gone {
+                ranges.remove(&k);
+            }
+        }
         if let Some(c) = self.crossed.get(usize::from(slot)) {
             c.store(0, Ordering::Relaxed);
         }
