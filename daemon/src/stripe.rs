@@ -199,15 +199,16 @@ impl Shared {
 /// Answers whether the transfer must end now (cancel, peer lost), and why.
 pub type Interrupted = dyn Fn() -> Option<String> + Send + Sync;
 
-/// Runs a job on another thread (the daemon's kept workers): the watchdog
-/// of a transfer, so that a one-rail transfer starts no thread of its own.
-pub type Watch<'a> = dyn Fn(Box<dyn FnOnce() + Send>) -> std::io::Result<()> + 'a;
+/// Runs a check every few milliseconds on another thread until it returns
+/// false: the transfer's watchdog, so that a one-rail transfer starts and
+/// wakes no thread of its own.
+pub type Watch<'a> = dyn Fn(Box<dyn FnMut() -> bool + Send>) -> std::io::Result<()> + 'a;
 
 /// Sends `slices` over `rails` (connections made with `connect`) until each
 /// completed once. `interrupted` is asked every few milliseconds (cancel,
 /// peer lost); `event` hears of every post, completion and failure.
 /// Rail 0 runs on the calling thread, the other rails on threads of their
-/// own, and the watchdog on a thread `watch` provides.
+/// own, and the watchdog's checks where `watch` runs them.
 #[allow(clippy::too_many_arguments)] // the run's inputs, each used once
 pub fn run(
     slices: &[Batch],
@@ -241,8 +242,8 @@ pub fn run(
         }),
         Condvar::new(),
     ));
-    // The watchdog holds its own share of the state: it may still be
-    // waking up after the last rail returned.
+    // The watchdog holds its own share of the state: its last look comes
+    // after the last rail returned.
     let w = (sync.clone(), settings.clone());
     if let Err(e) = watch(Box::new(move || watchdog(&w.0 .0, &w.0 .1, &w.1, &*interrupted))) {
         return (outcome, Err(format!("cannot start the transfer's watchdog: {e}")));
@@ -282,47 +283,40 @@ pub fn run(
     (outcome, result)
 }
 
-/// Until every rail thread ended: ends the transfer on an interruption or
-/// the deadline, and breaks a rail that stalled while another is up. Rail
-/// threads may be blocked in a post, so both are done by breaking their
-/// connections from here.
-fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupted: &Interrupted) {
-    loop {
-        // Wakes as soon as the last rail thread returns (no sleep to finish
-        // first: `source_released` waits on this), else every 10 ms to check.
-        {
-            let sh = shared.lock().expect("stripe lock");
-            let (sh, _) = cv.wait_timeout_while(sh, Duration::from_millis(10), |sh| sh.running > 0).expect("stripe lock");
-            if sh.running == 0 {
-                return;
-            }
-        }
-        let why = interrupted().or_else(|| (Instant::now() > settings.deadline).then(|| "transfer timed out".to_string()));
-        let mut sh = shared.lock().expect("stripe lock");
-        if let Some(why) = why {
-            sh.fatal.get_or_insert(why);
-        }
-        if sh.fatal.is_some() {
-            sh.interrupt_all();
-            drop(sh);
-            cv.notify_all();
-            continue;
-        }
-        // A stalled rail is given up only while another can take its
-        // slices; the last one waits (the transfer and peer timeouts bound it).
-        let up = sh.lanes.iter().filter(|l| l.up && !l.stalled).count();
-        if up < 2 {
-            continue;
-        }
-        if let Some(l) = sh.lanes.iter_mut().find(|l| {
-            l.up && !l.stalled && l.inflight > 0 && l.last_progress.is_some_and(|t| t.elapsed() > settings.stall)
-        }) {
-            l.stalled = true;
-            if let Some(i) = l.interrupt.take() {
-                i();
-            }
+/// One look, until every rail thread ended (then false): ends the transfer
+/// on an interruption or the deadline, and breaks a rail that stalled
+/// while another is up. Rail threads may be blocked in a post, so both are
+/// done by breaking their connections from here. Never waits.
+fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupted: &Interrupted) -> bool {
+    if shared.lock().expect("stripe lock").running == 0 {
+        return false;
+    }
+    let why = interrupted().or_else(|| (Instant::now() > settings.deadline).then(|| "transfer timed out".to_string()));
+    let mut sh = shared.lock().expect("stripe lock");
+    if let Some(why) = why {
+        sh.fatal.get_or_insert(why);
+    }
+    if sh.fatal.is_some() {
+        sh.interrupt_all();
+        drop(sh);
+        cv.notify_all();
+        return true;
+    }
+    // A stalled rail is given up only while another can take its
+    // slices; the last one waits (the transfer and peer timeouts bound it).
+    let up = sh.lanes.iter().filter(|l| l.up && !l.stalled).count();
+    if up < 2 {
+        return true;
+    }
+    if let Some(l) = sh.lanes.iter_mut().find(|l| {
+        l.up && !l.stalled && l.inflight > 0 && l.last_progress.is_some_and(|t| t.elapsed() > settings.stall)
+    }) {
+        l.stalled = true;
+        if let Some(i) = l.interrupt.take() {
+            i();
         }
     }
+    true
 }
 
 /// What one rail's thread did.

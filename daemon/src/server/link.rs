@@ -1,8 +1,8 @@
 //! The source's peer-control connection for one transfer: the pump of its
-//! [`SourceSession`]. While bytes flow a heartbeat thread pings the
-//! destination (when the session says a ping is due), so the destination
-//! can tell a dead source from a slow one, and an unanswered ping marks the
-//! destination lost.
+//! [`SourceSession`]. While bytes flow a heartbeat (a check on the daemon's
+//! ticker) pings the destination when the session says a ping is due, so
+//! the destination can tell a dead source from a slow one, and an
+//! unanswered ping marks the destination lost.
 
 use super::announce::{AnnounceBook, Heard};
 use crate::config::PeerConfig;
@@ -10,8 +10,8 @@ use crate::peer::Sealed;
 use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
 use kvwire_transport::Credential;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, TryLockError};
 use std::time::{Duration, Instant};
 
 /// Why an exchange with the destination failed.
@@ -37,10 +37,10 @@ pub(super) struct PeerLink {
     pub addr: String,
     peer_timeout: Duration,
     lost: Mutex<Option<String>>,
-    // Set when the transfer ends here; the heartbeat waits on it, so it
-    // leaves (and its worker goes back to the pool) at once, not at its
-    // next look.
-    ended: (Mutex<bool>, Condvar),
+    // Set when the transfer ends here: the heartbeat's next look is its last.
+    ended: AtomicBool,
+    // A ping is out, on a worker, waiting for its answer.
+    pinging: AtomicBool,
     // The connection's frame bytes when this transfer took it, and the
     // transfer's share once it handed the connection back.
     frames_before: u64,
@@ -64,7 +64,8 @@ impl PeerLink {
             addr: peer.address.clone(),
             peer_timeout,
             lost: Mutex::new(None),
-            ended: (Mutex::new(false), Condvar::new()),
+            ended: AtomicBool::new(false),
+            pinging: AtomicBool::new(false),
             frames_before,
             frames_when_handed_back: AtomicU64::new(0),
             book,
@@ -134,47 +135,72 @@ impl PeerLink {
         }
     }
 
-    /// Marks the transfer ended here and wakes the heartbeat.
+    /// Marks the transfer ended here: the heartbeat stops.
     fn end(&self) {
-        *self.ended.0.lock().expect("peer link lock") = true;
-        self.ended.1.notify_all();
+        self.ended.store(true, Ordering::Release);
     }
 
     fn has_ended(&self) -> bool {
-        *self.ended.0.lock().expect("peer link lock")
+        self.ended.load(Ordering::Acquire)
     }
 
     pub fn lost(&self) -> Option<String> {
         self.lost.lock().expect("peer link lock").clone()
     }
 
-    /// Pings when the session says one is due, until [`PeerLink::done`] or
-    /// [`PeerLink::abort`]; a failed ping or the transfer's deadline marks
-    /// the destination lost.
-    pub fn heartbeat(&self) {
-        loop {
-            let Some(due) = self.session(|s| s.poll_timeout()) else { return };
-            {
-                let (lock, cv) = &self.ended;
-                let ended = lock.lock().expect("peer link lock");
-                let (ended, _) = cv.wait_timeout_while(ended, due.saturating_duration_since(Instant::now()), |ended| !*ended).expect("peer link lock");
-                if *ended {
-                    return;
+    /// One look of the heartbeat, run every tick until [`PeerLink::done`]
+    /// or [`PeerLink::abort`] (then false): a ping the session says is due
+    /// goes out on a worker (`spawn`), as it waits for its answer; a failed
+    /// ping or the transfer's deadline marks the destination lost. Never
+    /// waits: while an exchange or a send holds the stream, it looks again
+    /// next tick.
+    pub fn heartbeat(self: &Arc<Self>, spawn: &dyn Fn(Box<dyn FnOnce() + Send>) -> std::io::Result<()>) -> bool {
+        if self.has_ended() || self.lost().is_some() {
+            return false;
+        }
+        if self.pinging.load(Ordering::Acquire) {
+            return true;
+        }
+        let step = match self.conn.try_lock() {
+            // The session has ended (done or failed): nothing is due any more.
+            Ok(c) if c.1.poll_timeout().is_none() => return false,
+            Ok(mut c) => c.1.handle_timeout(Instant::now()),
+            Err(TryLockError::WouldBlock) => return true,
+            Err(TryLockError::Poisoned(_)) => panic!("peer link lock poisoned"),
+        };
+        match step {
+            Ok(None) => true,
+            Ok(Some(ping)) => {
+                self.pinging.store(true, Ordering::Release);
+                let me = self.clone();
+                let sent = spawn(Box::new(move || {
+                    // Ended meanwhile: `Done` or `Abort` speaks for this side now.
+                    if !me.has_ended() {
+                        if let Err(e) = me.exchange(&ping) {
+                            me.mark_lost(e.to_string());
+                        }
+                    }
+                    me.pinging.store(false, Ordering::Release);
+                }));
+                match sent {
+                    Ok(()) => true,
+                    Err(e) => {
+                        self.mark_lost(format!("cannot start a ping: {e}"));
+                        false
+                    }
                 }
             }
-            let why = match self.session(|s| s.handle_timeout(Instant::now())) {
-                Ok(None) => continue,
-                Ok(Some(ping)) => match self.exchange(&ping) {
-                    Ok(_) => continue,
-                    Err(e) => e.to_string(),
-                },
-                Err(e) => format!("peer `{}`: {e}", self.peer),
-            };
-            if !self.has_ended() {
-                tracing::warn!(peer = self.peer, why, "peer lost");
-                *self.lost.lock().expect("peer link lock") = Some(why);
+            Err(e) => {
+                self.mark_lost(format!("peer `{}`: {e}", self.peer));
+                false
             }
-            return;
+        }
+    }
+
+    fn mark_lost(&self, why: String) {
+        if !self.has_ended() {
+            tracing::warn!(peer = self.peer, why, "peer lost");
+            *self.lost.lock().expect("peer link lock") = Some(why);
         }
     }
 

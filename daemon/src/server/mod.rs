@@ -27,6 +27,7 @@ mod rails;
 mod source;
 mod staging;
 mod state;
+mod ticker;
 mod transfers;
 mod workers;
 
@@ -110,6 +111,8 @@ pub struct Daemon {
     data_conns: kept::Kept<(usize, String, u64), Box<dyn kvwire_transport::Connection>>,
     // Threads kept for transfers' work.
     workers: workers::Workers,
+    // The transfers' periodic checks (stripe watchdogs, heartbeats), on one thread.
+    ticker: ticker::Ticker,
     // Layers engines announced as written, for streamed submits.
     produced: produced::Produced,
     // Destination: authenticated peer connections, where announcements go.
@@ -257,6 +260,7 @@ impl Daemon {
             peer_conns: kept::Kept::new(KEEP_PER_KEY),
             data_conns: kept::Kept::new(KEEP_PER_KEY),
             workers: workers::Workers::default(),
+            ticker: ticker::Ticker::start("kvwired-tick")?,
             produced: produced::Produced::default(),
             outboxes: announce::Outboxes::default(),
             announcements: Arc::default(),

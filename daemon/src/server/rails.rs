@@ -139,7 +139,10 @@ impl Daemon {
             self.rail_event_in_slot(id, rail, &e);
             self.rail_event_in_metrics(&inflight, rail, &e);
         };
-        let watch = |job: Box<dyn FnOnce() + Send>| self.workers.spawn("kvwired-watch", job, |why| tracing::error!(why, "a stripe watchdog panicked"));
+        let watch = |check: Box<dyn FnMut() -> bool + Send>| {
+            self.ticker.add(check);
+            Ok(())
+        };
         let (outcome, result) = stripe::run(&slices, &masks, rails, (&connect, &park), &settings, interrupted, &event, &watch);
         {
             let mine = inflight.into_inner().expect("rail in-flight lock");

@@ -636,14 +636,12 @@ impl Daemon {
         }, on_panic);
         spawned.map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the transfer thread: {e}")))?;
         // The heartbeat keeps the destination told that this side is alive
-        // while bytes flow, and learns at once when it is not. Started
-        // after the transfer thread: its start is not on the bytes' path.
-        let beat = link.clone();
-        if let Err(e) = self.workers.spawn("kvwired-beat", move || beat.heartbeat(), |why| tracing::error!(why, "a heartbeat thread panicked")) {
-            let why = format!("cannot start the heartbeat thread: {e}");
-            self.fail(id, &why);
-            return Err(Refusal::new(Code::TransferFailed, why));
-        }
+        // while bytes flow, and learns at once when it is not: a check on
+        // the ticker, which wakes no thread of this transfer's own.
+        let (beat, d) = (link.clone(), self.clone());
+        self.ticker.add(Box::new(move || {
+            beat.heartbeat(&|ping| d.workers.spawn("kvwired-ping", ping, |why| tracing::error!(why, "a ping panicked")))
+        }));
         Ok(reply)
     }
 
