@@ -987,10 +987,16 @@ impl Manifest {
             version: u32,
         }
         let json = |e: serde_json::Error| ManifestError::Json { reason: e.to_string() };
-        let probe: VersionOnly = serde_json::from_slice(text).map_err(json)?;
-        if probe.version != MANIFEST_VERSION {
-            return Err(ManifestError::Version { got: probe.version });
+        // One parse when the manifest is good (it sits on every transfer's
+        // path); only one that fails is read again for its version, so
+        // another version is still named as such, whatever its fields.
+        match serde_json::from_slice::<Manifest>(text) {
+            Ok(m) if m.version == MANIFEST_VERSION => Ok(m),
+            Ok(m) => Err(ManifestError::Version { got: m.version }),
+            Err(e) => match serde_json::from_slice::<VersionOnly>(text) {
+                Ok(probe) if probe.version != MANIFEST_VERSION => Err(ManifestError::Version { got: probe.version }),
+                _ => Err(json(e)),
+            },
         }
-        serde_json::from_slice(text).map_err(json)
     }
 }

@@ -508,6 +508,10 @@ fn another_version_is_refused_before_its_fields_are_read() {
     // A v2 manifest may add fields; the answer is still "unsupported version".
     let v2 = llama_manifest().to_json().replacen(r#""version":1,"#, r#""version":2,"hmac":"x","#, 1);
     assert_eq!(Manifest::from_json(v2.as_bytes()), Err(ManifestError::Version { got: 2 }));
+    // Whatever else it lacks, or however well formed the rest is.
+    assert_eq!(Manifest::from_json(br#"{"version":3}"#), Err(ManifestError::Version { got: 3 }));
+    let v2_whole = llama_manifest().to_json().replacen(r#""version":1,"#, r#""version":2,"#, 1);
+    assert_eq!(Manifest::from_json(v2_whole.as_bytes()), Err(ManifestError::Version { got: 2 }));
     assert_eq!(ManifestError::Version { got: 2 }.to_string(), "unsupported manifest version 2 (this side speaks 1)");
 }
 
