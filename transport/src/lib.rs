@@ -45,7 +45,7 @@ pub use mem::HostMem;
 pub use metrics::{Hop, Hops};
 pub use placement::Placement;
 pub use auth::Credential;
-pub use registry::{Grant, Region, Registry, Scatter};
+pub use registry::{Grant, Region, Registry};
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -246,13 +246,6 @@ pub trait Endpoint: Send + Sync {
     /// Backends that must also register with hardware override it.
     fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
         Ok(self.registry().register(mem, offset, len, grant)?)
-    }
-
-    /// [`Endpoint::register`] for a region whose bytes `scatter` places
-    /// elsewhere as they arrive; `None` where this backend cannot honour
-    /// it (a NIC places verbs writes where they were aimed).
-    fn register_scattered(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>, scatter: Arc<dyn Scatter>) -> Option<Result<Arc<Region>, TransportError>> {
-        Some(self.registry().register_scattered(mem, offset, len, grant, scatter).map_err(TransportError::from))
     }
 
     /// Revokes a region: every later write to `key` fails. Returns whether it was registered.

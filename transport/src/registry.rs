@@ -62,20 +62,6 @@ pub struct Region {
     pub len: u64,
     /// Who may write into it from afar; None: nobody (a local region).
     pub grant: Option<Grant>,
-    /// Where its bytes go instead of `mem`, for backends that place them
-    /// (tcp): a destination's staging scattered into its cache as it
-    /// arrives. Registered only where every backend that may write the
-    /// region honours it.
-    pub scatter: Option<Arc<dyn Scatter>>,
-}
-
-/// A region whose bytes are placed elsewhere: each range of it maps to
-/// pieces of other memory, which the scatter keeps alive.
-pub trait Scatter: Send + Sync + std::fmt::Debug {
-    /// Calls `place` with (memory, offset, length) for each piece of the
-    /// region's bytes `offset..offset + len`, in order. The pieces add up
-    /// to `len` bytes, each inside its memory, or it fails saying why.
-    fn pieces(&self, offset: u64, len: u64, place: &mut dyn FnMut(&HostMem, u64, u64) -> std::io::Result<()>) -> std::io::Result<()>;
 }
 
 impl Region {
@@ -132,24 +118,18 @@ impl Registry {
     /// Registers `mem[offset..offset+len]`, open to remote writes as
     /// `grant` says (None: local only), and returns it.
     pub fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, RegistryError> {
-        self.insert(mem, offset, len, None, grant, None)
-    }
-
-    /// [`Registry::register`] for a region whose bytes `scatter` places
-    /// elsewhere as they arrive.
-    pub fn register_scattered(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>, scatter: Arc<dyn Scatter>) -> Result<Arc<Region>, RegistryError> {
-        self.insert(mem, offset, len, None, grant, Some(scatter))
+        self.insert(mem, offset, len, None, grant)
     }
 
     /// Registers a window under a key chosen by the caller (a NIC's rkey,
     /// so local and remote names agree). Refuses a key already in use.
     pub fn register_with_key(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: u32, grant: Option<Grant>) -> Result<Arc<Region>, RegistryError> {
-        self.insert(mem, offset, len, Some(key), grant, None)
+        self.insert(mem, offset, len, Some(key), grant)
     }
 
     /// Checks the window and the limit, then inserts under `key`, or under
     /// a fresh random key.
-    fn insert(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: Option<u32>, grant: Option<Grant>, scatter: Option<Arc<dyn Scatter>>) -> Result<Arc<Region>, RegistryError> {
+    fn insert(&self, mem: Arc<HostMem>, offset: u64, len: u64, key: Option<u32>, grant: Option<Grant>) -> Result<Arc<Region>, RegistryError> {
         mem.check(offset, len)?;
         if len == 0 {
             return Err(RegistryError::Window(MemError::Empty));
@@ -173,7 +153,7 @@ impl Registry {
                 }
             }
         };
-        let region = Arc::new(Region { key, mem, offset, len, grant, scatter });
+        let region = Arc::new(Region { key, mem, offset, len, grant });
         regions.insert(key, region.clone());
         Ok(region)
     }

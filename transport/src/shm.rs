@@ -566,24 +566,9 @@ fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incomin
             Some(end) if end <= src.len => {}
             _ => return Err(Refusal::SourceOutOfBounds { key: src_key, offset: src_offset, len: w.len, region_len: src.len }),
         }
-        let unusable = |reason: String| Refusal::SourceUnusable { key: src_key, reason };
-        match &a.region().scatter {
-            None => src.mem.copy_to(src.offset + src_offset, &a.region().mem, a.mem_offset(), w.len).map_err(|e| unusable(format!("copy: {e}")))?,
-            // Straight from the source into the pieces the region's bytes go to.
-            Some(scatter) => {
-                let mut from = src.offset + src_offset;
-                scatter
-                    .pieces(w.offset, w.len, &mut |mem, at, n| {
-                        src.mem.copy_to(from, mem, at, n).map_err(std::io::Error::other)?;
-                        from += n;
-                        Ok(())
-                    })
-                    .map_err(|e| unusable(format!("scattered copy: {e}")))?;
-                if from != src.offset + src_offset + w.len {
-                    return Err(unusable(format!("scatter map placed {} of the write's {} bytes", from - src.offset - src_offset, w.len)));
-                }
-            }
-        }
+        src.mem
+            .copy_to(src.offset + src_offset, &a.region().mem, a.mem_offset(), w.len)
+            .map_err(|e| Refusal::SourceUnusable { key: src_key, reason: format!("copy: {e}") })?;
         *copied = true;
         Ok(Instant::now())
     })

@@ -197,41 +197,15 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
         let mut payload_read = false;
         let result = accept::accept(registry, placement, session, w, |a: &Admitted| {
             payload_read = true;
-            let closed = |e| Served::Closed(TransportError::io("receive write payload")(e));
-            match &a.region().scatter {
-                None => {
-                    // SAFETY: `mem_offset()..+len` lies inside the region's live
-                    // mapping (admit checked it against the registry; the region
-                    // Arc keeps the mapping alive). The bytes are not counted as
-                    // placed yet, so no reader may look at them (flags are the
-                    // only licence to read); a plan sends two writes to one byte
-                    // only when a slice is re-sent after a rail failed, and then
-                    // with the same bytes. The slice lives only for this read.
-                    let dst = unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add(a.mem_offset() as usize), h.len as usize) };
-                    reader.read_exact(dst).map_err(closed)?;
-                }
-                // Straight into the pieces the region's bytes go to: the
-                // payload crosses memory once, not into staging and out again.
-                Some(scatter) => {
-                    let mut read = 0u64;
-                    scatter
-                        .pieces(a.write().offset, h.len, &mut |mem, at, n| {
-                            mem.check(at, n).map_err(|e| std::io::Error::other(format!("scatter piece: {e}")))?;
-                            // SAFETY: checked inside `mem`'s live mapping,
-                            // which the scatter keeps alive; not counted as
-                            // placed yet, so no reader may look (as above).
-                            let dst = unsafe { std::slice::from_raw_parts_mut(mem.as_ptr().add(at as usize), n as usize) };
-                            reader.read_exact(dst)?;
-                            read += n;
-                            Ok(())
-                        })
-                        .map_err(closed)?;
-                    if read != h.len {
-                        let short = std::io::Error::other(format!("scatter map placed {read} of the write's {} bytes", h.len));
-                        return Err(closed(short));
-                    }
-                }
-            }
+            // SAFETY: `mem_offset()..+len` lies inside the region's live
+            // mapping (admit checked it against the registry; the region
+            // Arc keeps the mapping alive). The bytes are not counted as
+            // placed yet, so no reader may look at them (flags are the
+            // only licence to read); a plan sends two writes to one byte
+            // only when a slice is re-sent after a rail failed, and then
+            // with the same bytes. The slice lives only for this read.
+            let dst = unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add(a.mem_offset() as usize), h.len as usize) };
+            reader.read_exact(dst).map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
             Ok(Instant::now())
         });
         let answer = match result {

@@ -7,7 +7,6 @@
 use super::announce::mismatch;
 use super::device::Direction;
 use super::error::Refusal;
-use super::staging::StageScatter;
 use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
@@ -67,9 +66,6 @@ struct Receive {
     regions: HashMap<(u32, RegionId), Arc<Region>>,
     devices: DeviceMems,
     stage: Option<Arc<Region>>,
-    // The staged bytes were scattered into the cache as they arrived
-    // ([`super::staging::StageScatter`]): nothing to unpack.
-    scattered: bool,
 }
 
 impl Daemon {
@@ -399,41 +395,18 @@ impl Daemon {
         let schedule = Schedule::new(&model, &format, &plan, codec).map_err(|err| refuse(err.to_string()))?;
         // Staged segments land in one buffer and are unpacked per layer:
         // the one set aside at the announcement (as large as the payload,
-        // so it holds any schedule's), or a new one. A new one without a
-        // codec is scattered into the cache as its bytes arrive, where the
-        // transport places them itself; an announced one is not, since the
-        // source may write it before this plan exists.
-        let grant = Grant { session, slot: id.slot };
-        let (stage, scattered) = match announced {
+        // so it holds any schedule's), or a new one.
+        let stage = match announced {
             Some(stage) => {
                 let have = stage.as_ref().map_or(0, |r| r.len);
                 if schedule.stage_bytes > have {
                     return Err(refuse(format!("the claim stages {} bytes, the announcement set {have} aside", schedule.stage_bytes)));
                 }
-                (announced.take().flatten(), false)
+                announced.take().flatten()
             }
-            None if codec.is_none() && schedule.stage_bytes > 0 => match self.scattered_stage(&plan, &schedule, &regions, grant) {
-                Some(stage) => (Some(stage.map_err(|err| refuse(format!("staging: {err}")))?), true),
-                None => (self.stage_for(schedule.stage_bytes, Some(grant)).map_err(|err| refuse(format!("staging: {err}")))?, false),
-            },
-            None => (self.stage_for(schedule.stage_bytes, Some(grant)).map_err(|err| refuse(format!("staging: {err}")))?, false),
+            None => self.stage_for(schedule.stage_bytes, Some(Grant { session, slot: id.slot })).map_err(|err| refuse(format!("staging: {err}")))?,
         };
-        Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, expected, regions, devices, stage, scattered })
-    }
-
-    /// A staging region of `schedule` whose bytes are scattered into
-    /// `regions` as they arrive; `None` where the transport cannot.
-    fn scattered_stage(&self, plan: &Plan, schedule: &Schedule, regions: &HashMap<(u32, RegionId), Arc<Region>>, grant: Grant) -> Option<Result<Arc<Region>, String>> {
-        let scatter = match StageScatter::new(plan, schedule, regions) {
-            Ok(s) => Arc::new(s),
-            Err(e) => return Some(Err(e)),
-        };
-        // The bytes never land here: an untouched mapping only bounds the window.
-        let mem = match self.stage_pool.take(schedule.stage_bytes) {
-            Ok(m) => m,
-            Err(e) => return Some(Err(e.to_string())),
-        };
-        self.register_scattered_region(mem, schedule.stage_bytes, grant, scatter).map(|r| r.map_err(|e| e.to_string()))
+        Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, expected, regions, devices, stage })
     }
 
     /// The source's manifest, checked field by field against this side's
@@ -539,18 +512,16 @@ impl Daemon {
         // as its runs will hold them: verified there, in one piece, before
         // they are scattered (a layer that fails is never unpacked). With a
         // codec the checksums cover the decoded runs: unpacked first.
-        // Scattered on arrival, they are in their runs already, verified
-        // there like direct segments: unpublished, nobody may read them yet.
-        let in_staging = r.codec.is_none() && !r.scattered;
+        let in_staging = r.codec.is_none();
         if in_staging {
             self.verify_layer(r, manifest, layer, true)?;
         }
         let t = Instant::now();
-        for st in ls.staged.iter().filter(|_| !r.scattered) {
+        for st in &ls.staged {
             let seg = &r.plan.segments[st.seg];
             unpack_segment(r, seg, st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
         }
-        if !ls.staged.is_empty() && !r.scattered {
+        if !ls.staged.is_empty() {
             self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.plan.segments[st.seg].bytes()).sum());
         }
         if !in_staging {

@@ -9,7 +9,7 @@ use crate::metrics::Metrics;
 use crate::stripe;
 use kvwire_client::control::RailUse;
 use kvwire_core::session::msg::{RailAddr, RankRails};
-use kvwire_transport::{Batch, Connection, Grant, Hop, HostMem, Region, Scatter, TransportError, WriteOp};
+use kvwire_transport::{Batch, Connection, Grant, Hop, HostMem, Region, TransportError, WriteOp};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -29,22 +29,6 @@ impl Daemon {
             }
         }
         Ok(region)
-    }
-
-    /// [`Daemon::register_region`] for a region whose bytes `scatter`
-    /// places elsewhere as they arrive; `None` where the transport cannot.
-    pub(super) fn register_scattered_region(&self, mem: Arc<HostMem>, len: u64, grant: Grant, scatter: Arc<dyn Scatter>) -> Option<Result<Arc<Region>, TransportError>> {
-        let region = match self.ep.register_scattered(mem, 0, len, Some(grant), scatter)? {
-            Ok(r) => r,
-            Err(e) => return Some(Err(e)),
-        };
-        for r in self.rails.iter().filter_map(|r| r.ep.as_ref()) {
-            if let Err(e) = r.attach(&region) {
-                self.revoke_key(region.key);
-                return Some(Err(e));
-            }
-        }
-        Some(Ok(region))
     }
 
     /// Revokes `key` on the data plane and on every rail, so no rail can

@@ -3,12 +3,8 @@
 //! about half the CPU of both sides; a buffer taken back from here is
 //! already faulted in. Each transfer still registers it under its own key.
 
-use kvwire_core::plan::Plan;
-use kvwire_core::schedule::Schedule;
-use kvwire_core::shard::RegionId;
 use kvwire_transport::mem::MemError;
-use kvwire_transport::{HostMem, Region, Scatter};
-use std::collections::HashMap;
+use kvwire_transport::{HostMem, Region};
 use std::sync::{Arc, Mutex};
 
 /// Buffers are allocated in whole MiB, so sizes that differ a little share them.
@@ -64,85 +60,6 @@ impl StagePool {
     }
 }
 
-/// A destination's staging scattered into its cache as it arrives (tcp
-/// and shm place the bytes themselves): each staged segment's bytes go
-/// straight to its runs, in the order the source packed them, so the
-/// payload crosses memory once instead of landing in staging and being
-/// unpacked from there. Only without a codec, where staged bytes are the
-/// runs' bytes as they are.
-#[derive(Debug)]
-pub(super) struct StageScatter {
-    // Each distinct destination memory once; segments name theirs by index.
-    mems: Vec<Arc<HostMem>>,
-    // In staging order, which is offset order, back to back.
-    segs: Vec<ScatterSeg>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct ScatterSeg {
-    // Where it starts in staging, and its bytes there.
-    at: u64,
-    bytes: u64,
-    mem: u32,
-    // Its first run in that memory, each run's bytes, and the distance between runs.
-    first: u64,
-    len: u64,
-    stride: u64,
-}
-
-impl StageScatter {
-    /// The scatter of `schedule`'s staged segments into `regions`, checked:
-    /// every run lies inside its region's window.
-    pub fn new(plan: &Plan, schedule: &Schedule, regions: &HashMap<(u32, RegionId), Arc<Region>>) -> Result<StageScatter, String> {
-        let mut mems: Vec<Arc<HostMem>> = Vec::new();
-        let mut segs = Vec::with_capacity(schedule.staged.len());
-        for st in &schedule.staged {
-            let seg = plan.segments.get(st.seg).ok_or_else(|| format!("staged segment {} is not in the plan", st.seg))?;
-            if st.size != seg.bytes() {
-                return Err(format!("segment {} stages {} bytes for {} bytes of runs", st.seg, st.size, seg.bytes()));
-            }
-            if st.size == 0 {
-                continue;
-            }
-            let r = regions.get(&(seg.dst_rank, seg.dst_region)).ok_or_else(|| format!("segment {}: rank {} has no region {:?}", st.seg, seg.dst_rank, seg.dst_region))?;
-            let last = (seg.count - 1).checked_mul(seg.dst_stride).and_then(|o| o.checked_add(seg.dst_offset)?.checked_add(seg.len));
-            if last.is_none_or(|end| end > r.len) {
-                return Err(format!("segment {}: its runs reach past region {:?} of {} bytes", st.seg, seg.dst_region, r.len));
-            }
-            let mem = match mems.iter().position(|m| Arc::ptr_eq(m, &r.mem)) {
-                Some(i) => i,
-                None => {
-                    mems.push(r.mem.clone());
-                    mems.len() - 1
-                }
-            };
-            segs.push(ScatterSeg { at: st.offset, bytes: st.size, mem: mem as u32, first: r.offset + seg.dst_offset, len: seg.len, stride: seg.dst_stride });
-        }
-        Ok(StageScatter { mems, segs })
-    }
-}
-
-impl Scatter for StageScatter {
-    fn pieces(&self, offset: u64, len: u64, place: &mut dyn FnMut(&HostMem, u64, u64) -> std::io::Result<()>) -> std::io::Result<()> {
-        let end = offset.checked_add(len).ok_or_else(|| std::io::Error::other("write range overflows"))?;
-        let mut o = offset;
-        let mut i = self.segs.partition_point(|s| s.at + s.bytes <= o);
-        while o < end {
-            let s = self.segs.get(i).filter(|s| s.at <= o).ok_or_else(|| std::io::Error::other(format!("staging byte {o} belongs to no staged segment")))?;
-            let into = o - s.at;
-            let (run, within) = (into / s.len, into % s.len);
-            // Runs back to back at the destination go as one piece.
-            let n = if s.stride == s.len { s.at + s.bytes - o } else { s.len - within }.min(end - o);
-            place(&self.mems[s.mem as usize], s.first + run * s.stride + within, n)?;
-            o += n;
-            if o == s.at + s.bytes {
-                i += 1;
-            }
-        }
-        Ok(())
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,33 +69,6 @@ mod tests {
         let r = reg.register(mem, 0, len, None).unwrap();
         reg.revoke(r.key);
         r
-    }
-
-    #[test]
-    fn a_scattered_range_goes_to_its_runs_across_segments_and_nowhere_else() {
-        let (a, b) = (Arc::new(HostMem::new("a", 64).unwrap()), Arc::new(HostMem::new("b", 64).unwrap()));
-        // Segment 0: 3 runs of 4 bytes, 10 apart, from byte 2 of `a`;
-        // segment 1: 2 runs of 5 back to back from byte 30 of `b`.
-        let segs = vec![
-            ScatterSeg { at: 0, bytes: 12, mem: 0, first: 2, len: 4, stride: 10 },
-            ScatterSeg { at: 12, bytes: 10, mem: 1, first: 30, len: 5, stride: 5 },
-        ];
-        let sc = StageScatter { mems: vec![a.clone(), b.clone()], segs };
-        let pieces = |offset: u64, len: u64| {
-            let mut got = Vec::new();
-            let r = sc.pieces(offset, len, &mut |m, at, n| {
-                got.push((if std::ptr::eq(m, &*a) { 'a' } else { 'b' }, at, n));
-                Ok(())
-            });
-            r.map(|()| got).map_err(|e| e.to_string())
-        };
-        // From inside run 0 of segment 0 into segment 1, whose runs join.
-        assert_eq!(pieces(2, 14), Ok(vec![('a', 4, 2), ('a', 12, 4), ('a', 22, 4), ('b', 30, 4)]));
-        assert_eq!(pieces(0, 22).unwrap().iter().map(|p| p.2).sum::<u64>(), 22);
-        assert_eq!(pieces(13, 9), Ok(vec![('b', 31, 9)]));
-        // Past the last segment: refused, naming the byte.
-        assert_eq!(pieces(20, 4), Err("staging byte 22 belongs to no staged segment".into()));
-        assert!(pieces(u64::MAX, 2).is_err());
     }
 
     #[test]

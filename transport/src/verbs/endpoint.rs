@@ -306,11 +306,6 @@ impl Endpoint for VerbsEndpoint {
         VerbsEndpoint::register(self, mem, offset, len, grant)
     }
 
-    /// The NIC places each write where it was aimed: no scatter.
-    fn register_scattered(&self, _: Arc<HostMem>, _: u64, _: u64, _: Option<Grant>, _: Arc<dyn crate::Scatter>) -> Option<Result<Arc<Region>, TransportError>> {
-        None
-    }
-
     fn revoke(&self, key: u32) -> bool {
         VerbsEndpoint::revoke(self, key)
     }
