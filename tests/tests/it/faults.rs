@@ -721,7 +721,11 @@ fn a_rail_taken_down_mid_transfer_fails_over_with_exact_bytes() {
     eprintln!("decoder usable and source released after {:?}", t0.elapsed());
     let st = ca.status(sslot).unwrap();
     let (r0, r1) = (rail(&st, "rail0"), rail(&st, "rail1"));
-    eprintln!("{name}: {waited:?}; rail0 {} B, rail1 {} B (failed: {:?}); retransmitted {} B", r0.bytes, r1.bytes, r1.failed, st.retransmitted_bytes);
+    // Both rails' ends and the transfer's own, so a failure here says which rail did what.
+    eprintln!(
+        "{name}: {waited:?}; rail0 {} B (failed: {:?}), rail1 {} B (failed: {:?}); retransmitted {} B; transfer {:?} {:?}",
+        r0.bytes, r0.failed, r1.bytes, r1.failed, st.retransmitted_bytes, st.state, st.error
+    );
     waited.expect("the transfer completes on the remaining rail");
     released.expect("the source is released");
     let expected = c.placed(&orig, &table, &vec![0; c.bytes() as usize]);
