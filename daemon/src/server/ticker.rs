@@ -80,7 +80,15 @@ fn run(weak: &Weak<Inner>) {
             checks.append(&mut st.added);
         }
         drop(inner);
-        checks.retain_mut(|c| c());
+        // A check that panics is dropped alone: the thread, and every other
+        // transfer's checks, go on.
+        checks.retain_mut(|c| match std::panic::catch_unwind(std::panic::AssertUnwindSafe(&mut *c)) {
+            Ok(again) => again,
+            Err(p) => {
+                tracing::error!(why = super::workers::panic_text(&*p), "a periodic check panicked; it stops");
+                false
+            }
+        });
         std::thread::sleep(PERIOD);
     }
 }
@@ -133,6 +141,17 @@ mod tests {
             std::thread::sleep(PERIOD);
         }
         assert_eq!(inner_runs.load(Ordering::SeqCst), 1);
+        // A check that panics goes; the thread and the others stay.
+        let after = Arc::new(AtomicUsize::new(0));
+        let a = after.clone();
+        t2.add(Box::new(|| panic!("boom")));
+        t2.add(Box::new(move || a.fetch_add(1, Ordering::SeqCst) < 2));
+        let started = Instant::now();
+        while after.load(Ordering::SeqCst) < 3 && started.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(PERIOD);
+        }
+        assert_eq!(after.load(Ordering::SeqCst), 3);
+        assert_eq!(named("tick-test"), 1);
         drop(t2);
         let started = Instant::now();
         while named("tick-test") > 0 && started.elapsed() < Duration::from_secs(10) {

@@ -39,8 +39,7 @@ impl Workers {
     pub fn spawn(&self, name: &str, job: impl FnOnce() + Send + 'static, on_panic: impl FnOnce(String) + Send + 'static) -> std::io::Result<()> {
         let job = move || {
             if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
-                let text = p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into());
-                on_panic(text);
+                on_panic(panic_text(&*p));
             }
         };
         let (lock, cv) = &*self.q;
@@ -67,6 +66,11 @@ impl Workers {
         lock.lock().expect("workers lock").draining = true;
         cv.notify_all();
     }
+}
+
+/// What a caught panic said.
+pub(super) fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned()).unwrap_or_else(|| "a panic".into())
 }
 
 /// A worker's life after its first job: the next job, or an end.
