@@ -28,7 +28,19 @@ impl Daemon {
         devices: &DeviceMems,
         layers: std::ops::Range<usize>,
     ) -> Result<(), CopyError> {
-        let timeout = Duration::from_secs(self.cfg.device.copy_timeout_secs);
+        self.start_device_copies(dir, plan, regions, devices, layers)?.finish(self, id)
+    }
+
+    /// The enqueue half of [`Daemon::device_copies`]: the copies run on the
+    /// ranks' streams while the caller goes on, until [`Copies::finish`].
+    pub(super) fn start_device_copies(
+        &self,
+        dir: Direction,
+        plan: &Plan,
+        regions: &HashMap<(u32, RegionId), Arc<Region>>,
+        devices: &DeviceMems,
+        layers: std::ops::Range<usize>,
+    ) -> Result<Copies, CopyError> {
         // The segments of each layer asked for, in one pass over the plan.
         let mut of_layer: Vec<Vec<usize>> = vec![Vec::new(); layers.len()];
         for (i, seg) in plan.segments.iter().enumerate() {
@@ -78,6 +90,22 @@ impl Daemon {
                 }
             }
         }
+        Ok(Copies { dir, pending })
+    }
+}
+
+/// Device copies enqueued and not yet awaited.
+pub(super) struct Copies {
+    dir: Direction,
+    pending: Vec<(u32, usize, Instant, u64, Box<dyn kvwire_transport::device::bound::EventWait>)>,
+}
+
+impl Copies {
+    /// Waits for every copy's event, then records the hop: the time the
+    /// copies held each rank's stream.
+    pub fn finish(self, d: &Daemon, id: SlotId) -> Result<(), CopyError> {
+        let Copies { dir, pending } = self;
+        let timeout = Duration::from_secs(d.cfg.device.copy_timeout_secs);
         let hop = match dir {
             Direction::ToHost => Hop::Stage,
             Direction::ToDevice => Hop::DeviceComplete,
@@ -92,7 +120,7 @@ impl Daemon {
             free_at.insert(rank, done);
         }
         // The ranks' streams ran side by side: the hop's time is their union.
-        self.slot_hop_spans(id, hop, &spans);
+        d.slot_hop_spans(id, hop, &spans);
         Ok(())
     }
 }

@@ -162,11 +162,7 @@ impl Daemon {
             return self.stream_source(id, stop, s, g, p, codec, accept, l);
         }
         if !g.devices.is_empty() {
-            // A device-resident source is copied into its host mirror first:
-            // the manifest's checksums, packing and the wire all read the mirror.
-            let n = g.model.layers.len();
-            self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, 0..n)
-                .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging: {e}")))?;
+            return self.device_source(id, stop, s, g, p, codec, accept, l);
         }
         // Packed first: the checksums then read gathered segments from
         // staging in one piece, not run by run from the cache again.
@@ -299,6 +295,61 @@ impl Daemon {
                 Ok(())
             })();
             d.produced.forget(&group, &request);
+            (total, moved)
+        };
+        self.post(id, stop, s, size, codec, accept, src_stage, l, mover)
+    }
+
+    /// A device-resident source, layer by layer through its host mirror:
+    /// layer L+1's device → host copies run while layer L is hashed,
+    /// packed and on the wire, so the first write goes out after one
+    /// layer's copies rather than the whole transfer's. Its checksums
+    /// follow per layer (the destination verifies each layer once both
+    /// are in), since none can be known before its layer is staged.
+    #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
+    fn device_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
+        self.expect(id, &g, &s, &p, codec, &accept, None, true, &l)?;
+        let src_stage = self.stage_buffer(stage_needed(&p, codec))?;
+        let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
+            Ok(b) => b,
+            Err(r) => {
+                self.drop_stage(src_stage);
+                return Err(r);
+            }
+        };
+        let n = g.model.layers.len();
+        let size = Size::of(&g, &p);
+        let (rails, prefer) = rails_of(&accept);
+        let stage = src_stage.clone();
+        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
+            let mut total = Outcome::default();
+            let mut batches = batches.into_iter();
+            let copies = |layer: usize| {
+                d.start_device_copies(Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1)
+                    .map_err(|e| format!("device → host staging of layer {layer}: {e}"))
+            };
+            let mut next = Some(copies(0));
+            let moved = (|| {
+                for layer in 0..n {
+                    let staged = next.take().expect("each layer's copies were started")?;
+                    staged.finish(d, id).map_err(|e| format!("device → host staging of layer {layer}: {e}"))?;
+                    d.slot_mark(id, Boundary::HostStaged(layer));
+                    if layer + 1 < n {
+                        next = Some(copies(layer + 1));
+                    }
+                    if stop.load(Ordering::Acquire) {
+                        return Err("cancelled".to_string());
+                    }
+                    d.host_layer(id, &g, &p, codec, layer, stage.as_deref(), link).map_err(|r| r.message)?;
+                    d.move_bytes(id, &rails, &prefer, batches.by_ref().take(1).collect(), stop, link, &mut total)?;
+                }
+                Ok(())
+            })();
+            // Copies started and not awaited still read the device: they end
+            // before the transfer does (and `source_released` with it).
+            if let Some(Ok(c)) = next {
+                let _ = c.finish(d, id);
+            }
             (total, moved)
         };
         self.post(id, stop, s, size, codec, accept, src_stage, l, mover)
@@ -472,6 +523,13 @@ impl Daemon {
             self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1)
                 .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging of layer {layer}: {e}")))?;
         }
+        self.host_layer(id, g, p, codec, layer, stage, link)
+    }
+
+    /// Layer `layer`, in host memory now: its staged segments packed, and
+    /// its checksums out (before any of its bytes).
+    #[allow(clippy::too_many_arguments)] // the transfer's parts, each used once
+    fn host_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         let ls = &p.schedule.layers[layer];
         if let (Some(stage), true) = (stage, ls.staged.iter().any(|st| gathers(&p.plan.segments[st.seg], codec))) {
             let started = Instant::now();

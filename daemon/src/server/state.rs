@@ -152,6 +152,8 @@ pub(crate) enum Boundary {
     Posting,
     // A streamed source: every rank reading layer L announced it written.
     Produced(usize),
+    // A device-resident source: layer L's device → host copies completed.
+    HostStaged(usize),
     SourceReleased,
     HostReceived(usize),
     DeviceComplete(usize),
@@ -165,6 +167,7 @@ impl std::fmt::Display for Boundary {
             Boundary::Enqueued => f.write_str("enqueued"),
             Boundary::Posting => f.write_str("posting"),
             Boundary::Produced(l) => write!(f, "produced({l})"),
+            Boundary::HostStaged(l) => write!(f, "host_staged({l})"),
             Boundary::SourceReleased => f.write_str("source_released"),
             Boundary::HostReceived(l) => write!(f, "host_received({l})"),
             Boundary::DeviceComplete(l) => write!(f, "device_complete({l})"),

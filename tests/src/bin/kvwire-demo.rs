@@ -125,6 +125,7 @@ fn main() -> ExitCode {
     let mut streamed_ok = true;
     if device {
         staged_model(&stages, out.source.bytes, p.setup_ns);
+        source_marks(&out.source);
     } else {
         // The same request again, streamed for real: submitted first, then
         // each layer written and announced as the prefill computes it.
@@ -162,6 +163,30 @@ fn main() -> ExitCode {
     } else {
         println!("logits: DIFFER from the local computation, max abs diff {}", out.max_abs_diff());
         ExitCode::from(1)
+    }
+}
+
+/// A device-resident source's lifetime as its daemon marked it: its first
+/// write, each layer's device → host copies completing, and its release.
+/// Staged layer by layer, the first write goes out before the last copy.
+fn source_marks(st: &kvwire_client::control::TransferStatus) {
+    let at = |name: &str| st.marks.iter().find(|m| m.name == name).map(|m| m.at_ns as f64 / 1e6);
+    let staged: Vec<(usize, f64)> = (0..).map_while(|l| at(&format!("host_staged({l})")).map(|t| (l, t))).collect();
+    println!("source lifetime (prefill daemon's clock, ms after its submit):");
+    let show = |what: &str, t: Option<f64>| println!("  {what:<40} {}", t.map_or("(not marked)".into(), |t| format!("{t:>9.3}")));
+    show("first post", at("posting"));
+    for (l, t) in &staged {
+        show(&format!("layer {l} device -> host copies complete"), Some(*t));
+    }
+    show("source_released", at("source_released"));
+    match (at("posting"), staged.last()) {
+        (Some(post), Some(&(_, last))) => println!(
+            "  first post {} the last device -> host copy completed ({:.3} ms {})",
+            if post < last { "before" } else { "NOT before" },
+            (last - post).abs(),
+            if post < last { "earlier" } else { "later" }
+        ),
+        _ => println!("  first post or device -> host marks missing"),
     }
 }
 

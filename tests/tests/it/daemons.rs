@@ -871,6 +871,16 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
         for l in 0..4 {
             assert!(at(&format!("device_complete({l})")) <= at(&format!("layer_ready({l})")), "{name}: layer {l}: {:?}", o.destination.marks);
         }
+        // The source stages layer by layer, the next layer's copies beside
+        // this layer's writes: its first write goes out before the last
+        // layer's device → host copies complete (they are only started
+        // once layer 1 was moved), and every copy ends before the release.
+        let src = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no source mark {m}: {:?}", o.source.marks));
+        for l in 1..4 {
+            assert!(src(&format!("host_staged({})", l - 1)) <= src(&format!("host_staged({l})")), "{name}: {:?}", o.source.marks);
+        }
+        assert!(src("posting") < src("host_staged(3)"), "{name}: the first write waited for every layer's copies: {:?}", o.source.marks);
+        assert!(src("host_staged(3)") <= src("source_released"), "{name}: {:?}", o.source.marks);
     }
 }
 
@@ -1115,16 +1125,22 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     }
     assert!(!p.cb.ready(slot, FlagName::DecoderUsable));
 
-    // A source whose device → host copy fails refuses the transfer by name.
+    // A source whose device → host copy fails fails the transfer by name.
+    // Its copies run layer by layer on the transfer thread, so the submit
+    // is taken and the failure follows: nothing of layer 0 is published.
     let a2 = start_daemon(p.dir.path(), "prefill-two", SECRET, &[("decode-host", &p._b.peer)], &format!("{dev}standin_fail_copy = 0\n"));
     let ca2 = Client::connect(&a2.socket, "prefill-two").unwrap();
     let mut sc = Scenario::new("d2h-fails");
     sc.memory = scenario::Memory::StandIn;
     match scenario::run(&ca2, &p.cb, "decode-host", &sc) {
-        Err(ScenarioError::Daemon { step: "submit", source }) => {
-            assert!(source.to_string().contains("device → host staging"), "{source}")
-        }
+        Err(ScenarioError::Daemon { step, source }) => assert!(step.starts_with("wait"), "{step}: {source}"),
         Err(e) => panic!("unexpected: {e}"),
         Ok(_) => panic!("a transfer whose device → host copy failed completed"),
     }
+    let slot = (0..4).find(|&s| ca2.status(s).is_ok()).expect("the source's slot");
+    let st = ca2.status(slot).unwrap();
+    assert_eq!(st.state, kvwire_client::control::TransferState::Failed, "{st:?}");
+    let err = st.error.clone().unwrap_or_default();
+    assert!(err.contains("device → host staging of layer 0"), "{err}");
+    assert!(!ca2.ready(slot, FlagName::SourceReleased), "released after a failed device copy");
 }
