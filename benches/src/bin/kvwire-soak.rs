@@ -489,7 +489,7 @@ struct DaemonReport {
 
 impl DaemonReport {
     /// CPU µs the daemon spent per transfer, all threads, over the run
-    /// (setup and settling included, so a floor-raising overestimate).
+    /// (setup and settling included, so an upper bound).
     fn cpu_us_per(&self, transfers: u64) -> f64 {
         self.after.cpu_ticks.saturating_sub(self.before.cpu_ticks) as f64 / TICKS_PER_S * 1e6 / transfers.max(1) as f64
     }
