@@ -1097,6 +1097,20 @@ mod gpu {
     }
 }
 
+/// The status of `c`'s source transfer once it ended: the destination may
+/// hear of a failure (the source's `Abort`) before the source's own status says it.
+fn source_ended(c: &Client) -> kvwire_client::control::TransferStatus {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let s = (0..8).filter_map(|i| c.status(i).ok()).find(|s| s.role == "source");
+        if let Some(s) = s.filter(|s| s.state != kvwire_client::control::TransferState::Running) {
+            return s;
+        }
+        assert!(std::time::Instant::now() < deadline, "the source transfer never ended");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 #[test]
 fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     let _shared = crate::shared();
@@ -1137,10 +1151,35 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
         Err(e) => panic!("unexpected: {e}"),
         Ok(_) => panic!("a transfer whose device → host copy failed completed"),
     }
-    let slot = (0..4).find(|&s| ca2.status(s).is_ok()).expect("the source's slot");
-    let st = ca2.status(slot).unwrap();
+    let st = source_ended(&ca2);
+    let slot = st.slot;
     assert_eq!(st.state, kvwire_client::control::TransferState::Failed, "{st:?}");
     let err = st.error.clone().unwrap_or_default();
     assert!(err.contains("device → host staging of layer 0"), "{err}");
     assert!(!ca2.ready(slot, FlagName::SourceReleased), "released after a failed device copy");
+
+    // Mid-transfer: a later copy fails (each layer takes a few dozen: a
+    // copy per run of a rank's shuffled blocks) while earlier layers are
+    // already out. The transfer fails naming that layer, which is never
+    // published, nor any after it.
+    let a3 = start_daemon(p.dir.path(), "prefill-three", SECRET, &[("decode-host", &p._b.peer)], &format!("{dev}standin_fail_copy = 40\nstandin_delay_ms = 1\n"));
+    let ca3 = Client::connect(&a3.socket, "prefill-three").unwrap();
+    let mut sc = Scenario::new("d2h-fails-mid");
+    sc.memory = scenario::Memory::StandIn;
+    match scenario::run(&ca3, &p.cb, "decode-host", &sc) {
+        Err(ScenarioError::Daemon { step, source }) => assert!(step.starts_with("wait"), "{step}: {source}"),
+        Err(e) => panic!("unexpected: {e}"),
+        Ok(_) => panic!("a transfer whose device → host copy failed mid-way completed"),
+    }
+    let st = source_ended(&ca3);
+    let err = st.error.clone().unwrap_or_default();
+    let failed: u16 = err.split("device → host staging of layer ").nth(1).and_then(|r| r.split(':').next()?.parse().ok()).unwrap_or_else(|| panic!("no layer named: {err}"));
+    assert!(failed >= 1, "the injected copy is not past layer 0: {err}");
+    let staged = |l: u16| st.marks.iter().any(|m| m.name == format!("host_staged({l})"));
+    assert!((0..failed).all(staged) && !staged(failed), "{:?}", st.marks);
+    let dslot = (0..8).filter(|&s| p.cb.status(s).is_ok_and(|d| d.request == "d2h-fails-mid-req")).last().expect("the destination's slot");
+    for l in failed..4 {
+        assert!(!p.cb.ready(dslot, FlagName::LayerReady(l)), "layer_ready({l}) published after the source failed at layer {failed}");
+    }
+    assert!(!p.cb.ready(dslot, FlagName::DecoderUsable));
 }
