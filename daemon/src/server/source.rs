@@ -245,6 +245,22 @@ impl Daemon {
         Ok(())
     }
 
+    /// What a transfer moved layer by layer starts with: the manifest out,
+    /// each layer's checksums to follow; a staging buffer for what it
+    /// packs; and one batch of writes per layer.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    fn layer_by_layer(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
+        self.expect(id, g, s, p, codec, accept, None, true, l)?;
+        let src_stage = self.stage_buffer(stage_needed(p, codec))?;
+        match batches(g, p, accept, codec, src_stage.as_ref()) {
+            Ok(b) => Ok((src_stage, b)),
+            Err(r) => {
+                self.drop_stage(src_stage);
+                Err(r)
+            }
+        }
+    }
+
     /// A streamed submit: the destination accepted and the manifest's
     /// claims are out; the reply goes back now, and the transfer thread
     /// moves each layer once every source rank holding part of it said it
@@ -253,15 +269,7 @@ impl Daemon {
     /// transfer timeout.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
-        self.expect(id, &g, &s, &p, codec, &accept, None, true, &l)?;
-        let src_stage = self.stage_buffer(stage_needed(&p, codec))?;
-        let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
-            Ok(b) => b,
-            Err(r) => {
-                self.drop_stage(src_stage);
-                return Err(r);
-            }
-        };
+        let (src_stage, batches) = self.layer_by_layer(id, &g, &s, &p, codec, &accept, &l)?;
         // Per layer, the source ranks it reads: only those must have written it.
         let n = g.model.layers.len();
         let mut readers: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -308,15 +316,7 @@ impl Daemon {
     /// are in), since none can be known before its layer is staged.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn device_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Planned, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
-        self.expect(id, &g, &s, &p, codec, &accept, None, true, &l)?;
-        let src_stage = self.stage_buffer(stage_needed(&p, codec))?;
-        let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
-            Ok(b) => b,
-            Err(r) => {
-                self.drop_stage(src_stage);
-                return Err(r);
-            }
-        };
+        let (src_stage, batches) = self.layer_by_layer(id, &g, &s, &p, codec, &accept, &l)?;
         let n = g.model.layers.len();
         let size = Size::of(&g, &p);
         let (rails, prefer) = rails_of(&accept);

@@ -1139,39 +1139,36 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     }
     assert!(!p.cb.ready(slot, FlagName::DecoderUsable));
 
-    // A source whose device → host copy fails fails the transfer by name.
-    // Its copies run layer by layer on the transfer thread, so the submit
-    // is taken and the failure follows: nothing of layer 0 is published.
-    let a2 = start_daemon(p.dir.path(), "prefill-two", SECRET, &[("decode-host", &p._b.peer)], &format!("{dev}standin_fail_copy = 0\n"));
-    let ca2 = Client::connect(&a2.socket, "prefill-two").unwrap();
-    let mut sc = Scenario::new("d2h-fails");
-    sc.memory = scenario::Memory::StandIn;
-    match scenario::run(&ca2, &p.cb, "decode-host", &sc) {
-        Err(ScenarioError::Daemon { step, source }) => assert!(step.starts_with("wait"), "{step}: {source}"),
-        Err(e) => panic!("unexpected: {e}"),
-        Ok(_) => panic!("a transfer whose device → host copy failed completed"),
-    }
-    let st = source_ended(&ca2);
-    let slot = st.slot;
-    assert_eq!(st.state, kvwire_client::control::TransferState::Failed, "{st:?}");
+    // A source of its own whose stand-in device fails its copy number
+    // `n`: its transfer into the same decode daemon fails after the
+    // submit (its copies run layer by layer on the transfer thread). Its
+    // client, and its transfer's status once ended.
+    let failing_source = |node: &str, name: &str, n: u64| {
+        let extra = format!("{dev}standin_fail_copy = {n}\nstandin_delay_ms = 1\n");
+        let a = start_daemon(p.dir.path(), node, SECRET, &[("decode-host", &p._b.peer)], &extra);
+        let c = Client::connect(&a.socket, node).unwrap();
+        let mut sc = Scenario::new(name);
+        sc.memory = scenario::Memory::StandIn;
+        match scenario::run(&c, &p.cb, "decode-host", &sc) {
+            Err(ScenarioError::Daemon { step, source }) => assert!(step.starts_with("wait"), "{name}: {step}: {source}"),
+            Err(e) => panic!("{name}: unexpected: {e}"),
+            Ok(_) => panic!("{name}: a transfer whose device → host copy failed completed"),
+        }
+        let st = source_ended(&c);
+        assert_eq!(st.state, kvwire_client::control::TransferState::Failed, "{name}: {st:?}");
+        (a, c, st)
+    };
+    // The first copy: the transfer fails naming layer 0, and nothing is released.
+    let (_a2, ca2, st) = failing_source("prefill-two", "d2h-fails", 0);
     let err = st.error.clone().unwrap_or_default();
     assert!(err.contains("device → host staging of layer 0"), "{err}");
-    assert!(!ca2.ready(slot, FlagName::SourceReleased), "released after a failed device copy");
+    assert!(!ca2.ready(st.slot, FlagName::SourceReleased), "released after a failed device copy");
 
     // Mid-transfer: a later copy fails (each layer takes a few dozen: a
     // copy per run of a rank's shuffled blocks) while earlier layers are
     // already out. The transfer fails naming that layer, which is never
     // published, nor any after it.
-    let a3 = start_daemon(p.dir.path(), "prefill-three", SECRET, &[("decode-host", &p._b.peer)], &format!("{dev}standin_fail_copy = 40\nstandin_delay_ms = 1\n"));
-    let ca3 = Client::connect(&a3.socket, "prefill-three").unwrap();
-    let mut sc = Scenario::new("d2h-fails-mid");
-    sc.memory = scenario::Memory::StandIn;
-    match scenario::run(&ca3, &p.cb, "decode-host", &sc) {
-        Err(ScenarioError::Daemon { step, source }) => assert!(step.starts_with("wait"), "{step}: {source}"),
-        Err(e) => panic!("unexpected: {e}"),
-        Ok(_) => panic!("a transfer whose device → host copy failed mid-way completed"),
-    }
-    let st = source_ended(&ca3);
+    let (_a3, _ca3, st) = failing_source("prefill-three", "d2h-fails-mid", 40);
     let err = st.error.clone().unwrap_or_default();
     let failed: u16 = err.split("device → host staging of layer ").nth(1).and_then(|r| r.split(':').next()?.parse().ok()).unwrap_or_else(|| panic!("no layer named: {err}"));
     assert!(failed >= 1, "the injected copy is not past layer 0: {err}");
