@@ -564,8 +564,6 @@ impl Daemon {
         })
     }
 
-    /// Revokes a transfer's staging buffer (late writes to it fail) and
-    /// hands its memory back to the pool.
     /// A registered staging buffer of `len` bytes from the pool (none for
     /// 0); a destination's is writable only under `grant`.
     pub(super) fn stage_for(&self, len: u64, grant: Option<Grant>) -> Result<Option<Arc<Region>>, String> {
@@ -576,7 +574,8 @@ impl Daemon {
         self.register_region(mem, 0, len, grant).map(Some).map_err(|e| e.to_string())
     }
 
-    /// Revokes a staging buffer (either side's) and hands its memory back to the pool.
+    /// Revokes a staging buffer (either side's; late writes to it fail) and
+    /// hands its memory back to the pool.
     pub(super) fn drop_stage(&self, stage: Option<Arc<Region>>) {
         if let Some(r) = stage {
             self.revoke_key(r.key);

@@ -7,7 +7,7 @@
 //! and the client gets the error's code.
 
 use super::announce::Heard;
-use super::device::Direction;
+use super::device::{CopyError, Direction};
 use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::state::{Boundary, DeviceMems, Role, SlotId};
@@ -324,15 +324,13 @@ impl Daemon {
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
             let mut batches = batches.into_iter();
-            let copies = |layer: usize| {
-                d.start_device_copies(Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1)
-                    .map_err(|e| format!("device → host staging of layer {layer}: {e}"))
-            };
+            let failed = |layer: usize| move |e: CopyError| format!("device → host staging of layer {layer}: {e}");
+            let copies = |layer: usize| d.start_device_copies(Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1).map_err(failed(layer));
             let mut next = Some(copies(0));
             let moved = (|| {
                 for layer in 0..n {
                     let staged = next.take().expect("each layer's copies were started")?;
-                    staged.finish(d, id).map_err(|e| format!("device → host staging of layer {layer}: {e}"))?;
+                    staged.finish(d, id).map_err(failed(layer))?;
                     d.slot_mark(id, Boundary::HostStaged(layer));
                     if layer + 1 < n {
                         next = Some(copies(layer + 1));
