@@ -24,7 +24,7 @@ use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
 use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN};
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{BufRead, BufReader, BufWriter, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
@@ -177,7 +177,10 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
     // Buffered both ways: headers of frames that arrived together are read
     // from memory, and their answers leave together, flushed only when no
     // further frame is already here (the source is waiting for them then).
-    let mut reader = BufReader::with_capacity(256 << 10, stream.try_clone().map_err(TransportError::io("clone socket"))?);
+    // Small on purpose: payload that lands in this buffer with a header is
+    // copied twice, and the rest of a large payload is read straight into
+    // its region (`read_payload`).
+    let mut reader = BufReader::with_capacity(RECV_BUFFER, stream.try_clone().map_err(TransportError::io("clone socket"))?);
     let mut acks = BufWriter::new(stream);
     let mut discard = vec![0u8; 64 << 10];
     loop {
@@ -205,7 +208,7 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
             // only when a slice is re-sent after a rail failed, and then
             // with the same bytes. The slice lives only for this read.
             let dst = unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add(a.mem_offset() as usize), h.len as usize) };
-            reader.read_exact(dst).map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
+            read_payload(&mut reader, dst).map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
             Ok(Instant::now())
         });
         let answer = match result {
@@ -233,6 +236,25 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
         if reader.buffer().is_empty() {
             acks.flush().map_err(TransportError::io("send answer"))?;
         }
+    }
+}
+
+/// The receive buffer: frame headers and small payloads arrive through it,
+/// several per system call.
+const RECV_BUFFER: usize = 32 << 10;
+
+/// Fills `dst` from what is buffered, then, for a large remainder, straight
+/// from the socket: a payload read through the buffer costs a second copy.
+fn read_payload(reader: &mut BufReader<TcpStream>, dst: &mut [u8]) -> std::io::Result<()> {
+    let have = reader.buffer().len().min(dst.len());
+    dst[..have].copy_from_slice(&reader.buffer()[..have]);
+    reader.consume(have);
+    let rest = &mut dst[have..];
+    match rest.len() >= RECV_BUFFER / 4 {
+        // The buffer is empty here (the remainder exceeded it), so no
+        // buffered byte is skipped.
+        true => reader.get_mut().read_exact(rest),
+        false => reader.read_exact(rest),
     }
 }
 
@@ -424,9 +446,11 @@ impl TcpConnection {
         Ok(sources)
     }
 
-    /// Streams the frames of `batch` (already checked) as parts of `id`.
+    /// Streams the frames of `batch` (already checked) as parts of `id`,
+    /// headers and payloads gathered straight from the regions: one system
+    /// call for many frames, and no copy into a send buffer.
     fn send_frames(&mut self, id: BatchId, batch: &Batch, sources: &[Arc<crate::Region>]) -> std::io::Result<()> {
-        let mut out = BufWriter::with_capacity(64 << 10, &self.stream);
+        let mut frames: Vec<([u8; HEADER_LEN], &[u8])> = Vec::with_capacity(batch.writes.len());
         for (w, region) in batch.writes.iter().zip(sources) {
             // Zero-length writes still go out: the destination refuses them by name.
             let mut done = 0;
@@ -438,11 +462,11 @@ impl TcpConnection {
                 let at = region.offset + w.src_offset + done;
                 // SAFETY: `at..at+n` is inside the source region's live
                 // mapping (checked by `sources`; the caller holds the
-                // regions), and the caller must not modify a posted source
-                // range before its completion (the `source_released` contract).
+                // regions until this returns), and the caller must not
+                // modify a posted source range before its completion (the
+                // `source_released` contract).
                 let data = unsafe { std::slice::from_raw_parts(region.mem.as_ptr().add(at as usize), n as usize) };
-                out.write_all(&h.encode())?;
-                out.write_all(data)?;
+                frames.push((h.encode(), data));
                 self.framing += HEADER_LEN as u64;
                 self.ledger.part(id, seq);
                 done += n;
@@ -451,8 +475,29 @@ impl TcpConnection {
                 }
             }
         }
-        out.flush()
+        for group in frames.chunks(GATHER_FRAMES) {
+            let mut slices: Vec<IoSlice<'_>> = group.iter().flat_map(|(h, d)| [IoSlice::new(h), IoSlice::new(d)]).collect();
+            write_gathered(&self.stream, &mut slices)?;
+        }
+        Ok(())
     }
+}
+
+/// Frames per gathered write: two slices each, well under `IOV_MAX` (1024).
+const GATHER_FRAMES: usize = 256;
+
+/// `write_all` for a list of slices.
+fn write_gathered(mut w: &TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+    IoSlice::advance_slices(&mut bufs, 0);
+    while !bufs.is_empty() {
+        match w.write_vectored(bufs) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 impl Connection for TcpConnection {

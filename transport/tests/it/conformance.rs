@@ -141,6 +141,44 @@ pub fn scatter(p: &mut Pair) {
     dst.assert_guards();
 }
 
+/// Runs from one byte to several hundred KiB, back to back on the source
+/// and spaced at the destination, in three batches posted before any
+/// completes, one of them more runs than a single gathered send holds:
+/// every byte lands where its run says, whatever a transport buffers.
+pub fn mixed_run_sizes(p: &mut Pair) {
+    let mut sizes: Vec<u64> = vec![1, 39, 40, 41, 4095, 4096, 8191, 8192, 8193, 32 << 10, (32 << 10) + 1, 300_000, 17, 70_000, 1 << 20];
+    sizes.extend((0..600).map(|i| 1 + (i * 37) % 700));
+    let gap = 64;
+    let total: u64 = sizes.iter().sum();
+    let dst = Window::new(&*p.dst, 4, total + gap * sizes.len() as u64);
+    let (src, data) = source(&*p.src, total, 11);
+    let (mut at_src, mut at_dst) = (0, 0);
+    let mut runs = Vec::new();
+    for &n in &sizes {
+        runs.push((w(&src, at_src, &dst.region, at_dst, n), at_dst));
+        at_src += n;
+        at_dst += n + gap;
+    }
+    let batches: Vec<Vec<(WriteOp, u64)>> = vec![runs[..5].to_vec(), runs[5..15].to_vec(), runs[15..].to_vec()];
+    for (layer, b) in batches.iter().enumerate() {
+        p.dst.placement().expect(tag(4, layer as u16), b.iter().map(|(op, _)| op.len).sum()).unwrap();
+    }
+    for (layer, b) in batches.iter().enumerate() {
+        p.conn().post(Batch { tag: tag(4, layer as u16), writes: b.iter().map(|(op, _)| *op).collect() }).unwrap();
+    }
+    assert!(complete(p.conn(), 3).iter().all(|c| c.result == Ok(())));
+    for layer in 0..3 {
+        p.dst.placement().wait(tag(4, layer), WAIT).unwrap();
+    }
+    let got = dst.bytes();
+    for (op, at) in &runs {
+        let (s, d) = (op.src_offset as usize, *at as usize);
+        assert!(got[d..d + op.len as usize] == data[s..s + op.len as usize], "run of {} bytes at destination offset {d}", op.len);
+        assert!(got[d + op.len as usize..d + op.len as usize + gap as usize].iter().all(|&b| b == CANARY), "gap after the run at {d} untouched");
+    }
+    dst.assert_guards();
+}
+
 pub fn layers_publish_only_after_their_last_byte(p: &mut Pair) {
     let dst = Window::new(&*p.dst, 3, 3 * 4096);
     let (src, data) = source(&*p.src, 3 * 4096, 11);
@@ -461,7 +499,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@each (|| $make()));
     };
     (@each $make:tt) => {
-        $crate::conformance_tests!(@case $make, one_segment, scatter, layers_publish_only_after_their_last_byte,
+        $crate::conformance_tests!(@case $make, one_segment, scatter, mixed_run_sizes, layers_publish_only_after_their_last_byte,
             source_released_after_local_completion, bad_writes_fail_alone, local_source_checked_before_sending,
             overrun_never_publishes, a_range_written_twice_counts_once, refusals_are_the_shared_ones,
             framing_bytes_are_what_the_connection_sent);
