@@ -69,6 +69,8 @@ pub struct Client {
     /// `notify` samples of waits on the mapped page not yet sent: they go
     /// ahead of the next call (or at drop), never on the wait's own path.
     notified: Mutex<Vec<u64>>,
+    /// The daemon takes them unanswered ([`Request::NotifiedQuiet`]).
+    quiet_notify: bool,
 }
 
 impl Client {
@@ -77,15 +79,15 @@ impl Client {
         let sock = UnixStream::connect(path).map_err(|e| WireError::Io { op: "connect", cause: e })?;
         wire::send_unix(&sock, &Request::Hello { client: name.into() }, &[])?;
         let (body, mut fds) = wire::recv_unix(&sock)?;
-        let (node, slots, columns) = match wire::parse::<Reply>(&body)? {
-            Reply::Hello { node, slots, columns, .. } => (node, slots, columns),
+        let (node, slots, columns, quiet_notify) = match wire::parse::<Reply>(&body)? {
+            Reply::Hello { node, slots, columns, quiet_notify, .. } => (node, slots, columns, quiet_notify),
             Reply::Error { code, message } => return Err(ClientError::Daemon { code, message }),
             other => return Err(ClientError::Unexpected(format!("{other:?}"))),
         };
         let fd = fds.pop().ok_or_else(|| ClientError::FlagPage("hello reply carried no flag page".into()))?;
         let mem = HostMem::from_file_read_only(std::fs::File::from(fd)).map_err(|e| ClientError::FlagPage(e.to_string()))?;
         let flags = FlagTable::from_mem(Arc::new(mem), slots, columns).map_err(|e| ClientError::FlagPage(e.to_string()))?;
-        Ok(Client { sock, node, flags, notified: Mutex::new(Vec::new()) })
+        Ok(Client { sock, node, flags, notified: Mutex::new(Vec::new()), quiet_notify })
     }
 
     /// One request, one reply. `notify` samples waiting to go are sent
@@ -93,6 +95,10 @@ impl Client {
     pub fn call(&self, req: &Request, fds: &[std::os::fd::RawFd]) -> Result<Reply, ClientError> {
         let notify_ns = std::mem::take(&mut *self.notified.lock().expect("notified lock"));
         if notify_ns.is_empty() {
+            return self.call_now(req, fds);
+        }
+        if self.quiet_notify {
+            wire::send_unix(&self.sock, &Request::NotifiedQuiet { notify_ns }, &[])?;
             return self.call_now(req, fds);
         }
         wire::send_unix(&self.sock, &Request::Notified { notify_ns }, &[])?;
@@ -109,6 +115,9 @@ impl Client {
         let notify_ns = std::mem::take(&mut *self.notified.lock().expect("notified lock"));
         if notify_ns.is_empty() {
             return Ok(());
+        }
+        if self.quiet_notify {
+            return Ok(wire::send_unix(&self.sock, &Request::NotifiedQuiet { notify_ns }, &[])?);
         }
         match self.call_now(&Request::Notified { notify_ns }, &[]) {
             Ok(_) | Err(ClientError::Daemon { .. }) => Ok(()),

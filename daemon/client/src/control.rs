@@ -296,6 +296,13 @@ pub enum Request {
         /// One sample per wait that saw its flag.
         notify_ns: Vec<u64>,
     },
+    /// [`Request::Notified`] that is never answered, so the call it goes
+    /// ahead of costs one reply, not two. Sent only to a daemon whose
+    /// hello says `quiet_notify`.
+    NotifiedQuiet {
+        /// One sample per wait that saw its flag.
+        notify_ns: Vec<u64>,
+    },
 }
 
 /// The state of a transfer.
@@ -436,6 +443,9 @@ pub enum Reply {
         slots: u16,
         /// Columns per slot.
         columns: u16,
+        /// It takes [`Request::NotifiedQuiet`] (absent from older daemons).
+        #[serde(default)]
+        quiet_notify: bool,
     },
     /// Rank registered.
     Registered {

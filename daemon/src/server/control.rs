@@ -154,6 +154,14 @@ impl Daemon {
             };
             let span = tracing::debug_span!("control", client);
             let _g = span.enter();
+            // Never answered: a refusal here would be read as the reply to
+            // the call that follows it.
+            if let Request::NotifiedQuiet { notify_ns } = &req {
+                if let Err(e) = self.notified(notify_ns) {
+                    tracing::warn!(client, error = %e, "notify samples dropped");
+                }
+                continue;
+            }
             let send_page = matches!(req, Request::Hello { .. });
             // A request that panics fails alone: the client hears so, and
             // what it holds is still let go when it leaves.
@@ -222,7 +230,7 @@ impl Daemon {
         match req {
             Request::Hello { client: name } => {
                 tracing::debug!(name, "client hello");
-                Ok(Reply::Hello { node: self.cfg.node.clone(), version: peer::PEER_VERSION, slots: FLAG_SLOTS, columns: FLAG_COLUMNS })
+                Ok(Reply::Hello { node: self.cfg.node.clone(), version: peer::PEER_VERSION, slots: FLAG_SLOTS, columns: FLAG_COLUMNS, quiet_notify: true })
             }
             Request::RegisterCache(r) => self.register(client, r, fds),
             Request::RegisterDeviceCache(r) => self.register_device(client, r, fds),
@@ -237,7 +245,7 @@ impl Daemon {
             Request::Cancel { slot } => self.cancel(client, slot),
             Request::Produced { group, request, rank, layers } => self.produced_layers(client, &group, &request, rank, layers),
             Request::Stats => Ok(Reply::Stats { text: self.metrics_text() }),
-            Request::Notified { notify_ns } => self.notified(&notify_ns),
+            Request::Notified { notify_ns } | Request::NotifiedQuiet { notify_ns } => self.notified(&notify_ns),
         }
     }
 

@@ -636,3 +636,38 @@ fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
     drop((one, two, other));
     assert!(Client::connect(&d.socket, "still").is_ok());
 }
+
+/// Unanswered `notify` samples, as a client of any age sends them: a quiet
+/// batch is never answered (one over the limit is dropped whole, still
+/// unanswered), the answered kind still is, and every reply that comes
+/// belongs to the call it answers.
+#[test]
+fn quiet_notify_samples_are_never_answered_and_never_desync_replies() {
+    let dir = TempDir::new("hostile-notify");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let s = UnixStream::connect(&d.socket).unwrap();
+    let send = |body: &str| {
+        let mut frame = (body.len() as u32).to_le_bytes().to_vec();
+        frame.extend_from_slice(body.as_bytes());
+        sendmsg::<()>(s.as_raw_fd(), &[IoSlice::new(&frame)], &[], MsgFlags::empty(), None).unwrap();
+    };
+    let reply = || {
+        let mut len = [0u8; 4];
+        (&s).read_exact(&mut len).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        (&s).read_exact(&mut body).unwrap();
+        String::from_utf8(body).unwrap()
+    };
+    send(r#"{"op":"hello","client":"old-and-new"}"#);
+    let hello = reply();
+    assert!(hello.contains(r#""quiet_notify":true"#), "{hello}");
+    let samples = |n: usize| (0..n).map(|i| (1000 + i).to_string()).collect::<Vec<_>>().join(",");
+    send(&format!(r#"{{"op":"notified_quiet","notify_ns":[{}]}}"#, samples(1025)));
+    send(&format!(r#"{{"op":"notified_quiet","notify_ns":[{}]}}"#, samples(2)));
+    send(&format!(r#"{{"op":"notified","notify_ns":[{}]}}"#, samples(1)));
+    assert_eq!(reply(), r#"{"reply":"recorded"}"#);
+    send(r#"{"op":"stats"}"#);
+    let stats = reply();
+    let st = kvwire_client::promtext::Stats::from_text(serde_json::from_str::<serde_json::Value>(&stats).unwrap()["text"].as_str().unwrap()).unwrap();
+    assert_eq!(st.hops.iter().find(|h| h.hop == "notify").unwrap().count, 3, "the two quiet samples and the answered one; the oversized batch dropped");
+}
