@@ -277,6 +277,8 @@ fn step(step: &'static str) -> impl Fn(ClientError) -> SoakError {
 #[derive(Debug, Default)]
 struct Tally {
     latencies: Vec<Duration>,
+    // How long each submit call held its caller (the engine's thread).
+    submits: Vec<Duration>,
     bytes: u64,
     errors: u64,
     mismatches: u64,
@@ -332,8 +334,9 @@ impl<'a> Session<'a> {
         Ok(Session { fx, ca, cb, src_group, dst_group, src_mems, dst_mems, scratch: Vec::new() })
     }
 
-    /// One transfer under `key`; returns submit → `decoder_usable` seen, and the bytes moved.
-    fn transfer(&mut self, request: &str, key: u8) -> Result<(Duration, u64), SoakError> {
+    /// One transfer under `key`; returns submit → `decoder_usable` seen,
+    /// how long the submit call took, and the bytes moved.
+    fn transfer(&mut self, request: &str, key: u8) -> Result<(Duration, Duration, u64), SoakError> {
         let fx = self.fx;
         // The previous transfer's source_released was seen: the daemon no longer reads these pages.
         for (mem, codes) in self.src_mems.iter().zip(&fx.src_codes) {
@@ -364,6 +367,7 @@ impl<'a> Session<'a> {
             codec: None,
             stream: fx.stream,
         });
+        let submit_call = started.elapsed();
         let Submitted { slot: sslot, bytes, .. } = match submitted {
             Ok(x) => x,
             Err(e) => {
@@ -396,7 +400,7 @@ impl<'a> Session<'a> {
             return Err(SoakError::Bytes { got: bytes, want });
         }
         self.check(key)?;
-        Ok((took, bytes))
+        Ok((took, submit_call, bytes))
     }
 
     /// Every destination byte against the oracle under `key`.
@@ -445,8 +449,9 @@ fn client(i: usize, fx: &Fixture, src: &DaemonProc, dst: &DaemonProc, deadline: 
         // Never 0 (the source codes unchanged), and never the previous iteration's key.
         let key = ((i as u64 * 37 + iter) % 255 + 1) as u8;
         match s.transfer(&format!("soak-{i}-{iter}"), key) {
-            Ok((took, bytes)) => {
+            Ok((took, submit_call, bytes)) => {
                 t.latencies.push(took);
+                t.submits.push(submit_call);
                 t.bytes += bytes;
                 in_a_row = 0;
             }
@@ -504,6 +509,7 @@ struct Report {
     mismatches: u64,
     kept: Vec<String>,
     latencies: Vec<Duration>,
+    submits: Vec<Duration>,
     bytes: u64,
     per_client: (u64, u64),
     daemons: Vec<DaemonReport>,
@@ -599,6 +605,8 @@ fn soak(s: &Settings) -> Result<Report, String> {
 
     let mut latencies: Vec<Duration> = tallies.iter().flat_map(|t| t.latencies.iter().copied()).collect();
     latencies.sort_unstable();
+    let mut submits: Vec<Duration> = tallies.iter().flat_map(|t| t.submits.iter().copied()).collect();
+    submits.sort_unstable();
     let counts = tallies.iter().map(|t| t.latencies.len() as u64);
     let report = Report {
         settings: s.clone(),
@@ -610,6 +618,7 @@ fn soak(s: &Settings) -> Result<Report, String> {
         bytes: tallies.iter().map(|t| t.bytes).sum(),
         per_client: (counts.clone().min().unwrap_or(0), counts.max().unwrap_or(0)),
         latencies,
+        submits,
         daemons,
         sampling: sampling_failed.into_inner().expect("sampling"),
     };
@@ -742,7 +751,7 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
     let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
     let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
     println!(
-        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
         r.settings.seconds,
         r.settings.clients,
         r.settings.tokens,
@@ -759,6 +768,8 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
         ms(percentile(&r.latencies, 0.50)),
         ms(percentile(&r.latencies, 0.99)),
         ms(r.latencies.last().copied().unwrap_or_default()),
+        ms(percentile(&r.submits, 0.50)),
+        ms(percentile(&r.submits, 0.99)),
         r.bytes,
         r.bytes as f64 / secs / 1e9,
         daemons.join(","),
@@ -795,6 +806,7 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
         ms(percentile(&r.latencies, 0.99)),
         ms(r.latencies.last().copied().unwrap_or_default())
     );
+    println!("submit call (the engine's thread held): p50 {:.3} ms  p99 {:.3} ms", ms(percentile(&r.submits, 0.50)), ms(percentile(&r.submits, 0.99)));
     println!("bytes moved {} ({:.3} GB/s)", r.bytes, r.bytes as f64 / secs / 1e9);
     for e in &r.kept {
         println!("  error: {e}");

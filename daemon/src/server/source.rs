@@ -164,38 +164,43 @@ impl Daemon {
         if !g.devices.is_empty() {
             return self.device_source(id, stop, s, g, p, codec, accept, l);
         }
-        // Packed first: the checksums then read gathered segments from
-        // staging in one piece, not run by run from the cache again.
-        let src_stage = self.pack(id, &g, &p, codec)?;
         // A large transfer hashes beside the wire: the manifest goes without
         // checksums and each layer's follow as they are computed, while the
         // bytes already move (the destination verifies a layer once both
         // are in).
         let beside = self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes;
-        if let Err(r) = self.expect(id, &g, &s, &p, codec, &accept, src_stage.as_deref(), beside, &l) {
-            self.drop_stage(src_stage);
-            return Err(r);
-        }
-        let batches = match batches(&g, &p, &accept, codec, src_stage.as_ref()) {
-            Ok(b) => b,
-            Err(r) => {
-                self.drop_stage(src_stage);
-                return Err(r);
-            }
-        };
         let (rails, prefer) = rails_of(&accept);
         let size = Size::of(&g, &p);
-        let (g, p, stage) = (Arc::new(g), Arc::new(p), src_stage.clone());
+        // The submit is answered once the transfer is planned and its slot
+        // claimed: packing, hashing and the manifest run on the transfer
+        // thread, not on the engine's call (a failure there fails the
+        // transfer, as one on the wire does).
+        let (g, p, a, sub) = (Arc::new(g), Arc::new(p), accept.clone(), s.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
-            let hashing = beside.then(|| d.hash_beside(id, g, p, codec, stage, link.clone(), stop.clone()));
-            let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
-            // Every layer's checksums are out before `Done`: after it the
-            // destination reads nothing more until it gives its verdict.
-            let hashed = hashing.map_or(Ok(()), |rx| rx.recv().unwrap_or_else(|_| Err("the hashing job ended without a word".into())));
-            (total, moved.and(hashed))
+            // Packed first: the checksums then read gathered segments from
+            // staging in one piece, not run by run from the cache again.
+            let stage = match d.pack(id, &g, &p, codec) {
+                Ok(stage) => stage,
+                Err(r) => return (total, Err(r.message)),
+            };
+            let moved = d
+                .expect(id, &g, &sub, &p, codec, &a, stage.as_deref(), beside, link)
+                .and_then(|()| batches(&g, &p, &a, codec, stage.as_ref()))
+                .map_err(|r| r.message)
+                .and_then(|batches| {
+                    let hashing = beside.then(|| d.hash_beside(id, g.clone(), p.clone(), codec, stage.clone(), link.clone(), stop.clone()));
+                    let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
+                    // Every layer's checksums are out before `Done`: after it the
+                    // destination reads nothing more until it gives its verdict.
+                    let hashed = hashing.map_or(Ok(()), |rx| rx.recv().unwrap_or_else(|_| Err("the hashing job ended without a word".into())));
+                    moved.and(hashed)
+                });
+            // Every write completed or failed, and the hashing job ended: nothing reads it now.
+            d.drop_stage(stage);
+            (total, moved)
         };
-        self.post(id, stop, s, size, codec, accept, src_stage, l.clone(), mover)
+        self.post(id, stop, s, size, codec, accept, None, l.clone(), mover)
     }
 
     /// Hashes a transfer's layers in order on a worker, sending each one's
