@@ -12,7 +12,7 @@ use crate::format::CacheFormat;
 const E4M3_MAX: f32 = 448.0;
 
 /// A transfer codec.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Codec {
     /// fp8 e4m3 elements with one f32 scale per row.
     Fp8E4m3Row,

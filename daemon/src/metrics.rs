@@ -36,6 +36,13 @@ pub struct Metrics {
     pub claimed: AtomicU64,
     /// Source transfers that offered and waited for the accept.
     pub offered: AtomicU64,
+    /// Plans taken from an earlier request like this one, not planned
+    /// again: a source's against its destination,
+    pub plans_reused_sent: AtomicU64,
+    /// a destination's at a claim or offer,
+    pub plans_reused_received: AtomicU64,
+    /// and its own at an announcement.
+    pub plans_reused_announced: AtomicU64,
     /// Peer handshakes refused (wrong secret or protocol).
     pub peers_refused: AtomicU64,
     /// Control clients refused (uid).
@@ -75,7 +82,7 @@ impl Metrics {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         // (metric, help, [(labels, value)])
         type Series<'a> = (&'a str, &'a str, &'a [(&'a str, u64)]);
-        let counters: [Series<'_>; 9] = [
+        let counters: [Series<'_>; 10] = [
             ("kvwire_payload_bytes_total", "Payload bytes sent by plans from this daemon (after prefix reuse).", &[("", g(&self.payload_bytes))]),
             ("kvwire_wire_bytes_total", "Bytes that crossed the link for transfers this daemon sent: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
             ("kvwire_reused_bytes_total", "Destination bytes skipped by validated prefix reuse.", &[("", g(&self.reused_bytes))]),
@@ -97,6 +104,11 @@ impl Metrics {
                 "kvwire_starts_total",
                 "How transfers began: receives announced here, and transfers sent from here that claimed an announcement or offered.",
                 &[("how=\"announced\"", g(&self.announced)), ("how=\"claimed\"", g(&self.claimed)), ("how=\"offered\"", g(&self.offered))],
+            ),
+            (
+                "kvwire_plans_reused_total",
+                "Plans taken from an earlier request with the same layouts, block tables and token counts, not planned again.",
+                &[("when=\"sent\"", g(&self.plans_reused_sent)), ("when=\"received\"", g(&self.plans_reused_received)), ("when=\"announced\"", g(&self.plans_reused_announced))],
             ),
             (
                 "kvwire_refused_total",

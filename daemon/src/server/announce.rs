@@ -194,9 +194,12 @@ impl Daemon {
             // Each layer's bytes, whatever the source's layout: every
             // destination byte past the prefix is written once. A plan from
             // this side's own layout counts them.
-            let (_, plan) = replan(&g.model, g.layout.clone(), g.format, g.num_blocks, &recv, &g.layout, g.num_blocks, recv.block_table.clone(), self.ep.transport())?;
-            let schedule = Schedule::new(&g.model, &g.format, &plan, None).map_err(|e| e.to_string())?;
-            let layer_bytes: Vec<u64> = schedule.layers.iter().map(|l| l.wire_bytes).collect();
+            let key = (g.gen, recv.tokens, recv.prefix_tokens, recv.block_table.clone());
+            let layer_bytes = self.announced_plans.get_or_build(key, &self.metrics.plans_reused_announced, |_| 1, || {
+                let (_, plan) = replan(&g.model, g.layout.clone(), g.format, g.num_blocks, &recv, &g.layout, g.num_blocks, recv.block_table.clone(), self.ep.transport())?;
+                let schedule = Schedule::new(&g.model, &g.format, &plan, None).map_err(|e| e.to_string())?;
+                Ok::<_, String>(schedule.layers.iter().map(|l| l.wire_bytes).collect::<Vec<u64>>())
+            })?;
             let total: u64 = layer_bytes.iter().sum();
             if total > max {
                 return Err(format!("{total} payload bytes, above transport.announce_max_bytes {max}"));
@@ -227,7 +230,7 @@ impl Daemon {
             }
             sl.keys = keys;
             sl.announced = Some(Announced { session, stage, bytes: 0 });
-            (PeerMsg::Announce(Announce { group: recv.group.clone(), request: recv.request.clone(), gen: id.gen, tokens: recv.tokens, identity: g.identity.clone(), layer_bytes, accept }), outbox)
+            (PeerMsg::Announce(Announce { group: recv.group.clone(), request: recv.request.clone(), gen: id.gen, tokens: recv.tokens, identity: g.identity.clone(), layer_bytes: layer_bytes.to_vec(), accept }), outbox)
         };
         // Sent outside the locks: a slow peer holds up no other request.
         let size = |len: u64| {

@@ -455,6 +455,7 @@ impl Daemon {
         st.memory += bytes_of(&mems);
         st.regions += n;
         let g = st.map.entry(r.group.clone()).or_insert_with(|| Group {
+            gen: super::state::next_group_gen(),
             model,
             format,
             layout,

@@ -53,14 +53,34 @@ pub(super) enum Inbound {
 type SourceSide = (String, u32, Vec<u32>, Option<String>);
 
 /// What the receive thread of one transfer works from.
+/// What a receive's plan depends on (see [`super::plans`]).
+#[derive(PartialEq, Eq, Hash)]
+pub(super) struct ReceivedKey {
+    group: u64,
+    tokens: u64,
+    prefix: u64,
+    table: Vec<u32>,
+    src_layout: String,
+    src_blocks: u32,
+    src_table: Vec<u32>,
+    codec: Option<Codec>,
+}
+
+/// The destination's plan from both sides' layouts, and its schedule.
+pub(super) struct Replanned {
+    dst: Side,
+    plan: Plan,
+    schedule: Schedule,
+}
+
 struct Receive {
     id: SlotId,
     request: String,
     model: ModelSpec,
     format: CacheFormat,
     codec: Option<Codec>,
-    plan: Plan,
-    schedule: Schedule,
+    // The plan and schedule, perhaps an earlier request's like this one.
+    p: Arc<Replanned>,
     // What the manifest must claim: this side's identity, shapes, maps and positions.
     expected: Expected,
     regions: HashMap<(u32, RegionId), Arc<Region>>,
@@ -332,15 +352,15 @@ impl Daemon {
     pub(super) fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<(u32, u64, Sender<Inbound>), Refusal> {
         let mut r = self.receive_of(id, session, src, announced)?;
         let n = r.model.layers.len();
-        let c = &r.plan.counters;
-        self.with_slot(id, |sl| sl.sized(n, c, r.schedule.wire_bytes()));
+        let c = &r.p.plan.counters;
+        self.with_slot(id, |sl| sl.sized(n, c, r.p.schedule.wire_bytes()));
         Metrics::add(&self.metrics.received_bytes, c.total_bytes_moved);
-        let expected = r.schedule.layers.iter().enumerate().try_for_each(|(l, ls)| self.ep.placement().expect(Tag { slot: id.slot, layer: l as u16 }, ls.wire_bytes));
+        let expected = r.p.schedule.layers.iter().enumerate().try_for_each(|(l, ls)| self.ep.placement().expect(Tag { slot: id.slot, layer: l as u16 }, ls.wire_bytes));
         if let Err(err) = expected {
             self.drop_stage(r.stage.take());
             return Err(Refusal::new(Code::TransferFailed, err));
         }
-        let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.schedule.stage_bytes);
+        let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.p.schedule.stage_bytes);
         let stage = r.stage.clone();
         let (tx, rx) = mpsc::channel();
         let (d, pd) = (self.clone(), self.clone());
@@ -383,16 +403,30 @@ impl Daemon {
             let sl = st.map.get(&id.slot).filter(|s| s.gen == id.gen && s.role == Role::Destination && s.state == TransferState::Running);
             sl.and_then(|s| s.recv.clone()).ok_or_else(|| refuse(format!("slot {} is not receiving", id.slot)))?
         };
-        let (model, format, layout, num_blocks, identity, regions, devices) = {
+        let (gen, model, format, layout, num_blocks, identity, regions, devices) = {
             let st = self.groups.lock().expect("groups lock");
             let g = st.map.get(&recv.group).ok_or_else(|| refuse(format!("group `{}` is gone", recv.group)))?;
-            (g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions(), g.devices())
+            (g.gen, g.model.clone(), g.format, g.layout.clone(), g.num_blocks, g.identity.clone(), g.regions(), g.devices())
         };
-        let src_layout = LayoutSpec::parse(&src_layout).map_err(|err| refuse(format!("source plan: {err}")))?;
-        let (dst, plan) = replan(&model, layout, format, num_blocks, &recv, &src_layout, src_num_blocks, src_table, self.ep.transport()).map_err(|err| refuse(format!("source plan: {err}")))?;
-        let expected = Expected::new(&identity, &model, &dst, &recv.request, recv.tokens, recv.prefix_tokens).map_err(|err| refuse(format!("registration: {err}")))?;
         let codec = codec.as_deref().map(Codec::parse).transpose().map_err(|err| refuse(err.to_string()))?;
-        let schedule = Schedule::new(&model, &format, &plan, codec).map_err(|err| refuse(err.to_string()))?;
+        let key = ReceivedKey {
+            group: gen,
+            tokens: recv.tokens,
+            prefix: recv.prefix_tokens,
+            table: recv.block_table.clone(),
+            src_layout: src_layout.clone(),
+            src_blocks: src_num_blocks,
+            src_table: src_table.clone(),
+            codec,
+        };
+        let p = self.received_plans.get_or_build(key, &self.metrics.plans_reused_received, |p| p.plan.segments.len() as u64, || {
+            let src_layout = LayoutSpec::parse(&src_layout).map_err(|err| refuse(format!("source plan: {err}")))?;
+            let (dst, plan) = replan(&model, layout, format, num_blocks, &recv, &src_layout, src_num_blocks, src_table, self.ep.transport()).map_err(|err| refuse(format!("source plan: {err}")))?;
+            let schedule = Schedule::new(&model, &format, &plan, codec).map_err(|err| refuse(err.to_string()))?;
+            Ok(Replanned { dst, plan, schedule })
+        })?;
+        let expected = Expected::new(&identity, &model, &p.dst, &recv.request, recv.tokens, recv.prefix_tokens).map_err(|err| refuse(format!("registration: {err}")))?;
+        let schedule = &p.schedule;
         // Staged segments land in one buffer and are unpacked per layer:
         // the one set aside at the announcement (as large as the payload,
         // so it holds any schedule's), or a new one.
@@ -406,7 +440,7 @@ impl Daemon {
             }
             None => self.stage_for(schedule.stage_bytes, Some(Grant { session, slot: id.slot })).map_err(|err| refuse(format!("staging: {err}")))?,
         };
-        Ok(Receive { id, request: recv.request, model, format, codec, plan, schedule, expected, regions, devices, stage })
+        Ok(Receive { id, request: recv.request, model, format, codec, p, expected, regions, devices, stage })
     }
 
     /// The source's manifest, checked field by field against this side's
@@ -417,7 +451,7 @@ impl Daemon {
         if e.layer_sums && !manifest.checksums.is_empty() {
             return Err("manifest: it carries checksums and says they follow per layer".into());
         }
-        if self.cfg.verify_checksums && !e.layer_sums && manifest.checksums.is_empty() && r.plan.counters.total_bytes_moved > 0 {
+        if self.cfg.verify_checksums && !e.layer_sums && manifest.checksums.is_empty() && r.p.plan.counters.total_bytes_moved > 0 {
             return Err("this daemon verifies checksums and the manifest carries none".into());
         }
         Ok(manifest)
@@ -440,7 +474,7 @@ impl Daemon {
             }
             manifest.add_layer_checksums(u32::from(sums.layer), &sums.checksums).map_err(|e| e.to_string())?;
             arrived[l] = true;
-            if self.cfg.verify_checksums && sums.checksums.is_empty() && r.schedule.layers[l].wire_bytes > 0 {
+            if self.cfg.verify_checksums && sums.checksums.is_empty() && r.p.schedule.layers[l].wire_bytes > 0 {
                 return Err(format!("this daemon verifies checksums and layer {l}'s carry none"));
             }
         }
@@ -477,8 +511,8 @@ impl Daemon {
             // connection closed): it was failed there.
             Err(RecvTimeoutError::Disconnected) => return,
         };
-        let mut arrived = vec![false; r.schedule.layers.len()];
-        for layer in 0..r.schedule.layers.len() {
+        let mut arrived = vec![false; r.p.schedule.layers.len()];
+        for layer in 0..r.p.schedule.layers.len() {
             let tag = Tag { slot: r.id.slot, layer: layer as u16 };
             if let Err(err) = self.ep.placement().wait(tag, timeout.saturating_sub(start.elapsed())) {
                 self.fail(r.id, err);
@@ -507,7 +541,7 @@ impl Daemon {
     /// One layer whose bytes are all placed: unpack (and decode) its staged
     /// segments, verify it, and copy it to the device where it lives there.
     fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
-        let ls = &r.schedule.layers[layer];
+        let ls = &r.p.schedule.layers[layer];
         // Without a codec a staged segment's bytes sit in staging exactly
         // as its runs will hold them: verified there, in one piece, before
         // they are scattered (a layer that fails is never unpacked). With a
@@ -518,11 +552,11 @@ impl Daemon {
         }
         let t = Instant::now();
         for st in &ls.staged {
-            let seg = &r.plan.segments[st.seg];
+            let seg = &r.p.plan.segments[st.seg];
             unpack_segment(r, seg, st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
         }
         if !ls.staged.is_empty() {
-            self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.plan.segments[st.seg].bytes()).sum());
+            self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.p.plan.segments[st.seg].bytes()).sum());
         }
         if !in_staging {
             self.verify_layer(r, manifest, layer, false)?;
@@ -530,7 +564,7 @@ impl Daemon {
         // A device-resident cache is usable only once this layer's
         // host → device copies completed (their event, not their enqueue).
         if !r.devices.is_empty() {
-            self.device_copies(r.id, Direction::ToDevice, &r.plan, &r.regions, &r.devices, layer..layer + 1)
+            self.device_copies(r.id, Direction::ToDevice, &r.p.plan, &r.regions, &r.devices, layer..layer + 1)
                 .map_err(|err| format!("host → device copy: {err}"))?;
             self.slot_mark(r.id, Boundary::DeviceComplete(layer));
         }
@@ -541,7 +575,7 @@ impl Daemon {
     /// verifies): its direct segments where they landed, its staged ones
     /// in staging when `in_staging`, else where they were unpacked to.
     fn verify_layer(&self, r: &Receive, manifest: &Manifest, layer: usize, in_staging: bool) -> Result<(), String> {
-        let ls = &r.schedule.layers[layer];
+        let ls = &r.p.schedule.layers[layer];
         if !self.cfg.verify_checksums || ls.wire_bytes == 0 {
             return Ok(());
         }
@@ -550,13 +584,13 @@ impl Daemon {
         let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
         let stage = r.stage.as_deref().filter(|_| in_staging);
         let whole = |i: usize| {
-            let st = r.schedule.staged_of(i)?;
+            let st = r.p.schedule.staged_of(i)?;
             region_view(stage?, st.offset, st.size)
         };
         // The layer's own segments, in plan order: not a pass over the whole plan per layer.
         let segs = ls.segments();
         let this_layer = |_, l: u32| l as usize == layer;
-        let checked = checksums_of(&r.plan, Reading::Destination, segs, read, whole).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
+        let checked = checksums_of(&r.p.plan, Reading::Destination, segs, read, whole).and_then(|rec| manifest.verify_checksums_of(&rec, this_layer));
         self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);
         checked.map_err(|err| {
             tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");

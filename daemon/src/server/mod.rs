@@ -22,6 +22,7 @@ mod device;
 mod error;
 mod kept;
 mod link;
+mod plans;
 mod produced;
 mod rails;
 mod source;
@@ -119,6 +120,12 @@ pub struct Daemon {
     outboxes: announce::Outboxes,
     // Source: announcements heard, not yet claimed.
     announcements: Arc<announce::AnnounceBook>,
+    // Plans kept for requests like earlier ones: the source's against a
+    // destination, the destination's at a claim or offer, and its own at
+    // an announcement.
+    sent_plans: plans::Plans<source::SentKey, source::Planned>,
+    received_plans: plans::Plans<destination::ReceivedKey, destination::Replanned>,
+    announced_plans: plans::Plans<(u64, u64, u64, Vec<u32>), Vec<u64>>,
     // This daemon's entry in etcd, when `[discovery]` names etcd; set at
     // the end of `start`, once every listener is bound.
     discovery: std::sync::OnceLock<crate::discovery::Discovery>,
@@ -264,6 +271,9 @@ impl Daemon {
             produced: produced::Produced::default(),
             outboxes: announce::Outboxes::default(),
             announcements: Arc::default(),
+            sent_plans: plans::Plans::new(),
+            received_plans: plans::Plans::new(),
+            announced_plans: plans::Plans::new(),
             discovery: std::sync::OnceLock::new(),
         });
         let dd = d.clone();

@@ -46,6 +46,9 @@ pub(crate) type Mirrored = (Arc<HostMem>, Arc<dyn BoundMem>);
 pub(crate) type DeviceMems = HashMap<u32, Vec<Mirrored>>;
 
 pub(crate) struct Group {
+    /// Unique to this group's life ([`next_group_gen`]): plans kept under
+    /// it stay valid, since its model, layout and format never change.
+    pub gen: u64,
     pub model: ModelSpec,
     pub format: CacheFormat,
     pub layout: LayoutSpec,
@@ -54,6 +57,12 @@ pub(crate) struct Group {
     pub identity: CacheIdentity,
     pub shard: ShardMap,
     pub ranks: BTreeMap<u32, RankCache>,
+}
+
+/// A new group's generation.
+pub(crate) fn next_group_gen() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Group {

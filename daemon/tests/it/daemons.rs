@@ -621,3 +621,46 @@ fn a_receive_above_the_announce_bound_is_not_announced_and_its_transfer_offers()
     let sa = ca.stats().unwrap();
     assert_eq!((starts(&sa, "a", "offered"), starts(&sa, "a", "claimed")), (2, 0));
 }
+
+/// A count of `kvwire_plans_reused_total` in `stats`.
+fn reused(stats: &str, node: &str, when: &str) -> u64 {
+    let key = format!("kvwire_plans_reused_total{{node=\"{node}\",when=\"{when}\"}} ");
+    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+}
+
+/// A request with the layouts, block tables and token counts of an
+/// earlier one takes that one's plans on both sides (the source's, and the
+/// destination's at the announcement and at the claim); another table is
+/// planned for, and every transfer lands exactly.
+#[test]
+fn a_request_like_an_earlier_one_is_not_planned_again_and_a_new_table_is() {
+    let tokens = 100;
+    let Pair { ca, cb, ss, ds, dst, .. } = &pair("plans", "", tokens);
+    let moved = |ds: &Side, request: &str| {
+        canary(dst);
+        let p = PrepareReceive { group: "decode".into(), request: request.into(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: Some("a".into()) };
+        let slot = cb.prepare(p).unwrap();
+        let sslot = submit(ca, ss, tokens, request).unwrap().slot;
+        cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+        ca.wait(sslot, FlagName::DecoderUsable, WAIT).unwrap();
+        assert!(read_back(dst) == verify::expected_destination(&model(), ds, tokens, 0), "destination bytes differ ({request})");
+    };
+    let counts = || {
+        let (sa, sb) = (ca.stats().unwrap(), cb.stats().unwrap());
+        (reused(&sa, "a", "sent"), reused(&sb, "b", "announced"), reused(&sb, "b", "received"))
+    };
+    // r1 offers (no connection to announce on yet) and plans everywhere;
+    // r2 and r3 are announced and claimed, and plan nowhere.
+    for r in ["r1", "r2", "r3"] {
+        moved(ds, r);
+    }
+    assert_eq!(counts(), (2, 2, 2));
+    // The same blocks in another order at the destination: planned anew.
+    let mut other = ds.clone();
+    other.block_table.reverse();
+    moved(&other, "r4");
+    assert_eq!(counts(), (2, 2, 2));
+    // The first table's plans are still kept.
+    moved(ds, "r5");
+    assert_eq!(counts(), (3, 3, 3));
+}
