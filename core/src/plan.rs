@@ -845,8 +845,33 @@ fn span(s: &Segment, start: u64, stride: u64) -> (u64, u64) {
     (start, start + (s.count - 1) * stride + s.len)
 }
 
+/// Region bytes a plan's runs are read from and written to: whole
+/// regions ([`Buffers`]), or only where each region's rows lie (the
+/// oracle's, for regions that interleave with other layers').
+pub trait RegionBytes {
+    /// `len` bytes from `offset` of `region` on `rank`. `Err(None)`: no
+    /// such region here; `Err(Some(region_len))`: not all of them held.
+    fn run(&self, rank: u32, region: RegionId, offset: u64, len: u64) -> Result<&[u8], Option<u64>>;
+    /// As [`RegionBytes::run`], to write.
+    fn run_mut(&mut self, rank: u32, region: RegionId, offset: u64, len: u64) -> Result<&mut [u8], Option<u64>>;
+}
+
+impl RegionBytes for Buffers {
+    fn run(&self, rank: u32, region: RegionId, offset: u64, len: u64) -> Result<&[u8], Option<u64>> {
+        let buf = self.ranks.get(rank as usize).and_then(|r| r.get(&region)).ok_or(None)?;
+        let end = offset.checked_add(len).filter(|&e| e <= buf.len() as u64).ok_or(Some(buf.len() as u64))?;
+        Ok(&buf[offset as usize..end as usize])
+    }
+
+    fn run_mut(&mut self, rank: u32, region: RegionId, offset: u64, len: u64) -> Result<&mut [u8], Option<u64>> {
+        let buf = self.ranks.get_mut(rank as usize).and_then(|r| r.get_mut(&region)).ok_or(None)?;
+        let end = offset.checked_add(len).filter(|&e| e <= buf.len() as u64).ok_or(Some(buf.len() as u64))?;
+        Ok(&mut buf[offset as usize..end as usize])
+    }
+}
+
 /// Runs `plan` on plain buffers: copies every run from `src` into `dst`.
-/// Checks every segment's bounds first, so a bad plan touches nothing.
+/// Checks every run's bounds first, so a bad plan touches nothing.
 /// Returns the bytes copied.
 pub fn execute(plan: &Plan, src: &Buffers, dst: &mut Buffers) -> Result<u64, ExecError> {
     execute_segments(&plan.segments.iter().enumerate().collect::<Vec<_>>(), src, dst)
@@ -854,30 +879,30 @@ pub fn execute(plan: &Plan, src: &Buffers, dst: &mut Buffers) -> Result<u64, Exe
 
 /// [`execute`] for some of a plan's segments, each with its index in the
 /// plan (for errors): buffers need hold only the regions these name.
-pub fn execute_segments(segments: &[(usize, &Segment)], src: &Buffers, dst: &mut Buffers) -> Result<u64, ExecError> {
+pub fn execute_segments<B: RegionBytes>(segments: &[(usize, &Segment)], src: &B, dst: &mut B) -> Result<u64, ExecError> {
     for &(index, s) in segments {
         for (side, bufs, rank, region, start, stride) in [
             ("source", src, s.src_rank, s.src_region, s.src_offset, s.src_stride),
             ("destination", &*dst, s.dst_rank, s.dst_region, s.dst_offset, s.dst_stride),
         ] {
-            let buf = bufs
-                .ranks
-                .get(rank as usize)
-                .and_then(|r| r.get(&region))
-                .ok_or(ExecError::UnknownRegion { index, side, rank, region })?;
-            let (start, end) = span(s, start, stride);
-            if end > buf.len() as u64 {
-                return Err(ExecError::OutOfBounds { index, side, start, end, region_len: buf.len() as u64 });
+            for i in 0..s.count {
+                let at = start + i * stride;
+                match bufs.run(rank, region, at, s.len) {
+                    Ok(_) => {}
+                    Err(None) => return Err(ExecError::UnknownRegion { index, side, rank, region }),
+                    Err(Some(region_len)) => {
+                        let (start, end) = span(s, start, stride);
+                        return Err(ExecError::OutOfBounds { index, side, start, end, region_len });
+                    }
+                }
             }
         }
     }
     let mut copied = 0;
     for &(_, s) in segments {
-        let from = &src.ranks[s.src_rank as usize][&s.src_region];
-        let to = dst.ranks[s.dst_rank as usize].get_mut(&s.dst_region).expect("checked above");
         for (so, d) in s.runs() {
-            let (so, d, l) = (so as usize, d as usize, s.len as usize);
-            to[d..d + l].copy_from_slice(&from[so..so + l]);
+            let from = src.run(s.src_rank, s.src_region, so, s.len).expect("checked above");
+            dst.run_mut(s.dst_rank, s.dst_region, d, s.len).expect("checked above").copy_from_slice(from);
         }
         copied += s.bytes();
     }

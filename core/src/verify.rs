@@ -9,7 +9,7 @@
 //! with itself here. core/tests/it/oracle.rs writes those out by hand.
 
 use crate::layout::{ModelSpec, Tensor};
-use crate::plan::{execute_segments, Buffers, ExecError, Plan, Segment, Side};
+use crate::plan::{execute_segments, Buffers, ExecError, Plan, RegionBytes, Segment, Side};
 use crate::shard::{MemLayout, RegionId};
 use crate::tensors::{element_index, Axis, KvOrder, Role};
 use std::collections::BTreeMap;
@@ -89,30 +89,28 @@ fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, 
 /// ranks of `side` hold into `bufs`, for positions in `from..`; other bytes
 /// are left as they are. With `only`, that layer's regions only (`bufs`
 /// need hold no others).
-fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, only: Option<u32>, bufs: &mut Buffers) {
+fn write_codes(model: &ModelSpec, side: &Side, tokens: u64, from: u64, only: Option<u32>, bufs: &mut impl RegionBytes) {
     for rank in &side.shard.ranks {
         for ls in rank.layers.iter().filter(|ls| only.is_none_or(|l| l == ls.layer)) {
             let spec = &model.layers[ls.layer as usize];
             let lh = ls.heads.end - ls.heads.start;
             for t in spec.tensors() {
                 let (window, _) = side.window_of(rank.rank, RegionId { layer: ls.layer, tensor: t.tensor });
-                let region = bufs.ranks[rank.rank as usize].get_mut(&window).expect("region allocated for every held tensor");
                 let len = side.geo.row_bytes(t.dim);
                 for r in spec.retention.ranges(tokens) {
                     for pos in r.start.max(from)..r.end {
                         for (i, head) in ls.heads.clone().enumerate() {
-                            let off = row_offset(side, rank.rank, RegionId { layer: ls.layer, tensor: t.tensor }, lh, t.dim, i as u32, pos) as usize;
-                            for byte in 0..len {
-                                region[off + byte as usize] = code(ls.layer, t.tensor, head, pos, byte);
+                            let off = row_offset(side, rank.rank, RegionId { layer: ls.layer, tensor: t.tensor }, lh, t.dim, i as u32, pos);
+                            let row = bufs.run_mut(rank.rank, window, off, len).expect("region allocated for every held row");
+                            for (byte, b) in row.iter_mut().enumerate() {
+                                *b = code(ls.layer, t.tensor, head, pos, byte as u64);
                             }
                         }
                     }
                 }
             }
             if spec.state_bytes > 0 {
-                let region = bufs.ranks[rank.rank as usize]
-                    .get_mut(&RegionId { layer: ls.layer, tensor: Tensor::State })
-                    .expect("state region allocated");
+                let region = bufs.run_mut(rank.rank, RegionId { layer: ls.layer, tensor: Tensor::State }, 0, spec.state_bytes).expect("state region allocated");
                 for (byte, b) in region.iter_mut().enumerate() {
                     *b = code(ls.layer, Tensor::State, 0, 0, byte as u64);
                 }
@@ -195,9 +193,10 @@ pub enum VerifyError {
 ///
 /// It streams: a segment never leaves its layer (a region is one layer's
 /// window of a tensor), so the check runs one layer at a time, holding that
-/// layer's regions on every source rank and two copies (expected, executed)
-/// of them on every destination rank. `limit` bounds the bytes held at
-/// once, not the cache's size.
+/// layer's rows on every source rank and two copies (expected, executed)
+/// of them on every destination rank: only the rows, where a cross-layer
+/// tensor's window interleaves with other layers'. `limit` bounds the bytes
+/// held at once, not the cache's size.
 pub fn verify(model: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, limit: u64) -> Result<VerifyReport, VerifyError> {
     // layer → (rank, region, length) of every region of a side.
     let regions = |side: &Side| {
@@ -218,37 +217,38 @@ pub fn verify(model: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, limit: u64
     let mut report = VerifyReport { bytes_copied: 0, bytes_expected: 0, bytes_checked: 0 };
     for (&layer, segments) in &steps {
         let (srcs, dsts) = (src_regions.get(&layer).unwrap_or(&none), dst_regions.get(&layer).unwrap_or(&none));
-        let held = |rs: &[(u32, RegionId, u64)]| rs.iter().map(|r| r.2).fold(0u64, u64::saturating_add);
-        let needed = held(srcs).saturating_add(held(dsts).saturating_mul(2));
+        let (src_rows, dst_rows) = (rows_of(model, src, layer, srcs), rows_of(model, dst, layer, dsts));
+        let held = |rows: &[(u32, RegionId, u64, Vec<(u64, u64)>)]| rows.iter().flat_map(|r| r.3.iter().map(|&(_, n)| n)).fold(0u64, u64::saturating_add);
+        let needed = held(&src_rows).saturating_add(held(&dst_rows).saturating_mul(2));
         if needed > limit {
             return Err(VerifyError::TooLarge { needed, limit });
         }
-        // Buffers holding this layer's regions only.
-        let step = |side: &Side, rs: &[(u32, RegionId, u64)], fill: u8, from: Option<u64>| {
-            let mut b = Buffers { ranks: vec![BTreeMap::new(); side.shard.ranks.len()] };
-            for &(rank, id, len) in rs {
-                b.ranks[rank as usize].insert(id, vec![fill; len as usize]);
+        // Buffers holding this layer's rows only.
+        let step = |side: &Side, rows: &[(u32, RegionId, u64, Vec<(u64, u64)>)], fill: u8, from: Option<u64>| {
+            let mut b = Held { ranks: (0..side.shard.ranks.len()).map(|_| BTreeMap::new()).collect() };
+            for (rank, id, len, ranges) in rows {
+                b.ranks[*rank as usize].insert(*id, HeldRegion::new(ranges, *len, fill));
             }
             if let Some(from) = from {
                 write_codes(model, side, plan.tokens, from, Some(layer), &mut b);
             }
             b
         };
-        let source = step(src, srcs, 0, Some(0));
-        let expected = step(dst, dsts, CANARY, Some(plan.prefix_tokens));
-        let mut got = step(dst, dsts, CANARY, None);
+        let source = step(src, &src_rows, 0, Some(0));
+        let expected = step(dst, &dst_rows, CANARY, Some(plan.prefix_tokens));
+        let mut got = step(dst, &dst_rows, CANARY, None);
         report.bytes_copied += execute_segments(segments, &source, &mut got)?;
         drop(source);
         for (rank, (want, have)) in expected.ranks.iter().zip(&got.ranks).enumerate() {
             for ((region, w), h) in want.iter().zip(have.values()) {
-                report.bytes_expected += w.iter().filter(|&&b| b != CANARY).count() as u64;
-                report.bytes_checked += w.len() as u64;
-                let mut diffs = w.iter().zip(h).enumerate().filter(|(_, (a, b))| a != b);
-                if let Some((offset, (&expected, &found))) = diffs.next() {
+                report.bytes_expected += w.bytes.iter().filter(|&&b| b != CANARY).count() as u64;
+                report.bytes_checked += w.bytes.len() as u64;
+                let mut diffs = w.bytes.iter().zip(&h.bytes).enumerate().filter(|(_, (a, b))| a != b);
+                if let Some((at, (&expected, &found))) = diffs.next() {
                     return Err(VerifyError::Mismatch {
                         rank: rank as u32,
                         region: *region,
-                        offset: offset as u64,
+                        offset: w.offset_of(at),
                         expected,
                         found,
                         mismatches: 1 + diffs.count() as u64,
@@ -261,4 +261,101 @@ pub fn verify(model: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, limit: u64
         return Err(VerifyError::Count { copied: report.bytes_copied, expected: report.bytes_expected });
     }
     Ok(report)
+}
+
+/// Where layer `layer`'s rows lie in each of its regions `rs` on `side`:
+/// (rank, region, length, sorted disjoint (offset, length) ranges). A
+/// region of kvwire's own layout is one range; an engine tensor's window
+/// of a layer holds only that layer's rows, every block's, which in a
+/// cross-layer tensor interleave with every other layer's.
+fn rows_of(model: &ModelSpec, side: &Side, layer: u32, rs: &[(u32, RegionId, u64)]) -> Vec<(u32, RegionId, u64, Vec<(u64, u64)>)> {
+    let Some(order) = &side.kv else {
+        return rs.iter().map(|&(rank, id, len)| (rank, id, len, vec![(0, len)])).collect();
+    };
+    let spec = &model.layers[layer as usize];
+    rs.iter()
+        .map(|&(rank, id, len)| {
+            let mut rows = Vec::new();
+            for ls in side.shard.ranks[rank as usize].layers.iter().filter(|ls| ls.layer == layer) {
+                for t in spec.tensors() {
+                    let of = RegionId { layer, tensor: t.tensor };
+                    if side.window_of(rank, of).0 != id {
+                        continue;
+                    }
+                    let row = side.geo.row_bytes(t.dim);
+                    for block in 0..u64::from(side.num_blocks) {
+                        for slot in 0..u64::from(side.geo.block_size) {
+                            for head in 0..u64::from(ls.heads.end - ls.heads.start) {
+                                rows.push((engine_row_offset(side, order, rank, of, block, slot, head), row));
+                            }
+                        }
+                    }
+                }
+            }
+            rows.sort_unstable();
+            let mut ranges: Vec<(u64, u64)> = Vec::new();
+            for (at, n) in rows {
+                match ranges.last_mut() {
+                    Some(last) if last.0 + last.1 >= at => last.1 = last.1.max(at + n - last.0),
+                    _ => ranges.push((at, n)),
+                }
+            }
+            (rank, id, len, ranges)
+        })
+        .collect()
+}
+
+/// One layer's regions on every rank of a side, each holding only the
+/// bytes its rows occupy ([`rows_of`]).
+struct Held {
+    ranks: Vec<BTreeMap<RegionId, HeldRegion>>,
+}
+
+struct HeldRegion {
+    /// (offset in the region, index in `bytes`, length), sorted by offset.
+    ranges: Vec<(u64, usize, u64)>,
+    bytes: Vec<u8>,
+    len: u64,
+}
+
+impl HeldRegion {
+    fn new(ranges: &[(u64, u64)], len: u64, fill: u8) -> HeldRegion {
+        let mut at = 0;
+        let ranges: Vec<(u64, usize, u64)> = ranges
+            .iter()
+            .map(|&(offset, n)| {
+                let r = (offset, at, n);
+                at += n as usize;
+                r
+            })
+            .collect();
+        HeldRegion { ranges, bytes: vec![fill; at], len }
+    }
+
+    /// Where `len` bytes from `offset` lie in `bytes`, when one range holds them all.
+    fn index(&self, offset: u64, len: u64) -> Option<usize> {
+        let i = self.ranges.partition_point(|r| r.0 <= offset).checked_sub(1)?;
+        let (start, at, n) = self.ranges[i];
+        (offset.checked_add(len)? <= start + n).then(|| at + (offset - start) as usize)
+    }
+
+    /// The region offset of `bytes[at]`.
+    fn offset_of(&self, at: usize) -> u64 {
+        let i = self.ranges.partition_point(|r| r.1 <= at) - 1;
+        self.ranges[i].0 + (at - self.ranges[i].1) as u64
+    }
+}
+
+impl RegionBytes for Held {
+    fn run(&self, rank: u32, region: RegionId, offset: u64, len: u64) -> Result<&[u8], Option<u64>> {
+        let r = self.ranks.get(rank as usize).and_then(|r| r.get(&region)).ok_or(None)?;
+        let at = r.index(offset, len).ok_or(Some(r.len))?;
+        Ok(&r.bytes[at..at + len as usize])
+    }
+
+    fn run_mut(&mut self, rank: u32, region: RegionId, offset: u64, len: u64) -> Result<&mut [u8], Option<u64>> {
+        let r = self.ranks.get_mut(rank as usize).and_then(|r| r.get_mut(&region)).ok_or(None)?;
+        let at = r.index(offset, len).ok_or(Some(r.len))?;
+        Ok(&mut r.bytes[at..at + len as usize])
+    }
 }

@@ -352,3 +352,33 @@ proptest! {
         prop_assert_eq!(report.bytes_copied, (tokens - prefix) * 3 * 2 * 4 * 16);
     }
 }
+
+/// A cross-layer tensor's window of one layer spans every layer's blocks:
+/// verification holds that layer's rows only (a bound of one layer's bytes
+/// suffices, not the tensor's), checks every one of them, and a run aimed
+/// at another layer's rows inside the window is refused as out of bounds.
+#[test]
+fn cross_layer_verification_holds_each_layers_rows_only() {
+    let m = model(8, 4, 8);
+    let tokens = 64;
+    let (src, dst) = (side(&m, "tp=2,block=16,kv=vllm_nhd,table=shuffle:3", tokens), side(&m, "tp=1,block=16,kv=vllm_cross,table=shuffle:4", tokens));
+    let plan = build(&PlanInput { model: &m, tokens, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+    // One layer's rows on every rank: the source's, and the destination's twice.
+    let layer = u64::from(src.num_blocks) * 16 * 4 * 8 * 2 * 2;
+    let one_layer = layer + 2 * (u64::from(dst.num_blocks) * 16 * 4 * 8 * 2 * 2);
+    let report = verify(&m, &src, &dst, &plan, one_layer).unwrap();
+    assert_eq!(report.bytes_checked, u64::from(dst.num_blocks) * 16 * 4 * 8 * 2 * 2 * 8, "every row of every layer, nothing between");
+    assert_eq!(report.bytes_copied, tokens * 4 * 8 * 2 * 2 * 8);
+    // Held whole, the destination's two windows of one layer alone would
+    // pass that bound: each spans the other layers' rows between its own.
+    let window = dst.regions(&m, 0)[0].1;
+    assert!(2 * window > one_layer, "a window of {window} bytes");
+
+    // A run moved onto the next layer's K rows of the same block (in the
+    // window, not this layer's): out of bounds, naming the destination.
+    let mut bad = plan.clone();
+    let i = bad.segments.iter().position(|s| s.dst_region.layer == 0).unwrap();
+    bad.segments[i].dst_offset += 16 * 4 * 8 * 2 * 2;
+    let e = verify(&m, &src, &dst, &bad, 1 << 30).unwrap_err().to_string();
+    assert!(e.contains("destination bytes") && e.contains("past region length"), "{e}");
+}
