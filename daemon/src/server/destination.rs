@@ -52,7 +52,6 @@ pub(super) enum Inbound {
 /// region, block table, codec.
 type SourceSide = (String, u32, Vec<u32>, Option<String>);
 
-/// What the receive thread of one transfer works from.
 /// What a receive's plan depends on (see [`super::plans`]).
 #[derive(PartialEq, Eq, Hash)]
 pub(super) struct ReceivedKey {
@@ -73,6 +72,7 @@ pub(super) struct Replanned {
     schedule: Schedule,
 }
 
+/// What the receive thread of one transfer works from.
 struct Receive {
     id: SlotId,
     request: String,
