@@ -171,19 +171,16 @@ impl Daemon {
         let beside = self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes;
         let (rails, prefer) = rails_of(&accept);
         let size = Size::of(&g, &p);
-        let (g, a, sub) = (Arc::new(g), accept.clone(), s.clone());
+        let (g, peer_slot, dst_request) = (Arc::new(g), accept.slot, s.dst_request.clone());
         // Packed first: the checksums then read gathered segments from
         // staging in one piece, not run by run from the cache again.
         let (sg, sp) = (g.clone(), p.clone());
         let start = move |d: &Daemon, link: &Arc<PeerLink>| -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
             let stage = d.pack(id, &sg, &sp, codec)?;
-            match d.expect(id, &sg, &sub, &sp, codec, &a, stage.as_deref(), beside, link).and_then(|()| batches(&sg, &sp, &a, codec, stage.as_ref())) {
-                Ok(b) => Ok((stage, b)),
-                Err(r) => {
-                    d.drop_stage(stage);
-                    Err(r)
-                }
-            }
+            d.keeping_stage(stage, |st| {
+                d.expect(id, &sg, &dst_request, &sp, codec, &accept, st.map(|r| &**r), beside, link)?;
+                batches(&sg, &sp, &accept, codec, st)
+            })
         };
         // A large submit is answered once the transfer is planned and its
         // slot claimed: packing, hashing and the manifest run on the
@@ -209,7 +206,7 @@ impl Daemon {
             d.drop_stage(stage);
             (total, moved.and(hashed))
         };
-        self.post(id, stop, s, size, codec, accept, None, l.clone(), mover)
+        self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), mover)
     }
 
     /// Hashes a transfer's layers in order on a worker, sending each one's
@@ -251,8 +248,8 @@ impl Daemon {
     /// destination waits for bytes; the heartbeat starts with the
     /// transfer thread ([`Daemon::post`]).
     #[allow(clippy::too_many_arguments)] // the phases' inputs
-    fn expect(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, sums_follow: bool, l: &Arc<PeerLink>) -> Result<(), Refusal> {
-        let manifest = self.manifest(id, g, p, &s.dst_request, codec, stage, sums_follow)?;
+    fn expect(&self, id: SlotId, g: &SourceGroup, dst_request: &str, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, sums_follow: bool, l: &Arc<PeerLink>) -> Result<(), Refusal> {
+        let manifest = self.manifest(id, g, p, dst_request, codec, stage, sums_follow)?;
         let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: sums_follow };
         l.send_expect(expect, p.schedule.stage_bytes)?;
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
@@ -264,12 +261,17 @@ impl Daemon {
     /// packs; and one batch of writes per layer.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn layer_by_layer(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
-        self.expect(id, g, s, p, codec, accept, None, true, l)?;
+        self.expect(id, g, &s.dst_request, p, codec, accept, None, true, l)?;
         let src_stage = self.stage_buffer(stage_needed(p, codec))?;
-        match batches(g, p, accept, codec, src_stage.as_ref()) {
-            Ok(b) => Ok((src_stage, b)),
+        self.keeping_stage(src_stage, |st| batches(g, p, accept, codec, st))
+    }
+
+    /// `f`'s result beside `stage`; on an error the stage goes back to the pool.
+    fn keeping_stage<T>(&self, stage: Option<Arc<Region>>, f: impl FnOnce(Option<&Arc<Region>>) -> Result<T, Refusal>) -> Result<(Option<Arc<Region>>, T), Refusal> {
+        match f(stage.as_ref()) {
+            Ok(t) => Ok((stage, t)),
             Err(r) => {
-                self.drop_stage(src_stage);
+                self.drop_stage(stage);
                 Err(r)
             }
         }
@@ -319,7 +321,7 @@ impl Daemon {
             d.produced.forget(&group, &request);
             (total, moved)
         };
-        self.post(id, stop, s, size, codec, accept, src_stage, l, mover)
+        self.post(id, stop, s, size, codec, accept.slot, src_stage, l, mover)
     }
 
     /// A device-resident source, layer by layer through its host mirror:
@@ -364,7 +366,7 @@ impl Daemon {
             }
             (total, moved)
         };
-        self.post(id, stop, s, size, codec, accept, src_stage, l, mover)
+        self.post(id, stop, s, size, codec, accept.slot, src_stage, l, mover)
     }
 
     /// The submit's source group, complete, and its side for the request.
@@ -627,7 +629,7 @@ impl Daemon {
         s: Submit,
         size: Size,
         codec: Option<Codec>,
-        accept: Box<Accept>,
+        peer_slot: u16,
         src_stage: Option<Arc<Region>>,
         link: Arc<PeerLink>,
         mover: impl FnOnce(&Arc<Daemon>, &Arc<AtomicBool>, &Arc<PeerLink>) -> (Outcome, Result<(), String>) + Send + 'static,
@@ -637,7 +639,7 @@ impl Daemon {
         self.with_slot(id, |sl| sl.sized(size.layers, c, size.compressed));
         Metrics::add(&self.metrics.reused_bytes, c.reused_bytes);
         let (payload, stage_total) = (c.total_bytes_moved, size.stage_bytes);
-        let reply = Reply::Submitted { slot: id.slot, peer_slot: accept.slot, bytes: c.total_bytes_moved, segments: c.segments };
+        let reply = Reply::Submitted { slot: id.slot, peer_slot, bytes: c.total_bytes_moved, segments: c.segments };
         let d = self.clone();
         let thread_link = link.clone();
         let (peer_name, peer_addr) = (link.peer.clone(), link.addr.clone());
