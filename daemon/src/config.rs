@@ -237,6 +237,11 @@ pub struct DeviceConfig {
     /// Longest wait for one layer's device copies (D2H at the source, H2D
     /// at the destination) before the transfer fails.
     pub copy_timeout_secs: u64,
+    /// Slots in a device-resident source's staging ring, each one layer's
+    /// source bytes: layer L+1..L+depth-1's device → host copies run while
+    /// layer L is on the wire, and a transfer holds `depth` layers of
+    /// pinned host memory, not its ranks'.
+    pub ring_depth: u32,
     /// `host` stand-in only (tests): every copy sleeps this long first, as
     /// a slow device would.
     pub standin_delay_ms: u64,
@@ -247,7 +252,7 @@ pub struct DeviceConfig {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        DeviceConfig { backend: "none".into(), ordinal: 0, copy_timeout_secs: 30, standin_delay_ms: 0, standin_fail_copy: None }
+        DeviceConfig { backend: "none".into(), ordinal: 0, copy_timeout_secs: 30, ring_depth: 2, standin_delay_ms: 0, standin_fail_copy: None }
     }
 }
 
@@ -394,6 +399,9 @@ impl Config {
         }
         if self.device.copy_timeout_secs == 0 {
             return Err(invalid("device.copy_timeout_secs", "must be > 0"));
+        }
+        if !(1..=64).contains(&self.device.ring_depth) {
+            return Err(invalid("device.ring_depth", "between 1 and 64"));
         }
         if self.transport.rail_stall_ms == 0 {
             return Err(invalid("transport.rail_stall_ms", "must be > 0"));

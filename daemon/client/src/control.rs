@@ -371,6 +371,11 @@ pub struct TransferStatus {
     /// The rails the source used (source side).
     #[serde(default)]
     pub rails: Vec<RailUse>,
+    /// Host staging memory this side held for the transfer: a
+    /// device-resident source's ring (its depth times its largest layer),
+    /// or the buffer packed segments cross in at either side.
+    #[serde(default)]
+    pub staging_bytes: u64,
 }
 
 /// What one rail carried for one transfer.

@@ -308,6 +308,7 @@ impl Daemon {
                 .collect(),
             marks: s.marks.clone(),
             rails: s.rails.clone(),
+            staging_bytes: s.staging,
             elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
         }))
     }

@@ -440,6 +440,7 @@ impl Daemon {
             }
             None => self.stage_for(schedule.stage_bytes, Some(Grant { session, slot: id.slot })).map_err(|err| refuse(format!("staging: {err}")))?,
         };
+        self.with_slot(id, |s| s.staging = stage.as_ref().map_or(0, |r| r.len));
         Ok(Receive { id, request: recv.request, model, format, codec, p, expected, regions, devices, stage })
     }
 

@@ -1,6 +1,7 @@
 //! Device-resident ranks: the copies between a rank's device allocation
 //! and the host mirror the data plane reads and writes.
 
+use super::ring::Ring;
 use super::state::{DeviceMems, SlotId};
 use super::transfers::RankSpan;
 use super::Daemon;
@@ -94,6 +95,44 @@ impl Daemon {
     }
 }
 
+impl Daemon {
+    /// Copies layer `layer`'s source footprint into its slot of `ring`:
+    /// device → host copies enqueued on each device-resident allocation's
+    /// stream (awaited by [`Copies::finish`]), and a host-resident rank's
+    /// bytes copied here and now.
+    pub(super) fn start_ring_copies(&self, ring: &Ring, layer: usize) -> Result<Copies, CopyError> {
+        let base = ring.region.offset + ring.base(layer);
+        let sources = &ring.layout.sources;
+        // Per source: its copy's runs (device offset, ring offset, len).
+        let mut runs: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); sources.len()];
+        for e in &ring.layout.layers[layer].extents {
+            let src = &sources[e.src];
+            match src.dev {
+                Some(_) => runs[e.src].push((e.from, base + e.at, e.len)),
+                None => src.mem.copy_to(e.from, &ring.region.mem, base + e.at, e.len).map_err(|err| CopyError { rank: src.rank, layer, why: format!("host rank into the ring: {err}") })?,
+            }
+        }
+        let mut pending = Vec::new();
+        for (src, runs) in sources.iter().zip(runs) {
+            let Some(dev) = src.dev.as_ref().filter(|_| !runs.is_empty()) else { continue };
+            let bytes = runs.iter().map(|r| r.2).sum::<u64>();
+            let enqueued = Instant::now();
+            match dev.d2h(&runs, &ring.region.mem) {
+                Ok(ev) => pending.push((src.rank, layer, enqueued, bytes, ev)),
+                Err(e) => {
+                    // Copies already enqueued still write into the ring: they end first.
+                    let timeout = Duration::from_secs(self.cfg.device.copy_timeout_secs);
+                    for (.., ev) in pending {
+                        let _ = ev.wait(timeout);
+                    }
+                    return Err(CopyError { rank: src.rank, layer, why: e.to_string() });
+                }
+            }
+        }
+        Ok(Copies { dir: Direction::ToHost, pending })
+    }
+}
+
 /// Device copies enqueued and not yet awaited.
 pub(super) struct Copies {
     dir: Direction,
@@ -112,8 +151,15 @@ impl Copies {
         };
         let mut free_at: HashMap<u32, Instant> = HashMap::new();
         let mut spans = Vec::with_capacity(pending.len());
-        for (rank, layer, enqueued, bytes, ev) in pending {
-            ev.wait(timeout).map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
+        let mut pending = pending.into_iter();
+        while let Some((rank, layer, enqueued, bytes, ev)) = pending.next() {
+            if let Err(e) = ev.wait(timeout) {
+                // The others still copy into host memory the caller is about to reuse: they end first.
+                for (.., ev) in pending {
+                    let _ = ev.wait(timeout);
+                }
+                return Err(CopyError { rank, layer, why: e.to_string() });
+            }
             let done = Instant::now();
             let from = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued));
             spans.push(RankSpan { rank, from, done, bytes });

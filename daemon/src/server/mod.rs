@@ -25,6 +25,7 @@ mod link;
 mod plans;
 mod produced;
 mod rails;
+mod ring;
 mod source;
 mod staging;
 mod state;
@@ -98,6 +99,8 @@ pub struct Daemon {
     device: Option<Backend>,
     // Staging buffers kept faulted in between transfers.
     stage_pool: staging::StagePool,
+    // Pinned staging rings of device-resident sources, kept between transfers.
+    ring_pool: ring::RingPool,
     // (device, inode) of the control socket this daemon bound: shutdown
     // unlinks the path only while it is still this one.
     control_id: (u64, u64),
@@ -246,6 +249,7 @@ impl Daemon {
             Some(TcpListener::bind(&cfg.metrics_listen).map_err(|e| anyhow::anyhow!("metrics_listen {}: {e}", cfg.metrics_listen))?)
         };
         let stage_pool = staging::StagePool::new(cfg.limits.staging_pool_bytes);
+        let ring_pool = ring::RingPool::new(cfg.limits.staging_pool_bytes);
         let d = Arc::new(Daemon {
             cfg,
             secret,
@@ -263,6 +267,7 @@ impl Daemon {
             topology,
             device,
             stage_pool,
+            ring_pool,
             control_id,
             peer_conns: kept::Kept::new(KEEP_PER_KEY),
             data_conns: kept::Kept::new(KEEP_PER_KEY),
@@ -346,6 +351,7 @@ impl Daemon {
         self.peer_conns.clear();
         self.data_conns.clear();
         self.stage_pool.clear();
+        self.ring_pool.clear();
         self.workers.shrink();
     }
 

@@ -10,6 +10,7 @@ use super::announce::Heard;
 use super::device::{CopyError, Direction};
 use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
+use super::ring::{Ring, RingLayout};
 use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
@@ -158,6 +159,11 @@ impl Daemon {
             }
         };
         let l = link.as_ref().expect("negotiated").clone();
+        // A codec converts rows in staging: such a transfer stages through
+        // the ranks' host mirrors, as a host source packs.
+        if !g.devices.is_empty() && codec.is_none() {
+            return self.ring_source(id, stop, s, g, p, accept, l);
+        }
         if s.stream {
             return self.stream_source(id, stop, s, g, p, codec, accept, l);
         }
@@ -262,7 +268,7 @@ impl Daemon {
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn layer_by_layer(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
         self.expect(id, g, &s.dst_request, p, codec, accept, None, true, l)?;
-        let src_stage = self.stage_buffer(stage_needed(p, codec))?;
+        let src_stage = self.stage_buffer(id, stage_needed(p, codec))?;
         self.keeping_stage(src_stage, |st| batches(g, p, accept, codec, st))
     }
 
@@ -286,15 +292,8 @@ impl Daemon {
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
         let (src_stage, batches) = self.layer_by_layer(id, &g, &s, &p, codec, &accept, &l)?;
-        // Per layer, the source ranks it reads: only those must have written it.
         let n = g.model.layers.len();
-        let mut readers: Vec<Vec<u32>> = vec![Vec::new(); n];
-        for seg in &p.plan.segments {
-            let r = &mut readers[seg.dst_region.layer as usize];
-            if !r.contains(&seg.src_rank) {
-                r.push(seg.src_rank);
-            }
-        }
+        let readers = readers_of(&p.plan, n);
         let size = Size::of(&g, &p);
         let (rails, prefer) = rails_of(&accept);
         let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
@@ -367,6 +366,120 @@ impl Daemon {
             (total, moved)
         };
         self.post(id, stop, s, size, codec, accept.slot, src_stage, l, mover)
+    }
+
+    /// A device-resident source through a staging ring ([`super::ring`]):
+    /// layer L's device → host copies gather its bytes into slot L mod
+    /// depth, where its checksums are computed and its writes start. Copies
+    /// run up to depth - 1 layers ahead of the wire, and a slot is copied
+    /// into again only once its layer's writes completed. The source is
+    /// released once the last layer's copies are done, as nothing reads
+    /// the device after them. Streamed, a layer's copies start only once
+    /// every rank reading it said it is written.
+    #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
+    fn ring_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
+        let ring_failed = |e: String| Refusal::new(Code::TransferFailed, format!("staging ring: {e}"));
+        let layout = RingLayout::build(&p.plan, &p.schedule, &g.regions, &g.devices, |s| gathers(s, None)).map_err(ring_failed)?;
+        let ring = self.take_ring(Arc::new(layout), self.cfg.device.ring_depth as usize).map_err(ring_failed)?;
+        self.with_slot(id, |sl| sl.staging = ring.bytes());
+        let n = g.model.layers.len();
+        let started = self.expect(id, &g, &s.dst_request, &p, None, &accept, None, true, &l).and_then(|()| {
+            let dst_keys = dst_keys(&accept);
+            (0..n).map(|layer| ring_batch(&p, &accept, &dst_keys, &ring, layer)).collect::<Result<Vec<_>, _>>()
+        });
+        let batches = match started {
+            Ok(b) => b,
+            Err(r) => {
+                self.give_ring(ring);
+                return Err(r);
+            }
+        };
+        let size = Size::of(&g, &p);
+        let (rails, prefer) = rails_of(&accept);
+        let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+        let gate = s.stream.then(|| (s.group.clone(), s.request.clone(), readers_of(&p.plan, n)));
+        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
+            let mut total = Outcome::default();
+            let mut batches = batches.into_iter();
+            let failed = |layer: usize| move |e: CopyError| format!("device → host staging of layer {layer}: {e}");
+            // Copies started and not awaited, in layer order.
+            let mut copies = std::collections::VecDeque::new();
+            // Layers whose copies were started, and layers known written.
+            let (mut started, mut produced) = (0, if gate.is_some() { 0 } else { n });
+            let moved = (|| {
+                for layer in 0..n {
+                    if let Some((group, request, readers)) = &gate {
+                        if produced <= layer {
+                            d.produced.wait(group, request, &readers[layer], layer as u16, deadline, stop)?;
+                            d.slot_mark(id, Boundary::Produced(layer));
+                            produced = layer + 1;
+                        }
+                        // Layers the engine wrote meanwhile are copied ahead too.
+                        let more = if produced < n { d.produced.ready_from(group, request, readers, produced) } else { 0 };
+                        for l in produced..produced + more {
+                            d.slot_mark(id, Boundary::Produced(l));
+                        }
+                        produced += more;
+                    }
+                    // Every layer before this one left the wire: the slots up to
+                    // depth - 1 layers ahead are free.
+                    while started < produced.min(layer + ring.depth) {
+                        d.slot_mark(id, Boundary::Staging(started));
+                        copies.push_back(d.start_ring_copies(&ring, started).map_err(failed(started)));
+                        started += 1;
+                    }
+                    copies.pop_front().expect("this layer's copies were started")?.finish(d, id).map_err(failed(layer))?;
+                    d.slot_mark(id, Boundary::HostStaged(layer));
+                    if layer + 1 == n {
+                        d.release_source(id);
+                    }
+                    if stop.load(Ordering::Acquire) {
+                        return Err("cancelled".to_string());
+                    }
+                    d.ring_pack(id, &p, &ring, layer).map_err(|r| r.message)?;
+                    let read = |rank, region, offset, len| ring.find(layer, rank, region, offset, len).and_then(|at| region_view(&ring.region, at, len));
+                    let whole = |i: usize| ring.packed(layer, i).and_then(|at| region_view(&ring.region, at, p.plan.segments[i].bytes()));
+                    d.send_sums(id, &p, layer, link, |segs| checksums_of(&p.plan, Reading::Source, segs, read, whole).map_err(|e| Refusal::new(Code::TransferFailed, format!("checksums: {e}"))))
+                        .map_err(|r| r.message)?;
+                    d.move_bytes(id, &rails, &prefer, batches.by_ref().take(1).collect(), stop, link, &mut total)?;
+                    d.slot_mark(id, Boundary::Sent(layer));
+                }
+                Ok(())
+            })();
+            // Copies started and not awaited still write into the ring: they
+            // end before it goes back.
+            for c in copies.into_iter().flatten() {
+                let _ = c.finish(d, id);
+            }
+            if let Some((group, request, _)) = &gate {
+                d.produced.forget(group, request);
+            }
+            d.give_ring(ring);
+            (total, moved)
+        };
+        self.post(id, stop, s, size, None, accept.slot, None, l, mover)
+    }
+
+    /// Gathers layer `layer`'s packed segments in its ring slot, from its
+    /// footprint there to their place after it.
+    fn ring_pack(&self, id: SlotId, p: &Planned, ring: &Ring, layer: usize) -> Result<(), Refusal> {
+        let packed = &ring.layout.layers[layer].packed;
+        if packed.is_empty() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let mut bytes = 0;
+        for &(i, _) in packed {
+            let s = &p.plan.segments[i];
+            let to = ring.packed(layer, i).expect("a packed segment");
+            for (k, (so, _)) in s.runs().enumerate() {
+                let from = ring.find(layer, s.src_rank, s.src_region, so, s.len).ok_or_else(|| Refusal::new(Code::TransferFailed, format!("pack: segment {i} run {k} is not in layer {layer}'s ring slot")))?;
+                ring.region.mem.copy_to(ring.region.offset + from, &ring.region.mem, ring.region.offset + to + k as u64 * s.len, s.len).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))?;
+            }
+            bytes += s.bytes();
+        }
+        self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
+        Ok(())
     }
 
     /// The submit's source group, complete, and its side for the request.
@@ -559,10 +672,16 @@ impl Daemon {
     /// off, an empty list.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn send_layer_checksums(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
+        self.send_sums(id, p, layer, link, |segs| self.source_sums(g, p, codec, segs, stage))
+    }
+
+    /// Layer `layer`'s checksums, as `sums` computes them over its
+    /// segments, out unanswered; with checksums off, an empty list.
+    fn send_sums(&self, id: SlotId, p: &Planned, layer: usize, link: &PeerLink, sums: impl FnOnce(Vec<usize>) -> Result<Vec<LayerChecksum>, Refusal>) -> Result<(), Refusal> {
         let sums = if self.cfg.verify_checksums {
             let started = Instant::now();
             let (segs, bytes) = layer_segments(p, layer);
-            let sums = self.source_sums(g, p, codec, segs, stage)?;
+            let sums = sums(segs)?;
             self.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
             sums
         } else {
@@ -574,7 +693,7 @@ impl Daemon {
     /// Packs (and encodes) the staged segments into one registered buffer.
     fn pack(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<Option<Arc<Region>>, Refusal> {
         let started = Instant::now();
-        let Some(stage) = self.stage_buffer(stage_needed(p, codec))? else { return Ok(None) };
+        let Some(stage) = self.stage_buffer(id, stage_needed(p, codec))? else { return Ok(None) };
         match self.pack_into(&stage, g, p, codec, &p.schedule.staged) {
             Ok(bytes) => {
                 self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
@@ -589,8 +708,10 @@ impl Daemon {
 
     /// A registered staging buffer of `total` bytes from the pool (none
     /// when nothing is staged).
-    fn stage_buffer(&self, total: u64) -> Result<Option<Arc<Region>>, Refusal> {
-        self.stage_for(total, None).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))
+    fn stage_buffer(&self, id: SlotId, total: u64) -> Result<Option<Arc<Region>>, Refusal> {
+        let stage = self.stage_for(total, None).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))?;
+        self.with_slot(id, |s| s.staging = stage.as_ref().map_or(0, |r| r.len));
+        Ok(stage)
     }
 
     /// Packs (and encodes) the segments of `staged` that need it
@@ -674,8 +795,7 @@ impl Daemon {
                     // connection rather than making a new one mid-verdict.
                     let key = (peer_name, peer_addr);
                     d.peer_conns.expect(&key);
-                    d.slot_mark(id, Boundary::SourceReleased);
-                    d.publish(id, SOURCE_RELEASED);
+                    d.release_source(id);
                     tracing::info!(bytes, writes, "source released");
                     let verdict = thread_link.done(Duration::from_secs(d.cfg.limits.transfer_timeout_secs));
                     count(&d);
@@ -863,9 +983,65 @@ fn stage_needed(p: &Planned, codec: Option<Codec>) -> u64 {
     }
 }
 
+/// Per layer, the source ranks it reads: only those must have written it
+/// before a streamed transfer moves it.
+fn readers_of(plan: &Plan, layers: usize) -> Vec<Vec<u32>> {
+    let mut readers: Vec<Vec<u32>> = vec![Vec::new(); layers];
+    for seg in &plan.segments {
+        let r = &mut readers[seg.dst_region.layer as usize];
+        if !r.contains(&seg.src_rank) {
+            r.push(seg.src_rank);
+        }
+    }
+    readers
+}
+
+/// The destination's key of each of its (rank, region).
+fn dst_keys(a: &Accept) -> HashMap<(u32, RegionId), u32> {
+    a.regions.iter().map(|r| ((r.rank, r.region), r.key)).collect()
+}
+
+/// Appends `op` to `writes`, as one write with the last when it continues
+/// it on both sides: packed segments lie back to back in both staging
+/// buffers, so a layer's staged bytes become one write instead of one per
+/// segment (each a frame and an answer on tcp, a work request on verbs).
+fn push_write(writes: &mut Vec<WriteOp>, op: WriteOp) {
+    match writes.last_mut() {
+        Some(last) if last.src_key == op.src_key && last.dst_key == op.dst_key && last.src_offset + last.len == op.src_offset && last.dst_offset + last.len == op.dst_offset => last.len += op.len,
+        _ => writes.push(op),
+    }
+}
+
+/// Layer `layer`'s writes from its slot of `ring`: a direct segment's runs
+/// each into place from the footprint, a staged one whole into the
+/// destination's staging, gathered or (back to back at the source) from
+/// the footprint.
+fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>, ring: &Ring, layer: usize) -> Result<Batch, Refusal> {
+    let ls = &p.schedule.layers[layer];
+    let missing = |i: usize| Refusal::new(Code::TransferFailed, format!("segment {i} is not in layer {layer}'s ring slot"));
+    let mut writes = Vec::new();
+    for &i in &ls.direct {
+        let s = &p.plan.segments[i];
+        let &dst_key = dst_keys.get(&(s.dst_rank, s.dst_region)).ok_or_else(|| Refusal::new(Code::PeerRefused, format!("no region for dst rank {} {:?}", s.dst_rank, s.dst_region)))?;
+        for (so, dst_offset) in s.runs() {
+            let src_offset = ring.find(layer, s.src_rank, s.src_region, so, s.len).ok_or_else(|| missing(i))?;
+            push_write(&mut writes, WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset, len: s.len });
+        }
+    }
+    for st in &ls.staged {
+        let s = &p.plan.segments[st.seg];
+        let src_offset = match gathers(s, None) {
+            true => ring.packed(layer, st.seg),
+            false => ring.find(layer, s.src_rank, s.src_region, s.src_offset, s.bytes()),
+        };
+        push_write(&mut writes, WriteOp { src_key: ring.region.key, src_offset: src_offset.ok_or_else(|| missing(st.seg))?, dst_key: a.stage_key, dst_offset: st.offset, len: st.size });
+    }
+    Ok(Batch { tag: Tag { slot: a.slot, layer: layer as u16 }, writes })
+}
+
 /// The schedule's writes per layer, with both sides' keys.
 fn batches(g: &SourceGroup, p: &Planned, a: &Accept, codec: Option<Codec>, src_stage: Option<&Arc<Region>>) -> Result<Vec<Batch>, Refusal> {
-    let dst_keys: HashMap<(u32, RegionId), u32> = a.regions.iter().map(|r| ((r.rank, r.region), r.key)).collect();
+    let dst_keys = dst_keys(a);
     let missing = |src: (u32, RegionId), dst: (u32, RegionId)| {
         Refusal::new(Code::PeerRefused, format!("no region for src rank {} / dst rank {} {:?}", src.0, dst.0, dst.1))
     };
@@ -889,14 +1065,7 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, codec: Option<Codec>, src_s
                     }
                 }
             };
-            // Writes that continue one another on both sides go as one:
-            // packed segments lie back to back in both staging buffers, so
-            // a layer's staged bytes become one write instead of one per
-            // segment (each a frame and an answer on tcp, a work request on verbs).
-            match writes.last_mut() {
-                Some(last) if last.src_key == op.src_key && last.dst_key == op.dst_key && last.src_offset + last.len == op.src_offset && last.dst_offset + last.len == op.dst_offset => last.len += op.len,
-                _ => writes.push(op),
-            }
+            push_write(&mut writes, op);
         }
         out.push(Batch { tag: Tag { slot: a.slot, layer: layer as u16 }, writes });
     }

@@ -161,8 +161,12 @@ pub(crate) enum Boundary {
     Posting,
     // A streamed source: every rank reading layer L announced it written.
     Produced(usize),
-    // A device-resident source: layer L's device → host copies completed.
+    // A device-resident source: layer L's device → host copies were
+    // enqueued into its ring slot, and completed.
+    Staging(usize),
     HostStaged(usize),
+    // A source's layer L writes all completed (its ring slot is free again).
+    Sent(usize),
     SourceReleased,
     HostReceived(usize),
     DeviceComplete(usize),
@@ -176,7 +180,9 @@ impl std::fmt::Display for Boundary {
             Boundary::Enqueued => f.write_str("enqueued"),
             Boundary::Posting => f.write_str("posting"),
             Boundary::Produced(l) => write!(f, "produced({l})"),
+            Boundary::Staging(l) => write!(f, "staging({l})"),
             Boundary::HostStaged(l) => write!(f, "host_staged({l})"),
+            Boundary::Sent(l) => write!(f, "sent({l})"),
             Boundary::SourceReleased => f.write_str("source_released"),
             Boundary::HostReceived(l) => write!(f, "host_received({l})"),
             Boundary::DeviceComplete(l) => write!(f, "device_complete({l})"),
@@ -215,6 +221,8 @@ pub(crate) struct Slot {
     pub reused: u64,
     // Payload the schedule sends, after packing and any codec.
     pub compressed: u64,
+    // Host staging held for it: a source's ring or staging buffer, a destination's staging buffer.
+    pub staging: u64,
     // Source: what crossed the link, counted as the transfer ends.
     // Destination: its control frames; the data plane's count lives in
     // the placement (read with it).
@@ -263,6 +271,7 @@ impl Slot {
             segments: 0,
             reused: 0,
             compressed: 0,
+            staging: 0,
             wire: 0,
             hops: BTreeMap::new(),
             rank_hops: BTreeMap::new(),

@@ -4,7 +4,7 @@ use super::error::Refusal;
 use super::state::{running, Boundary, Role, Slot, SlotId};
 use super::Daemon;
 use crate::metrics::Metrics;
-use kvwire_client::control::{Code, PrepareReceive, TransferState, FLAG_COLUMNS, FLAG_SLOTS, MAX_TRANSFER_LAYERS};
+use kvwire_client::control::{Code, PrepareReceive, TransferState, FLAG_COLUMNS, FLAG_SLOTS, MAX_TRANSFER_LAYERS, SOURCE_RELEASED};
 use kvwire_transport::{Hop, Tag};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -124,6 +124,24 @@ impl Daemon {
     /// Ends transfer `id` as failed with `why`.
     pub(super) fn fail(&self, id: SlotId, why: impl std::fmt::Display) -> bool {
         self.finish(id, TransferState::Failed, Some(why.to_string()))
+    }
+
+    /// The source's memory is free for its engine again: marked and
+    /// published once, whichever comes first of a ring's last copies and
+    /// the end of the writes. False when it was already, or the transfer
+    /// no longer runs.
+    pub(super) fn release_source(&self, id: SlotId) -> bool {
+        {
+            let mut st = self.slots.lock().expect("slots lock");
+            let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
+            let name = Boundary::SourceReleased.to_string();
+            if s.marks.iter().any(|m| m.name == name) {
+                return false;
+            }
+            let at = s.started.elapsed();
+            s.marks.push(Boundary::SourceReleased.at(at));
+        }
+        self.publish(id, SOURCE_RELEASED)
     }
 
     /// Publishes `column` of transfer `id` on the clients' page, if it still runs.

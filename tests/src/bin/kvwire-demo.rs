@@ -167,27 +167,29 @@ fn main() -> ExitCode {
 }
 
 /// A device-resident source's lifetime as its daemon marked it: its first
-/// write, each layer's device → host copies completing, and its release.
-/// Staged layer by layer, the first write goes out before the last copy.
+/// write; per layer, its device → host copies into a ring slot started and
+/// completed, and its writes from there completed; and its release.
+/// Through the ring, the first write goes out before the last copy, and
+/// the release comes with the last copy, before the last writes end.
 fn source_marks(st: &kvwire_client::control::TransferStatus) {
     let at = |name: &str| st.marks.iter().find(|m| m.name == name).map(|m| m.at_ns as f64 / 1e6);
+    let ms = |t: Option<f64>| t.map_or("(not marked)".into(), |t| format!("{t:>9.3}"));
     let staged: Vec<(usize, f64)> = (0..).map_while(|l| at(&format!("host_staged({l})")).map(|t| (l, t))).collect();
     println!("source lifetime (prefill daemon's clock, ms after its submit):");
-    let show = |what: &str, t: Option<f64>| println!("  {what:<40} {}", t.map_or("(not marked)".into(), |t| format!("{t:>9.3}")));
-    show("first post", at("posting"));
+    println!("  {:<40} {}", "first post", ms(at("posting")));
+    println!("  {:<40} {:>9} {:>9} {:>9}", "layer: device -> host copies", "started", "complete", "sent");
     for (l, t) in &staged {
-        show(&format!("layer {l} device -> host copies complete"), Some(*t));
+        println!("  {:<40} {} {} {}", format!("layer {l}"), ms(at(&format!("staging({l})"))), ms(Some(*t)), ms(at(&format!("sent({l})"))));
     }
-    show("source_released", at("source_released"));
-    match (at("posting"), staged.last()) {
-        (Some(post), Some(&(_, last))) => println!(
-            "  first post {} the last device -> host copy completed ({:.3} ms {})",
-            if post < last { "before" } else { "NOT before" },
-            (last - post).abs(),
-            if post < last { "earlier" } else { "later" }
-        ),
-        _ => println!("  first post or device -> host marks missing"),
-    }
+    println!("  {:<40} {}", "source_released", ms(at("source_released")));
+    let order = |what: &str, a: Option<f64>, b: Option<f64>, than: &str| match (a, b) {
+        (Some(a), Some(b)) => println!("  {what} {} {than} ({:.3} ms {})", if a < b { "before" } else { "NOT before" }, (b - a).abs(), if a < b { "earlier" } else { "later" }),
+        _ => println!("  {what} or {than}: marks missing"),
+    };
+    let last = staged.last().map(|&(l, t)| (l, t));
+    order("first post", at("posting"), last.map(|(_, t)| t), "the last device -> host copy completed");
+    order("source_released", at("source_released"), last.and_then(|(l, _)| at(&format!("sent({l})"))), "the last layer's writes completed");
+    println!("  staging ring: {} bytes of pinned host memory for a {}-byte transfer", st.staging_bytes, st.bytes);
 }
 
 /// The measured stage, wire and device_complete rates through a staging

@@ -881,6 +881,80 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
         }
         assert!(src("posting") < src("host_staged(3)"), "{name}: the first write waited for every layer's copies: {:?}", o.source.marks);
         assert!(src("host_staged(3)") <= src("source_released"), "{name}: {:?}", o.source.marks);
+        assert_ring(name, &o.source, 2, 4);
+    }
+    // With a codec the source converts rows in staging, through its host
+    // mirrors rather than a ring: it decodes to what the same transfer
+    // from host memory decodes to, bit for bit.
+    let coded = |memory| {
+        let mut sc = Scenario::new(&format!("device-fp8-{}", matches!(memory, scenario::Memory::StandIn)));
+        sc.memory = memory;
+        sc.codec = Some("fp8_e4m3_row".into());
+        run(&p, &sc).unwrap()
+    };
+    let (dev, host) = (coded(scenario::Memory::StandIn), coded(scenario::Memory::Host));
+    assert_eq!(dev.remote, host.remote, "device-resident fp8 against host fp8");
+    assert_eq!(hop(&dev.source, "stage"), Some(dev.source.bytes), "{:?}", dev.source.hops);
+    assert!(!dev.source.marks.iter().any(|m| m.name.starts_with("sent(")), "a codec transfer went through the ring: {:?}", dev.source.marks);
+}
+
+#[test]
+fn a_device_source_ring_of_any_depth_reuses_a_slot_only_after_its_writes_with_slow_copies() {
+    let _shared = crate::shared();
+    let dev = "[device]\nbackend = \"host\"\n";
+    for depth in [1, 3] {
+        // Every copy of the source's stand-in device sleeps first: the
+        // copies, not the wire, bound the transfer.
+        let p = pair_with(&format!("ring-{depth}"), &format!("{dev}ring_depth = {depth}\nstandin_delay_ms = 3\n"), dev);
+        let mut sc = Scenario::new(&format!("ring-{depth}"));
+        sc.memory = scenario::Memory::StandIn;
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        assert_ring(&sc.name, &o.source, depth, 4);
+        // Streamed: a layer's copies start only once it is written, and
+        // the slot rule holds all the same.
+        let mut sc = Scenario::new(&format!("ring-{depth}-streamed"));
+        sc.memory = scenario::Memory::StandIn;
+        sc.stream = true;
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        let at = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("no mark {m}: {:?}", o.source.marks));
+        for l in 0..4 {
+            assert!(at(&format!("produced({l})")) <= at(&format!("staging({l})")), "{:?}", o.source.marks);
+            if l + depth < 4 {
+                assert!(at(&format!("sent({l})")) <= at(&format!("staging({})", l + depth)), "{:?}", o.source.marks);
+            }
+        }
+        assert!(at("host_staged(3)") <= at("source_released"), "{:?}", o.source.marks);
+    }
+}
+
+/// A device-resident source's staging ring of `depth` slots, from its own
+/// marks: layer L's copies start only once layer L - depth's writes
+/// completed (the slot it reuses is free), and with two slots or more the
+/// next layer's copies start before this one's writes end. The source is
+/// released at its last copies, before its last writes complete. It holds
+/// `depth` layers' bytes (their footprint and what it packs; the layers
+/// here are alike), not the transfer's.
+fn assert_ring(name: &str, st: &kvwire_client::control::TransferStatus, depth: usize, layers: usize) {
+    let at = |m: &str| st.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no source mark {m}: {:?}", st.marks));
+    for l in 0..layers {
+        assert!(at(&format!("staging({l})")) <= at(&format!("host_staged({l})")), "{name}: {:?}", st.marks);
+        assert!(at(&format!("host_staged({l})")) <= at(&format!("sent({l})")), "{name}: {:?}", st.marks);
+        if l + depth < layers {
+            assert!(at(&format!("sent({l})")) <= at(&format!("staging({})", l + depth)), "{name}: slot of layer {l} reused before its writes completed: {:?}", st.marks);
+        }
+        if depth > 1 && l + 1 < layers {
+            assert!(at(&format!("staging({})", l + 1)) < at(&format!("sent({l})")), "{name}: layer {} was not copied beside layer {l}'s writes: {:?}", l + 1, st.marks);
+        }
+    }
+    let last = layers - 1;
+    assert!(at(&format!("host_staged({last})")) <= at("source_released") && at("source_released") <= at(&format!("sent({last})")), "{name}: {:?}", st.marks);
+    let bytes = |h: &str| st.hops.iter().find(|x| x.hop == h).map_or(0, |x| x.bytes);
+    let per_layer = (bytes("stage") + bytes("pack")) / layers as u64;
+    assert_eq!(st.staging_bytes, depth as u64 * per_layer, "{name}: {:?}", st.hops);
+    if depth < layers {
+        assert!(st.staging_bytes < st.bytes, "{name}: the ring held {} bytes for a {}-byte transfer", st.staging_bytes, st.bytes);
     }
 }
 
@@ -1168,12 +1242,17 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     // copy per run of a rank's shuffled blocks) while earlier layers are
     // already out. The transfer fails naming that layer, which is never
     // published, nor any after it.
-    let (_a3, _ca3, st) = failing_source("prefill-three", "d2h-fails-mid", 40);
+    let (_a3, ca3, st) = failing_source("prefill-three", "d2h-fails-mid", 40);
     let err = st.error.clone().unwrap_or_default();
     let failed: u16 = err.split("device → host staging of layer ").nth(1).and_then(|r| r.split(':').next()?.parse().ok()).unwrap_or_else(|| panic!("no layer named: {err}"));
     assert!(failed >= 1, "the injected copy is not past layer 0: {err}");
     let staged = |l: u16| st.marks.iter().any(|m| m.name == format!("host_staged({l})"));
     assert!((0..failed).all(staged) && !staged(failed), "{:?}", st.marks);
+    // Mid-ring: every earlier layer left the wire from its slot; the ring's
+    // copies never all completed, so the source was never released.
+    let sent = |l: u16| st.marks.iter().any(|m| m.name == format!("sent({l})"));
+    assert!((0..failed).all(sent) && !sent(failed), "{:?}", st.marks);
+    assert!(!ca3.ready(st.slot, FlagName::SourceReleased), "released after a failed device copy");
     let dslot = (0..8).filter(|&s| p.cb.status(s).is_ok_and(|d| d.request == "d2h-fails-mid-req")).last().expect("the destination's slot");
     for l in failed..4 {
         assert!(!p.cb.ready(dslot, FlagName::LayerReady(l)), "layer_ready({l}) published after the source failed at layer {failed}");
