@@ -53,7 +53,7 @@ const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--stream] [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--stream] [--device] [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -65,6 +65,7 @@ struct RawArgs {
     tokens: Option<String>,
     netns: bool,
     stream: bool,
+    device: bool,
     json: bool,
     help: bool,
 }
@@ -77,6 +78,9 @@ struct Settings {
     tokens: u64,
     netns: bool,
     stream: bool,
+    // Both daemons serve device memory through the stand-in backend, and
+    // every rank's cache is registered as a device allocation.
+    device: bool,
     json: bool,
 }
 
@@ -91,6 +95,7 @@ fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
             "--tokens" => raw.tokens = Some(value("--tokens")?),
             "--netns" => raw.netns = true,
             "--stream" => raw.stream = true,
+            "--device" => raw.device = true,
             "--json" => raw.json = true,
             "-h" | "--help" => raw.help = true,
             other => return Err(format!("unknown argument `{other}`")),
@@ -120,6 +125,7 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
         tokens: number("--tokens", raw.tokens.as_deref(), 256, 1..=65536)?,
         netns: raw.netns,
         stream: raw.stream,
+        device: raw.device,
         json: raw.json,
     })
 }
@@ -198,6 +204,7 @@ struct Fixture {
     // Streamed submits: every layer announced by each source rank right
     // after the submit, as an engine whose forward ended then would.
     stream: bool,
+    device: bool,
 }
 
 fn flatten(model: &ModelSpec, side: &Side, bufs: &Buffers) -> Vec<Vec<u8>> {
@@ -206,7 +213,7 @@ fn flatten(model: &ModelSpec, side: &Side, bufs: &Buffers) -> Vec<Vec<u8>> {
         .collect()
 }
 
-fn fixture(tokens: u64, stream: bool) -> Result<Fixture, String> {
+fn fixture(tokens: u64, stream: bool, device: bool) -> Result<Fixture, String> {
     let model = from_toml_spec("soak", MODEL).map_err(|e| format!("model spec: {e}"))?;
     let fmt = CacheFormat::parse("fp16").map_err(|e| e.to_string())?;
     let side = |l: &str| -> Result<Side, String> {
@@ -224,7 +231,7 @@ fn fixture(tokens: u64, stream: bool) -> Result<Fixture, String> {
         rope: "theta=10000".into(),
         position_offset: 0,
     };
-    Ok(Fixture { model, src, dst, src_codes, dst_expect, identity, tokens, stream })
+    Ok(Fixture { model, src, dst, src_codes, dst_expect, identity, tokens, stream, device })
 }
 
 // ------------------------------------------------------------------ clients
@@ -312,7 +319,13 @@ fn register(c: &Client, fx: &Fixture, group: &str, layout: &str, side: &Side) ->
             num_blocks: side.num_blocks,
             identity: fx.identity.clone(),
         };
-        let (_, bytes, complete) = c.register(r, &mem).map_err(step("register"))?;
+        // The stand-in's device memory is the memfd itself: the soak writes
+        // and checks it as it does host memory.
+        let registered = match fx.device {
+            true => c.register_device(RegisterDeviceCache { cache: r, ordinal: 0, len: mem.len(), ipc: None }, Some(mem.fd())).map_err(step("register_device"))?,
+            false => c.register(r, &mem).map_err(step("register"))?,
+        };
+        let (_, bytes, complete) = registered;
         if bytes != total || complete != (rank + 1 == ranks) {
             return Err(SoakError::Setup(format!("{group} rank {rank}: registered {bytes} bytes (complete {complete}), expected {total}")));
         }
@@ -517,7 +530,8 @@ struct Report {
 }
 
 fn soak(s: &Settings) -> Result<Report, String> {
-    let fx = fixture(s.tokens, s.stream)?;
+    let fx = fixture(s.tokens, s.stream, s.device)?;
+    let extra = if s.device { "[device]\nbackend = \"host\"\n" } else { "" };
     // The daemons' configs, secrets and sockets; removed on drop.
     let tmp = TempDir::try_new("soak")?;
     let dir = tmp.path();
@@ -525,13 +539,13 @@ fn soak(s: &Settings) -> Result<Report, String> {
     let link = if s.netns { Some(netns::Link::new("soak")?) } else { None };
     let (dst, src) = match &link {
         Some(l) => {
-            let dst = start_daemon_in(Some(&l.a.name), &l.a.ip, dir, "soak-dst", SECRET, &[], "");
-            let src = start_daemon_in(Some(&l.b.name), &l.b.ip, dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], "");
+            let dst = start_daemon_in(Some(&l.a.name), &l.a.ip, dir, "soak-dst", SECRET, &[], extra);
+            let src = start_daemon_in(Some(&l.b.name), &l.b.ip, dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], extra);
             (dst, src)
         }
         None => {
-            let dst = start_daemon(dir, "soak-dst", SECRET, &[], "");
-            let src = start_daemon(dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], "");
+            let dst = start_daemon(dir, "soak-dst", SECRET, &[], extra);
+            let src = start_daemon(dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], extra);
             (dst, src)
         }
     };
@@ -751,12 +765,13 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
     let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
     let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
     println!(
-        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"device\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
         r.settings.seconds,
         r.settings.clients,
         r.settings.tokens,
         r.settings.netns,
         r.settings.stream,
+        r.settings.device,
         json_str(SRC_LAYOUT),
         json_str(DST_LAYOUT),
         r.transfers,
@@ -791,6 +806,9 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     );
     if s.stream {
         println!("streamed submits: every layer announced right after the submit");
+    }
+    if s.device {
+        println!("caches registered as device memory (the stand-in backend's)");
     }
     println!(
         "transfers {}  errors {}  {:.1}/s  (per client {}..{})",
