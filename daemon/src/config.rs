@@ -150,7 +150,8 @@ pub struct Limits {
     /// fails on this side; a closed peer connection fails it at once.
     pub peer_timeout_secs: u64,
     /// Most bytes of staging buffers kept between transfers, already
-    /// faulted in, for the next transfer to reuse.
+    /// faulted in, for the next transfer to reuse; as much again of
+    /// device-resident sources' pinned rings.
     pub staging_pool_bytes: u64,
 }
 

@@ -175,8 +175,10 @@ pub const KVW_FLAG_LAYER_READY: kvw_flag = 0;
 /// `decoder_usable` at the destination: every layer ready and the request's
 /// metadata committed; the decoder may use the blocks.
 pub const KVW_FLAG_DECODER_USABLE: kvw_flag = 1;
-/// `source_released` at the source: every write from the source blocks has
-/// completed; the engine may reuse or free them.
+/// `source_released` at the source: nothing of the transfer reads the
+/// source blocks any more (every write from them completed; from device
+/// memory, every copy into the daemon's staging ring did); the engine may
+/// reuse or free them.
 pub const KVW_FLAG_SOURCE_RELEASED: kvw_flag = 2;
 
 /// A transfer's state, as [`kvw_status`] reports it: one of the

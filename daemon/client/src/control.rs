@@ -23,7 +23,11 @@ pub const FLAG_SLOTS: u16 = 256;
 pub const MAX_TRANSFER_LAYERS: u16 = kvwire_transport::flags::LAYER_COLUMNS;
 /// Flag column: all layers ready and the request's metadata committed.
 pub const DECODER_USABLE: u16 = MAX_TRANSFER_LAYERS;
-/// Flag column: every local completion of the source's writes polled.
+/// Flag column: the source's memory may be reused. Every local completion
+/// of its writes polled; or, for a device-resident source staged through
+/// its ring, its last device → host copy completed (its writes then read
+/// only the ring, which the daemon owns). A retry on another rail re-sends
+/// from the same place, so it never reads the engine's memory again.
 pub const SOURCE_RELEASED: u16 = MAX_TRANSFER_LAYERS + 1;
 /// Columns per slot.
 pub const FLAG_COLUMNS: u16 = MAX_TRANSFER_LAYERS + 2;

@@ -102,7 +102,7 @@ impl Daemon {
     /// bytes copied here and now.
     pub(super) fn start_ring_copies(&self, ring: &Ring, layer: usize) -> Result<Copies, CopyError> {
         let base = ring.region.offset + ring.base(layer);
-        let sources = &ring.layout.sources;
+        let sources = &ring.sources;
         // Per source: its copy's runs (device offset, ring offset, len).
         let mut runs: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); sources.len()];
         for e in &ring.layout.layers[layer].extents {

@@ -48,9 +48,9 @@ impl RingPool {
     }
 }
 
-/// Where a ring's bytes are read from: a device-resident rank's
-/// allocation (copied by its stream; its host mirror names it), or a
-/// host-resident rank's memory (copied here).
+/// Where a ring's bytes are read from, for one transfer: a
+/// device-resident rank's allocation (copied by its stream; its host
+/// mirror names it), or a host-resident rank's memory (copied here).
 pub(super) struct RingSource {
     pub rank: u32,
     pub mem: Arc<HostMem>,
@@ -80,9 +80,11 @@ pub(super) struct SlotLayout {
     pub packed: Vec<(usize, u64)>,
 }
 
-/// Where each layer's source bytes lie in a ring slot.
+/// Where each layer's source bytes lie in a ring slot. It holds no
+/// memory: it is kept with its plan, for the group's life.
 pub(super) struct RingLayout {
-    pub sources: Vec<RingSource>,
+    /// Per source: its rank, and a region that lies in it.
+    pub sources: Vec<(u32, RegionId)>,
     /// (rank, region) → (source, the region's offset in it).
     pub regions: HashMap<(u32, RegionId), (usize, u64)>,
     pub layers: Vec<SlotLayout>,
@@ -91,25 +93,21 @@ pub(super) struct RingLayout {
 }
 
 impl RingLayout {
-    /// The slots of `plan`'s layers, read from `regions` (device-resident
-    /// where `devices` holds their memory as a mirror); `packs` says which
-    /// staged segments are gathered.
-    pub fn build(plan: &Plan, schedule: &Schedule, regions: &HashMap<(u32, RegionId), Arc<Region>>, devices: &DeviceMems, packs: impl Fn(&Segment) -> bool) -> Result<RingLayout, String> {
-        let mut sources: Vec<RingSource> = Vec::new();
+    /// The slots of `plan`'s layers, read from `regions`; `packs` says
+    /// which staged segments are gathered.
+    pub fn build(plan: &Plan, schedule: &Schedule, regions: &HashMap<(u32, RegionId), Arc<Region>>, packs: impl Fn(&Segment) -> bool) -> Result<RingLayout, String> {
+        let mut sources: Vec<(u32, RegionId)> = Vec::new();
         let mut at_region: HashMap<(u32, RegionId), (usize, u64)> = HashMap::new();
         let mut source_of = |rank: u32, region: RegionId| -> Result<(usize, u64), String> {
             if let Some(&w) = at_region.get(&(rank, region)) {
                 return Ok(w);
             }
             let r = regions.get(&(rank, region)).ok_or_else(|| format!("rank {rank} has no region {region:?}"))?;
-            let src = match sources.iter().position(|s| s.rank == rank && Arc::ptr_eq(&s.mem, &r.mem)) {
+            let same = |&(rk, rg): &(u32, RegionId)| rk == rank && regions.get(&(rk, rg)).is_some_and(|o| Arc::ptr_eq(&o.mem, &r.mem));
+            let src = match sources.iter().position(same) {
                 Some(i) => i,
                 None => {
-                    let dev = match devices.get(&rank) {
-                        Some(devs) => Some(devs.iter().find(|(mirror, _)| Arc::ptr_eq(mirror, &r.mem)).map(|(_, d)| d.clone()).ok_or_else(|| format!("rank {rank} region {region:?} lies in no registered allocation"))?),
-                        None => None,
-                    };
-                    sources.push(RingSource { rank, mem: r.mem.clone(), dev });
+                    sources.push((rank, region));
                     sources.len() - 1
                 }
             };
@@ -153,6 +151,32 @@ impl RingLayout {
         Ok(RingLayout { sources, regions: at_region, layers, slot_bytes })
     }
 
+    /// This transfer's memory of each source, from its group's regions and
+    /// device allocations. Every region must still lie where the layout
+    /// was made (a rank released and registered again may hold other
+    /// memory): else an error, and the layout is made anew.
+    pub fn resolve(&self, regions: &HashMap<(u32, RegionId), Arc<Region>>, devices: &DeviceMems) -> Result<Vec<RingSource>, String> {
+        let sources = self
+            .sources
+            .iter()
+            .map(|&(rank, region)| {
+                let r = regions.get(&(rank, region)).ok_or_else(|| format!("rank {rank} has no region {region:?}"))?;
+                let dev = match devices.get(&rank) {
+                    Some(devs) => Some(devs.iter().find(|(mirror, _)| Arc::ptr_eq(mirror, &r.mem)).map(|(_, d)| d.clone()).ok_or_else(|| format!("rank {rank} region {region:?} lies in no registered allocation"))?),
+                    None => None,
+                };
+                Ok(RingSource { rank, mem: r.mem.clone(), dev })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        for (&(rank, region), &(src, offset)) in &self.regions {
+            match regions.get(&(rank, region)) {
+                Some(r) if Arc::ptr_eq(&r.mem, &sources[src].mem) && r.offset == offset => {}
+                _ => return Err(format!("rank {rank} region {region:?} moved since its ring layout was made")),
+            }
+        }
+        Ok(sources)
+    }
+
     /// Where `len` bytes at `offset` in (`rank`, `region`) lie in layer
     /// `layer`'s slot, when its footprint holds them.
     pub fn find(&self, layer: usize, rank: u32, region: RegionId, offset: u64, len: u64) -> Option<u64> {
@@ -161,6 +185,45 @@ impl RingLayout {
         let ext = &self.layers[layer].extents;
         let e = ext[..ext.partition_point(|e| (e.src, e.from) <= (src, off))].last()?;
         (e.src == src && off + len <= e.from + e.len).then(|| e.at + off - e.from)
+    }
+
+    /// [`RingLayout::find`] for a stream of reads that mostly continue one
+    /// another (a layer's checksums, run after run): the last region and
+    /// extent are tried before any lookup.
+    pub fn finder(&self, layer: usize) -> impl FnMut(u32, RegionId, u64, u64) -> Option<u64> + '_ {
+        let ext = &self.layers[layer].extents;
+        let (mut key, mut at, mut i) = (None, (0, 0), 0);
+        move |rank, region, offset, len| {
+            if key != Some((rank, region)) {
+                at = *self.regions.get(&(rank, region))?;
+                key = Some((rank, region));
+            }
+            let (src, off) = (at.0, at.1 + offset);
+            let holds = |e: &Extent| e.src == src && e.from <= off && off + len <= e.from + e.len;
+            if !ext.get(i).is_some_and(holds) {
+                i = if ext.get(i + 1).is_some_and(holds) { i + 1 } else { ext.partition_point(|e| (e.src, e.from) <= (src, off)).checked_sub(1)? };
+            }
+            let e = &ext[i];
+            holds(e).then(|| e.at + off - e.from)
+        }
+    }
+
+    /// Where each of segment `s`'s runs lies in layer `layer`'s slot, in
+    /// run order: one lookup for the segment, then a walk forward (its
+    /// runs go up in offset), not a search per run.
+    pub fn runs<'a>(&'a self, layer: usize, s: &'a Segment) -> impl Iterator<Item = Option<u64>> + 'a {
+        let at = self.regions.get(&(s.src_rank, s.src_region)).copied();
+        let ext = &self.layers[layer].extents;
+        let mut i = at.map_or(0, |(src, base)| ext.partition_point(|e| (e.src, e.from) <= (src, base + s.src_offset)).saturating_sub(1));
+        s.runs().map(move |(so, _)| {
+            let (src, base) = at?;
+            let off = base + so;
+            while i + 1 < ext.len() && (ext[i + 1].src, ext[i + 1].from) <= (src, off) {
+                i += 1;
+            }
+            let e = ext.get(i)?;
+            (e.src == src && e.from <= off && off + s.len <= e.from + e.len).then(|| e.at + off - e.from)
+        })
     }
 
     /// Where staged segment `seg`, gathered, lies in layer `layer`'s slot.
@@ -176,6 +239,7 @@ pub(super) struct Ring {
     pinned: Pinned,
     pub depth: usize,
     pub layout: Arc<RingLayout>,
+    pub sources: Vec<RingSource>,
 }
 
 impl Ring {
@@ -195,6 +259,13 @@ impl Ring {
         Some(self.base(layer) + self.layout.find(layer, rank, region, offset, len)?)
     }
 
+    /// Where each of segment `s`'s runs lies in the ring, once layer
+    /// `layer`'s copies are done.
+    pub fn runs<'a>(&'a self, layer: usize, s: &'a Segment) -> impl Iterator<Item = Option<u64>> + 'a {
+        let base = self.base(layer);
+        self.layout.runs(layer, s).map(move |at| Some(base + at?))
+    }
+
     /// Where staged segment `seg` of layer `layer` lies in the ring, gathered.
     pub fn packed(&self, layer: usize, seg: usize) -> Option<u64> {
         Some(self.base(layer) + self.layout.packed(layer, seg)?)
@@ -205,7 +276,7 @@ impl Daemon {
     /// A ring of `depth` slots for `layout`, pinned for the device's copies
     /// and registered for the writes: an idle one from the pool that fits
     /// within twice the need, else a new one.
-    pub(super) fn take_ring(&self, layout: Arc<RingLayout>, depth: usize) -> Result<Ring, String> {
+    pub(super) fn take_ring(&self, layout: Arc<RingLayout>, sources: Vec<RingSource>, depth: usize) -> Result<Ring, String> {
         let len = (depth as u64).checked_mul(layout.slot_bytes).filter(|&l| l > 0).ok_or("a ring of no bytes")?;
         let reused = {
             let mut free = self.ring_pool.free.lock().expect("ring pool lock");
@@ -223,7 +294,7 @@ impl Daemon {
             }
         };
         match self.register_region(pinned.mem.clone(), 0, len, None) {
-            Ok(region) => Ok(Ring { region, pinned, depth, layout }),
+            Ok(region) => Ok(Ring { region, pinned, depth, layout, sources }),
             Err(e) => Err(format!("registering a ring of {len} bytes: {e}")),
         }
     }
@@ -289,9 +360,15 @@ mod tests {
             staged: vec![packed],
             stage_bytes: 20,
         };
-        let l = RingLayout::build(&plan, &schedule, &regions, &HashMap::new(), |s| s.mode == Mode::Packed).unwrap();
-        assert_eq!(l.sources.len(), 1, "one memory, one source");
-        assert!(l.sources[0].dev.is_none());
+        let l = RingLayout::build(&plan, &schedule, &regions, |s| s.mode == Mode::Packed).unwrap();
+        assert_eq!(l.sources, vec![(0, k(0))], "one memory, one source");
+        let sources = l.resolve(&regions, &HashMap::new()).unwrap();
+        assert!(Arc::ptr_eq(&sources[0].mem, &mem) && sources[0].dev.is_none());
+        // Layer 1's region registered elsewhere since (its rank released
+        // and registered again): the layout no longer holds.
+        let moved: HashMap<_, _> = [(0, 0u64), (1, 8192)].into_iter().map(|(l, at)| ((0u32, k(l)), reg.register(mem.clone(), at, 4096, None).unwrap())).collect();
+        let err = l.resolve(&moved, &HashMap::new()).err().unwrap();
+        assert!(err.contains("moved"), "{err}");
         let e = |from, len, at| Extent { src: 0, from, len, at };
         // 0..300 in one piece, then 1000..1010 and 1100..1110; the packed copy after them.
         assert_eq!(l.layers[0].extents, vec![e(0, 300, 0), e(1000, 10, 300), e(1100, 10, 310)]);
@@ -305,10 +382,20 @@ mod tests {
         assert_eq!(l.find(0, 0, k(0), 500, 1), None, "outside the footprint");
         assert_eq!(l.find(1, 0, k(1), 8, 64), Some(0));
         assert_eq!(l.find(1, 0, k(0), 8, 64), None, "another layer's slot");
+        // The walk over a segment's runs, and the finder that remembers
+        // where it was, agree with the lookup.
+        assert_eq!(l.runs(0, &plan.segments[0]).collect::<Vec<_>>(), vec![Some(0), Some(200)]);
+        assert_eq!(l.runs(0, &plan.segments[3]).collect::<Vec<_>>(), vec![Some(300), Some(310)]);
+        assert_eq!(l.runs(1, &plan.segments[3]).collect::<Vec<_>>(), vec![None, None], "another layer's slot");
+        let mut f = l.finder(0);
+        for (offset, len, want) in [(150, 100, Some(150)), (1100, 10, Some(310)), (0, 10, Some(0)), (1000, 10, Some(300)), (1005, 10, None), (250, 50, Some(250))] {
+            assert_eq!(f(0, k(0), offset, len), want, "{offset}+{len}");
+        }
+        assert_eq!(f(0, k(1), 8, 64), None, "layer 1's bytes are not in layer 0's slot");
         assert_eq!(l.packed(0, 3), Some(320));
         assert_eq!(l.packed(0, 0), None);
         // A region no rank holds is an error naming it.
-        let err = RingLayout::build(&plan, &schedule, &HashMap::new(), &HashMap::new(), |_| false).err().unwrap();
+        let err = RingLayout::build(&plan, &schedule, &HashMap::new(), |_| false).err().unwrap();
         assert!(err.contains("rank 0 has no region"), "{err}");
     }
 }

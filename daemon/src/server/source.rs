@@ -56,6 +56,8 @@ pub(super) struct Planned {
     dst: Side,
     plan: Plan,
     schedule: Schedule,
+    // Where a device-resident source stages each layer, once asked for.
+    ring: std::sync::OnceLock<Arc<RingLayout>>,
 }
 
 /// What a transfer's status reports of its size, known before any byte moves.
@@ -379,8 +381,25 @@ impl Daemon {
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn ring_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
         let ring_failed = |e: String| Refusal::new(Code::TransferFailed, format!("staging ring: {e}"));
-        let layout = RingLayout::build(&p.plan, &p.schedule, &g.regions, &g.devices, |s| gathers(s, None)).map_err(ring_failed)?;
-        let ring = self.take_ring(Arc::new(layout), self.cfg.device.ring_depth as usize).map_err(ring_failed)?;
+        // Laid out once per plan: a request like an earlier one takes its
+        // layout, while its regions are where they were.
+        let build = || RingLayout::build(&p.plan, &p.schedule, &g.regions, |s| gathers(s, None)).map(Arc::new).map_err(ring_failed);
+        let kept = match p.ring.get() {
+            Some(l) => l.clone(),
+            None => {
+                let l = build()?;
+                p.ring.get_or_init(|| l).clone()
+            }
+        };
+        let (layout, sources) = match kept.resolve(&g.regions, &g.devices) {
+            Ok(s) => (kept, s),
+            Err(_) => {
+                let fresh = build()?;
+                let sources = fresh.resolve(&g.regions, &g.devices).map_err(ring_failed)?;
+                (fresh, sources)
+            }
+        };
+        let ring = self.take_ring(layout, sources, self.cfg.device.ring_depth as usize).map_err(ring_failed)?;
         self.with_slot(id, |sl| sl.staging = ring.bytes());
         let n = g.model.layers.len();
         let started = self.expect(id, &g, &s.dst_request, &p, None, &accept, None, true, &l).and_then(|()| {
@@ -437,7 +456,8 @@ impl Daemon {
                         return Err("cancelled".to_string());
                     }
                     d.ring_pack(id, &p, &ring, layer).map_err(|r| r.message)?;
-                    let read = |rank, region, offset, len| ring.find(layer, rank, region, offset, len).and_then(|at| region_view(&ring.region, at, len));
+                    let (base, mut find) = (ring.base(layer), ring.layout.finder(layer));
+                    let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len));
                     let whole = |i: usize| ring.packed(layer, i).and_then(|at| region_view(&ring.region, at, p.plan.segments[i].bytes()));
                     d.send_sums(id, &p, layer, link, |segs| checksums_of(&p.plan, Reading::Source, segs, read, whole).map_err(|e| Refusal::new(Code::TransferFailed, format!("checksums: {e}"))))
                         .map_err(|r| r.message)?;
@@ -472,8 +492,8 @@ impl Daemon {
         for &(i, _) in packed {
             let s = &p.plan.segments[i];
             let to = ring.packed(layer, i).expect("a packed segment");
-            for (k, (so, _)) in s.runs().enumerate() {
-                let from = ring.find(layer, s.src_rank, s.src_region, so, s.len).ok_or_else(|| Refusal::new(Code::TransferFailed, format!("pack: segment {i} run {k} is not in layer {layer}'s ring slot")))?;
+            for (k, from) in ring.runs(layer, s).enumerate() {
+                let from = from.ok_or_else(|| Refusal::new(Code::TransferFailed, format!("pack: segment {i} run {k} is not in layer {layer}'s ring slot")))?;
                 ring.region.mem.copy_to(ring.region.offset + from, &ring.region.mem, ring.region.offset + to + k as u64 * s.len, s.len).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))?;
             }
             bytes += s.bytes();
@@ -935,7 +955,7 @@ impl Daemon {
             let input = PlanInput { model: &g.model, tokens: s.tokens, prefix_tokens: a.prefix_tokens, src: &g.side, dst: &dst, cost: CostModel::for_transport(transport) };
             let plan = plan::build(&input).map_err(|e| failed(&e))?;
             let schedule = Schedule::new(&g.model, &g.format, &plan, codec).map_err(|e| Refusal::new(Code::BadRequest, format!("schedule: {e}")))?;
-            Ok(Planned { dst, plan, schedule })
+            Ok(Planned { dst, plan, schedule, ring: Default::default() })
         })
     }
 }
@@ -1023,8 +1043,8 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
     for &i in &ls.direct {
         let s = &p.plan.segments[i];
         let &dst_key = dst_keys.get(&(s.dst_rank, s.dst_region)).ok_or_else(|| Refusal::new(Code::PeerRefused, format!("no region for dst rank {} {:?}", s.dst_rank, s.dst_region)))?;
-        for (so, dst_offset) in s.runs() {
-            let src_offset = ring.find(layer, s.src_rank, s.src_region, so, s.len).ok_or_else(|| missing(i))?;
+        for (from, (_, dst_offset)) in ring.runs(layer, s).zip(s.runs()) {
+            let src_offset = from.ok_or_else(|| missing(i))?;
             push_write(&mut writes, WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset, len: s.len });
         }
     }
