@@ -132,8 +132,10 @@ typedef uint32_t kvw_state;
 // metadata committed; the decoder may use the blocks.
 #define KVW_FLAG_DECODER_USABLE 1
 
-// `source_released` at the source: every write from the source blocks has
-// completed; the engine may reuse or free them.
+// `source_released` at the source: nothing of the transfer reads the
+// source blocks any more (every write from them completed; from device
+// memory, every copy into the daemon's staging ring did); the engine may
+// reuse or free them.
 #define KVW_FLAG_SOURCE_RELEASED 2
 
 // Prepared, waiting for the source.
