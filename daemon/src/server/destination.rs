@@ -5,7 +5,6 @@
 //! each layer.
 
 use super::announce::mismatch;
-use super::device::Direction;
 use super::error::Refusal;
 use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunReader};
@@ -565,7 +564,7 @@ impl Daemon {
         // A device-resident cache is usable only once this layer's
         // host → device copies completed (their event, not their enqueue).
         if !r.devices.is_empty() {
-            self.device_copies(r.id, Direction::ToDevice, &r.p.plan, &r.regions, &r.devices, layer..layer + 1)
+            self.device_copies(r.id, &r.p.plan, &r.regions, &r.devices, layer..layer + 1)
                 .map_err(|err| format!("host → device copy: {err}"))?;
             self.slot_mark(r.id, Boundary::DeviceComplete(layer));
         }

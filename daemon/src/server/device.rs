@@ -13,42 +13,25 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 impl Daemon {
-    /// Copies what `plan` moves of `layers` between device-resident ranks
-    /// and their host mirrors: the source side of each segment to the
-    /// host (`stage`), or its destination side to the device
-    /// (`device_complete`). Each rank's layers are enqueued in order on its
-    /// stream, then awaited by event; a layer's hop time is the time its
-    /// copies held the stream (from its enqueue or the previous layer's
-    /// completion, whichever is later, to its own completion).
+    /// Copies what `plan` writes of `layers` from the destination's host
+    /// mirrors to its device-resident ranks (`device_complete`). Each
+    /// rank's layers are enqueued in order on its stream, then awaited by
+    /// event; a layer's hop time is the time its copies held the stream
+    /// (from its enqueue or the previous layer's completion, whichever is
+    /// later, to its own completion). A source stages through its ring
+    /// instead ([`Daemon::start_ring_copies`]).
     pub(super) fn device_copies(
         &self,
         id: SlotId,
-        dir: Direction,
         plan: &Plan,
         regions: &HashMap<(u32, RegionId), Arc<Region>>,
         devices: &DeviceMems,
         layers: std::ops::Range<usize>,
     ) -> Result<(), CopyError> {
-        self.start_device_copies(dir, plan, regions, devices, layers)?.finish(self, id)
-    }
-
-    /// The enqueue half of [`Daemon::device_copies`]: the copies run on the
-    /// ranks' streams while the caller goes on, until [`Copies::finish`].
-    pub(super) fn start_device_copies(
-        &self,
-        dir: Direction,
-        plan: &Plan,
-        regions: &HashMap<(u32, RegionId), Arc<Region>>,
-        devices: &DeviceMems,
-        layers: std::ops::Range<usize>,
-    ) -> Result<Copies, CopyError> {
         // The segments of each layer asked for, in one pass over the plan.
         let mut of_layer: Vec<Vec<usize>> = vec![Vec::new(); layers.len()];
         for (i, seg) in plan.segments.iter().enumerate() {
-            let layer = match dir {
-                Direction::ToHost => seg.src_region.layer,
-                Direction::ToDevice => seg.dst_region.layer,
-            } as usize;
+            let layer = seg.dst_region.layer as usize;
             if layers.contains(&layer) {
                 of_layer[layer - layers.start].push(i);
             }
@@ -60,20 +43,14 @@ impl Daemon {
                 let mut runs: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); devs.len()];
                 for &i in segs {
                     let seg = &plan.segments[i];
-                    let (seg_rank, region) = match dir {
-                        Direction::ToHost => (seg.src_rank, seg.src_region),
-                        Direction::ToDevice => (seg.dst_rank, seg.dst_region),
-                    };
-                    if seg_rank != rank {
+                    if seg.dst_rank != rank {
                         continue;
                     }
+                    let region = seg.dst_region;
                     let r = regions.get(&(rank, region)).ok_or_else(|| CopyError { rank, layer, why: format!("no region {region:?}") })?;
                     let m = devs.iter().position(|(mirror, _)| Arc::ptr_eq(mirror, &r.mem)).ok_or_else(|| CopyError { rank, layer, why: format!("region {region:?} lies in no mirrored allocation") })?;
-                    for (so, dof) in seg.runs() {
-                        let at = r.offset + if dir == Direction::ToHost { so } else { dof };
-                        // The mirror holds the allocation's bytes at the same offsets.
-                        runs[m].push((at, at, seg.len));
-                    }
+                    // The mirror holds the allocation's bytes at the same offsets.
+                    runs[m].extend(seg.runs().map(|(_, dof)| (r.offset + dof, r.offset + dof, seg.len)));
                 }
                 for ((mirror, dev), runs) in devs.iter().zip(runs) {
                     if runs.is_empty() {
@@ -82,16 +59,12 @@ impl Daemon {
                     let runs = merge_runs(runs);
                     let bytes = runs.iter().map(|r| r.2).sum::<u64>();
                     let enqueued = Instant::now();
-                    let ev = match dir {
-                        Direction::ToHost => dev.d2h(&runs, mirror),
-                        Direction::ToDevice => dev.h2d(&runs, mirror),
-                    }
-                    .map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
+                    let ev = dev.h2d(&runs, mirror).map_err(|e| CopyError { rank, layer, why: e.to_string() })?;
                     pending.push((rank, layer, enqueued, bytes, ev));
                 }
             }
         }
-        Ok(Copies { dir, pending })
+        Copies { dir: Direction::ToDevice, pending }.finish(self, id)
     }
 }
 
@@ -180,9 +153,9 @@ pub(super) struct CopyError {
     pub why: String,
 }
 
-/// Which way [`Daemon::device_copies`] copies.
+/// Which way a [`Copies`] copied: its hop.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Direction {
+enum Direction {
     ToHost,
     ToDevice,
 }

@@ -7,7 +7,7 @@
 //! and the client gets the error's code.
 
 use super::announce::Heard;
-use super::device::{CopyError, Direction};
+use super::device::CopyError;
 use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::ring::{Ring, RingLayout};
@@ -161,16 +161,11 @@ impl Daemon {
             }
         };
         let l = link.as_ref().expect("negotiated").clone();
-        // A codec converts rows in staging: such a transfer stages through
-        // the ranks' host mirrors, as a host source packs.
-        if !g.devices.is_empty() && codec.is_none() {
-            return self.ring_source(id, stop, s, g, p, accept, l);
+        if !g.devices.is_empty() {
+            return self.ring_source(id, stop, s, g, p, codec, accept, l);
         }
         if s.stream {
             return self.stream_source(id, stop, s, g, p, codec, accept, l);
-        }
-        if !g.devices.is_empty() {
-            return self.device_source(id, stop, s, g, p, codec, accept, l);
         }
         // A large transfer hashes beside the wire: the manifest goes without
         // checksums and each layer's follow as they are computed, while the
@@ -264,9 +259,9 @@ impl Daemon {
         Ok(())
     }
 
-    /// What a transfer moved layer by layer starts with: the manifest out,
-    /// each layer's checksums to follow; a staging buffer for what it
-    /// packs; and one batch of writes per layer.
+    /// What a streamed transfer starts with: the manifest out, each
+    /// layer's checksums to follow; a staging buffer for what it packs;
+    /// and one batch of writes per layer.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn layer_by_layer(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
         self.expect(id, g, &s.dst_request, p, codec, accept, None, true, l)?;
@@ -285,11 +280,11 @@ impl Daemon {
         }
     }
 
-    /// A streamed submit: the destination accepted and the manifest's
-    /// claims are out; the reply goes back now, and the transfer thread
-    /// moves each layer once every source rank holding part of it said it
-    /// is written ([`super::produced`]): stage it from the device, hash it,
-    /// send its checksums, pack it, post it. The layers' waits share the
+    /// A streamed submit from host memory: the destination accepted and
+    /// the manifest's claims are out; the reply goes back now, and the
+    /// transfer thread moves each layer once every source rank holding
+    /// part of it said it is written ([`super::produced`]): hash it, send
+    /// its checksums, pack it, post it. The layers' waits share the
     /// transfer timeout.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
@@ -312,7 +307,7 @@ impl Daemon {
                     let upto = layer + d.produced.ready_from(&group, &request, &readers, layer).max(1);
                     for l in layer..upto {
                         d.slot_mark(id, Boundary::Produced(l));
-                        d.stream_layer(id, &g, &p, codec, l, stage.as_deref(), link).map_err(|r| r.message)?;
+                        d.host_layer(id, &g, &p, codec, l, stage.as_deref(), link).map_err(|r| r.message)?;
                     }
                     d.move_bytes(id, &rails, &prefer, batches.by_ref().take(upto - layer).collect(), stop, link, &mut total)?;
                     layer = upto;
@@ -325,51 +320,6 @@ impl Daemon {
         self.post(id, stop, s, size, codec, accept.slot, src_stage, l, mover)
     }
 
-    /// A device-resident source, layer by layer through its host mirror:
-    /// layer L+1's device → host copies run while layer L is hashed,
-    /// packed and on the wire, so the first write goes out after one
-    /// layer's copies rather than the whole transfer's. Its checksums
-    /// follow per layer (the destination verifies each layer once both
-    /// are in), since none can be known before its layer is staged.
-    #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
-    fn device_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
-        let (src_stage, batches) = self.layer_by_layer(id, &g, &s, &p, codec, &accept, &l)?;
-        let n = g.model.layers.len();
-        let size = Size::of(&g, &p);
-        let (rails, prefer) = rails_of(&accept);
-        let stage = src_stage.clone();
-        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
-            let mut total = Outcome::default();
-            let mut batches = batches.into_iter();
-            let failed = |layer: usize| move |e: CopyError| format!("device → host staging of layer {layer}: {e}");
-            let copies = |layer: usize| d.start_device_copies(Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1).map_err(failed(layer));
-            let mut next = Some(copies(0));
-            let moved = (|| {
-                for layer in 0..n {
-                    let staged = next.take().expect("each layer's copies were started")?;
-                    staged.finish(d, id).map_err(failed(layer))?;
-                    d.slot_mark(id, Boundary::HostStaged(layer));
-                    if layer + 1 < n {
-                        next = Some(copies(layer + 1));
-                    }
-                    if stop.load(Ordering::Acquire) {
-                        return Err("cancelled".to_string());
-                    }
-                    d.host_layer(id, &g, &p, codec, layer, stage.as_deref(), link).map_err(|r| r.message)?;
-                    d.move_bytes(id, &rails, &prefer, batches.by_ref().take(1).collect(), stop, link, &mut total)?;
-                }
-                Ok(())
-            })();
-            // Copies started and not awaited still read the device: they end
-            // before the transfer does (and `source_released` with it).
-            if let Some(Ok(c)) = next {
-                let _ = c.finish(d, id);
-            }
-            (total, moved)
-        };
-        self.post(id, stop, s, size, codec, accept.slot, src_stage, l, mover)
-    }
-
     /// A device-resident source through a staging ring ([`super::ring`]):
     /// layer L's device → host copies gather its bytes into slot L mod
     /// depth, where its checksums are computed and its writes start. Copies
@@ -377,13 +327,15 @@ impl Daemon {
     /// into again only once its layer's writes completed. The source is
     /// released once the last layer's copies are done, as nothing reads
     /// the device after them. Streamed, a layer's copies start only once
-    /// every rank reading it said it is written.
+    /// every rank reading it said it is written. What the source gathers
+    /// (with a codec, every segment, its rows converted) is packed from
+    /// the footprint into the slot's end.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
-    fn ring_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
+    fn ring_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
         let ring_failed = |e: String| Refusal::new(Code::TransferFailed, format!("staging ring: {e}"));
         // Laid out once per plan: a request like an earlier one takes its
         // layout, while its regions are where they were.
-        let build = || RingLayout::build(&p.plan, &p.schedule, &g.regions, |s| gathers(s, None)).map(Arc::new).map_err(ring_failed);
+        let build = || RingLayout::build(&p.plan, &p.schedule, &g.regions, |s| gathers(s, codec)).map(Arc::new).map_err(ring_failed);
         let kept = match p.ring.get() {
             Some(l) => l.clone(),
             None => {
@@ -402,9 +354,9 @@ impl Daemon {
         let ring = self.take_ring(layout, sources, self.cfg.device.ring_depth as usize).map_err(ring_failed)?;
         self.with_slot(id, |sl| sl.staging = ring.bytes());
         let n = g.model.layers.len();
-        let started = self.expect(id, &g, &s.dst_request, &p, None, &accept, None, true, &l).and_then(|()| {
+        let started = self.expect(id, &g, &s.dst_request, &p, codec, &accept, None, true, &l).and_then(|()| {
             let dst_keys = dst_keys(&accept);
-            (0..n).map(|layer| ring_batch(&p, &accept, &dst_keys, &ring, layer)).collect::<Result<Vec<_>, _>>()
+            (0..n).map(|layer| ring_batch(&p, &accept, &dst_keys, &ring, codec, layer)).collect::<Result<Vec<_>, _>>()
         });
         let batches = match started {
             Ok(b) => b,
@@ -455,12 +407,12 @@ impl Daemon {
                     if stop.load(Ordering::Acquire) {
                         return Err("cancelled".to_string());
                     }
-                    d.ring_pack(id, &p, &ring, layer).map_err(|r| r.message)?;
+                    d.ring_pack(id, &g, &p, &ring, codec, layer).map_err(|r| r.message)?;
                     let (base, mut find) = (ring.base(layer), ring.layout.finder(layer));
-                    let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len));
-                    let whole = |i: usize| ring.packed(layer, i).and_then(|at| region_view(&ring.region, at, p.plan.segments[i].bytes()));
-                    d.send_sums(id, &p, layer, link, |segs| checksums_of(&p.plan, Reading::Source, segs, read, whole).map_err(|e| Refusal::new(Code::TransferFailed, format!("checksums: {e}"))))
-                        .map_err(|r| r.message)?;
+                    let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len)).map(RunBytes::Mapped);
+                    // Packed bytes are what the destination holds only without a codec.
+                    let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments[i].bytes())).map(RunBytes::Mapped);
+                    d.send_sums(id, &p, layer, link, |segs| d.sums_of(&g, &p, codec, segs, read, whole)).map_err(|r| r.message)?;
                     d.move_bytes(id, &rails, &prefer, batches.by_ref().take(1).collect(), stop, link, &mut total)?;
                     d.slot_mark(id, Boundary::Sent(layer));
                 }
@@ -477,24 +429,39 @@ impl Daemon {
             d.give_ring(ring);
             (total, moved)
         };
-        self.post(id, stop, s, size, None, accept.slot, None, l, mover)
+        self.post(id, stop, s, size, codec, accept.slot, None, l, mover)
     }
 
     /// Gathers layer `layer`'s packed segments in its ring slot, from its
-    /// footprint there to their place after it.
-    fn ring_pack(&self, id: SlotId, p: &Planned, ring: &Ring, layer: usize) -> Result<(), Refusal> {
+    /// footprint there to their place after it (converting their rows with
+    /// a codec).
+    fn ring_pack(&self, id: SlotId, g: &SourceGroup, p: &Planned, ring: &Ring, codec: Option<Codec>, layer: usize) -> Result<(), Refusal> {
         let packed = &ring.layout.layers[layer].packed;
         if packed.is_empty() {
             return Ok(());
         }
+        let failed = |what: String| Refusal::new(Code::TransferFailed, format!("pack: {what}"));
         let started = Instant::now();
         let mut bytes = 0;
+        let mem = &ring.region.mem;
         for &(i, _) in packed {
             let s = &p.plan.segments[i];
-            let to = ring.packed(layer, i).expect("a packed segment");
-            for (k, from) in ring.runs(layer, s).enumerate() {
-                let from = from.ok_or_else(|| Refusal::new(Code::TransferFailed, format!("pack: segment {i} run {k} is not in layer {layer}'s ring slot")))?;
-                ring.region.mem.copy_to(ring.region.offset + from, &ring.region.mem, ring.region.offset + to + k as u64 * s.len, s.len).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))?;
+            let to = ring.region.offset + ring.packed(layer, i).expect("a packed segment");
+            let missing = |k: usize| failed(format!("segment {i} run {k} is not in layer {layer}'s ring slot"));
+            match (codec, p.schedule.staged_of(i)) {
+                (Some(_), Some(st)) => {
+                    let (base, mut find) = (ring.region.offset + ring.base(layer), ring.layout.finder(layer));
+                    let read = |so, len| read_mem(mem, base + find(s.src_rank, s.src_region, so, len)?, len);
+                    let coded = schedule::pack(s, st, &g.format, codec, read).ok_or_else(|| missing(0))?;
+                    mem.write(to, &coded).map_err(|e| failed(e.to_string()))?;
+                }
+                (Some(_), None) => return Err(failed(format!("segment {i} is not staged"))),
+                (None, _) => {
+                    for (k, from) in ring.runs(layer, s).enumerate() {
+                        let from = from.ok_or_else(|| missing(k))?;
+                        mem.copy_to(ring.region.offset + from, mem, to + k as u64 * s.len, s.len).map_err(|e| failed(e.to_string()))?;
+                    }
+                }
             }
             bytes += s.bytes();
         }
@@ -634,13 +601,36 @@ impl Daemon {
     /// plan order), as the destination will hold them. Segments packed
     /// into `stage` already (without a codec) are read there, in one piece.
     fn source_sums(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, segs: impl IntoIterator<Item = usize>, stage: Option<&Region>) -> Result<Vec<LayerChecksum>, Refusal> {
+        let runs = RunReader::new(&g.regions);
+        let whole = |i: usize| -> Option<RunBytes<'_>> {
+            let stage = stage.filter(|_| codec.is_none())?;
+            let st = p.schedule.staged_of(i)?;
+            if !gathers(&p.plan.segments[i], codec) {
+                return None;
+            }
+            region_view(stage, st.offset, st.size).map(RunBytes::Mapped)
+        };
+        self.sums_of(g, p, codec, segs, |rank, region, offset, len| runs.read(rank, region, offset, len), whole)
+    }
+
+    /// Checksums of segments `segs` as the destination will hold them: the
+    /// source bytes `raw` reads run by run (with a codec, converted and
+    /// back, as they will land), or `whole`, a segment's bytes in one piece.
+    fn sums_of<'a>(
+        &self,
+        g: &SourceGroup,
+        p: &Planned,
+        codec: Option<Codec>,
+        segs: impl IntoIterator<Item = usize>,
+        mut raw: impl FnMut(u32, RegionId, u64, u64) -> Option<RunBytes<'a>>,
+        whole: impl FnMut(usize) -> Option<RunBytes<'a>>,
+    ) -> Result<Vec<LayerChecksum>, Refusal> {
         let elem = codec.and_then(|c| c.element_bytes(&g.format).ok()).unwrap_or(0);
         let dim_of = |region: RegionId| {
             g.model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
         };
-        let runs = RunReader::new(&g.regions);
-        let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<RunBytes<'_>> {
-            let raw = runs.read(rank, region, offset, len)?;
+        let read = |rank: u32, region: RegionId, offset: u64, len: u64| -> Option<RunBytes<'a>> {
+            let raw = raw(rank, region, offset, len)?;
             match codec {
                 Some(_) => {
                     let dim = dim_of(region);
@@ -650,28 +640,7 @@ impl Daemon {
                 None => Some(raw),
             }
         };
-        let whole = |i: usize| -> Option<RunBytes<'_>> {
-            let stage = stage.filter(|_| codec.is_none())?;
-            let st = p.schedule.staged_of(i)?;
-            if !gathers(&p.plan.segments[i], codec) {
-                return None;
-            }
-            region_view(stage, st.offset, st.size).map(RunBytes::Mapped)
-        };
         checksums_of(&p.plan, Reading::Source, segs, read, whole).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))
-    }
-
-    /// One layer of a streamed transfer, once it is written: device →
-    /// host staging, its staged segments packed, and its checksums out
-    /// (before any of its bytes, so the destination can verify it as soon
-    /// as they land).
-    #[allow(clippy::too_many_arguments)] // the transfer's parts, each used once
-    fn stream_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
-        if !g.devices.is_empty() {
-            self.device_copies(id, Direction::ToHost, &p.plan, &g.regions, &g.devices, layer..layer + 1)
-                .map_err(|e| Refusal::new(Code::TransferFailed, format!("device → host staging of layer {layer}: {e}")))?;
-        }
-        self.host_layer(id, g, p, codec, layer, stage, link)
     }
 
     /// Layer `layer`, in host memory now: its staged segments packed, and
@@ -1036,7 +1005,7 @@ fn push_write(writes: &mut Vec<WriteOp>, op: WriteOp) {
 /// each into place from the footprint, a staged one whole into the
 /// destination's staging, gathered or (back to back at the source) from
 /// the footprint.
-fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>, ring: &Ring, layer: usize) -> Result<Batch, Refusal> {
+fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>, ring: &Ring, codec: Option<Codec>, layer: usize) -> Result<Batch, Refusal> {
     let ls = &p.schedule.layers[layer];
     let missing = |i: usize| Refusal::new(Code::TransferFailed, format!("segment {i} is not in layer {layer}'s ring slot"));
     let mut writes = Vec::new();
@@ -1050,7 +1019,7 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
     }
     for st in &ls.staged {
         let s = &p.plan.segments[st.seg];
-        let src_offset = match gathers(s, None) {
+        let src_offset = match gathers(s, codec) {
             true => ring.packed(layer, st.seg),
             false => ring.find(layer, s.src_rank, s.src_region, s.src_offset, s.bytes()),
         };
