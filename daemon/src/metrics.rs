@@ -47,6 +47,11 @@ pub struct Metrics {
     pub peers_refused: AtomicU64,
     /// Control clients refused (uid).
     pub clients_refused: AtomicU64,
+    /// Host memory pinned for device copies now: sources' staging rings
+    /// (in use or kept for the next transfer), and destinations' mirrors.
+    pub pinned_ring_bytes: std::sync::Arc<AtomicU64>,
+    /// See `pinned_ring_bytes`.
+    pub pinned_mirror_bytes: std::sync::Arc<AtomicU64>,
     /// Per rail (by the destination's rail name, with its address), what
     /// this daemon sent over it.
     pub rails: std::sync::Mutex<std::collections::BTreeMap<(String, String), RailTotals>>,
@@ -123,6 +128,9 @@ impl Metrics {
                 let _ = writeln!(out, "{name}{{{l}}} {v}");
             }
         }
+        let _ = writeln!(out, "# HELP kvwire_pinned_host_bytes Host memory pinned for device copies now: staging rings of device-resident sources, host mirrors of device-resident destinations.\n# TYPE kvwire_pinned_host_bytes gauge");
+        let _ = writeln!(out, "kvwire_pinned_host_bytes{{node=\"{node}\",for=\"ring\"}} {}", g(&self.pinned_ring_bytes));
+        let _ = writeln!(out, "kvwire_pinned_host_bytes{{node=\"{node}\",for=\"mirror\"}} {}", g(&self.pinned_mirror_bytes));
         let _ = writeln!(out, "# HELP kvwire_hop_seconds Time spent in each hop of the path.\n# TYPE kvwire_hop_seconds histogram");
         const BOUNDS_NS: [u64; 12] =
             [1_000, 10_000, 50_000, 100_000, 500_000, 1_000_000, 5_000_000, 10_000_000, 50_000_000, 100_000_000, 1_000_000_000, 10_000_000_000];

@@ -2,7 +2,7 @@
 //! prepare receives, submit transfers, wait on flags and read status.
 
 use super::error::{refused, Refusal};
-use super::state::{bytes_of, DeviceRank, Group, Groups, RankCache, Role, Share, SlotId};
+use super::state::{bytes_of, DeviceRank, Group, Groups, Pin, RankCache, Role, Share, SlotId};
 use super::Daemon;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -374,7 +374,8 @@ impl Daemon {
     }
 
     /// A rank in device memory: opened through the `[device]` backend and
-    /// mirrored in pinned host memory that the data plane registers.
+    /// mirrored in host memory that the data plane registers (where a
+    /// destination's bytes land; pinned at the rank's first receive).
     fn register_device(&self, client: u64, r: RegisterDeviceCache, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
         let Some(backend) = &self.device else {
             return Err(Refusal::new(Code::BadRegion, "this daemon has no device backend: set [device] backend = \"cuda\" (or \"host\", the stand-in)"));
@@ -390,14 +391,13 @@ impl Daemon {
             }
             let dev = backend.import(DeviceHandle { ordinal, len, fd, ipc }).map_err(|e| format!("device allocation: {e}"))?;
             let mirror = HostMem::new("kvwire-device-mirror", total).map(Arc::new).map_err(|e| format!("host mirror: {e}"))?;
-            let pin = backend.pin(&mirror).map_err(|e| format!("pinning the host mirror: {e}"))?;
-            Ok((vec![mirror.clone()], Some(DeviceRank { _pins: vec![pin], devs: vec![(mirror, dev)] })))
+            Ok((vec![mirror.clone()], Some(DeviceRank { pins: Default::default(), devs: vec![(mirror, dev)] })))
         })
     }
 
     /// A rank in the engine's own tensors in device memory, each
     /// allocation opened through the `[device]` backend and mirrored in
-    /// pinned host memory of its size; the tensors are checked against the
+    /// host memory of its size (pinned at the rank's first receive); the tensors are checked against the
     /// layout over the mirrors, which hold each allocation at its offsets.
     fn register_device_tensors(&self, client: u64, r: RegisterDeviceTensors, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
         let Some(backend) = &self.device else {
@@ -412,15 +412,14 @@ impl Daemon {
         let memories = r.memories.clone();
         let mut fds = fds.into_iter().map(File::from);
         self.register_rank(client, r.cache, &r.tensors, move |_, _, _| {
-            let (mut mirrors, mut pins, mut devs) = (Vec::new(), Vec::new(), Vec::new());
+            let (mut mirrors, mut devs) = (Vec::new(), Vec::new());
             for (i, m) in memories.into_iter().enumerate() {
                 let dev = backend.import(DeviceHandle { ordinal: m.ordinal, len: m.len, fd: fds.next(), ipc: m.ipc }).map_err(|e| format!("device memory {i}: {e}"))?;
                 let mirror = HostMem::new("kvwire-device-mirror", m.len).map(Arc::new).map_err(|e| format!("host mirror of device memory {i}: {e}"))?;
-                pins.push(backend.pin(&mirror).map_err(|e| format!("pinning the host mirror of device memory {i}: {e}"))?);
                 mirrors.push(mirror.clone());
                 devs.push((mirror, dev));
             }
-            Ok((mirrors, Some(DeviceRank { _pins: pins, devs })))
+            Ok((mirrors, Some(DeviceRank { pins: Default::default(), devs })))
         })
     }
 
@@ -570,7 +569,7 @@ impl Daemon {
     }
 
     fn prepare(&self, client: u64, p: PrepareReceive) -> Result<Reply, Refusal> {
-        {
+        let unpinned = {
             let st = self.groups.lock().expect("groups lock");
             let g = st.access(client, &p.group)?;
             g.require_complete(&p.group)?;
@@ -578,6 +577,24 @@ impl Daemon {
                 return Err(Refusal::new(Code::BadRequest, format!("prefix_tokens {} exceeds tokens {}", p.prefix_tokens, p.tokens)));
             }
             Side::with_table(&g.model, &g.layout, g.format, p.tokens, p.block_table.clone(), g.num_blocks).map_err(|e| Refusal::new(Code::BadRequest, format!("destination request: {e}")))?;
+            g.unpinned()
+        };
+        // A device-resident rank's first receive pins its mirrors (outside
+        // the groups lock: pinning a large mirror takes a while). Unpinned,
+        // the copies still run, from pageable memory, only slower.
+        if let Some(backend) = &self.device {
+            for (pins, mirrors) in unpinned {
+                let mut pins = pins.lock().expect("pins lock");
+                if !pins.is_empty() {
+                    continue;
+                }
+                for m in mirrors {
+                    match backend.pin(&m) {
+                        Ok(pin) => pins.push(Pin::new(pin, m.len(), &self.metrics.pinned_mirror_bytes)),
+                        Err(e) => tracing::warn!(group = p.group, error = %e, "cannot pin a device rank's host mirror; its copies run from pageable memory"),
+                    }
+                }
+            }
         }
         let (dup, mine) = {
             let slots = self.slots.lock().expect("slots lock");

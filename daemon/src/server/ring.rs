@@ -6,14 +6,13 @@
 //! and once its last layer's copies are done nothing of it reads the
 //! device again: that is where the source is released (DESIGN §1).
 
-use super::state::DeviceMems;
+use super::state::{DeviceMems, Pin};
 use super::Daemon;
 use kvwire_core::plan::{Plan, Segment};
 use kvwire_core::schedule::Schedule;
 use kvwire_core::shard::RegionId;
 use kvwire_transport::device::bound::BoundMem;
 use kvwire_transport::{HostMem, Region};
-use std::any::Any;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -25,7 +24,7 @@ const GRAIN: u64 = 1 << 20;
 struct Pinned {
     mem: Arc<HostMem>,
     // Unpins on drop; it may hold `mem` too.
-    _pin: Box<dyn Any + Send + Sync>,
+    _pin: Pin,
     // References to `mem` while idle (ours, and the pin's if it holds one):
     // more when it comes back means a late reader still holds it.
     idle_refs: usize,
@@ -290,6 +289,7 @@ impl Daemon {
                 let mem = Arc::new(HostMem::new("kvwire-ring", len.div_ceil(GRAIN) * GRAIN).map_err(|e| format!("ring of {len} bytes: {e}"))?);
                 let pin = device.pin(&mem).map_err(|e| format!("pinning a ring of {len} bytes: {e}"))?;
                 let idle_refs = Arc::strong_count(&mem);
+                let pin = Pin::new(pin, mem.len(), &self.metrics.pinned_ring_bytes);
                 Pinned { mem, _pin: pin, idle_refs }
             }
         };

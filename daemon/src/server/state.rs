@@ -34,9 +34,33 @@ pub(crate) fn bytes_of(mems: &[Arc<HostMem>]) -> u64 {
 /// one per engine tensor) with the host mirror it is staged through, at
 /// the same offsets.
 pub(crate) struct DeviceRank {
-    // Field order: unpin the mirrors before the allocations are let go.
-    pub _pins: Vec<Box<dyn std::any::Any + Send + Sync>>,
+    // The mirrors' pins, taken when the rank first prepares to receive: a
+    // rank that only sends stages through its transfers' rings and never
+    // touches its mirrors, so they pin (and fault in) nothing. Field
+    // order: unpin the mirrors before the allocations are let go.
+    pub pins: Arc<std::sync::Mutex<Vec<Pin>>>,
     pub devs: Vec<Mirrored>,
+}
+
+/// Keeps host memory pinned until dropped, its bytes counted in a gauge
+/// meanwhile.
+pub(crate) struct Pin {
+    _pin: Box<dyn std::any::Any + Send + Sync>,
+    bytes: u64,
+    gauge: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Pin {
+    pub fn new(pin: Box<dyn std::any::Any + Send + Sync>, bytes: u64, gauge: &Arc<std::sync::atomic::AtomicU64>) -> Pin {
+        gauge.fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
+        Pin { _pin: pin, bytes, gauge: gauge.clone() }
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        self.gauge.fetch_sub(self.bytes, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 /// A device allocation and its host mirror.
@@ -74,6 +98,13 @@ impl Group {
     /// them alive even if their client goes away meanwhile.
     pub fn regions(&self) -> HashMap<(u32, RegionId), Arc<Region>> {
         self.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect()
+    }
+
+    /// The device-resident ranks whose mirrors are not pinned yet: where
+    /// their pins go, and the mirrors.
+    pub fn unpinned(&self) -> Vec<(Arc<std::sync::Mutex<Vec<Pin>>>, Vec<Arc<HostMem>>)> {
+        let rank_devs = self.ranks.values().filter_map(|rc| rc.device.as_ref());
+        rank_devs.filter(|d| d.pins.lock().expect("pins lock").is_empty()).map(|d| (d.pins.clone(), d.devs.iter().map(|(m, _)| m.clone()).collect())).collect()
     }
 
     /// The device-resident ranks and their allocations.

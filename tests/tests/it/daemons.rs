@@ -897,6 +897,19 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
     assert_eq!(hop(&dev.source, "stage"), Some(dev.source.bytes), "{:?}", dev.source.hops);
     assert!(dev.source.compressed_bytes < dev.source.bytes, "{:?}", dev.source);
     assert_ring("device-fp8", &dev.source, 2, 4);
+    // Pinned host memory, from each daemon's gauge: the prefill daemon
+    // holds only a ring, kept for its next transfer (a whole MiB: rings
+    // here are about 100 KiB, and each transfer took the kept one), and
+    // never pinned its ranks' mirrors, as it only sent; the decode daemon
+    // pinned its mirrors at its first prepare, and holds no ring.
+    let pinned = |c: &Client, what: &str| -> u64 {
+        let text = c.stats().unwrap();
+        let line = text.lines().find(|l| l.starts_with("kvwire_pinned_host_bytes{") && l.contains(&format!("for=\"{what}\""))).unwrap_or_else(|| panic!("no pinned {what} gauge"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    assert_eq!((pinned(&p.ca, "ring"), pinned(&p.ca, "mirror")), (1 << 20, 0), "the prefill daemon's pinned ring and mirror bytes");
+    assert_eq!(pinned(&p.cb, "ring"), 0, "the decode daemon's pinned ring bytes");
+    assert!(pinned(&p.cb, "mirror") >= dev.destination.bytes, "the decode daemon's mirrors hold its ranks");
 }
 
 #[test]
