@@ -152,6 +152,12 @@ pub trait Event: Debug + Send {
     fn query(&self) -> Result<bool, DeviceError>;
     /// Waits up to `timeout` for [`Event::query`] to be true.
     fn synchronize(&self, timeout: Duration) -> Result<(), DeviceError>;
+    /// When the stream reached this event, where the backend knows it (the
+    /// stand-in does); else `None`, and a caller has only the moment it
+    /// saw the event complete.
+    fn completed_at(&self) -> Option<std::time::Instant> {
+        None
+    }
 }
 
 /// An in-order queue of copies on one device.

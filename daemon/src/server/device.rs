@@ -64,7 +64,7 @@ impl Daemon {
                 }
             }
         }
-        Copies { dir: Direction::ToDevice, pending }.finish(self, id)
+        Copies { dir: Direction::ToDevice, pending }.finish(self, id, &mut HashMap::new()).map(|_| ())
     }
 }
 
@@ -114,16 +114,20 @@ pub(super) struct Copies {
 
 impl Copies {
     /// Waits for every copy's event, then records the hop: the time the
-    /// copies held each rank's stream.
-    pub fn finish(self, d: &Daemon, id: SlotId) -> Result<(), CopyError> {
+    /// copies held each rank's stream, from their enqueue or the stream's
+    /// previous copies' end (`free_at`, per rank, kept across calls),
+    /// whichever is later, to their end. Returns when the last ended. An
+    /// end is when the stream reached it where the backend says so (the
+    /// stand-in), else when it was seen.
+    pub fn finish(self, d: &Daemon, id: SlotId, free_at: &mut HashMap<u32, Instant>) -> Result<Instant, CopyError> {
         let Copies { dir, pending } = self;
         let timeout = Duration::from_secs(d.cfg.device.copy_timeout_secs);
         let hop = match dir {
             Direction::ToHost => Hop::Stage,
             Direction::ToDevice => Hop::DeviceComplete,
         };
-        let mut free_at: HashMap<u32, Instant> = HashMap::new();
         let mut spans = Vec::with_capacity(pending.len());
+        let mut last = None::<Instant>;
         let mut pending = pending.into_iter();
         while let Some((rank, layer, enqueued, bytes, ev)) = pending.next() {
             if let Err(e) = ev.wait(timeout) {
@@ -133,14 +137,15 @@ impl Copies {
                 }
                 return Err(CopyError { rank, layer, why: e.to_string() });
             }
-            let done = Instant::now();
-            let from = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued));
+            let done = ev.completed_at().unwrap_or_else(Instant::now);
+            let from = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued)).min(done);
             spans.push(RankSpan { rank, from, done, bytes });
             free_at.insert(rank, done);
+            last = Some(last.map_or(done, |l| l.max(done)));
         }
         // The ranks' streams ran side by side: the hop's time is their union.
         d.slot_hop_spans(id, hop, &spans);
-        Ok(())
+        Ok(last.unwrap_or_else(Instant::now))
     }
 }
 

@@ -377,6 +377,9 @@ impl Daemon {
             let mut copies = std::collections::VecDeque::new();
             // Layers whose copies were started, and layers known written.
             let (mut started, mut produced) = (0, if gate.is_some() { 0 } else { n });
+            // When each rank's stream ended its last copies: the next layer's
+            // copies, queued behind them, start there.
+            let mut free_at = HashMap::new();
             let moved = (|| {
                 for layer in 0..n {
                     if let Some((group, request, readers)) = &gate {
@@ -399,8 +402,8 @@ impl Daemon {
                         copies.push_back(d.start_ring_copies(&ring, started).map_err(failed(started)));
                         started += 1;
                     }
-                    copies.pop_front().expect("this layer's copies were started")?.finish(d, id).map_err(failed(layer))?;
-                    d.slot_mark(id, Boundary::HostStaged(layer));
+                    let staged = copies.pop_front().expect("this layer's copies were started")?.finish(d, id, &mut free_at).map_err(failed(layer))?;
+                    d.slot_mark_at(id, Boundary::HostStaged(layer), staged);
                     if layer + 1 == n {
                         d.release_source(id);
                     }
@@ -421,7 +424,7 @@ impl Daemon {
             // Copies started and not awaited still write into the ring: they
             // end before it goes back.
             for c in copies.into_iter().flatten() {
-                let _ = c.finish(d, id);
+                let _ = c.finish(d, id, &mut free_at);
             }
             if let Some((group, request, _)) = &gate {
                 d.produced.forget(group, request);

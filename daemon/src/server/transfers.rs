@@ -198,10 +198,18 @@ impl Daemon {
 
     /// Records that transfer `id` reached boundary `b` now.
     pub(super) fn slot_mark(&self, id: SlotId, b: Boundary) {
+        self.slot_mark_at(id, b, Instant::now());
+    }
+
+    /// As [`Daemon::slot_mark`], for a boundary reached at `when` (a device
+    /// copy's end, which the stream knows before the transfer looks): it
+    /// takes its place among the marks by time.
+    pub(super) fn slot_mark_at(&self, id: SlotId, b: Boundary, when: Instant) {
         let mut st = self.slots.lock().expect("slots lock");
         if let Some(s) = st.get_mut(id) {
-            let at = s.started.elapsed();
-            s.marks.push(b.at(at));
+            let mark = b.at(when.saturating_duration_since(s.started));
+            let at = s.marks.partition_point(|m| m.at_ns <= mark.at_ns);
+            s.marks.insert(at, mark);
         }
     }
 

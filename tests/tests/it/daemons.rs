@@ -950,7 +950,7 @@ fn a_device_source_ring_of_any_depth_reuses_a_slot_only_after_its_writes_with_sl
 /// released at its last copies, before its last writes complete. It holds
 /// `depth` layers' bytes (their footprint and what it packs; the layers
 /// here are alike), not the transfer's.
-fn assert_ring(name: &str, st: &kvwire_client::control::TransferStatus, depth: usize, layers: usize) {
+pub(crate) fn assert_ring(name: &str, st: &kvwire_client::control::TransferStatus, depth: usize, layers: usize) {
     let at = |m: &str| st.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no source mark {m}: {:?}", st.marks));
     for l in 0..layers {
         assert!(at(&format!("staging({l})")) <= at(&format!("host_staged({l})")), "{name}: {:?}", st.marks);

@@ -404,6 +404,36 @@ fn tcp_counters(h: &Host) -> std::collections::BTreeMap<String, u64> {
 }
 
 #[test]
+fn a_device_source_over_a_slow_link_copies_ahead_and_reuses_a_slot_only_after_its_writes() {
+    let _shared = crate::shared();
+    let name = "a_device_source_over_a_slow_link_copies_ahead_and_reuses_a_slot_only_after_its_writes";
+    let Some(link) = hosts("slowring", name) else { return };
+    // The prefill host sends at 40 Mbit/s: about 20 ms per layer of
+    // tinylm's 100 KiB, where the stand-in's copies take about one.
+    link.b.shape("40mbit").expect("tbf");
+    let d = TempDir::new("faults-slowring");
+    let dev = "[device]\nbackend = \"host\"\n";
+    let b = start_daemon_in(Some(&link.a.name), &link.a.ip, d.path(), "decode-host", SECRET, &[], dev);
+    let a = start_daemon_in(Some(&link.b.name), &link.b.ip, d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], dev);
+    let mut sc = Scenario::new("slow-ring");
+    sc.memory = scenario::Memory::StandIn;
+    let o = scenario::run(&connect(&a, "prefill"), &connect(&b, "decode"), "decode-host", &sc).unwrap();
+    assert!(o.bitwise(), "logits differ: max abs diff {}", o.max_abs_diff());
+    // With the wire the slow hop, the slot rule is what holds the copies
+    // back: layer L + 2's start after layer L's writes complete, layer
+    // L + 1's beside them; the release comes before the last writes end.
+    crate::daemons::assert_ring(name, &o.source, 2, 4);
+    // The stand-in's events say when its stream ended each layer's copies:
+    // each next layer's ended while this layer's writes were still out.
+    let at = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("no mark {m}: {:?}", o.source.marks));
+    for l in 0..3 {
+        assert!(at(&format!("host_staged({})", l + 1)) < at(&format!("sent({l})")), "layer {}'s copies ended after layer {l}'s writes: {:?}", l + 1, o.source.marks);
+    }
+    // The event log is in time order.
+    assert!(o.source.marks.windows(2).all(|w| w[0].at_ns <= w[1].at_ns), "{:?}", o.source.marks);
+}
+
+#[test]
 fn a_lossy_reordering_duplicating_link_still_delivers_exact_bytes() {
     let _shared = crate::shared();
     let name = "a_lossy_reordering_duplicating_link_still_delivers_exact_bytes";

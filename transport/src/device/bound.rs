@@ -37,6 +37,9 @@ pub trait EventWait: Send + Sync + std::fmt::Debug {
     fn query(&self) -> Result<bool, DeviceError>;
     /// Waits up to `timeout` for [`EventWait::query`] to be true.
     fn wait(&self, timeout: Duration) -> Result<(), DeviceError>;
+    /// When the stream reached the event, where the backend knows it
+    /// ([`super::Event::completed_at`]).
+    fn completed_at(&self) -> Option<std::time::Instant>;
 }
 
 /// An imported allocation bound to one stream of its device: object-safe.
@@ -77,6 +80,9 @@ impl<E: Event> EventWait for Waiter<E> {
     }
     fn wait(&self, timeout: Duration) -> Result<(), DeviceError> {
         self.0.lock().expect("event lock").synchronize(timeout)
+    }
+    fn completed_at(&self) -> Option<std::time::Instant> {
+        self.0.lock().expect("event lock").completed_at()
     }
 }
 

@@ -168,6 +168,8 @@ impl Device for HostDevice {
 struct EventState {
     done: Mutex<Option<Result<(), DeviceError>>>,
     cv: Condvar,
+    // When the stream reached it.
+    at: std::sync::OnceLock<Instant>,
 }
 
 /// An event of a [`HostStream`].
@@ -196,6 +198,10 @@ impl Event for HostEvent {
             }
             done = self.0.cv.wait_timeout(done, deadline - now).expect("event lock").0;
         }
+    }
+
+    fn completed_at(&self) -> Option<Instant> {
+        self.0.at.get().copied()
     }
 }
 
@@ -269,6 +275,7 @@ fn run_worker(shared: &Shared, rx: mpsc::Receiver<Op>) {
                 if result.is_ok() {
                     trace(DeviceTrace::EventComplete);
                 }
+                let _ = ev.at.set(Instant::now());
                 *ev.done.lock().expect("event lock") = Some(result);
                 ev.cv.notify_all();
             }
