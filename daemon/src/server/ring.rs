@@ -1,7 +1,8 @@
-//! A device-resident source's staging ring. Each layer's source bytes are
-//! copied device → host into one slot of a ring the transfer holds, in the
-//! layer's segment order, and written from there; a slot is copied into
-//! again only once the writes of the layer it held completed. So a
+//! A device-resident source's staging ring. Each layer's source bytes (its
+//! footprint: what its segments read, as it lies in device memory) are
+//! copied device → host into one slot of a ring the transfer holds, and
+//! written from there; a slot is copied into again only once the writes
+//! of the layer it held completed. So a
 //! transfer holds `depth` layers of pinned host memory, not its ranks',
 //! and once its last layer's copies are done nothing of it reads the
 //! device again: that is where the source is released (DESIGN §1).
@@ -276,7 +277,9 @@ impl Daemon {
     /// and registered for the writes: an idle one from the pool that fits
     /// within twice the need, else a new one.
     pub(super) fn take_ring(&self, layout: Arc<RingLayout>, sources: Vec<RingSource>, depth: usize) -> Result<Ring, String> {
-        let len = (depth as u64).checked_mul(layout.slot_bytes).filter(|&l| l > 0).ok_or("a ring of no bytes")?;
+        // A transfer that moves nothing (the destination holds every
+        // position) still gets a region to name.
+        let len = (depth as u64).checked_mul(layout.slot_bytes).ok_or("a ring past 64 bits")?.max(1);
         let reused = {
             let mut free = self.ring_pool.free.lock().expect("ring pool lock");
             let fits = free.iter().enumerate().filter(|(_, p)| p.mem.len() >= len && p.mem.len() <= len.saturating_mul(2).max(GRAIN)).min_by_key(|(_, p)| p.mem.len());

@@ -883,6 +883,14 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
         assert!(src("host_staged(3)") <= src("source_released"), "{name}: {:?}", o.source.marks);
         assert_ring(name, &o.source, 2, 4);
     }
+    // The destination already holds every position: nothing moves, and the
+    // source's ring has no bytes to hold.
+    let mut sc = Scenario::new("device-prefix-all");
+    sc.memory = scenario::Memory::StandIn;
+    sc.prefix = sc.tokens;
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    assert_eq!((o.source.bytes, o.source.staging_bytes), (0, 0), "{:?}", o.source);
     // With a codec the source converts rows from its ring's footprint into
     // the slot's end: it decodes to what the same transfer from host
     // memory decodes to, bit for bit.
