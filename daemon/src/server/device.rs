@@ -94,10 +94,7 @@ impl Daemon {
                 Ok(ev) => pending.push((src.rank, layer, enqueued, bytes, ev)),
                 Err(e) => {
                     // Copies already enqueued still write into the ring: they end first.
-                    let timeout = Duration::from_secs(self.cfg.device.copy_timeout_secs);
-                    for (.., ev) in pending {
-                        let _ = ev.wait(timeout);
-                    }
+                    drain(pending, Duration::from_secs(self.cfg.device.copy_timeout_secs));
                     return Err(CopyError { rank: src.rank, layer, why: e.to_string() });
                 }
             }
@@ -106,10 +103,21 @@ impl Daemon {
     }
 }
 
+/// Waits for copies that are no longer wanted, after one failed: they
+/// still read or write host memory the caller is about to hand back.
+fn drain(pending: impl IntoIterator<Item = Pending>, timeout: Duration) {
+    for (.., ev) in pending {
+        let _ = ev.wait(timeout);
+    }
+}
+
+/// One enqueued copy: its rank, layer, enqueue time, bytes, and event.
+type Pending = (u32, usize, Instant, u64, Box<dyn kvwire_transport::device::bound::EventWait>);
+
 /// Device copies enqueued and not yet awaited.
 pub(super) struct Copies {
     dir: Direction,
-    pending: Vec<(u32, usize, Instant, u64, Box<dyn kvwire_transport::device::bound::EventWait>)>,
+    pending: Vec<Pending>,
 }
 
 impl Copies {
@@ -132,9 +140,7 @@ impl Copies {
         while let Some((rank, layer, enqueued, bytes, ev)) = pending.next() {
             if let Err(e) = ev.wait(timeout) {
                 // The others still copy into host memory the caller is about to reuse: they end first.
-                for (.., ev) in pending {
-                    let _ = ev.wait(timeout);
-                }
+                drain(pending, timeout);
                 return Err(CopyError { rank, layer, why: e.to_string() });
             }
             let done = ev.completed_at().unwrap_or_else(Instant::now);
