@@ -12,7 +12,10 @@
 //! bounded by both sides' block boundaries, emits each chunk as a 2-D
 //! pattern, and coalesces. Layers with the same shape reuse one computed
 //! pattern, so planning cost grows with distinct layer shapes and block-table
-//! fragments, not with layers × tokens.
+//! fragments, not with layers × tokens. The plan keeps those patterns as
+//! templates, each stamped with its ranks, regions and base offsets per
+//! group ([`Segments`]): a shuffled 128k-token table is millions of
+//! segments but a few thousand stored records.
 //!
 //! Replica choice: a head held by several source ranks is read from the one
 //! with the fewest bytes assigned so far, decided per (layer, tensor), so
@@ -29,6 +32,7 @@ use crate::shard::{LayoutSpec, MemLayout, RegionId, ShardError, ShardMap, TableK
 use crate::tensors::{rank_tensors, Expected, KvOrder, RankTensors, Strides, TensorError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::ops::Range;
 
 /// One side (source or destination) of a transfer, resolved for a request.
@@ -324,8 +328,189 @@ impl Segment {
     }
 
     /// `(src_offset, dst_offset)` of each run.
-    pub fn runs(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        (0..self.count).map(|i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride))
+    pub fn runs(self) -> impl Iterator<Item = (u64, u64)> {
+        (0..self.count).map(move |i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride))
+    }
+}
+
+/// One shape of a template, with how it is carried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Shaped {
+    shape: Shape,
+    mode: Mode,
+}
+
+/// A template stamped for one (source rank, destination rank, layer,
+/// tensor, head run): the ranks and regions, and where its offsets start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Group {
+    src_rank: u32,
+    src_region: RegionId,
+    src_base: u64,
+    dst_rank: u32,
+    dst_region: RegionId,
+    dst_base: u64,
+    template: u32,
+}
+
+impl Group {
+    fn stamp(&self, t: &Shaped) -> Segment {
+        let s = t.shape;
+        Segment {
+            src_rank: self.src_rank,
+            src_region: self.src_region,
+            src_offset: self.src_base + s.src,
+            dst_rank: self.dst_rank,
+            dst_region: self.dst_region,
+            dst_offset: self.dst_base + s.dst,
+            len: s.len,
+            count: s.count,
+            src_stride: s.src_stride,
+            dst_stride: s.dst_stride,
+            mode: t.mode,
+        }
+    }
+}
+
+/// A plan's segments, kept as templates stamped per group. A fragmented
+/// block table gives every layer, tensor and rank pair the same shapes, so
+/// the flat list (millions of records for a long shuffled request) is never
+/// built: segments are made on the way out, by value, in plan order.
+#[derive(Debug, Clone, Default)]
+pub struct Segments {
+    templates: Vec<Arc<[Shaped]>>,
+    groups: Vec<Group>,
+    /// Segments before each group; one more entry, the total, at the end.
+    starts: Vec<usize>,
+}
+
+impl Segments {
+    fn push_group(&mut self, g: Group) {
+        let n = self.templates[g.template as usize].len();
+        if n == 0 {
+            return;
+        }
+        if self.starts.is_empty() {
+            self.starts.push(0);
+        }
+        self.groups.push(g);
+        self.starts.push(self.len() + n);
+    }
+
+    /// Segments in the plan.
+    pub fn len(&self) -> usize {
+        self.starts.last().copied().unwrap_or(0)
+    }
+
+    /// Whether the plan moves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Segment `i`, if the plan has it.
+    pub fn get(&self, i: usize) -> Option<Segment> {
+        if i >= self.len() {
+            return None;
+        }
+        let g = self.starts.partition_point(|&s| s <= i) - 1;
+        let group = &self.groups[g];
+        Some(group.stamp(&self.templates[group.template as usize][i - self.starts[g]]))
+    }
+
+    /// Segment `i`; panics past the end, as indexing does.
+    pub fn at(&self, i: usize) -> Segment {
+        self.get(i).unwrap_or_else(|| panic!("segment {i} of a plan of {}", self.len()))
+    }
+
+    /// Every segment, in plan order.
+    pub fn iter(&self) -> SegmentIter<'_> {
+        SegmentIter { segs: self, group: 0, next: 0, left: self.len() }
+    }
+
+    /// The flat list (tests, and tools that edit a plan).
+    pub fn to_vec(&self) -> Vec<Segment> {
+        self.iter().collect()
+    }
+
+    /// What is stored: (template shapes, groups). Planning time and memory
+    /// follow these, not [`Segments::len`].
+    pub fn stored(&self) -> (usize, usize) {
+        (self.templates.iter().map(|t| t.len()).sum(), self.groups.len())
+    }
+}
+
+/// Iterator over [`Segments`].
+#[derive(Debug, Clone)]
+pub struct SegmentIter<'a> {
+    segs: &'a Segments,
+    group: usize,
+    next: usize,
+    left: usize,
+}
+
+impl Iterator for SegmentIter<'_> {
+    type Item = Segment;
+
+    fn next(&mut self) -> Option<Segment> {
+        while let Some(g) = self.segs.groups.get(self.group) {
+            let t = &self.segs.templates[g.template as usize];
+            if let Some(shaped) = t.get(self.next) {
+                self.next += 1;
+                self.left -= 1;
+                return Some(g.stamp(shaped));
+            }
+            self.group += 1;
+            self.next = 0;
+        }
+        None
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.left, Some(self.left))
+    }
+}
+
+impl ExactSizeIterator for SegmentIter<'_> {}
+
+impl<'a> IntoIterator for &'a Segments {
+    type Item = Segment;
+    type IntoIter = SegmentIter<'a>;
+
+    fn into_iter(self) -> SegmentIter<'a> {
+        self.iter()
+    }
+}
+
+impl From<Vec<Segment>> for Segments {
+    /// One group per segment: for plans written by hand.
+    fn from(flat: Vec<Segment>) -> Segments {
+        let mut out = Segments::default();
+        for s in flat {
+            let shape = Shape { src: 0, dst: 0, len: s.len, count: s.count, src_stride: s.src_stride, dst_stride: s.dst_stride };
+            out.templates.push(Arc::from([Shaped { shape, mode: s.mode }]));
+            out.push_group(Group {
+                src_rank: s.src_rank,
+                src_region: s.src_region,
+                src_base: s.src_offset,
+                dst_rank: s.dst_rank,
+                dst_region: s.dst_region,
+                dst_base: s.dst_offset,
+                template: (out.templates.len() - 1) as u32,
+            });
+        }
+        out
+    }
+}
+
+impl PartialEq for Segments {
+    fn eq(&self, other: &Segments) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+
+impl Serialize for Segments {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.iter())
     }
 }
 
@@ -422,7 +607,7 @@ pub struct Plan {
     /// Counters.
     pub counters: PlanCounters,
     /// The segments, grouped by destination rank, layer, tensor.
-    pub segments: Vec<Segment>,
+    pub segments: Segments,
 }
 
 /// Everything [`build`] needs.
@@ -669,8 +854,19 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     let holders = holders(&src.shard, model.layers.len());
     let mut load = vec![0u64; src.shard.ranks.len()];
     let mut received = vec![0u64; dst.shard.ranks.len()];
-    let mut templates: HashMap<TemplateKey, Vec<Shape>> = HashMap::new();
-    let mut segments = Vec::new();
+    let mut templates: HashMap<TemplateKey, u32> = HashMap::new();
+    let mut segments = Segments::default();
+    // Per template: (bytes, packed bytes, writes), so counters add per group.
+    let mut sums: Vec<(u64, u64, u64)> = Vec::new();
+    fn add_template(segments: &mut Segments, sums: &mut Vec<(u64, u64, u64)>, shaped: Vec<Shaped>) -> u32 {
+        let bytes = shaped.iter().map(|t| t.shape.len * t.shape.count).sum();
+        let packed = shaped.iter().filter(|t| t.mode == Mode::Packed).map(|t| t.shape.len * t.shape.count).sum();
+        let writes = shaped.iter().map(|t| if t.mode == Mode::Packed { 1 } else { t.shape.count }).sum();
+        sums.push((bytes, packed, writes));
+        segments.templates.push(Arc::from(shaped));
+        (segments.templates.len() - 1) as u32
+    }
+    let (mut total_bytes_moved, mut packed_bytes, mut writes) = (0u64, 0u64, 0u64);
     let mut reused_bytes = 0;
     let mut metadata_bytes = 0;
 
@@ -721,22 +917,23 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
                             dim: t.dim,
                             ranges: ranges.clone(),
                         };
-                        let shapes = templates.entry(key).or_insert_with_key(|k| template(k, src, dst));
+                        let template = match templates.get(&key) {
+                            Some(&t) => t,
+                            None => {
+                                let shaped = template(&key, src, dst)
+                                    .into_iter()
+                                    .map(|s| Shaped { shape: s, mode: if s.count > 1 { cost.mode(s.len, s.count, s.src_stride == s.len) } else { Mode::Direct } })
+                                    .collect();
+                                let t = add_template(&mut segments, &mut sums, shaped);
+                                templates.insert(key, t);
+                                t
+                            }
+                        };
                         let (src_region, src_base) = src.window_of(rank, region);
                         let (dst_region, dst_base) = dst.window_of(d.rank, region);
-                        segments.extend(shapes.iter().map(|s| Segment {
-                            src_rank: rank,
-                            src_region,
-                            src_offset: src_base + s.src,
-                            dst_rank: d.rank,
-                            dst_region,
-                            dst_offset: dst_base + s.dst,
-                            len: s.len,
-                            count: s.count,
-                            src_stride: s.src_stride,
-                            dst_stride: s.dst_stride,
-                            mode: if s.count > 1 { cost.mode(s.len, s.count, s.src_stride == s.len) } else { Mode::Direct },
-                        }));
+                        let (b, pb, w) = sums[template as usize];
+                        (total_bytes_moved, packed_bytes, writes) = (total_bytes_moved + b, packed_bytes + pb, writes + w);
+                        segments.push_group(Group { src_rank: rank, src_region, src_base, dst_rank: d.rank, dst_region, dst_base, template });
                     }
                     h = run_end;
                 }
@@ -750,28 +947,16 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
                 load[rank as usize] += spec.state_bytes;
                 received[d.rank as usize] += spec.state_bytes;
                 let region = RegionId { layer, tensor: Tensor::State };
-                segments.push(Segment {
-                    src_rank: rank,
-                    src_region: region,
-                    src_offset: 0,
-                    dst_rank: d.rank,
-                    dst_region: region,
-                    dst_offset: 0,
-                    len: spec.state_bytes,
-                    count: 1,
-                    src_stride: 0,
-                    dst_stride: 0,
-                    mode: Mode::Direct,
-                });
+                let template = add_template(&mut segments, &mut sums, vec![Shaped { shape: Shape::run(0, 0, spec.state_bytes), mode: Mode::Direct }]);
+                (total_bytes_moved, writes) = (total_bytes_moved + spec.state_bytes, writes + 1);
+                segments.push_group(Group { src_rank: rank, src_region: region, src_base: 0, dst_rank: d.rank, dst_region: region, dst_base: 0, template });
             }
         }
     }
 
-    let total_bytes_moved = segments.iter().map(Segment::bytes).sum();
-    let packed_bytes = segments.iter().filter(|s| s.mode == Mode::Packed).map(Segment::bytes).sum();
     let counters = PlanCounters {
         segments: segments.len() as u64,
-        writes: segments.iter().map(Segment::writes).sum(),
+        writes,
         total_bytes_moved,
         packed_bytes,
         direct_bytes: total_bytes_moved - packed_bytes,
@@ -879,8 +1064,8 @@ pub fn execute(plan: &Plan, src: &Buffers, dst: &mut Buffers) -> Result<u64, Exe
 
 /// [`execute`] for some of a plan's segments, each with its index in the
 /// plan (for errors): buffers need hold only the regions these name.
-pub fn execute_segments<B: RegionBytes>(segments: &[(usize, &Segment)], src: &B, dst: &mut B) -> Result<u64, ExecError> {
-    for &(index, s) in segments {
+pub fn execute_segments<B: RegionBytes>(segments: &[(usize, Segment)], src: &B, dst: &mut B) -> Result<u64, ExecError> {
+    for &(index, ref s) in segments {
         for (side, bufs, rank, region, start, stride) in [
             ("source", src, s.src_rank, s.src_region, s.src_offset, s.src_stride),
             ("destination", &*dst, s.dst_rank, s.dst_region, s.dst_offset, s.dst_stride),
@@ -899,7 +1084,7 @@ pub fn execute_segments<B: RegionBytes>(segments: &[(usize, &Segment)], src: &B,
         }
     }
     let mut copied = 0;
-    for &(_, s) in segments {
+    for (_, s) in segments {
         for (so, d) in s.runs() {
             let from = src.run(s.src_rank, s.src_region, so, s.len).expect("checked above");
             dst.run_mut(s.dst_rank, s.dst_region, d, s.len).expect("checked above").copy_from_slice(from);

@@ -181,7 +181,7 @@ impl Schedule {
     pub fn writes<'a>(&'a self, plan: &'a Plan, layer: usize) -> impl Iterator<Item = WriteTarget> + 'a {
         let ls = &self.layers[layer];
         let direct = ls.direct.iter().flat_map(move |&i| {
-            let s = &plan.segments[i];
+            let s = plan.segments.at(i);
             s.runs().map(move |(so, dof)| WriteTarget::Direct {
                 src: (s.src_rank, s.src_region),
                 src_offset: so,

@@ -209,7 +209,7 @@ pub fn verify(model: &ModelSpec, src: &Side, dst: &Side, plan: &Plan, limit: u64
         by_layer
     };
     let (src_regions, dst_regions) = (regions(src), regions(dst));
-    let mut steps: BTreeMap<u32, Vec<(usize, &Segment)>> = dst_regions.keys().map(|l| (*l, Vec::new())).collect();
+    let mut steps: BTreeMap<u32, Vec<(usize, Segment)>> = dst_regions.keys().map(|l| (*l, Vec::new())).collect();
     for (i, s) in plan.segments.iter().enumerate() {
         steps.entry(s.dst_region.layer).or_default().push((i, s));
     }

@@ -180,7 +180,7 @@ fn segments_read_whole_from_a_gathered_copy_hash_as_their_runs_do() {
     let mixed = checksums_of(&r.plan, Reading::Source, all.clone(), read_buffers(&r.src_bufs), |i| (i % 2 == 0).then(|| gathered[i].as_slice())).unwrap();
     assert_eq!(mixed, whole);
     // One layer's segments alone give that layer's entries.
-    let layer3: Vec<usize> = all.clone().filter(|&i| r.plan.segments[i].dst_region.layer == 3).collect();
+    let layer3: Vec<usize> = all.clone().filter(|&i| r.plan.segments.at(i).dst_region.layer == 3).collect();
     let sums = checksums_of(&r.plan, Reading::Destination, layer3, read_buffers(&r.dst_bufs), |_| None::<&[u8]>).unwrap();
     assert_eq!(sums, checksums_at_destination(&r.plan, read_buffers(&r.dst_bufs), |_, l| l == 3).unwrap());
     // A whole read of the wrong size, or a segment the plan lacks, is refused by name.
@@ -607,7 +607,7 @@ proptest! {
 
         if !plan.segments.is_empty() {
             let (seg, run, byte, mask) = flip;
-            let s = &plan.segments[seg.index(plan.segments.len())];
+            let s = &plan.segments.at(seg.index(plan.segments.len()));
             let (_, d) = s.runs().nth(run.index(s.count as usize)).unwrap();
             let at = (d + byte.index(s.len as usize) as u64) as usize;
             dst_bufs.ranks[s.dst_rank as usize].get_mut(&s.dst_region).unwrap()[at] ^= mask;

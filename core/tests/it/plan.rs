@@ -7,7 +7,7 @@
 
 use kvwire_core::format::{CacheFormat, FORMATS};
 use kvwire_core::layout::{builtin, from_toml_spec, ModelSpec};
-use kvwire_core::plan::{build, execute, Buffers, CostModel, ExecError, Mode, Plan, PlanError, PlanInput, Side};
+use kvwire_core::plan::{build, execute, Buffers, CostModel, ExecError, Mode, Plan, PlanError, PlanInput, Segments, Side};
 use kvwire_core::reuse::{check_prefix, CacheIdentity, ReuseRefusal};
 use kvwire_core::shard::{LayerShard, LayoutSpec, ShardError, TableKind};
 use kvwire_core::verify::{verify, CANARY};
@@ -56,6 +56,31 @@ fn assert_counters_consistent(plan: &Plan) {
     assert_eq!(received(plan).iter().sum::<u64>(), c.total_bytes_moved);
     assert_eq!(c.packed_bytes + c.direct_bytes, c.total_bytes_moved);
     assert_eq!(c.segments, plan.segments.len() as u64);
+    let packed: u64 = plan.segments.iter().filter(|s| s.mode == Mode::Packed).map(|s| s.bytes()).sum();
+    assert_eq!(c.packed_bytes, packed);
+    assert_eq!(c.writes, plan.segments.iter().map(|s| s.writes()).sum::<u64>());
+    // Kept as templates: random access and the flat list agree with the walk.
+    let flat = plan.segments.to_vec();
+    assert!(flat.iter().enumerate().all(|(i, s)| plan.segments.get(i) == Some(*s)));
+    assert_eq!(plan.segments.get(flat.len()), None);
+    assert_eq!(Segments::from(flat), plan.segments);
+}
+
+#[test]
+fn a_long_shuffled_request_is_stored_as_templates_not_as_flat_segments() {
+    // llama-3.1-70b, 128k tokens, tp=8 -> tp=2, both tables shuffled: one
+    // segment per (block, layer, tensor, source rank), 10.5M in all, from
+    // four templates of one shape per block.
+    let model = builtin("llama-3.1-70b").unwrap();
+    let tokens = 131_072;
+    let (s, d) = (side(&model, "tp=8,table=shuffle", tokens), side(&model, "tp=2,table=shuffle:7", tokens));
+    let plan = plan_of(&model, &s, &d, tokens, 0);
+    assert_eq!(plan.segments.len(), 8192 * 80 * 2 * 8);
+    let (shapes, groups) = plan.segments.stored();
+    assert_eq!((shapes, groups), (4 * 8192, 2 * 80 * 2 * 4));
+    // Every segment is one block of one source rank's head: 16 rows of 128 x bf16, strided at the destination.
+    assert!(plan.segments.iter().all(|s| s.count == 16 && s.len == 128 * 2 && s.dst_stride == 4 * 128 * 2));
+    assert_counters_consistent(&plan);
 }
 
 fn llama8b() -> ModelSpec {
@@ -554,10 +579,12 @@ fn execute_refuses_out_of_bounds_segment_and_touches_nothing() {
     let region_len = 3 * 16 * 4 * 16;
 
     let mut bad = plan.clone();
-    let last = bad.segments.len() - 1;
-    let len = bad.segments[last].len;
-    assert_eq!((len, bad.segments[last].count), (tokens * 4 * 16, 1));
-    bad.segments[last].dst_offset = region_len - len + 1;
+    let mut segs = bad.segments.to_vec();
+    let last = segs.len() - 1;
+    let len = segs[last].len;
+    assert_eq!((len, segs[last].count), (tokens * 4 * 16, 1));
+    segs[last].dst_offset = region_len - len + 1;
+    bad.segments = segs.into();
     let mut dst = Buffers::alloc(&model, &d, CANARY);
     let before = dst.clone();
     assert_eq!(
@@ -567,7 +594,9 @@ fn execute_refuses_out_of_bounds_segment_and_touches_nothing() {
     assert_eq!(dst, before, "earlier in-bounds segments must not have run");
 
     let mut bad = plan.clone();
-    bad.segments[last].src_offset = region_len;
+    let mut segs = bad.segments.to_vec();
+    segs[last].src_offset = region_len;
+    bad.segments = segs.into();
     let err = execute(&bad, &src, &mut dst).unwrap_err();
     assert!(matches!(err, ExecError::OutOfBounds { side: "source", .. }), "{err:?}");
     assert_eq!(dst, before);

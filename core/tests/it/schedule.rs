@@ -48,7 +48,7 @@ fn each_layer_waits_for_exactly_its_share_and_its_writes_carry_it() {
         // Each layer lists exactly its own segments, in plan order, and a
         // segment is found in staging exactly when it was packed.
         for (l, ls) in s.layers.iter().enumerate() {
-            let own: Vec<usize> = (0..plan.segments.len()).filter(|&i| plan.segments[i].dst_region.layer as usize == l).collect();
+            let own: Vec<usize> = (0..plan.segments.len()).filter(|&i| plan.segments.at(i).dst_region.layer as usize == l).collect();
             assert_eq!(ls.segments(), own, "{src} -> {dst} layer {l}");
         }
         for (i, seg) in plan.segments.iter().enumerate() {

@@ -377,8 +377,10 @@ fn cross_layer_verification_holds_each_layers_rows_only() {
     // A run moved onto the next layer's K rows of the same block (in the
     // window, not this layer's): out of bounds, naming the destination.
     let mut bad = plan.clone();
-    let i = bad.segments.iter().position(|s| s.dst_region.layer == 0).unwrap();
-    bad.segments[i].dst_offset += 16 * 4 * 8 * 2 * 2;
+    let mut segs = bad.segments.to_vec();
+    let i = segs.iter().position(|s| s.dst_region.layer == 0).unwrap();
+    segs[i].dst_offset += 16 * 4 * 8 * 2 * 2;
+    bad.segments = segs.into();
     let e = verify(&m, &src, &dst, &bad, 1 << 30).unwrap_err().to_string();
     assert!(e.contains("destination bytes") && e.contains("past region length"), "{e}");
 }

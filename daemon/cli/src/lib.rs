@@ -372,6 +372,7 @@ fn plan_cmd(a: PlanArgs, out: &mut String) -> Result<(), Failure> {
         None
     };
     let c = &plan.counters;
+    let (shapes, groups) = plan.segments.stored();
     if a.common.json {
         let v = serde_json::json!({
             "model": model.name,
@@ -380,6 +381,7 @@ fn plan_cmd(a: PlanArgs, out: &mut String) -> Result<(), Failure> {
             "prefix_tokens": plan.prefix_tokens,
             "segments": c.segments,
             "writes": c.writes,
+            "stored": {"template_shapes": shapes, "groups": groups},
             "total_bytes_moved": c.total_bytes_moved,
             "reused_bytes": c.reused_bytes,
             "packed_bytes": c.packed_bytes,
@@ -398,7 +400,7 @@ fn plan_cmd(a: PlanArgs, out: &mut String) -> Result<(), Failure> {
     }
     let _ = writeln!(out, "model {}  format {}  tokens {}  prefix {}", model.name, format.id(), plan.tokens, plan.prefix_tokens);
     let _ = writeln!(out, "src {}  ->  dst {}", a.src, a.dst);
-    let _ = writeln!(out, "segments {}  writes {}", c.segments, c.writes);
+    let _ = writeln!(out, "segments {}  writes {}  (stored as {shapes} template shapes stamped over {groups} groups)", c.segments, c.writes);
     let _ = writeln!(out, "total_bytes_moved {}", bytes(c.total_bytes_moved));
     let _ = writeln!(out, "  direct {}  packed {}", bytes(c.direct_bytes), bytes(c.packed_bytes));
     let _ = writeln!(out, "reused_bytes {}  metadata_bytes {}", bytes(c.reused_bytes), c.metadata_bytes);

@@ -552,11 +552,11 @@ impl Daemon {
         }
         let t = Instant::now();
         for st in &ls.staged {
-            let seg = &r.p.plan.segments[st.seg];
+            let seg = &r.p.plan.segments.at(st.seg);
             unpack_segment(r, seg, st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
         }
         if !ls.staged.is_empty() {
-            self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.p.plan.segments[st.seg].bytes()).sum());
+            self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.p.plan.segments.at(st.seg).bytes()).sum());
         }
         if !in_staging {
             self.verify_layer(r, manifest, layer, false)?;

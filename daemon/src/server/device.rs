@@ -42,7 +42,7 @@ impl Daemon {
                 // Per allocation of the rank: its copy runs.
                 let mut runs: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); devs.len()];
                 for &i in segs {
-                    let seg = &plan.segments[i];
+                    let seg = &plan.segments.at(i);
                     if seg.dst_rank != rank {
                         continue;
                     }

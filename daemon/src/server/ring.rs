@@ -119,7 +119,7 @@ impl RingLayout {
         for ls in &schedule.layers {
             let mut runs = Vec::new();
             for i in ls.segments() {
-                let s = &plan.segments[i];
+                let s = &plan.segments.at(i);
                 let (src, base) = source_of(s.src_rank, s.src_region)?;
                 runs.extend(s.runs().map(|(so, _)| (src, base + so, s.len)));
             }
@@ -141,7 +141,7 @@ impl RingLayout {
                 }
             }
             let mut packed = Vec::new();
-            for st in ls.staged.iter().filter(|st| packs(&plan.segments[st.seg])) {
+            for st in ls.staged.iter().filter(|st| packs(&plan.segments.at(st.seg))) {
                 packed.push((st.seg, at));
                 at += st.size;
             }
@@ -353,7 +353,7 @@ mod tests {
             seg(1, 8, 64, 1, 0, Mode::Direct),
         ];
         let counters = PlanCounters { segments: 5, writes: 0, total_bytes_moved: 0, packed_bytes: 0, direct_bytes: 0, reused_bytes: 0, metadata_bytes: 0, src_ranks: vec![], dst_ranks: vec![] };
-        let plan = Plan { tokens: 1, prefix_tokens: 0, cost: Default::default(), counters, segments };
+        let plan = Plan { tokens: 1, prefix_tokens: 0, cost: Default::default(), counters, segments: segments.into() };
         let packed = Staged { seg: 3, offset: 0, size: 20, dim: 1 };
         let schedule = Schedule {
             layers: vec![
@@ -387,9 +387,9 @@ mod tests {
         assert_eq!(l.find(1, 0, k(0), 8, 64), None, "another layer's slot");
         // The walk over a segment's runs, and the finder that remembers
         // where it was, agree with the lookup.
-        assert_eq!(l.runs(0, &plan.segments[0]).collect::<Vec<_>>(), vec![Some(0), Some(200)]);
-        assert_eq!(l.runs(0, &plan.segments[3]).collect::<Vec<_>>(), vec![Some(300), Some(310)]);
-        assert_eq!(l.runs(1, &plan.segments[3]).collect::<Vec<_>>(), vec![None, None], "another layer's slot");
+        assert_eq!(l.runs(0, &plan.segments.at(0)).collect::<Vec<_>>(), vec![Some(0), Some(200)]);
+        assert_eq!(l.runs(0, &plan.segments.at(3)).collect::<Vec<_>>(), vec![Some(300), Some(310)]);
+        assert_eq!(l.runs(1, &plan.segments.at(3)).collect::<Vec<_>>(), vec![None, None], "another layer's slot");
         let mut f = l.finder(0);
         for (offset, len, want) in [(150, 100, Some(150)), (1100, 10, Some(310)), (0, 10, Some(0)), (1000, 10, Some(300)), (1005, 10, None), (250, 50, Some(250))] {
             assert_eq!(f(0, k(0), offset, len), want, "{offset}+{len}");

@@ -414,7 +414,7 @@ impl Daemon {
                     let (base, mut find) = (ring.base(layer), ring.layout.finder(layer));
                     let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len)).map(RunBytes::Mapped);
                     // Packed bytes are what the destination holds only without a codec.
-                    let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments[i].bytes())).map(RunBytes::Mapped);
+                    let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments.at(i).bytes())).map(RunBytes::Mapped);
                     d.send_sums(id, &p, layer, link, |segs| d.sums_of(&g, &p, codec, segs, read, whole)).map_err(|r| r.message)?;
                     d.move_bytes(id, &rails, &prefer, batches.by_ref().take(1).collect(), stop, link, &mut total)?;
                     d.slot_mark(id, Boundary::Sent(layer));
@@ -448,7 +448,7 @@ impl Daemon {
         let mut bytes = 0;
         let mem = &ring.region.mem;
         for &(i, _) in packed {
-            let s = &p.plan.segments[i];
+            let s = &p.plan.segments.at(i);
             let to = ring.region.offset + ring.packed(layer, i).expect("a packed segment");
             let missing = |k: usize| failed(format!("segment {i} run {k} is not in layer {layer}'s ring slot"));
             match (codec, p.schedule.staged_of(i)) {
@@ -608,7 +608,7 @@ impl Daemon {
         let whole = |i: usize| -> Option<RunBytes<'_>> {
             let stage = stage.filter(|_| codec.is_none())?;
             let st = p.schedule.staged_of(i)?;
-            if !gathers(&p.plan.segments[i], codec) {
+            if !gathers(&p.plan.segments.at(i), codec) {
                 return None;
             }
             region_view(stage, st.offset, st.size).map(RunBytes::Mapped)
@@ -651,7 +651,7 @@ impl Daemon {
     #[allow(clippy::too_many_arguments)] // the transfer's parts, each used once
     fn host_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         let ls = &p.schedule.layers[layer];
-        if let (Some(stage), true) = (stage, ls.staged.iter().any(|st| gathers(&p.plan.segments[st.seg], codec))) {
+        if let (Some(stage), true) = (stage, ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec))) {
             let started = Instant::now();
             let bytes = self.pack_into(stage, g, p, codec, &ls.staged)?;
             self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
@@ -712,7 +712,7 @@ impl Daemon {
         let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
         let mut total = 0;
         for st in staged {
-            let seg = &p.plan.segments[st.seg];
+            let seg = &p.plan.segments.at(st.seg);
             if !gathers(seg, codec) {
                 continue;
             }
@@ -936,7 +936,7 @@ impl Daemon {
 /// whole plan per layer), in plan order, and the bytes they move.
 fn layer_segments(p: &Planned, layer: usize) -> (Vec<usize>, u64) {
     let segs = p.schedule.layers[layer].segments();
-    let bytes = segs.iter().map(|&i| p.plan.segments[i].bytes()).sum();
+    let bytes = segs.iter().map(|&i| p.plan.segments.at(i).bytes()).sum();
     (segs, bytes)
 }
 
@@ -969,7 +969,7 @@ const SUBMIT_WAITS_BELOW: u64 = 256 << 10;
 /// Bytes of the source's staging buffer: the schedule's staging layout,
 /// or none when no staged segment is gathered.
 fn stage_needed(p: &Planned, codec: Option<Codec>) -> u64 {
-    match p.schedule.staged.iter().any(|st| gathers(&p.plan.segments[st.seg], codec)) {
+    match p.schedule.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec)) {
         true => p.schedule.stage_bytes,
         false => 0,
     }
@@ -1013,7 +1013,7 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
     let missing = |i: usize| Refusal::new(Code::TransferFailed, format!("segment {i} is not in layer {layer}'s ring slot"));
     let mut writes = Vec::new();
     for &i in &ls.direct {
-        let s = &p.plan.segments[i];
+        let s = &p.plan.segments.at(i);
         let &dst_key = dst_keys.get(&(s.dst_rank, s.dst_region)).ok_or_else(|| Refusal::new(Code::PeerRefused, format!("no region for dst rank {} {:?}", s.dst_rank, s.dst_region)))?;
         for (from, (_, dst_offset)) in ring.runs(layer, s).zip(s.runs()) {
             let src_offset = from.ok_or_else(|| missing(i))?;
@@ -1021,7 +1021,7 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
         }
     }
     for st in &ls.staged {
-        let s = &p.plan.segments[st.seg];
+        let s = &p.plan.segments.at(st.seg);
         let src_offset = match gathers(s, codec) {
             true => ring.packed(layer, st.seg),
             false => ring.find(layer, s.src_rank, s.src_region, s.src_offset, s.bytes()),
@@ -1047,7 +1047,7 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, codec: Option<Codec>, src_s
                     WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len }
                 }
                 WriteTarget::Staged { seg, offset, len } => {
-                    let s = &p.plan.segments[seg];
+                    let s = &p.plan.segments.at(seg);
                     if gathers(s, codec) {
                         let stage = src_stage.ok_or_else(|| Refusal::new(Code::TransferFailed, "staged writes without a staging buffer"))?;
                         WriteOp { src_key: stage.key, src_offset: offset, dst_key: a.stage_key, dst_offset: offset, len }
