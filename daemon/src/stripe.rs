@@ -447,38 +447,51 @@ impl Lane<'_> {
         self.reap(conn)
     }
 
-    /// Posts queued slices until the window is full or the queues are empty.
+    /// Posts queued slices until the window is full or the queues are
+    /// empty: all that fit go in one post, so the transport can send them
+    /// together.
     fn fill(&mut self, conn: &mut dyn Connection) -> Step {
-        while self.inflight.len() < self.settings.window {
-            let i = {
-                let mut sh = self.lock();
+        let taken: Vec<usize> = {
+            let mut sh = self.lock();
+            let mut taken = Vec::new();
+            while self.inflight.len() + taken.len() < self.settings.window {
                 let Some(i) = sh.take(self.me) else { break };
-                let l = &mut sh.lanes[self.me];
-                if l.inflight == 0 {
-                    l.last_progress = Some(Instant::now());
-                }
-                l.inflight += 1;
-                i
-            };
-            let t = Instant::now();
-            if self.first_post.is_none() {
-                self.first_post = Some(t);
-                (self.event)(self.rail, RailEvent::Starting);
+                taken.push(i);
             }
-            match conn.post(self.slices[i].clone()) {
-                Ok(b) => {
-                    self.post_time += t.elapsed();
+            let l = &mut sh.lanes[self.me];
+            if l.inflight == 0 && !taken.is_empty() {
+                l.last_progress = Some(Instant::now());
+            }
+            l.inflight += taken.len();
+            taken
+        };
+        if taken.is_empty() {
+            return Step::Go;
+        }
+        let t = Instant::now();
+        if self.first_post.is_none() {
+            self.first_post = Some(t);
+            (self.event)(self.rail, RailEvent::Starting);
+        }
+        match conn.post_all(taken.iter().map(|&i| self.slices[i].clone()).collect()) {
+            Ok(ids) => {
+                self.post_time += t.elapsed();
+                for (b, i) in ids.into_iter().zip(taken) {
                     self.inflight.insert(b, i);
                     (self.event)(self.rail, RailEvent::Posted);
                 }
-                Err(e) => {
-                    self.inflight.insert(BatchId(u64::MAX), i);
-                    self.fail(format!("post: {e}"));
-                    return Step::Stop;
+                Step::Go
+            }
+            Err((posted, e)) => {
+                // Every slice taken goes back to the queues (`fail`): those
+                // not posted under ids no batch has.
+                for (k, &i) in taken.iter().enumerate() {
+                    self.inflight.insert(posted.get(k).copied().unwrap_or(BatchId(u64::MAX - k as u64)), i);
                 }
+                self.fail(format!("post: {e}"));
+                Step::Stop
             }
         }
-        Step::Go
     }
 
     /// Takes the completions that arrive within 20 ms.

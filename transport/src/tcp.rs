@@ -446,11 +446,23 @@ impl TcpConnection {
         Ok(sources)
     }
 
-    /// Streams the frames of `batch` (already checked) as parts of `id`,
-    /// headers and payloads gathered straight from the regions: one system
-    /// call for many frames, and no copy into a send buffer.
-    fn send_frames(&mut self, id: BatchId, batch: &Batch, sources: &[Arc<crate::Region>]) -> std::io::Result<()> {
-        let mut frames: Vec<([u8; HEADER_LEN], &[u8])> = Vec::with_capacity(batch.writes.len());
+    /// Streams the frames of each batch (already checked) as parts of its
+    /// id, headers and payloads gathered straight from the regions: one
+    /// system call for many frames, and no copy into a send buffer.
+    fn send_frames(&mut self, posts: &[(BatchId, &Batch, Vec<Arc<crate::Region>>)]) -> std::io::Result<()> {
+        let mut frames: Vec<([u8; HEADER_LEN], &[u8])> = Vec::with_capacity(posts.iter().map(|p| p.1.writes.len()).sum());
+        for (id, batch, sources) in posts {
+            self.frames_of(*id, batch, sources, &mut frames);
+        }
+        for group in frames.chunks(GATHER_FRAMES) {
+            let mut slices: Vec<IoSlice<'_>> = group.iter().flat_map(|(h, d)| [IoSlice::new(h), IoSlice::new(d)]).collect();
+            write_gathered(&self.stream, &mut slices)?;
+        }
+        Ok(())
+    }
+
+    /// Appends the frames of `batch`, as parts of `id`, to `frames`.
+    fn frames_of<'a>(&mut self, id: BatchId, batch: &Batch, sources: &'a [Arc<crate::Region>], frames: &mut Vec<([u8; HEADER_LEN], &'a [u8])>) {
         for (w, region) in batch.writes.iter().zip(sources) {
             // Zero-length writes still go out: the destination refuses them by name.
             let mut done = 0;
@@ -475,11 +487,6 @@ impl TcpConnection {
                 }
             }
         }
-        for group in frames.chunks(GATHER_FRAMES) {
-            let mut slices: Vec<IoSlice<'_>> = group.iter().flat_map(|(h, d)| [IoSlice::new(h), IoSlice::new(d)]).collect();
-            write_gathered(&self.stream, &mut slices)?;
-        }
-        Ok(())
     }
 }
 
@@ -506,21 +513,27 @@ impl Connection for TcpConnection {
     }
 
     fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
+        self.post_all(vec![batch]).map(|ids| ids[0]).map_err(|(_, e)| e)
+    }
+
+    /// Every batch is checked before any goes; then all of them leave in
+    /// gathered writes together.
+    fn post_all(&mut self, batches: Vec<Batch>) -> Result<Vec<BatchId>, (Vec<BatchId>, TransportError)> {
         if let Some(e) = &self.closed {
-            return Err(e.clone());
+            return Err((Vec::new(), e.clone()));
         }
         let start = Instant::now();
-        let sources = self.sources(&batch)?;
-        let id = self.ledger.begin(batch.tag, batch.bytes(), start, ());
-        if let Err(e) = self.send_frames(id, &batch, &sources) {
+        let sources = batches.iter().map(|b| self.sources(b)).collect::<Result<Vec<_>, _>>().map_err(|e| (Vec::new(), e))?;
+        let posts: Vec<_> = batches.iter().zip(sources).map(|(b, s)| (self.ledger.begin(b.tag, b.bytes(), start, ()), b, s)).collect();
+        if let Err(e) = self.send_frames(&posts) {
             // Whatever was already sent is answered; the rest never will be.
-            self.ledger.withdraw(id);
+            posts.iter().for_each(|p| self.ledger.withdraw(p.0));
             self.closed = Some(TransportError::io("send write")(e));
-            return Err(self.closed.clone().expect("just set"));
+            return Err((Vec::new(), self.closed.clone().expect("just set")));
         }
-        self.ledger.seal(id, None);
-        self.hops.record(Hop::Post, start.elapsed(), batch.bytes());
-        Ok(id)
+        posts.iter().for_each(|p| self.ledger.seal(p.0, None));
+        self.hops.record(Hop::Post, start.elapsed(), batches.iter().map(Batch::bytes).sum());
+        Ok(posts.into_iter().map(|p| p.0).collect())
     }
 
     fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {
