@@ -144,6 +144,8 @@ struct Tx {
     key: [u8; 32],
     sent: u64,
     bytes: u64,
+    // Frames sealed and held back, to leave in one write with the next.
+    held: Vec<u8>,
 }
 
 impl Tx {
@@ -151,10 +153,38 @@ impl Tx {
         let f = seal_frame(&self.key, self.sent, m);
         self.sent += 1;
         before(f.len() as u64);
+        let out = match self.held.is_empty() {
+            true => f,
+            false => {
+                let mut out = std::mem::take(&mut self.held);
+                out.extend_from_slice(&f);
+                out
+            }
+        };
+        self.write(&out)
+    }
+
+    fn hold(&mut self, m: &PeerMsg) {
+        let f = seal_frame(&self.key, self.sent, m);
+        self.sent += 1;
+        self.held.extend_from_slice(&f);
+    }
+
+    fn flush(&mut self) -> Result<(), WireError> {
+        match self.held.is_empty() {
+            true => Ok(()),
+            false => {
+                let out = std::mem::take(&mut self.held);
+                self.write(&out)
+            }
+        }
+    }
+
+    fn write(&mut self, out: &[u8]) -> Result<(), WireError> {
         let io = |cause| WireError::Io { op: "send", cause };
         let mut w = &*self.stream;
-        w.write_all(&f).map_err(io)?;
-        self.bytes += f.len() as u64;
+        w.write_all(out).map_err(io)?;
+        self.bytes += out.len() as u64;
         w.flush().map_err(io)
     }
 }
@@ -179,7 +209,7 @@ impl Sealed {
         let (c2s, s2c) = (cred.subkey("kvwire-peer-client-to-server-v1"), cred.subkey("kvwire-peer-server-to-client-v1"));
         let (send_key, recv_key) = if client { (c2s, s2c) } else { (s2c, c2s) };
         let stream = Arc::new(stream);
-        let tx = Arc::new(Mutex::new(Tx { stream: stream.clone(), key: send_key, sent: 0, bytes: 0 }));
+        let tx = Arc::new(Mutex::new(Tx { stream: stream.clone(), key: send_key, sent: 0, bytes: 0, held: Vec::new() }));
         Sealed { stream, credential: cred, recv_key, received: 0, read_bytes: 0, tx }
     }
 
@@ -204,6 +234,14 @@ impl Sealed {
         self.tx.lock().expect("peer send lock").send(m, before)
     }
 
+    /// Seals one message and holds it back: it leaves with the next one
+    /// sent, in the same write (or before this side waits for an answer).
+    /// For a message that is never alone, such as a claim followed by its
+    /// manifest.
+    pub fn hold(&mut self, m: &PeerMsg) {
+        self.tx.lock().expect("peer send lock").hold(m)
+    }
+
     /// Another thread's way to send on this connection.
     pub fn outbox(&self) -> Outbox {
         Outbox(self.tx.clone())
@@ -211,6 +249,8 @@ impl Sealed {
 
     /// Receives one message and checks its seal before parsing it.
     pub fn recv(&mut self) -> Result<PeerMsg, WireError> {
+        // An answer to something held would never come.
+        self.tx.lock().expect("peer send lock").flush()?;
         let mut r = &*self.stream;
         let mut counted = Counted { inner: &mut r, n: 0 };
         let m = open_frame(&self.recv_key, self.received, &mut counted);

@@ -123,6 +123,14 @@ impl PeerLink {
         s.send(m).map_err(|e| LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)))
     }
 
+    /// Seals `m` to leave with the next message sent ([`Sealed::hold`]).
+    pub fn hold(&self, m: &PeerMsg) -> Result<(), LinkError> {
+        let mut c = self.conn.lock().expect("peer link lock");
+        let s = c.0.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
+        s.hold(m);
+        Ok(())
+    }
+
     /// Runs `f` on the session (for steps that send nothing by themselves).
     pub fn session<T>(&self, f: impl FnOnce(&mut SourceSession) -> T) -> T {
         f(&mut self.conn.lock().expect("peer link lock").1)

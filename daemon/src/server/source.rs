@@ -549,7 +549,14 @@ impl Daemon {
         let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err((Some(c), heard)) };
         let _ = c.stream().set_read_timeout(Some(REPLY_TIMEOUT));
         let l = link.insert(Arc::new(PeerLink::new(c, session, peer, timeouts.peer, self.announcements.clone())));
-        if let Err(e) = l.send(&claim) {
+        // A small transfer's manifest follows at once: the claim leaves
+        // with it, in one write (one wake-up of the destination, not two).
+        let small = g.devices.is_empty() && !s.stream && p.plan.counters.total_bytes_moved < SUBMIT_WAITS_BELOW;
+        let sent = match small {
+            true => l.hold(&claim),
+            false => l.send(&claim),
+        };
+        if let Err(e) = sent {
             tracing::debug!(peer = peer.name, error = %e, "kept peer connection is gone; offering on a new one");
             *link = None;
             return Err((None, heard));
