@@ -68,6 +68,9 @@ pub enum Memory {
     /// → host at the source and host → device at the destination. The
     /// decode side reads its device memory.
     StandIn,
+    /// One group of both kinds: even ranks in stand-in device memory, odd
+    /// ranks in host memfds.
+    Mixed,
     /// CUDA memory on device 0 (`[device] backend = "cuda"`), handed over
     /// by IPC handle; read back with cuMemcpyDtoH.
     #[cfg(feature = "cuda")]
@@ -85,7 +88,7 @@ impl RankMem {
     fn new(memory: Memory, image: &[u8]) -> Result<RankMem, ScenarioError> {
         let setup = |e: String| ScenarioError::Setup(e);
         match memory {
-            Memory::Host | Memory::StandIn => {
+            Memory::Host | Memory::StandIn | Memory::Mixed => {
                 let mem = HostMem::new("kvwire-e2e-rank", image.len() as u64).map_err(|e| setup(e.to_string()))?;
                 mem.write(0, image).map_err(|e| setup(e.to_string()))?;
                 Ok(RankMem::Host(mem))
@@ -103,6 +106,7 @@ impl RankMem {
     fn register(&self, c: &Client, memory: Memory, r: RegisterCache) -> Result<(), ScenarioError> {
         match (self, memory) {
             (RankMem::Host(mem), Memory::Host) => c.register(r, mem).map(|_| ()).map_err(step("register")),
+            (RankMem::Host(mem), Memory::Mixed) if r.rank % 2 == 1 => c.register(r, mem).map(|_| ()).map_err(step("register")),
             (RankMem::Host(mem), _) => {
                 let d = RegisterDeviceCache { cache: r, ordinal: 0, len: mem.len(), ipc: None };
                 c.register_device(d, Some(mem.fd())).map(|_| ()).map_err(step("register_device"))
@@ -355,6 +359,7 @@ fn engine_device(memory: Memory) -> Result<bool, ScenarioError> {
     match memory {
         Memory::Host => Ok(false),
         Memory::StandIn => Ok(true),
+        Memory::Mixed => Err(ScenarioError::Setup("engine tensors of mixed memory are not a scenario".into())),
         #[cfg(feature = "cuda")]
         Memory::Cuda => Err(ScenarioError::Setup("engine tensors in CUDA memory are not a scenario".into())),
     }

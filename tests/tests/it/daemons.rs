@@ -921,6 +921,47 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
 }
 
 #[test]
+fn groups_of_device_and_host_ranks_stage_only_their_device_ranks_and_decode_bitwise() {
+    let _shared = crate::shared();
+    // Both groups mix memories: even ranks in (stand-in) device memory,
+    // odd ranks in host memfds. The source's ring takes device ranks'
+    // bytes by device → host copies and host ranks' by plain copies; the
+    // destination copies host → device only into its device rank.
+    let p = device_pair("mixed");
+    for (name, prefix) in [("mixed", 0), ("mixed-prefix", 40)] {
+        let mut sc = Scenario::new(name);
+        sc.memory = scenario::Memory::Mixed;
+        sc.prefix = prefix;
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        let ranks = |st: &kvwire_client::control::TransferStatus, hop: &str| -> Vec<(u32, u64)> {
+            let h = st.hops.iter().find(|h| h.hop == hop).unwrap_or_else(|| panic!("{name}: no `{hop}` hop in {:?}", st.hops));
+            h.ranks.iter().map(|r| (r.rank, r.bytes)).collect()
+        };
+        // Only device ranks were copied from the device, and only the
+        // device rank was copied to it; every rank moved bytes.
+        let staged = ranks(&o.source, "stage");
+        assert_eq!(staged.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0, 2], "{name}: {staged:?}");
+        assert!(staged.iter().all(|r| r.1 > 0) && staged.iter().map(|r| r.1).sum::<u64>() < o.source.bytes, "{name}: {staged:?} of {}", o.source.bytes);
+        let landed = ranks(&o.destination, "device_complete");
+        assert_eq!(landed.iter().map(|r| r.0).collect::<Vec<_>>(), vec![0], "{name}: {landed:?}");
+        assert!(landed[0].1 > 0 && landed[0].1 < o.destination.bytes, "{name}: {landed:?} of {}", o.destination.bytes);
+        // The ring's rules hold with host ranks in it: a slot is reused
+        // only after its writes, and the source is released at the last
+        // layer's copies.
+        let src = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no source mark {m}: {:?}", o.source.marks));
+        for l in 0..4usize {
+            assert!(src(&format!("host_staged({l})")) <= src(&format!("sent({l})")), "{name}: {:?}", o.source.marks);
+            if l + 2 < 4 {
+                assert!(src(&format!("sent({l})")) <= src(&format!("staging({})", l + 2)), "{name}: slot of layer {l} reused early: {:?}", o.source.marks);
+            }
+        }
+        assert!(src("host_staged(3)") <= src("source_released"), "{name}: {:?}", o.source.marks);
+        assert!(o.source.staging_bytes > 0 && o.source.staging_bytes < o.source.bytes, "{name}: {:?}", o.source);
+    }
+}
+
+#[test]
 fn a_device_source_ring_of_any_depth_reuses_a_slot_only_after_its_writes_with_slow_copies() {
     let _shared = crate::shared();
     let dev = "[device]\nbackend = \"host\"\n";
