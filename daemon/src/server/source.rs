@@ -175,41 +175,62 @@ impl Daemon {
         let (rails, prefer) = rails_of(&accept);
         let size = Size::of(&g, &p);
         let (g, peer_slot, dst_request) = (Arc::new(g), accept.slot, s.dst_request.clone());
+        let dst_request_here = dst_request.clone();
         // Packed first: the checksums then read gathered segments from
         // staging in one piece, not run by run from the cache again.
-        let (sg, sp) = (g.clone(), p.clone());
+        let (sg, sp, sa) = (g.clone(), p.clone(), accept.clone());
         let start = move |d: &Daemon, link: &Arc<PeerLink>| -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
             let stage = d.pack(id, &sg, &sp, codec)?;
             d.keeping_stage(stage, |st| {
-                d.expect(id, &sg, &dst_request, &sp, codec, &accept, st.map(|r| &**r), beside, link)?;
-                batches(&sg, &sp, &accept, codec, st)
+                d.expect(id, &sg, &dst_request, &sp, codec, &sa, st.map(|r| &**r), beside, link)?;
+                batches(&sg, &sp, &sa, codec, st)
             })
         };
         // A large submit is answered once the transfer is planned and its
         // slot claimed: packing, hashing and the manifest run on the
         // transfer thread, not on the engine's call (a failure there fails
-        // the transfer, as one on the wire does). A small one's take less
-        // than the hand-off, and go before the answer.
-        let early = match size.counters.total_bytes_moved < SUBMIT_WAITS_BELOW {
-            true => Some(start(self, &l)?),
+        // the transfer, as one on the wire does). A small one is packed
+        // here, and its writes start on the transfer thread while this one
+        // hashes and sends the manifest: the destination granted the keys
+        // before it accepted or announced, and needs the manifest only to
+        // verify. Both go before the answer.
+        let small = size.counters.total_bytes_moved < SUBMIT_WAITS_BELOW;
+        let early = match small {
+            true => Some(self.keeping_stage(self.pack(id, &g, &p, codec)?, |st| batches(&g, &p, &accept, codec, st))?),
             false => None,
         };
+        let stage_here = early.as_ref().and_then(|(st, _)| st.clone());
+        let (manifest_out, manifest_sent) = mpsc::sync_channel::<bool>(1);
+        let (mg, mp) = (g.clone(), p.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
             let (stage, batches) = match early.map_or_else(|| start(d, link), Ok) {
                 Ok(x) => x,
                 Err(r) => return (total, Err(r.message)),
             };
-            let hashing = beside.then(|| d.hash_beside(id, g, p, codec, stage.clone(), link.clone(), stop.clone()));
+            let hashing = beside.then(|| d.hash_beside(id, mg, mp, codec, stage.clone(), link.clone(), stop.clone()));
             let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
             // Every layer's checksums are out before `Done`: after it the
-            // destination reads nothing more until it gives its verdict.
+            // destination reads nothing more until it gives its verdict. A
+            // small transfer's manifest went beside its writes; its stage,
+            // which the manifest hashed, is kept until it is out.
+            let manifest = match small {
+                true => manifest_sent.recv().unwrap_or(false).then_some(()).ok_or_else(|| "the manifest did not go out".to_string()),
+                false => Ok(()),
+            };
             let hashed = hashing.map_or(Ok(()), |rx| rx.recv().unwrap_or_else(|_| Err("the hashing job ended without a word".into())));
             // Every write completed or failed, and the hashing job ended: nothing reads it now.
             d.drop_stage(stage);
-            (total, moved.and(hashed))
+            (total, moved.and(manifest).and(hashed))
         };
-        self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), mover)
+        let reply = self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), mover)?;
+        if small {
+            let sent = self.expect(id, &g, &dst_request_here, &p, codec, &accept, stage_here.as_deref(), false, &l);
+            drop(stage_here);
+            let _ = manifest_out.send(sent.is_ok());
+            sent?;
+        }
+        Ok(reply)
     }
 
     /// Hashes a transfer's layers in order on a worker, sending each one's
