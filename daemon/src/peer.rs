@@ -130,6 +130,9 @@ pub const SEAL_LEN: usize = 32;
 #[derive(Debug)]
 pub struct Sealed {
     stream: Arc<TcpStream>,
+    // Frames are read through a buffer: a frame's length, body and seal,
+    // and the frames that came with it, in one system call.
+    reader: std::io::BufReader<Shared>,
     credential: Credential,
     recv_key: [u8; 32],
     received: u64,
@@ -210,7 +213,8 @@ impl Sealed {
         let (send_key, recv_key) = if client { (c2s, s2c) } else { (s2c, c2s) };
         let stream = Arc::new(stream);
         let tx = Arc::new(Mutex::new(Tx { stream: stream.clone(), key: send_key, sent: 0, bytes: 0, held: Vec::new() }));
-        Sealed { stream, credential: cred, recv_key, received: 0, read_bytes: 0, tx }
+        let reader = std::io::BufReader::with_capacity(READ_BUFFER, Shared(stream.clone()));
+        Sealed { stream, reader, credential: cred, recv_key, received: 0, read_bytes: 0, tx }
     }
 
     /// The connection's data-plane session.
@@ -251,8 +255,7 @@ impl Sealed {
     pub fn recv(&mut self) -> Result<PeerMsg, WireError> {
         // An answer to something held would never come.
         self.tx.lock().expect("peer send lock").flush()?;
-        let mut r = &*self.stream;
-        let mut counted = Counted { inner: &mut r, n: 0 };
+        let mut counted = Counted { inner: &mut self.reader, n: 0 };
         let m = open_frame(&self.recv_key, self.received, &mut counted);
         self.read_bytes += counted.n;
         let m = m?;
@@ -265,6 +268,9 @@ impl Sealed {
     pub fn pending(&self) -> std::io::Result<bool> {
         use nix::sys::socket::{recv, MsgFlags};
         use std::os::fd::AsRawFd;
+        if !self.reader.buffer().is_empty() {
+            return Ok(true);
+        }
         // One peek that does not wait, leaving the socket blocking.
         match recv(self.stream.as_raw_fd(), &mut [0u8; 1], MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
             Ok(0) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed by the peer")),
@@ -283,6 +289,20 @@ impl Sealed {
     /// far (its handshake not included). Cumulative.
     pub fn frame_bytes(&self) -> u64 {
         self.read_bytes + self.tx.lock().expect("peer send lock").bytes
+    }
+}
+
+/// Bytes a connection reads ahead: several control frames (a claim and
+/// its manifest are about 3 KiB); a larger one's body bypasses it.
+const READ_BUFFER: usize = 16 << 10;
+
+/// The socket as a reader owned beside its other handles.
+#[derive(Debug)]
+struct Shared(Arc<TcpStream>);
+
+impl Read for Shared {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        (&*self.0).read(buf)
     }
 }
 
