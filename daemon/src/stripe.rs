@@ -159,6 +159,16 @@ struct Shared {
     lanes: Vec<LaneState>,
     // Rail threads not yet returned: the watchdog ends when this reaches 0.
     running: usize,
+    // Rail threads waiting on the condvar: a change wakes them only when
+    // there are any (a lone rail never waits, and a wake is a system call).
+    sleeping: usize,
+}
+
+/// Wakes the rails waiting for a change of `shared`, if any.
+fn wake(shared: &Mutex<Shared>, cv: &Condvar) {
+    if shared.lock().expect("stripe lock").sleeping > 0 {
+        cv.notify_all();
+    }
 }
 
 /// What the watchdog sees of a rail.
@@ -239,6 +249,7 @@ pub fn run(
             failures: Vec::new(),
             lanes: rails.iter().map(|_| LaneState { up: true, ..LaneState::default() }).collect(),
             running: rails.len(),
+            sleeping: 0,
         }),
         Condvar::new(),
     ));
@@ -253,7 +264,7 @@ pub fn run(
         let run_lane = move |i: usize, rail: &RailAddr| {
             let r = lane(i, slices, prefer, rail, (connect, park), settings, event, shared, cv);
             shared.lock().expect("stripe lock").running -= 1;
-            cv.notify_all();
+            wake(shared, cv);
             r
         };
         let others: Vec<_> = rails.iter().enumerate().skip(1).map(|(i, rail)| scope.spawn(move || run_lane(i, rail))).collect();
@@ -299,7 +310,7 @@ fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupt
     if sh.fatal.is_some() {
         sh.interrupt_all();
         drop(sh);
-        cv.notify_all();
+        wake(shared, cv);
         return true;
     }
     // A stalled rail is given up only while another can take its
@@ -435,13 +446,15 @@ impl Lane<'_> {
             return Step::Stop;
         }
         if self.inflight.is_empty() {
-            let sh = self.lock();
+            let mut sh = self.lock();
             if sh.done == self.slices.len() || sh.fatal.is_some() {
                 return Step::Stop;
             }
             // Others hold the last slices: wait for them to finish, or to
             // fail and hand theirs back.
-            let _ = self.cv.wait_timeout(sh, Duration::from_millis(20));
+            sh.sleeping += 1;
+            let (mut sh, _) = self.cv.wait_timeout(sh, Duration::from_millis(20)).expect("stripe lock");
+            sh.sleeping -= 1;
             return Step::Go;
         }
         self.reap(conn)
@@ -511,7 +524,7 @@ impl Lane<'_> {
                     let mut sh = self.lock();
                     sh.fatal.get_or_insert(format!("peer refused a write on rail `{}`: {why}", self.rail.name));
                     drop(sh);
-                    self.cv.notify_all();
+                    wake(self.shared, self.cv);
                     return Step::Stop;
                 }
                 Err(e) => {
@@ -538,7 +551,7 @@ impl Lane<'_> {
             sh.lanes[self.me].inflight -= 1;
             sh.lanes[self.me].last_progress = Some(now);
         }
-        self.cv.notify_all();
+        wake(self.shared, self.cv);
         (self.event)(self.rail, RailEvent::Completed(bytes));
     }
 
@@ -562,7 +575,7 @@ impl Lane<'_> {
             sh.fatal = Some(format!("every rail failed: {}", sh.failures.join("; ")));
         }
         drop(sh);
-        self.cv.notify_all();
+        wake(self.shared, self.cv);
         tracing::warn!(rail = rail.name, addr = rail.addr, why, resent, "rail failed; its slices go to the others");
         (self.event)(rail, RailEvent::Failed(resent, &why));
         self.use_.failed = Some(why);
