@@ -14,7 +14,7 @@
 
 use crate::mem::{HostMem, MemError};
 use kvwire_core::protocol::Tag;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,10 @@ pub struct FlagTable {
     mem: Arc<HostMem>,
     slots: u16,
     layers: u16,
+    // A table only this process waits on counts its sleeping waiters, so
+    // a publish nobody sleeps on makes no system call. A shared page's
+    // waiters are in other processes too: every publish wakes.
+    sleepers: Option<Arc<AtomicU32>>,
 }
 
 /// The word value of a flag whose transfer failed: waiters stop waiting.
@@ -78,7 +82,26 @@ impl FlagTable {
     pub fn new(slots: u16, layers: u16) -> Result<FlagTable, MemError> {
         // Clients map it read-only: only this process publishes.
         let mem = HostMem::new_for_readers("kvwire-flags", u64::from(slots) * u64::from(layers) * 8)?;
-        Ok(FlagTable { mem: Arc::new(mem), slots, layers })
+        Ok(FlagTable { mem: Arc::new(mem), slots, layers, sleepers: None })
+    }
+
+    /// A table that only this process maps and waits on (never shared
+    /// with a client): a publish wakes only when a waiter sleeps.
+    pub fn private(slots: u16, layers: u16) -> Result<FlagTable, MemError> {
+        Ok(FlagTable { sleepers: Some(Arc::new(AtomicU32::new(0))), ..FlagTable::new(slots, layers)? })
+    }
+
+    /// Wakes the waiters of `w` (just stored), unless none can be asleep.
+    fn wake(&self, w: &AtomicU64) {
+        if let Some(s) = &self.sleepers {
+            // Pairs with the waiter's count before its futex wait: either
+            // it is counted here, or its wait sees the word changed.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if s.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+        }
+        futex_wake(w);
     }
 
     /// The memory holding the words (to share with a client).
@@ -89,7 +112,7 @@ impl FlagTable {
     /// Maps a flag page received from a daemon (read-only use by clients).
     pub fn from_mem(mem: Arc<HostMem>, slots: u16, layers: u16) -> Result<FlagTable, MemError> {
         mem.check(0, u64::from(slots) * u64::from(layers) * 8)?;
-        Ok(FlagTable { mem, slots, layers })
+        Ok(FlagTable { mem, slots, layers, sleepers: None })
     }
 
     /// Transfer slots (rows) of the table.
@@ -128,7 +151,7 @@ impl FlagTable {
                 let now = monotonic_ns().max(1);
                 let now = if now as u32 == 0 { now + 1 } else { now };
                 w.store(now, Ordering::Release);
-                futex_wake(w);
+                self.wake(w);
                 true
             }
             None => false,
@@ -139,7 +162,7 @@ impl FlagTable {
     pub fn fail(&self, tag: Tag) {
         if let Some(w) = self.word_mut(tag) {
             if w.compare_exchange(0, FAILED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                futex_wake(w);
+                self.wake(w);
             }
         }
     }
@@ -176,7 +199,13 @@ impl FlagTable {
             if spins < 200 {
                 std::hint::spin_loop();
             } else if let Some(w) = self.word(tag) {
+                if let Some(s) = &self.sleepers {
+                    s.fetch_add(1, Ordering::SeqCst);
+                }
                 futex_wait(w, 0, (timeout - waited).min(Duration::from_millis(50)));
+                if let Some(s) = &self.sleepers {
+                    s.fetch_sub(1, Ordering::SeqCst);
+                }
             } else {
                 // Outside the table: nothing will ever be published there.
                 std::thread::sleep((timeout - waited).min(Duration::from_millis(50)));

@@ -156,7 +156,7 @@ impl std::fmt::Debug for Daemon {
 /// into this daemon declared at expect, so writes under made-up tags are
 /// refused before they land and leave nothing behind.
 fn flags_placement() -> anyhow::Result<Arc<Placement>> {
-    Ok(Arc::new(Placement::new(FlagTable::new(FLAG_SLOTS, MAX_TRANSFER_LAYERS)?, Arc::new(Hops::default())).declared_only()))
+    Ok(Arc::new(Placement::new(FlagTable::private(FLAG_SLOTS, MAX_TRANSFER_LAYERS)?, Arc::new(Hops::default())).declared_only()))
 }
 
 /// Reads `len` bytes of a mapping.

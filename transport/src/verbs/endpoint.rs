@@ -148,7 +148,7 @@ impl VerbsEndpoint {
         let (registry, placement) = match shared_with {
             Some(s) => s,
             None => {
-                let flags = FlagTable::new(limits.slots, limits.layers)?;
+                let flags = FlagTable::private(limits.slots, limits.layers)?;
                 let placement = Placement::new(flags, Arc::new(Hops::default()));
                 let placement = if limits.declared_only { placement.declared_only() } else { placement };
                 (Arc::new(Registry::new(limits.max_regions)), Arc::new(placement))

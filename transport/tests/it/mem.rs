@@ -57,6 +57,29 @@ fn a_page_for_readers_is_written_only_by_its_creator() {
 }
 
 #[test]
+fn a_private_table_wakes_its_own_sleeping_waiters_and_skips_the_wake_for_none() {
+    use kvwire_transport::flags::WaitError;
+    use kvwire_transport::{FlagTable, Tag};
+    use std::time::Duration;
+    // A table only this process waits on counts its sleepers: a publish
+    // with none asleep makes no wake-up call, and one with sleepers wakes
+    // them. Waiters here are past their spins long before the publish.
+    let table = FlagTable::private(2, 4).unwrap();
+    let (ready, failed, early) = (Tag { slot: 0, layer: 1 }, Tag { slot: 1, layer: 3 }, Tag { slot: 1, layer: 0 });
+    assert!(table.publish(early));
+    assert!(table.wait(early, Duration::from_secs(1)).is_ok(), "published before anyone waited");
+    std::thread::scope(|s| {
+        let a = s.spawn(|| table.wait(ready, Duration::from_secs(30)));
+        let b = s.spawn(|| table.wait(failed, Duration::from_secs(30)));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(table.publish(ready));
+        table.fail(failed);
+        assert!(a.join().unwrap().is_ok());
+        assert_eq!(b.join().unwrap(), Err(WaitError::Failed { slot: 1, layer: 3 }));
+    });
+}
+
+#[test]
 fn a_reader_asleep_on_a_flag_is_woken_by_its_publish_and_by_its_failure() {
     use kvwire_transport::flags::WaitError;
     use kvwire_transport::{FlagTable, Tag};
