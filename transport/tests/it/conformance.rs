@@ -179,6 +179,45 @@ pub fn mixed_run_sizes(p: &mut Pair) {
     dst.assert_guards();
 }
 
+/// Several batches in one post land and complete each as its own. When a
+/// later batch of the list fails its local check, the ids returned are
+/// the batches that went: each completes, and nothing of the rest lands.
+pub fn batches_posted_together(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 9, 3 * 4096);
+    let (src, data) = source(&*p.src, 3 * 4096, 9);
+    let batch = |layer: u16| Batch { tag: tag(9, layer), writes: vec![w(&src, u64::from(layer) * 4096, &dst.region, u64::from(layer) * 4096, 4096)] };
+    for layer in 0..3 {
+        p.dst.placement().expect(tag(9, layer), 4096).unwrap();
+    }
+    let ids = p.conn().post_all(vec![batch(0), batch(1)]).unwrap();
+    assert_eq!(ids.len(), 2);
+    let done = complete(p.conn(), 2);
+    assert!(ids.iter().all(|id| done.iter().any(|c| c.batch == *id && c.result == Ok(()))), "{done:?}");
+    // The second batch reads past its source region.
+    let bad = Batch { tag: tag(9, 3), writes: vec![w(&src, 3 * 4096 - 100, &dst.region, 0, 200)] };
+    let (posted, e) = p.conn().post_all(vec![batch(2), bad]).unwrap_err();
+    assert!(matches!(e, TransportError::Source(_)), "{e}");
+    assert!(posted.len() <= 1, "{posted:?}");
+    let done = complete(p.conn(), posted.len());
+    assert!(done.iter().all(|c| c.result == Ok(())), "{done:?}");
+    for layer in 0..2 {
+        p.dst.placement().wait(tag(9, layer), WAIT).unwrap();
+    }
+    let got = dst.bytes();
+    assert!(got[..2 * 4096] == data[..2 * 4096], "the batches posted together landed");
+    match posted.is_empty() {
+        true => {
+            assert_eq!(p.dst.placement().placed_bytes(tag(9, 2)), 0, "a batch not posted placed bytes");
+            assert!(got[2 * 4096..].iter().all(|&b| b == CANARY), "a batch not posted wrote");
+        }
+        false => {
+            p.dst.placement().wait(tag(9, 2), WAIT).unwrap();
+            assert!(got.len() == 3 * 4096 && dst.bytes()[2 * 4096..] == data[2 * 4096..], "the batch posted before the bad one landed");
+        }
+    }
+    dst.assert_guards();
+}
+
 pub fn layers_publish_only_after_their_last_byte(p: &mut Pair) {
     let dst = Window::new(&*p.dst, 3, 3 * 4096);
     let (src, data) = source(&*p.src, 3 * 4096, 11);
@@ -499,7 +538,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@each (|| $make()));
     };
     (@each $make:tt) => {
-        $crate::conformance_tests!(@case $make, one_segment, scatter, mixed_run_sizes, layers_publish_only_after_their_last_byte,
+        $crate::conformance_tests!(@case $make, one_segment, scatter, mixed_run_sizes, batches_posted_together, layers_publish_only_after_their_last_byte,
             source_released_after_local_completion, bad_writes_fail_alone, local_source_checked_before_sending,
             overrun_never_publishes, a_range_written_twice_counts_once, refusals_are_the_shared_ones,
             framing_bytes_are_what_the_connection_sent);
