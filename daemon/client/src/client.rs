@@ -67,7 +67,7 @@ pub struct Client {
     pub node: String,
     flags: FlagTable,
     /// `notify` samples of waits on the mapped page not yet sent: they go
-    /// ahead of the next call (or at drop), never on the wait's own path.
+    /// with the next call (or at drop), never on the wait's own path.
     notified: Mutex<Vec<u64>>,
     /// The daemon takes them unanswered ([`Request::NotifiedQuiet`]).
     quiet_notify: bool,
@@ -91,15 +91,18 @@ impl Client {
     }
 
     /// One request, one reply. `notify` samples waiting to go are sent
-    /// just ahead of it, pipelined: the request pays no extra round trip.
+    /// with it, pipelined: the request pays no extra round trip. Taken
+    /// unanswered, they go just behind it, so the daemon answers the
+    /// request before it reads them; answered, just ahead.
     pub fn call(&self, req: &Request, fds: &[std::os::fd::RawFd]) -> Result<Reply, ClientError> {
         let notify_ns = std::mem::take(&mut *self.notified.lock().expect("notified lock"));
         if notify_ns.is_empty() {
             return self.call_now(req, fds);
         }
         if self.quiet_notify {
+            wire::send_unix(&self.sock, req, fds)?;
             wire::send_unix(&self.sock, &Request::NotifiedQuiet { notify_ns }, &[])?;
-            return self.call_now(req, fds);
+            return self.reply();
         }
         wire::send_unix(&self.sock, &Request::Notified { notify_ns }, &[])?;
         wire::send_unix(&self.sock, req, fds)?;
