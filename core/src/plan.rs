@@ -32,8 +32,8 @@ use crate::shard::{LayoutSpec, MemLayout, RegionId, ShardError, ShardMap, TableK
 use crate::tensors::{rank_tensors, Expected, KvOrder, RankTensors, Strides, TensorError};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
 use std::ops::Range;
+use std::sync::Arc;
 
 /// One side (source or destination) of a transfer, resolved for a request.
 #[derive(Debug, Clone)]
