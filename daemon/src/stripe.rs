@@ -164,9 +164,12 @@ struct Shared {
     sleeping: usize,
 }
 
-/// Wakes the rails waiting for a change of `shared`, if any.
-fn wake(shared: &Mutex<Shared>, cv: &Condvar) {
-    if shared.lock().expect("stripe lock").sleeping > 0 {
+/// Releases `sh`, the lock under which the caller changed the state, and
+/// wakes the rails waiting for a change, if any.
+fn wake(sh: std::sync::MutexGuard<'_, Shared>, cv: &Condvar) {
+    let any = sh.sleeping > 0;
+    drop(sh);
+    if any {
         cv.notify_all();
     }
 }
@@ -263,8 +266,9 @@ pub fn run(
         let (shared, cv) = (&sync.0, &sync.1);
         let run_lane = move |i: usize, rail: &RailAddr| {
             let r = lane(i, slices, prefer, rail, (connect, park), settings, event, shared, cv);
-            shared.lock().expect("stripe lock").running -= 1;
-            wake(shared, cv);
+            let mut sh = shared.lock().expect("stripe lock");
+            sh.running -= 1;
+            wake(sh, cv);
             r
         };
         let others: Vec<_> = rails.iter().enumerate().skip(1).map(|(i, rail)| scope.spawn(move || run_lane(i, rail))).collect();
@@ -309,8 +313,7 @@ fn watchdog(shared: &Mutex<Shared>, cv: &Condvar, settings: &Settings, interrupt
     }
     if sh.fatal.is_some() {
         sh.interrupt_all();
-        drop(sh);
-        wake(shared, cv);
+        wake(sh, cv);
         return true;
     }
     // A stalled rail is given up only while another can take its
@@ -523,8 +526,7 @@ impl Lane<'_> {
                 Err(TransportError::Refused(why)) => {
                     let mut sh = self.lock();
                     sh.fatal.get_or_insert(format!("peer refused a write on rail `{}`: {why}", self.rail.name));
-                    drop(sh);
-                    wake(self.shared, self.cv);
+                    wake(sh, self.cv);
                     return Step::Stop;
                 }
                 Err(e) => {
@@ -545,13 +547,11 @@ impl Lane<'_> {
         self.use_.bytes += bytes;
         self.use_.slices += 1;
         self.writes += self.slices[i].writes.len() as u64;
-        {
-            let mut sh = self.lock();
-            sh.done += 1;
-            sh.lanes[self.me].inflight -= 1;
-            sh.lanes[self.me].last_progress = Some(now);
-        }
-        wake(self.shared, self.cv);
+        let mut sh = self.lock();
+        sh.done += 1;
+        sh.lanes[self.me].inflight -= 1;
+        sh.lanes[self.me].last_progress = Some(now);
+        wake(sh, self.cv);
         (self.event)(self.rail, RailEvent::Completed(bytes));
     }
 
@@ -574,8 +574,7 @@ impl Lane<'_> {
         if sh.alive == 0 && sh.done < self.slices.len() && sh.fatal.is_none() {
             sh.fatal = Some(format!("every rail failed: {}", sh.failures.join("; ")));
         }
-        drop(sh);
-        wake(self.shared, self.cv);
+        wake(sh, self.cv);
         tracing::warn!(rail = rail.name, addr = rail.addr, why, resent, "rail failed; its slices go to the others");
         (self.event)(rail, RailEvent::Failed(resent, &why));
         self.use_.failed = Some(why);
