@@ -153,34 +153,35 @@ struct Tx {
 
 impl Tx {
     fn send(&mut self, m: &PeerMsg, before: impl FnOnce(u64)) -> Result<(), WireError> {
-        let f = seal_frame(&self.key, self.sent, m);
-        self.sent += 1;
+        let f = self.seal(m);
         before(f.len() as u64);
-        let out = match self.held.is_empty() {
-            true => f,
+        match self.held.is_empty() {
+            true => self.write(&f),
             false => {
-                let mut out = std::mem::take(&mut self.held);
-                out.extend_from_slice(&f);
-                out
+                self.held.extend_from_slice(&f);
+                self.flush()
             }
-        };
-        self.write(&out)
+        }
     }
 
     fn hold(&mut self, m: &PeerMsg) {
-        let f = seal_frame(&self.key, self.sent, m);
-        self.sent += 1;
+        let f = self.seal(m);
         self.held.extend_from_slice(&f);
     }
 
+    /// The next frame: `m` sealed under this direction's next number.
+    fn seal(&mut self, m: &PeerMsg) -> Vec<u8> {
+        let f = seal_frame(&self.key, self.sent, m);
+        self.sent += 1;
+        f
+    }
+
     fn flush(&mut self) -> Result<(), WireError> {
-        match self.held.is_empty() {
-            true => Ok(()),
-            false => {
-                let out = std::mem::take(&mut self.held);
-                self.write(&out)
-            }
+        if self.held.is_empty() {
+            return Ok(());
         }
+        let out = std::mem::take(&mut self.held);
+        self.write(&out)
     }
 
     fn write(&mut self, out: &[u8]) -> Result<(), WireError> {
