@@ -194,7 +194,7 @@ impl Daemon {
         // hashes and sends the manifest: the destination granted the keys
         // before it accepted or announced, and needs the manifest only to
         // verify. Both go before the answer.
-        let small = size.counters.total_bytes_moved < SUBMIT_WAITS_BELOW;
+        let small = starts_on_submit(&g, &s, &p);
         let early = match small {
             true => Some(self.keeping_stage(self.pack(id, &g, &p, codec)?, |st| batches(&g, &p, &accept, codec, st))?),
             false => None,
@@ -572,8 +572,7 @@ impl Daemon {
         let l = link.insert(Arc::new(PeerLink::new(c, session, peer, timeouts.peer, self.announcements.clone())));
         // A small transfer's manifest follows at once: the claim leaves
         // with it, in one write (one wake-up of the destination, not two).
-        let small = g.devices.is_empty() && !s.stream && p.plan.counters.total_bytes_moved < SUBMIT_WAITS_BELOW;
-        let sent = match small {
+        let sent = match starts_on_submit(g, s, &p) {
             true => l.hold(&claim),
             false => l.send(&claim),
         };
@@ -993,6 +992,13 @@ const IN_PLACE_MIN: u64 = 128 << 10;
 /// `decoder_usable` than leaving it to the transfer thread, while at 1 MiB
 /// the transfer thread doing it answered the engine 0.26 ms sooner.
 const SUBMIT_WAITS_BELOW: u64 = 256 << 10;
+
+/// Whether a submit packs its transfer and starts its writes before it
+/// answers (a small one from host memory, not streamed): its manifest then
+/// goes from the submitting thread, beside the writes.
+fn starts_on_submit(g: &SourceGroup, s: &Submit, p: &Planned) -> bool {
+    g.devices.is_empty() && !s.stream && p.plan.counters.total_bytes_moved < SUBMIT_WAITS_BELOW
+}
 
 /// Bytes of the source's staging buffer: the schedule's staging layout,
 /// or none when no staged segment is gathered.
