@@ -867,7 +867,7 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
             assert!(busiest <= h.ns && h.ns <= sum, "union {} outside [{busiest}, {sum}]: {h:?}", h.ns);
         }
         // device_complete(L) precedes layer_ready(L) on the destination's clock.
-        let at = |m: &str| o.destination.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("no mark {m}"));
+        let at = |m: &str| mark_at(name, &o.destination, m);
         for l in 0..4 {
             assert!(at(&format!("device_complete({l})")) <= at(&format!("layer_ready({l})")), "{name}: layer {l}: {:?}", o.destination.marks);
         }
@@ -875,7 +875,7 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
         // this layer's writes: its first write goes out before the last
         // layer's device → host copies complete (they are only started
         // once layer 1 was moved), and every copy ends before the release.
-        let src = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no source mark {m}: {:?}", o.source.marks));
+        let src = |m: &str| mark_at(name, &o.source, m);
         for l in 1..4 {
             assert!(src(&format!("host_staged({})", l - 1)) <= src(&format!("host_staged({l})")), "{name}: {:?}", o.source.marks);
         }
@@ -949,7 +949,7 @@ fn groups_of_device_and_host_ranks_stage_only_their_device_ranks_and_decode_bitw
         // The ring's rules hold with host ranks in it: a slot is reused
         // only after its writes, and the source is released at the last
         // layer's copies.
-        let src = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no source mark {m}: {:?}", o.source.marks));
+        let src = |m: &str| mark_at(name, &o.source, m);
         for l in 0..4usize {
             assert!(src(&format!("host_staged({l})")) <= src(&format!("sent({l})")), "{name}: {:?}", o.source.marks);
             if l + 2 < 4 {
@@ -981,7 +981,7 @@ fn a_device_source_ring_of_any_depth_reuses_a_slot_only_after_its_writes_with_sl
         sc.stream = true;
         let o = run(&p, &sc).unwrap();
         assert_bitwise(&o);
-        let at = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("no mark {m}: {:?}", o.source.marks));
+        let at = |m: &str| mark_at("", &o.source, m);
         for l in 0..4 {
             assert!(at(&format!("produced({l})")) <= at(&format!("staging({l})")), "{:?}", o.source.marks);
             if l + depth < 4 {
@@ -999,8 +999,13 @@ fn a_device_source_ring_of_any_depth_reuses_a_slot_only_after_its_writes_with_sl
 /// released at its last copies, before its last writes complete. It holds
 /// `depth` layers' bytes (their footprint and what it packs; the layers
 /// here are alike), not the transfer's.
+/// When mark `m` was reached in `st`, for scenario `name`; a missing mark fails the test.
+pub(crate) fn mark_at(name: &str, st: &kvwire_client::control::TransferStatus, m: &str) -> u64 {
+    st.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no mark {m}: {:?}", st.marks))
+}
+
 pub(crate) fn assert_ring(name: &str, st: &kvwire_client::control::TransferStatus, depth: usize, layers: usize) {
-    let at = |m: &str| st.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("{name}: no source mark {m}: {:?}", st.marks));
+    let at = |m: &str| mark_at(name, st, m);
     for l in 0..layers {
         assert!(at(&format!("staging({l})")) <= at(&format!("host_staged({l})")), "{name}: {:?}", st.marks);
         assert!(at(&format!("host_staged({l})")) <= at(&format!("sent({l})")), "{name}: {:?}", st.marks);

@@ -425,7 +425,7 @@ fn a_device_source_over_a_slow_link_copies_ahead_and_reuses_a_slot_only_after_it
     crate::daemons::assert_ring(name, &o.source, 2, 4);
     // The stand-in's events say when its stream ended each layer's copies:
     // each next layer's ended while this layer's writes were still out.
-    let at = |m: &str| o.source.marks.iter().find(|k| k.name == m).map(|k| k.at_ns).unwrap_or_else(|| panic!("no mark {m}: {:?}", o.source.marks));
+    let at = |m: &str| crate::daemons::mark_at("", &o.source, m);
     for l in 0..3 {
         assert!(at(&format!("host_staged({})", l + 1)) < at(&format!("sent({l})")), "layer {}'s copies ended after layer {l}'s writes: {:?}", l + 1, o.source.marks);
     }
