@@ -201,7 +201,7 @@ impl Side {
         if let Some(rt) = self.engine.get(rank as usize) {
             let mut out: Vec<(RegionId, Option<u64>)> = rt.windows.iter().map(|w| (w.id, Some(w.len))).collect();
             // A tensor's size must fit too: regions are windows of it.
-            if rt.tensors.iter().any(|t| t.shape.iter().try_fold(t.elem_bytes, |a, &n| a.checked_mul(n)).is_none()) {
+            if rt.tensors.iter().any(|t| t.bytes_checked().is_none()) {
                 out.push((RegionId { layer: 0, tensor: Tensor::K }, None));
             }
             return out;

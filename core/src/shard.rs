@@ -131,12 +131,14 @@ fn opt_err(key: &str, reason: impl Into<String>) -> ShardError {
 }
 
 impl LayoutSpec {
-    /// Parses `tp=8,pp=2,pp_layers=27,27,26,block=16,layout=nhd,row_align=64,block_align=4096`.
+    /// Parses `tp=8,pp=2,pp_layers=27,27,26,block=16,layout=nhd,row_align=64,block_align=4096`,
+    /// or with engine tensors `tp=2,block=16,kv=vllm_nhd,pad=b256`.
     /// Values of `pp_layers` may also be separated by `:`.
     pub fn parse(text: &str) -> Result<Self, ShardError> {
         let mut spec = LayoutSpec::default();
         let mut pairs: Vec<(String, String)> = Vec::new();
         let mut layout_key = false;
+        let mut pad = None;
         for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             match part.split_once('=') {
                 Some((k, v)) => pairs.push((k.trim().to_string(), v.trim().to_string())),
@@ -181,6 +183,7 @@ impl LayoutSpec {
                         v => Some(KvOrder::parse(v).map_err(|e| opt_err(&key, e.to_string()))?),
                     }
                 }
+                "pad" => pad = Some(value),
                 "layout" => {
                     layout_key = true;
                     spec.mem = match value.as_str() {
@@ -192,16 +195,20 @@ impl LayoutSpec {
                 _ => {
                     return Err(opt_err(
                         &key,
-                        "unknown key (tp, pp, pp_layers, block, layout, row_align, block_align, table, kv)",
+                        "unknown key (tp, pp, pp_layers, block, layout, row_align, block_align, table, kv, pad)",
                     ))
                 }
             }
         }
+        if let Some(pad) = pad {
+            let order = spec.kv.take().ok_or_else(|| opt_err("pad", "needs kv=: it pads engine tensors (kvwire's own layout pads with row_align and block_align)"))?;
+            spec.kv = Some(order.with_pad(&pad).map_err(|e| opt_err("pad", e.to_string()))?);
+        }
         if let Some(order) = &spec.kv {
-            // An engine order places heads and pads nothing itself.
+            // An engine order places heads; `pad=`, not these, pads it.
             let clash = [("layout", layout_key), ("row_align", spec.row_align != 1), ("block_align", spec.block_align != 1)];
             if let Some((k, _)) = clash.iter().find(|c| c.1) {
-                return Err(opt_err(k, format!("cannot be combined with kv={}: the engine order says where every row lives, unpadded", order.name())));
+                return Err(opt_err(k, format!("cannot be combined with kv={}: the engine order says where every row lives (pad it with pad=)", order.name())));
             }
         }
         if let Some(l) = &spec.pp_layers {

@@ -15,6 +15,14 @@
 //! | `h` | KV head | heads the rank holds |
 //! | `d` | element of a head's row | `head_dim` |
 //!
+//! Strides are row-major in the order's axes unless the layout pads them:
+//! `pad=` lists axes with the elements of padding after each step of them,
+//! letter then count, separated by `:` (`pad=b256:t384`). An axis's stride
+//! is then the inner axes' extent plus its padding: `pad=b256` is a page
+//! padded past its rows, `pad=t…` a view of some heads of a wider tensor.
+//! Padding applies to every tensor of the rank (a latent ignores `k` and
+//! `l`); the bytes in it are never read or written.
+//!
 //! Without `k`, K and V are separate tensors (roles `k` and `v`); without
 //! `l`, there is one tensor (or one K and one V) per layer. An MLA layer's
 //! latent is a tensor of its own (role `latent`) with the order's axes
@@ -84,6 +92,13 @@ impl Axis {
     }
 }
 
+/// Most elements of padding `pad=` takes per axis step (a 1 GiB page of bf16 rows).
+pub const MAX_PAD: u64 = 1 << 29;
+
+fn pad_text(pads: impl Iterator<Item = (Axis, u64)>) -> String {
+    pads.filter(|p| p.1 != 0).map(|(a, p)| format!("{}{p}", a.letter())).collect::<Vec<_>>().join(":")
+}
+
 /// The named presets and their orders.
 pub const PRESETS: &[(&str, &str)] = &[
     ("vllm_nhd", "kbthd"),
@@ -98,6 +113,8 @@ pub const PRESETS: &[(&str, &str)] = &[
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct KvOrder {
     axes: Vec<Axis>,
+    /// Elements of padding after each step of each axis, parallel to `axes`.
+    pad: Vec<u64>,
 }
 
 /// Why an order, or a rank's tensors, were refused. Every variant names what was wrong.
@@ -112,6 +129,14 @@ pub enum TensorError {
         /// The order.
         order: String,
         /// Why.
+        reason: String,
+    },
+    /// `pad=` is malformed or names an axis the order cannot pad.
+    #[error("pad=`{text}`: {reason}")]
+    Pad {
+        /// The value.
+        text: String,
+        /// What is wrong.
         reason: String,
     },
     /// A tensor the client sent does not match what the layout expects.
@@ -153,7 +178,41 @@ impl KvOrder {
         if axes.last() != Some(&Axis::Dim) || !has(Axis::Block) || !has(Axis::Token) || !has(Axis::Head) {
             return Err(TensorError::Order(text.into()));
         }
-        Ok(KvOrder { axes })
+        let pad = vec![0; axes.len()];
+        Ok(KvOrder { axes, pad })
+    }
+
+    /// Sets the padding from a layout's `pad=` value (see the module docs).
+    pub fn with_pad(mut self, text: &str) -> Result<KvOrder, TensorError> {
+        let bad = |reason: String| TensorError::Pad { text: text.into(), reason };
+        self.pad.iter_mut().for_each(|p| *p = 0);
+        let mut seen = Vec::new();
+        for item in text.split(':').filter(|i| !i.is_empty()) {
+            let mut chars = item.chars();
+            let letter = chars.next().expect("non-empty");
+            let Some(i) = self.axes.iter().position(|a| a.letter() == letter) else {
+                return Err(bad(format!("`{letter}` is not an axis of kv={}", self.name())));
+            };
+            if self.axes[i] == Axis::Dim {
+                return Err(bad("`d` cannot be padded: a row's elements are contiguous".into()));
+            }
+            if seen.contains(&letter) {
+                return Err(bad(format!("`{letter}` given twice")));
+            }
+            seen.push(letter);
+            self.pad[i] = chars.as_str().parse::<u64>().ok().filter(|&n| n <= MAX_PAD).ok_or_else(|| bad(format!("`{item}`: expected the axis letter then at most {MAX_PAD} elements")))?;
+        }
+        Ok(self)
+    }
+
+    /// Elements of padding after each step of `axis`.
+    pub fn pad_of(&self, axis: Axis) -> u64 {
+        self.axes.iter().position(|&a| a == axis).map_or(0, |i| self.pad[i])
+    }
+
+    /// The `pad=` value that gives this padding; empty when dense.
+    pub fn pad_text(&self) -> String {
+        pad_text(self.axes.iter().zip(&self.pad).map(|(&a, &p)| (a, p)))
     }
 
     /// The preset name, or the order word.
@@ -223,25 +282,33 @@ pub struct TensorDesc {
     pub layers: [u32; 2],
 }
 
-/// A tensor the layout expects a rank to hold: dense, row-major in the order's axes.
+/// A tensor the layout expects a rank to hold: row-major in the order's axes, padded as the layout says.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Expected {
     /// `Kv` when the order holds K and V together; otherwise `K` or `V`.
     pub role: Role,
     /// Layers it holds.
     pub layers: Range<u32>,
-    /// Sizes in the order's axes.
+    /// Its axes: the order's, or a latent's (without `k` and `l`).
+    pub axes: Vec<Axis>,
+    /// Sizes in those axes.
     pub shape: Vec<u64>,
-    /// Row-major strides in elements.
+    /// Strides in elements: row-major plus the layout's padding.
     pub strides: Vec<u64>,
     /// Bytes per element.
     pub elem_bytes: u64,
 }
 
 impl Expected {
-    /// Bytes the tensor spans.
+    /// Bytes from its first element to the end of its last (padding past the last is not its).
     pub fn bytes(&self) -> u64 {
-        self.shape.iter().product::<u64>() * self.elem_bytes
+        self.bytes_checked().expect("sides check their tensors' sizes")
+    }
+
+    /// [`Expected::bytes`], or `None` when that overflows 64 bits.
+    pub fn bytes_checked(&self) -> Option<u64> {
+        let last = self.shape.iter().zip(&self.strides).try_fold(0u64, |a, (&n, &s)| a.checked_add(n.checked_sub(1)?.checked_mul(s)?))?;
+        last.checked_add(1)?.checked_mul(self.elem_bytes)
     }
 }
 
@@ -373,10 +440,12 @@ fn shape_of(order: &KvOrder, layers: u64, num_blocks: u32, block_size: u32, head
         .collect()
 }
 
-fn row_major(shape: &[u64]) -> Vec<u64> {
+/// Element strides of `shape` in `axes`: each axis spans the inner ones, plus its padding.
+/// Saturates: a side checks its tensors' sizes (`Expected::bytes_checked`).
+fn strides_of(order: &KvOrder, axes: &[Axis], shape: &[u64]) -> Vec<u64> {
     let mut strides = vec![1u64; shape.len()];
     for i in (0..shape.len().saturating_sub(1)).rev() {
-        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]);
+        strides[i] = strides[i + 1].saturating_mul(shape[i + 1]).saturating_add(order.pad_of(axes[i]));
     }
     strides
 }
@@ -398,13 +467,17 @@ pub fn rank_tensors(
     // Groups of layers sharing a tensor: all of them, or one each.
     let groups: Vec<Vec<(u32, u64, u64)>> = if order.cross_layer() { vec![geo].into_iter().filter(|g| !g.is_empty()).collect() } else { geo.into_iter().map(|g| vec![g]).collect() };
     let stride_of = |shape: &[u64], axis: Axis| -> u64 {
-        let strides = row_major(shape);
-        order.axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i] * es)
+        let strides = strides_of(order, &order.axes, shape);
+        order.axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i].saturating_mul(es))
     };
     let mut tensors = Vec::new();
     let mut places = Vec::new();
     for group in groups {
         let (first, heads, dim) = group[0];
+        // Bytes from a region's first element to the end of its last row; saturates like the strides.
+        let span = |s: Strides, dim: u64| {
+            [(u64::from(num_blocks) - 1, s.block), (u64::from(block_size) - 1, s.token), (heads.saturating_sub(1), s.head), (dim, es)].iter().fold(0u64, |a, &(n, st)| a.saturating_add(n.saturating_mul(st)))
+        };
         let layers = first..first + group.len() as u32;
         if let Attention::Mla { .. } = model.layers[first as usize].attention {
             // A latent is one row per position: the order's axes without
@@ -419,18 +492,18 @@ pub fn rank_tensors(
                     _ => dim,
                 })
                 .collect();
-            let strides = row_major(&shape);
-            let at = |axis: Axis| axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i] * es);
+            let strides = strides_of(order, &axes, &shape);
+            let at = |axis: Axis| axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i].saturating_mul(es));
             let s = Strides { block: at(Axis::Block), token: at(Axis::Token), head: at(Axis::Head) };
-            let len = (u64::from(num_blocks) - 1) * s.block + (u64::from(block_size) - 1) * s.token + heads.saturating_sub(1) * s.head + dim * es;
+            let len = span(s, dim);
             places.push(Placement { id: RegionId { layer: first, tensor: Tensor::Latent }, tensor: tensors.len(), base: 0, len, strides: s });
-            tensors.push(Expected { role: Role::Latent, layers, shape, strides, elem_bytes: es });
+            tensors.push(Expected { role: Role::Latent, layers, axes, shape, strides, elem_bytes: es });
             continue;
         }
         let shape = shape_of(order, group.len() as u64, num_blocks, block_size, heads, dim);
-        let strides = row_major(&shape);
+        let strides = strides_of(order, &order.axes, &shape);
         let s = Strides { block: stride_of(&shape, Axis::Block), token: stride_of(&shape, Axis::Token), head: stride_of(&shape, Axis::Head) };
-        let len = (u64::from(num_blocks) - 1) * s.block + (u64::from(block_size) - 1) * s.token + heads.saturating_sub(1) * s.head + dim * es;
+        let len = span(s, dim);
         let roles: &[(Role, Tensor)] = if order.kv_together() { &[(Role::Kv, Tensor::K)] } else { &[(Role::K, Tensor::K), (Role::V, Tensor::V)] };
         for &(role, _) in roles {
             // Without `k`, K and V have their own tensors; V's dim may differ.
@@ -441,14 +514,14 @@ pub fn rank_tensors(
                 };
                 let shape = shape_of(order, group.len() as u64, num_blocks, block_size, heads, vdim);
                 let s = Strides { block: stride_of(&shape, Axis::Block), token: stride_of(&shape, Axis::Token), head: stride_of(&shape, Axis::Head) };
-                let len = (u64::from(num_blocks) - 1) * s.block + (u64::from(block_size) - 1) * s.token + heads.saturating_sub(1) * s.head + vdim * es;
-                (shape.clone(), row_major(&shape), len, s)
+                let len = span(s, vdim);
+                (shape.clone(), strides_of(order, &order.axes, &shape), len, s)
             } else {
                 (shape.clone(), strides.clone(), len, s)
             };
             let index = tensors.len();
             for (i, &(layer, ..)) in group.iter().enumerate() {
-                let l_off = stride_of(&shape, Axis::Layer) * i as u64;
+                let l_off = stride_of(&shape, Axis::Layer).saturating_mul(i as u64);
                 let kinds: &[(Tensor, u64)] = match role {
                     Role::Kv | Role::KvPacked => &[(Tensor::K, 0), (Tensor::V, 1)],
                     Role::K => &[(Tensor::K, 0)],
@@ -456,11 +529,11 @@ pub fn rank_tensors(
                     Role::Latent => &[(Tensor::Latent, 0)],
                 };
                 for &(tensor, kv) in kinds {
-                    let base = l_off + kv * stride_of(&shape, Axis::Kv);
+                    let base = l_off.saturating_add(kv * stride_of(&shape, Axis::Kv));
                     places.push(Placement { id: RegionId { layer, tensor }, tensor: index, base, len, strides: s });
                 }
             }
-            tensors.push(Expected { role, layers: layers.clone(), shape, strides, elem_bytes: es });
+            tensors.push(Expected { role, layers: layers.clone(), axes: order.axes.clone(), shape, strides, elem_bytes: es });
         }
     }
     places.sort_by_key(|p| p.id);
@@ -469,7 +542,7 @@ pub fn rank_tensors(
     for p in &places {
         match windows.iter_mut().find(|w| w.tensor == p.tensor && w.id.layer == p.id.layer) {
             Some(w) => {
-                let end = (w.start + w.len).max(p.base + p.len);
+                let end = (w.start + w.len).max(p.base.saturating_add(p.len));
                 w.start = w.start.min(p.base);
                 w.len = end - w.start;
             }
@@ -516,6 +589,22 @@ fn physical(shape: &[u64], strides: &[u64]) -> Vec<(u64, u64)> {
     dims
 }
 
+/// The `pad=` value under which `e`'s strides would be `given`'s (both in
+/// memory order, as [`physical`] gives them), if any would: rows
+/// contiguous, and every axis at least as far apart as the inner ones span.
+/// The padding of an axis of size 1 folds into the next one out.
+fn implied_pad(e: &Expected, given: &[(u64, u64)]) -> Option<String> {
+    let axes: Vec<Axis> = e.axes.iter().zip(&e.shape).filter(|d| *d.1 != 1).map(|d| *d.0).collect();
+    if axes.len() != given.len() || given.last().is_some_and(|d| d.1 != 1) {
+        return None;
+    }
+    let mut pads = Vec::new();
+    for (i, w) in given.windows(2).enumerate() {
+        pads.push((axes[i], w[0].1.checked_sub(w[1].0.checked_mul(w[1].1)?)?));
+    }
+    Some(pad_text(pads.into_iter()))
+}
+
 /// Checks a client's tensors against what the layout expects of the rank,
 /// and returns, for each expected tensor, the (memory, byte offset) the
 /// client gave it. `memories` holds each memory's size in bytes.
@@ -547,7 +636,8 @@ pub fn match_tensors(given: &[TensorDesc], expected: &[Expected], format: CacheF
             return Err(bad(format!("shape {:?} (strides {:?}) but the layout expects {:?} (strides {:?})", t.shape, t.strides, e.shape, e.strides)));
         }
         if given != want {
-            return Err(bad(format!("strides {:?} (elements) but the layout expects the dense {:?} for shape {:?}", t.strides, e.strides, e.shape)));
+            let hint = implied_pad(e, &given).map_or(String::new(), |p| if p.is_empty() { "; they are dense: drop `pad=` from the layout".into() } else { format!("; they are the order's with padding: give the layout `pad={p}`") });
+            return Err(bad(format!("strides {:?} (elements) but the layout expects {:?} for shape {:?}{hint}", t.strides, e.strides, e.shape)));
         }
         let Some(&size) = memories.get(t.memory as usize) else {
             return Err(bad(format!("memory {} but the registration carries {} file descriptors", t.memory, memories.len())));
@@ -591,8 +681,17 @@ pub fn packed_offsets(expected: &[Expected]) -> Vec<(u32, u64)> {
         .collect()
 }
 
-/// Row-major index of an element given its coordinate on each of the order's axes.
-/// Written apart from [`rank_tensors`]' stride products, for oracles.
-pub fn element_index(order: &KvOrder, shape: &[u64], coord: impl Fn(Axis) -> u64) -> u64 {
-    order.axes.iter().zip(shape).fold(0, |idx, (&a, &n)| idx * n + coord(a))
+/// Index of an element given its coordinate on each of `axes` (the order's,
+/// or a latent's subset), row-major with `order`'s padding. Written apart
+/// from [`rank_tensors`]' strides, for oracles: from the innermost axis out,
+/// each step of an axis skips the inner ones' extent and its own padding.
+pub fn element_index(order: &KvOrder, axes: &[Axis], shape: &[u64], coord: impl Fn(Axis) -> u64) -> u64 {
+    let (mut idx, mut step) = (0, 1);
+    for (i, (&a, &n)) in axes.iter().zip(shape).enumerate().rev() {
+        idx += coord(a) * step;
+        if i > 0 {
+            step = step * n + order.pad_of(axes[i - 1]);
+        }
+    }
+    idx
 }

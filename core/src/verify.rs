@@ -57,15 +57,13 @@ fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, 
         .expect("an engine tensor holds every held layer");
     if t.role == Role::Latent {
         // A latent's tensor has the order's axes without K/V (and layer).
-        let axes = || order.axes().iter().filter(|&&a| a != Axis::Kv && a != Axis::Layer);
+        let axes: Vec<Axis> = order.axes().iter().copied().filter(|&a| a != Axis::Kv && a != Axis::Layer).collect();
         let index = |b, s, h| {
-            axes().zip(&t.shape).fold(0, |i, (&a, &n)| {
-                i * n + match a {
-                    Axis::Block => b,
-                    Axis::Token => s,
-                    Axis::Head => h,
-                    _ => 0,
-                }
+            element_index(order, &axes, &t.shape, |a| match a {
+                Axis::Block => b,
+                Axis::Token => s,
+                Axis::Head => h,
+                _ => 0,
             })
         };
         return (index(block, slot, head) - index(0, 0, 0)) * t.elem_bytes;
@@ -73,7 +71,7 @@ fn engine_row_offset(side: &Side, order: &KvOrder, rank: u32, region: RegionId, 
     let li = u64::from(region.layer - t.layers.start);
     let kv = if order.kv_together() { kv } else { 0 };
     let index = |kv, b, s, h| {
-        element_index(order, &t.shape, |a| match a {
+        element_index(order, order.axes(), &t.shape, |a| match a {
             Axis::Layer => li,
             Axis::Kv => kv,
             Axis::Block => b,

@@ -341,8 +341,8 @@ proptest! {
     /// Every destination byte written exactly once from the right source byte,
     /// between any two layouts (engine presets and kvwire's own), checked by the oracle.
     #[test]
-    fn plans_between_any_two_layouts_verify(si in 0usize..8, di in 0usize..8, stp in 0u32..3, dtp in 0u32..3, sb in 0u32..3, db in 0u32..3, tokens in 1u64..40, prefix in 0u64..40, seed in 0u64..50) {
-        const KV: [&str; 8] = ["kv=vllm_nhd", "kv=vllm_hnd", "kv=flashinfer", "kv=flashinfer_hnd", "kv=vllm_cpu", "kv=vllm_cross", "kv=bthd", "layout=hnd"];
+    fn plans_between_any_two_layouts_verify(si in 0usize..10, di in 0usize..10, stp in 0u32..3, dtp in 0u32..3, sb in 0u32..3, db in 0u32..3, tokens in 1u64..40, prefix in 0u64..40, seed in 0u64..50) {
+        const KV: [&str; 10] = ["kv=vllm_nhd", "kv=vllm_hnd", "kv=flashinfer", "kv=flashinfer_hnd", "kv=vllm_cpu", "kv=vllm_cross", "kv=bthd", "layout=hnd", "kv=vllm_hnd,pad=k3:h5", "kv=vllm_cross,pad=l7:t1"];
         let m = model(3, 4, 8);
         let prefix = prefix % tokens;
         let src = side(&m, &format!("tp={},block={},table=shuffle:{seed},{}", 1 << stp, 2 << sb, KV[si]), tokens);
@@ -383,4 +383,115 @@ fn cross_layer_verification_holds_each_layers_rows_only() {
     bad.segments = segs.into();
     let e = verify(&m, &src, &dst, &bad, 1 << 30).unwrap_err().to_string();
     assert!(e.contains("destination bytes") && e.contains("past region length"), "{e}");
+}
+
+/// Element offset of a coordinate in a tensor of order `word` (letters
+/// outermost first) whose axes have `size` elements and `pad` elements of
+/// padding after each step, as an engine's `as_strided` view lays it.
+fn strided_offset(word: &str, size: impl Fn(char) -> u64, pad: impl Fn(char) -> u64, coord: impl Fn(char) -> u64) -> u64 {
+    let letters: Vec<char> = word.chars().collect();
+    let mut stride = vec![1u64; letters.len()];
+    for i in (0..letters.len() - 1).rev() {
+        stride[i] = stride[i + 1] * size(letters[i + 1]) + pad(letters[i]);
+    }
+    letters.iter().zip(&stride).map(|(&c, &s)| coord(c) * s).sum()
+}
+
+#[test]
+fn padded_tensors_hold_every_row_at_their_strides_and_their_padding_is_never_written() {
+    let (layers, heads, tokens) = (2u32, 4u32, 21u64);
+    let m = model(layers, heads, 8);
+    let pad_of = |pads: &str, c: char| pads.split(':').find(|p| p.starts_with(c)).map_or(0, |p| p[1..].parse().unwrap());
+    for (sp, stp, dp, word, pads, dtp) in [("flashinfer", 2, "vllm_nhd", "kbthd", "k9:b40:t3:h1", 1), ("vllm_hnd", 4, "vllm_cross", "blkthd", "l3:k2:b13", 2), ("vllm_cpu", 1, "flashinfer_hnd", "bkhtd", "t8", 4)] {
+        let src = side(&m, &format!("tp={stp},block=4,table=shuffle:3,kv={sp}"), tokens);
+        let dst = side(&m, &format!("tp={dtp},block=8,table=shuffle:9,kv={dp},pad={pads}"), tokens);
+        let plan = build(&PlanInput { model: &m, tokens, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+        verify(&m, &src, &dst, &plan, 1 << 30).unwrap();
+        let code = |layer: u32, kv: u64, p: u64, head: u32, i: u64| (u64::from(layer) * 131 + kv * 71 + p * 29 + u64::from(head) * 7 + i) as u8 | 1;
+        let mut src_rows = std::collections::HashMap::new();
+        for (layer, kv, p, head) in (0..layers).flat_map(|l| (0..2).flat_map(move |kv| (0..tokens).flat_map(move |p| (0..heads).map(move |h| (l, kv, p, h))))) {
+            let (r, t, off) = locate(sp, &src, stp, [heads, layers], (layer, kv, p, head));
+            for i in 0..16 {
+                src_rows.insert((r, t, off + i), code(layer, kv, p, head, i));
+            }
+        }
+        let dst_bufs = run_on_tensors(&src, &dst, &plan, |rank, t, o| src_rows.get(&(rank as usize, t, o)).copied().unwrap_or(0));
+        let per = heads / dtp;
+        let cross = dp == "vllm_cross";
+        let mut rows = std::collections::HashSet::new();
+        for (layer, kv, p, head) in (0..layers).flat_map(|l| (0..2).flat_map(move |kv| (0..tokens).flat_map(move |p| (0..heads).map(move |h| (l, kv, p, h))))) {
+            let bs = 8;
+            let b = u64::from(dst.block_table[(p / bs) as usize]);
+            let size = |c| match c {
+                'l' => u64::from(layers),
+                'k' => 2,
+                'b' => u64::from(dst.num_blocks),
+                't' => bs,
+                'h' => u64::from(per),
+                _ => 8,
+            };
+            let coord = |c| match c {
+                'l' => u64::from(layer),
+                'k' => kv,
+                'b' => b,
+                't' => p % bs,
+                'h' => u64::from(head % per),
+                _ => 0,
+            };
+            let (r, t) = ((head / per) as usize, if cross { 0 } else { layer as usize });
+            let off = strided_offset(word, size, |c| pad_of(pads, c), coord) * 2;
+            for i in 0..16 {
+                assert_eq!(dst_bufs[r][t][(off + i) as usize], code(layer, kv, p, head, i), "{sp} -> {dp},pad={pads}: layer {layer} kv {kv} pos {p} head {head} byte {i}");
+                rows.insert((r, t, off + i));
+            }
+        }
+        // Every other byte, padding included, is as the destination left it.
+        for (r, tensors) in dst_bufs.iter().enumerate() {
+            for (t, buf) in tensors.iter().enumerate() {
+                let stray = buf.iter().enumerate().filter(|&(o, &b)| b != 0xA5 && !rows.contains(&(r, t, o as u64))).count();
+                assert_eq!(stray, 0, "{dp},pad={pads}: rank {r} tensor {t}");
+            }
+        }
+        assert_eq!(plan.counters.total_bytes_moved, rows.len() as u64);
+    }
+}
+
+#[test]
+fn padding_is_parsed_by_axis_and_a_clients_strides_name_the_padding_they_need() {
+    let o = |l: &str| LayoutSpec::parse(l).map(|s| s.kv.unwrap().pad_text());
+    assert_eq!(o("kv=vllm_nhd,pad=b256:t8").unwrap(), "b256:t8");
+    assert_eq!(o("pad=t8,kv=flashinfer").unwrap(), "t8", "keys in any order");
+    for (bad, says) in [("pad=b4", "needs kv="), ("kv=vllm_nhd,pad=l4", "`l` is not an axis of kv=vllm_nhd"), ("kv=vllm_nhd,pad=d4", "`d` cannot be padded"), ("kv=vllm_nhd,pad=b4:b8", "given twice"), ("kv=vllm_nhd,pad=bx", "`bx`"), ("kv=vllm_nhd,pad=b1099511627776", "at most")] {
+        let e = LayoutSpec::parse(bad).unwrap_err().to_string();
+        assert!(e.contains("pad") && e.contains(says), "{bad}: {e}");
+    }
+    // A pad that overflows the tensor is refused when the side is built, not wrapped.
+    let e = Side::new(&model(2, 65536, 8), &LayoutSpec::parse("block=1048576,kv=vllm_nhd,pad=t536870912:h536870912").unwrap(), bf16(), 4).unwrap_err().to_string();
+    assert!(e.contains("overflow"), "{e}");
+
+    // A vLLM NHD layer holding heads 2..4 of a 4-head tensor whose pages are padded by 40 elements.
+    let m = model(2, 2, 8);
+    let dense = side(&m, "tp=1,block=4,kv=vllm_nhd", 8);
+    let nb = u64::from(dense.num_blocks);
+    let view = |layer: u32, offset: u64| TensorDesc { memory: 0, offset, dtype: "bf16".into(), shape: vec![2, nb, 4, 2, 8], strides: vec![nb * (4 * 32 + 40), 4 * 32 + 40, 32, 8, 1], role: Role::Kv, layers: [layer, layer + 1] };
+    let span = (2 * nb * (4 * 32 + 40)) * 2;
+    let given = [view(0, 32), view(1, span + 32)];
+    let e = match_tensors(&given, &dense.engine[0].tensors, bf16(), &[2 * span + 64]).unwrap_err().to_string();
+    assert!(e.contains("give the layout `pad=b40:t16`"), "{e}");
+    let padded = side(&m, "tp=1,block=4,kv=vllm_nhd,pad=b40:t16", 8);
+    assert_eq!(match_tensors(&given, &padded.engine[0].tensors, bf16(), &[2 * span + 64]).unwrap(), vec![(0, 32), (0, span + 32)]);
+    // Its span ends at its last element: past the memory by one byte is refused.
+    let last = padded.engine[0].tensors[1].bytes();
+    let e = match_tensors(&given, &padded.engine[0].tensors, bf16(), &[span + 32 + last - 1]).unwrap_err().to_string();
+    assert!(e.contains("past memory 0"), "{e}");
+    // Dense strides against a padded layout say so.
+    let d = dense.engine[0].tensors[0].clone();
+    let plain = |layer: u32, offset: u64| TensorDesc { memory: 0, offset, dtype: "bf16".into(), shape: d.shape.clone(), strides: d.strides.clone(), role: Role::Kv, layers: [layer, layer + 1] };
+    let e = match_tensors(&[plain(0, 0), plain(1, d.bytes())], &padded.engine[0].tensors, bf16(), &[2 * d.bytes()]).unwrap_err().to_string();
+    assert!(e.contains("they are dense: drop `pad=`"), "{e}");
+    // Strides no padding explains (heads closer than a row) get no hint.
+    let mut t = view(0, 32);
+    t.strides[3] = 4;
+    let e = match_tensors(&[t, view(1, span + 32)], &padded.engine[0].tensors, bf16(), &[2 * span + 64]).unwrap_err().to_string();
+    assert!(e.contains("strides") && !e.contains("pad="), "{e}");
 }
