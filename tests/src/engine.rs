@@ -4,8 +4,10 @@
 //! allocation of the daemons' stand-in device memory
 //! (`register_device_tensors`). A prefill engine
 //! writes its tensors, a decode engine reads them, both by the engine's
-//! shape formula, written here from the engines' published shapes, not
-//! from kvwire's placement code.
+//! shape, written here from the engines' published shapes, not from
+//! kvwire's placement code. With the layout's `pad=`, the engine's tensors
+//! are padded views (`as_strided`): each axis step skips the inner axes and
+//! its padding, and the padding holds bytes no one may touch.
 
 use crate::scenario::ScenarioError;
 use crate::tinylm::KvCache;
@@ -27,38 +29,58 @@ pub struct EngineCache {
     table: Vec<u32>,
     kv_heads: u64,
     head_dim: u64,
+    /// The layout's `pad=`: elements of padding after each step of an axis, by letter.
+    pad: Vec<(char, u64)>,
     mems: Vec<Vec<HostMem>>,
 }
 
 const F32: u64 = 4;
 
 impl EngineCache {
-    /// The engine tensor shape of the preset for one rank, and its role.
-    fn shape(&self) -> (Vec<u64>, Role) {
+    /// The engine tensor of `preset` for one rank: its dimensions (a
+    /// letter each: layer, K/V, block, token, head, row element) and sizes,
+    /// outermost first, and its role. vLLM CPU packs K and V in its last
+    /// dimension of `2 * head_dim`.
+    fn dims(&self, preset: &str) -> (&'static str, Vec<u64>, Role) {
         let (nb, t, h, d) = (self.num_blocks, self.block, self.kv_heads / self.tp, self.head_dim);
-        match self.preset.as_str() {
-            "vllm_nhd" => (vec![2, nb, t, h, d], Role::Kv),
-            "vllm_hnd" => (vec![2, nb, h, t, d], Role::Kv),
-            "flashinfer" => (vec![nb, 2, t, h, d], Role::Kv),
-            "flashinfer_hnd" => (vec![nb, 2, h, t, d], Role::Kv),
-            "vllm_cpu" => (vec![nb, h, t, 2 * d], Role::KvPacked),
-            "vllm_cross" => (vec![nb, self.layers, 2, t, h, d], Role::Kv),
+        match preset {
+            "vllm_nhd" => ("kbthd", vec![2, nb, t, h, d], Role::Kv),
+            "vllm_hnd" => ("kbhtd", vec![2, nb, h, t, d], Role::Kv),
+            "flashinfer" => ("bkthd", vec![nb, 2, t, h, d], Role::Kv),
+            "flashinfer_hnd" => ("bkhtd", vec![nb, 2, h, t, d], Role::Kv),
+            "vllm_cpu" => ("bhtd", vec![nb, h, t, 2 * d], Role::KvPacked),
+            "vllm_cross" => ("blkthd", vec![nb, self.layers, 2, t, h, d], Role::Kv),
             other => panic!("engine: no shape for preset {other}"),
         }
     }
 
+    /// Strides in elements of `preset`'s tensor: row-major, plus this
+    /// engine's padding when it is its own preset.
+    fn strides(&self, preset: &str) -> Vec<u64> {
+        let (letters, shape, _) = self.dims(preset);
+        let letters: Vec<char> = letters.chars().collect();
+        let pad = |c: char| if preset == self.preset { self.pad.iter().find(|p| p.0 == c).map_or(0, |p| p.1) } else { 0 };
+        let mut strides = vec![1; shape.len()];
+        for i in (0..shape.len() - 1).rev() {
+            strides[i] = strides[i + 1] * shape[i + 1] + pad(letters[i]);
+        }
+        strides
+    }
+
     /// Element index of (layer, kv, block, slot, local head) in a tensor of `preset`.
     fn index(&self, preset: &str, layer: u64, kv: u64, b: u64, t: u64, h: u64) -> u64 {
-        let (nb, nt, nh, nd, nl) = (self.num_blocks, self.block, self.kv_heads / self.tp, self.head_dim, self.layers);
-        match preset {
-            "vllm_nhd" => (((kv * nb + b) * nt + t) * nh + h) * nd,
-            "vllm_hnd" => (((kv * nb + b) * nh + h) * nt + t) * nd,
-            "flashinfer" => (((b * 2 + kv) * nt + t) * nh + h) * nd,
-            "flashinfer_hnd" => (((b * 2 + kv) * nh + h) * nt + t) * nd,
-            "vllm_cpu" => ((b * nh + h) * nt + t) * 2 * nd + kv * nd,
-            "vllm_cross" => ((((b * nl + layer) * 2 + kv) * nt + t) * nh + h) * nd,
-            other => panic!("engine: no formula for preset {other}"),
-        }
+        let (letters, ..) = self.dims(preset);
+        let coord = |c| match c {
+            'l' => layer,
+            'k' => kv,
+            'b' => b,
+            't' => t,
+            'h' => h,
+            // vLLM CPU's V is the second half of the row.
+            _ if preset == "vllm_cpu" => kv * self.head_dim,
+            _ => 0,
+        };
+        letters.chars().zip(self.strides(preset)).map(|(c, s)| coord(c) * s).sum()
     }
 
     /// Allocates the engine's tensors for `side` (TP only, dense fp32
@@ -80,11 +102,13 @@ impl EngineCache {
             table: side.block_table.clone(),
             kv_heads,
             head_dim,
+            pad: side.kv.as_ref().map(|o| o.pad_text()).unwrap_or_default().split(':').filter(|p| !p.is_empty()).map(|p| (p.as_bytes()[0] as char, p[1..].parse().expect("pad= as the layout gave it"))).collect(),
             mems: Vec::new(),
         };
-        let (shape, role) = e.shape();
-        let strides: Vec<u64> = (0..shape.len()).map(|i| shape[i + 1..].iter().product()).collect();
-        let bytes = shape.iter().product::<u64>() * F32;
+        let (_, shape, role) = e.dims(preset);
+        let strides = e.strides(preset);
+        // From the first element to the end of the last: padding past it is not the tensor's.
+        let bytes = (shape.iter().zip(&strides).map(|(n, s)| (n - 1) * s).sum::<u64>() + 1) * F32;
         let tensors = if preset == "vllm_cross" { 1 } else { layers };
         for rank in 0..e.tp as u32 {
             let mems = (0..tensors).map(|_| HostMem::new("engine-layer", bytes).map_err(|e| setup(e.to_string()))).collect::<Result<Vec<_>, _>>()?;
@@ -139,6 +163,29 @@ impl EngineCache {
                 }
             }
         }
+    }
+
+    /// Bytes of the engine's tensors that are in no row of any block and
+    /// not zero (the memfds start zeroed): padding someone wrote.
+    pub fn stray_bytes(&self) -> u64 {
+        let per = self.kv_heads / self.tp;
+        let row = (self.head_dim * F32) as usize;
+        let mut stray = 0;
+        for mems in &self.mems {
+            for (i, mem) in mems.iter().enumerate() {
+                let mut bytes = vec![0u8; mem.len() as usize];
+                mem.read(0, &mut bytes).expect("read an engine tensor");
+                let layers = if self.preset == "vllm_cross" { 0..self.layers } else { i as u64..i as u64 + 1 };
+                for layer in layers {
+                    for (kv, b, t, h) in (0..2).flat_map(|kv| (0..self.num_blocks).flat_map(move |b| (0..self.block).flat_map(move |t| (0..per).map(move |h| (kv, b, t, h))))) {
+                        let at = (self.index(&self.preset, layer, kv, b, t, h) * F32) as usize;
+                        bytes[at..at + row].fill(0);
+                    }
+                }
+                stray += bytes.iter().filter(|&&b| b != 0).count() as u64;
+            }
+        }
+        stray
     }
 
     /// The cache of `tokens` positions, read from the engine's tensors as

@@ -184,6 +184,10 @@ pub struct Outcome {
     /// (without streaming the submit comes after the prefill, so this is
     /// `end_to_end`).
     pub after_last_layer: Duration,
+    /// Where the destination is an engine's own tensors: their bytes that
+    /// are no row's (padding, and gaps between tensors' rows) and no longer
+    /// zero. The transfer must never write them.
+    pub dst_stray_bytes: Option<u64>,
 }
 
 impl Outcome {
@@ -539,6 +543,7 @@ pub fn run(a: &Client, b: &Client, peer: &str, sc: &Scenario) -> Result<Outcome,
         end_to_end,
         prefill,
         after_last_layer: end_to_end.saturating_sub(last_written.duration_since(started)),
+        dst_stray_bytes: engine.as_ref().map(EngineCache::stray_bytes),
     })
 }
 

@@ -158,23 +158,30 @@ fn engines_holding_their_own_per_layer_tensors_decode_bitwise_identical() {
         ("engine-flashinfer", "tp=1,block=16,table=shuffle:3,kv=flashinfer"),
         ("engine-vllm-cpu", "tp=4,block=8,table=shuffle:5,kv=vllm_cpu"),
         ("engine-vllm-cross", "tp=2,block=16,kv=vllm_cross"),
+        // Padded views: pages padded past their rows, K and V apart, heads of a wider row.
+        ("engine-vllm-nhd-padded", "tp=2,block=32,table=shuffle:2,kv=vllm_nhd,pad=k40:b24:t64"),
+        ("engine-vllm-cross-padded", "tp=2,block=16,kv=vllm_cross,pad=l8:h3"),
     ] {
         let mut sc = Scenario::new(name);
         sc.dst_layout = dst.into();
         let o = run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_bitwise(&o);
         assert_eq!(o.destination.bytes, 4 * 4 * 32 * 2 * 4 * 100, "{name}");
+        assert_eq!(o.dst_stray_bytes, Some(0), "{name}: bytes outside the rows were written");
     }
     // Both sides engines: FlashInfer prefill TP4 -> vLLM NHD decode TP2, and
     // a vLLM cross-layer prefill TP2 -> vLLM CPU decode TP1.
     for (name, src, dst) in [
         ("engines-fi-nhd", "tp=4,block=16,table=shuffle:7,kv=flashinfer", "tp=2,block=32,table=shuffle:2,kv=vllm_nhd"),
         ("engines-cross-cpu", "tp=2,block=8,table=shuffle:1,kv=vllm_cross", "tp=1,block=16,table=shuffle:4,kv=vllm_cpu"),
+        ("engines-padded", "tp=4,block=16,table=shuffle:7,kv=flashinfer,pad=b40:h4", "tp=2,block=32,table=shuffle:2,kv=vllm_hnd,pad=t3"),
     ] {
         let mut sc = Scenario::new(name);
         sc.src_layout = src.into();
         sc.dst_layout = dst.into();
-        assert_bitwise(&run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}")));
+        let o = run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_bitwise(&o);
+        assert_eq!(o.dst_stray_bytes, Some(0), "{name}: bytes outside the rows were written");
     }
     // Negative control: the same bytes read as another layout decode to other logits.
     let mut sc = Scenario::new("engine-misread");
@@ -1041,6 +1048,7 @@ fn engine_tensors_each_in_its_own_device_allocation_decode_bitwise() {
         ("dev-engine-nhd", "tp=4,block=16,table=shuffle:3", "tp=2,block=32,table=shuffle:2,kv=vllm_nhd"),
         ("dev-engines-fi-hnd", "tp=4,block=16,table=shuffle:7,kv=flashinfer", "tp=1,block=16,table=shuffle:5,kv=vllm_hnd"),
         ("dev-engine-cross", "tp=2,block=8,table=shuffle:1,kv=vllm_cross", "tp=2,block=16,table=shuffle:4,kv=vllm_nhd"),
+        ("dev-engines-padded", "tp=4,block=16,table=shuffle:7,kv=flashinfer,pad=b40", "tp=2,block=16,table=shuffle:5,kv=vllm_nhd,pad=t16:k8"),
     ] {
         let mut sc = Scenario::new(name);
         sc.memory = scenario::Memory::StandIn;
@@ -1048,6 +1056,7 @@ fn engine_tensors_each_in_its_own_device_allocation_decode_bitwise() {
         sc.dst_layout = dst.into();
         let o = run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_bitwise(&o);
+        assert_eq!(o.dst_stray_bytes, Some(0), "{name}: bytes outside the rows were written");
         assert_eq!(hop(&o.source, "stage"), Some(o.source.bytes), "{name}: every byte read was staged from the device: {:?}", o.source.hops);
         assert_eq!(hop(&o.destination, "device_complete"), Some(o.destination.bytes), "{name}: every byte written went to the device: {:?}", o.destination.hops);
     }
