@@ -612,6 +612,65 @@ def test_engine_tensors_move_between_two_layouts(d):
         b.close()
 
 
+def test_padded_engine_views_register_with_the_pad_their_strides_imply(d):
+    # The decode engine's per-layer FlashInfer tensors are views: pages padded
+    # by 24 elements, and rows of a wider tensor's first HEADS heads (2 more after them).
+    a = kvwire.Client(d.sock_a, "py-pad-prefill")
+    b = kvwire.Client(d.sock_b, "py-pad-decode")
+    side = dict(ENG_DST)
+    dim, wide = ROW // 2, HEADS + 2
+    sizes = {"b": side["blocks"], "k": 2, "t": side["block"], "h": HEADS, "d": dim}
+    st = {"d": 1, "h": dim, "t": wide * dim}
+    st["k"] = side["block"] * st["t"]
+    st["b"] = 2 * st["k"] + 24
+    shape, strides = tuple(sizes[c] for c in "bkthd"), tuple(st[c] for c in "bkthd")
+    span = (sum((n - 1) * s for n, s in zip(shape, strides)) + 1) * 2
+    try:
+        pad = kvwire.layout_pad("flashinfer", shape, strides, side["blocks"], side["block"], HEADS, dim)
+        assert pad == "b24:t%d" % (2 * dim), pad
+        dense_shape, _, _, dense_strides = eng_shape(side, HEADS)
+        assert kvwire.layout_pad("flashinfer", dense_shape, dense_strides, side["blocks"], side["block"], HEADS, dim) == ""
+        try:
+            kvwire.layout_pad("flashinfer", shape, strides[:-2] + (1, dim), side["blocks"], side["block"], HEADS, dim)
+            raise AssertionError("heads laid out inside their rows were given a pad")
+        except ValueError as e:
+            assert "in memory order its sizes are" in str(e), e
+        src = eng_register(a, "py-pad-src", ENG_SRC, True)
+        mem = kvwire.SharedMemory(GAP + LAYERS * (span + GAP))
+        ctypes_fill(mem, CANARY)
+        offs = [GAP + l * (span + GAP) for l in range(LAYERS)]
+        specs = [kvwire.TensorSpec(mem, o, "bf16", shape, strides, "kv", (l, l + 1)) for l, o in enumerate(offs)]
+        if numpy is not None:
+            got = kvwire.TensorSpec.of(mem.numpy("fp16", shape, offs[1], strides), mem, "kv", (1, 2))
+            assert (got.offset, got.strides, got.nbytes) == (offs[1], strides, span), got
+        dense = "tp=1,block=%d,kv=flashinfer" % side["block"]
+        e = expect_error(kvwire.KVW_BAD_REGION, b.register_tensors, "py-pad-dst", MODEL, "bf16", dense, 0, side["blocks"], IDENTITY, specs)
+        assert "give the layout `pad=%s`" % pad in e.message, e.message
+        b.register_tensors("py-pad-dst", MODEL, "bf16", dense + ",pad=" + pad, 0, side["blocks"], IDENTITY, specs)
+        want = bytearray(mem.read())
+        for layer, kv, h, pos in rows():
+            row = row_code(layer, kv, h, pos)
+            m, off = eng_locate(ENG_SRC, src, layer, kv, h, pos)
+            m.write(off, row)
+            blk = side["table"][pos // side["block"]]
+            at = offs[layer] + (blk * st["b"] + kv * st["k"] + (pos % side["block"]) * st["t"] + h * st["h"]) * 2
+            want[at : at + ROW] = row
+        slot = b.prepare_receive("py-pad-dst", "p1", side["table"], TOKENS)
+        sslot, _ = a.submit("pp1", "py-pad-src", ENG_SRC["table"], TOKENS, d.peer_b, "py-pad-dst", "p1")
+        b.decoder_usable(slot, timeout_ms=20000)
+        a.source_released(sslot, timeout_ms=20000)
+        got = mem.read()
+        if got != bytes(want):
+            bad = [i for i in range(len(got)) if got[i] != want[i]]
+            raise AssertionError("%d destination bytes differ (padding included), first at %d" % (len(bad), bad[0]))
+        for rank in range(ENG_SRC["tp"]):
+            a.release_cache("py-pad-src", rank)
+        b.release_cache("py-pad-dst", 0)
+    finally:
+        a.close()
+        b.close()
+
+
 TESTS = [
     test_result_codes_match_the_header,
     test_connect_errors,
@@ -625,6 +684,7 @@ TESTS = [
     test_views_are_zero_copy,
     test_adopted_memory_keeps_its_address_and_content,
     test_engine_tensors_move_between_two_layouts,
+    test_padded_engine_views_register_with_the_pad_their_strides_imply,
 ]
 
 

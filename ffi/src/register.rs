@@ -130,7 +130,9 @@ pub unsafe extern "C" fn kvw_register_device_cache(
 /// tensors, mapped by the daemon where they are (no copy). The layout must
 /// name their order with `kv=` (a preset: `vllm_nhd`, `vllm_hnd`,
 /// `flashinfer`, `flashinfer_hnd`, `vllm_cpu`, `vllm_cross`, or an order
-/// word); `num_blocks` is the blocks each tensor holds.
+/// word), and padded views their padding with `pad=` (elements after each
+/// step of an axis: `pad=b256:t64`); `num_blocks` is the blocks each tensor
+/// holds.
 ///
 /// - `tensors_json`: a JSON list, one object per tensor: `{"memory": I,
 ///   "offset": BYTES, "dtype": "bf16", "shape": [...], "strides": [...]

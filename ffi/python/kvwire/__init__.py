@@ -35,6 +35,7 @@ __all__ = [
     "TensorSpec",
     "DeviceMemory",
     "preset_shape",
+    "layout_pad",
     "PRESETS",
     "cache_size",
     "strerror",
@@ -524,4 +525,4 @@ class Client(_Handle):
 
 
 from . import _views  # noqa: E402  (after the ABI: the views use nothing of it)
-from ._views import PRESETS, DeviceMemory, SharedMemory, TensorSpec, preset_shape  # noqa: E402
+from ._views import PRESETS, DeviceMemory, SharedMemory, TensorSpec, layout_pad, preset_shape  # noqa: E402

@@ -7,7 +7,6 @@ numpy and torch are imported only when a view of that kind is asked for.
 from __future__ import annotations
 
 import ctypes
-import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -55,6 +54,41 @@ def preset_shape(preset: str, num_blocks: int, block_size: int, heads: int, head
     if preset == "vllm_cpu":
         return (num_blocks, heads, block_size, 2 * head_dim), "kv_packed"
     return tuple(sizes[c] for c in word), ("kv" if "k" in word else "k")
+
+
+def layout_pad(preset: str, shape: Sequence[int], strides: Sequence[int], num_blocks: int, block_size: int, heads: int, head_dim: int, layers: int = 1, role: str = "") -> str:
+    """The layout's ``pad=`` value under which a tensor of ``shape`` and
+    ``strides`` (in elements) is ``preset``'s tensor for a rank holding
+    ``heads`` KV heads: ``""`` when it is dense. The tensor may be a
+    permuted view (vLLM's HND cache is an NHD-shaped view); what counts is
+    its layout in memory: each axis's step is the inner axes' extent plus
+    the padding. Raises ValueError, naming what differs, when no padding
+    explains the strides."""
+    word = PRESETS.get(preset, preset)
+    if role == "latent":
+        word = "".join(c for c in word if c not in "kl")
+    sizes = {"l": layers, "k": 2, "b": num_blocks, "t": block_size, "h": heads, "d": head_dim}
+    shape, strides = list(shape), list(strides)
+    if len(shape) != len(strides):
+        raise ValueError("%d sizes but %d strides" % (len(shape), len(strides)))
+    if role == "kv_packed" or (preset == "vllm_cpu" and role != "latent"):
+        # K then V in the last dimension: seen as the order's (2, head_dim).
+        if not shape or shape[-1] != 2 * head_dim or strides[-1] != 1:
+            raise ValueError("shape %r: the last dimension must hold K then V (2 * %d elements, stride 1)" % (tuple(shape), head_dim))
+        shape[-1:], strides[-1:] = [2, head_dim], [head_dim, 1]
+    axes = [c for c in word if sizes[c] != 1]
+    dims = sorted(((n, s) for n, s in zip(shape, strides) if n != 1), key=lambda d: -d[1])
+    if [n for n, _ in dims] != [sizes[c] for c in axes]:
+        raise ValueError("shape %r (strides %r): in memory order its sizes are %r, but kv=%s's are %r (%s)" % (tuple(shape), tuple(strides), [n for n, _ in dims], preset, [sizes[c] for c in axes], "".join(axes)))
+    if dims and dims[-1][1] != 1:
+        raise ValueError("strides %r: a row's elements must be contiguous (stride 1)" % (tuple(strides),))
+    pads = {}
+    for (n, s), (n2, s2), c in zip(dims, dims[1:], axes):
+        if s < n2 * s2:
+            raise ValueError("strides %r: axis %s (stride %d) overlaps the %d elements inside it" % (tuple(strides), c, s, n2 * s2))
+        if s > n2 * s2:
+            pads[c] = s - n2 * s2
+    return ":".join("%s%d" % (c, pads[c]) for c in word if c in pads)
 
 
 def _check_span(nbytes: int, offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> None:
@@ -278,4 +312,5 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * _DTYPES[dtype_name(self.dtype)][0]
+        """Bytes from its first element to the end of its last (a padded view skips bytes in between)."""
+        return (sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + 1) * _DTYPES[dtype_name(self.dtype)][0]
