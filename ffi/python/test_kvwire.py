@@ -671,6 +671,60 @@ def test_padded_engine_views_register_with_the_pad_their_strides_imply(d):
         b.close()
 
 
+def test_vllm_tensors_map_to_presets_and_device_tensors_group_by_allocation(d):
+    # vLLM's per-layer caches by shape and strides, as its backends allocate them.
+    nb, T, H, D = 7, 4, 4, 16  # block size and heads equal: only the strides tell NHD from HND
+
+    def dense(shape):
+        out = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            out[i] = out[i + 1] * shape[i + 1]
+        return out
+
+    def permuted(phys, order):
+        # A dense tensor laid out as `phys`, viewed with its dims in `order` (vLLM allocates HND this way).
+        st = dense(phys)
+        return tuple(phys[i] for i in order), tuple(st[i] for i in order)
+
+    fa_hnd = permuted((2, nb, H, T, D), (0, 1, 3, 2, 4))
+    fi_hnd = permuted((nb, 2, H, T, D), (0, 1, 3, 2, 4))
+    padded = ((2, nb, T, H, D), (nb * (T * H * D + 40), T * H * D + 40, H * D, D, 1))
+    cases = [
+        (((nb, H, T, 2 * D), dense((nb, H, T, 2 * D))), ("vllm_cpu", "", "kv_packed", nb)),
+        (((2, nb, T, H, D), dense((2, nb, T, H, D))), ("vllm_nhd", "", "kv", nb)),
+        (fa_hnd, ("vllm_hnd", "", "kv", nb)),
+        (((nb, 2, T, H, D), dense((nb, 2, T, H, D))), ("flashinfer", "", "kv", nb)),
+        (fi_hnd, ("flashinfer_hnd", "", "kv", nb)),
+        (padded, ("vllm_nhd", "b40", "kv", nb)),
+    ]
+    for (shape, strides), want in cases:
+        got = kvwire.vllm_layout(shape, strides, T, H, D)
+        assert got == want, (shape, strides, got, want)
+    for shape, says in [((nb, 3, T, H, D), "FlashAttention"), ((2, 2, T, H, D), "same shape")]:
+        try:
+            kvwire.vllm_layout(shape, dense(shape), T, H, D)
+            raise AssertionError("%r was mapped" % (shape,))
+        except ValueError as e:
+            assert says in str(e), e
+    # The daemon reads the mapped HND view as vllm_hnd: registered as it is.
+    b = kvwire.Client(d.sock_b, "py-vllm-map")
+    try:
+        shape, strides = fa_hnd
+        size = 2 * nb * T * H * D * 2
+        mem = kvwire.SharedMemory(LAYERS * size)
+        specs = [kvwire.TensorSpec(mem, l * size, "bf16", shape, strides, "kv", (l, l + 1)) for l in range(LAYERS)]
+        preset, pad, _, _ = kvwire.vllm_layout(shape, strides, T, H, D)
+        b.register_tensors("py-vllm-map", MODEL, "bf16", "tp=1,block=%d,kv=%s" % (T, preset), 0, nb, IDENTITY, specs)
+        b.release_cache("py-vllm-map", 0)
+    finally:
+        b.close()
+    # CUDA tensors: two layers in one caching-allocator segment (one IPC handle), one in another.
+    h1, h2 = bytes(range(64)), bytes(range(1, 65))
+    mems, where = kvwire.device_memories([(0, h1, 0, 4096, 0), (0, h1, 4096, 4096, 256), (0, h2, 512, 1024, 0)])
+    assert [(m.ordinal, m.length, m.ipc) for m in mems] == [(0, 8192, h1), (0, 1536, h2)], mems
+    assert where == [(0, 0), (0, 4352), (1, 512)], where
+
+
 TESTS = [
     test_result_codes_match_the_header,
     test_connect_errors,
@@ -685,6 +739,7 @@ TESTS = [
     test_adopted_memory_keeps_its_address_and_content,
     test_engine_tensors_move_between_two_layouts,
     test_padded_engine_views_register_with_the_pad_their_strides_imply,
+    test_vllm_tensors_map_to_presets_and_device_tensors_group_by_allocation,
 ]
 
 

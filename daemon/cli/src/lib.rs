@@ -130,7 +130,7 @@ struct InventoryArgs {
 struct PlanArgs {
     #[command(flatten)]
     common: ModelArgs,
-    /// Source layout: tp=8[,pp=2][,pp_layers=…][,block=16][,layout=nhd|hnd][,table=contig|shuffle[:SEED]][,kv=vllm_nhd|vllm_hnd|flashinfer|flashinfer_hnd|vllm_cpu|vllm_cross|ORDER] (kv= engine tensors).
+    /// Source layout: tp=8[,pp=2][,pp_layers=…][,block=16][,layout=nhd|hnd][,table=contig|shuffle[:SEED]][,kv=vllm_nhd|vllm_hnd|flashinfer|flashinfer_hnd|vllm_cpu|vllm_cross|ORDER[,pad=b256:t64]] (kv= engine tensors; pad= elements of padding after each step of an axis).
     #[arg(long)]
     src: String,
     /// Destination layout, same keys as --src.

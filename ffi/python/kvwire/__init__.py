@@ -36,6 +36,8 @@ __all__ = [
     "DeviceMemory",
     "preset_shape",
     "layout_pad",
+    "vllm_layout",
+    "device_memories",
     "PRESETS",
     "cache_size",
     "strerror",
@@ -525,4 +527,4 @@ class Client(_Handle):
 
 
 from . import _views  # noqa: E402  (after the ABI: the views use nothing of it)
-from ._views import PRESETS, DeviceMemory, SharedMemory, TensorSpec, layout_pad, preset_shape  # noqa: E402
+from ._views import PRESETS, DeviceMemory, SharedMemory, TensorSpec, device_memories, layout_pad, preset_shape, vllm_layout  # noqa: E402

@@ -91,6 +91,66 @@ def layout_pad(preset: str, shape: Sequence[int], strides: Sequence[int], num_bl
     return ":".join("%s%d" % (c, pads[c]) for c in word if c in pads)
 
 
+def vllm_layout(shape: Sequence[int], strides: Sequence[int], block_size: int, heads: int, head_size: int) -> Tuple[str, str, str, int]:
+    """kvwire's ``(preset, pad, role, num_blocks)`` for one of vLLM's
+    per-layer KV cache tensors, from its shape and strides (in elements):
+
+    * ``(num_blocks, heads, block, 2 * head_size)``: vLLM's CPU layout,
+      ``vllm_cpu``, K and V in the last dimension (role ``kv_packed``);
+    * ``(2, num_blocks, block, heads, head_size)``: FlashAttention and the
+      other GPU backends that share its shape, ``vllm_nhd``; vLLM's HND
+      layout is this shape with the block and head strides swapped,
+      ``vllm_hnd``;
+    * ``(num_blocks, 2, block, heads, head_size)``: FlashInfer,
+      ``flashinfer`` or, with those strides swapped, ``flashinfer_hnd``.
+
+    ``pad`` is the layout's ``pad=`` for a padded view (:func:`layout_pad`).
+    Raises ValueError naming what was seen when the tensor is none of these."""
+    shape, strides = tuple(shape), tuple(strides)
+    rows = (block_size, heads, head_size)
+    if len(shape) == 4 and shape[1:] == (heads, block_size, 2 * head_size):
+        preset, role, nb = "vllm_cpu", "kv_packed", shape[0]
+    elif len(shape) == 5 and shape[2:] == rows and 2 in shape[:2]:
+        if shape[0] == shape[1]:
+            raise ValueError("shape %r: with 2 blocks, K/V-first (FlashAttention) and block-first (FlashInfer) are the same shape" % (shape,))
+        # The logical order is NHD in every one; an HND cache permutes its strides.
+        hnd = strides[3] > strides[2]
+        if shape[1] == 2:
+            preset, nb = ("flashinfer_hnd" if hnd else "flashinfer"), shape[0]
+        else:
+            preset, nb = ("vllm_hnd" if hnd else "vllm_nhd"), shape[1]
+        role = "kv"
+    else:
+        raise ValueError(
+            "shape %r: kvwire maps vLLM's (num_blocks, %d, %d, %d) CPU cache, (2, num_blocks, %d, %d, %d) "
+            "FlashAttention-shaped caches and (num_blocks, 2, %d, %d, %d) FlashInfer caches (block size, KV heads, head size)"
+            % ((shape, heads, block_size, 2 * head_size) + rows + rows)
+        )
+    return preset, layout_pad(preset, shape, strides, nb, block_size, heads, head_size, role=role), role, nb
+
+
+def device_memories(shared: Sequence[Tuple[int, bytes, int, int, int]]) -> Tuple[list, list]:
+    """Groups device tensors by the allocation their CUDA IPC handle names.
+    ``shared`` holds per tensor ``(device, ipc handle, storage offset in the
+    allocation, storage bytes, tensor offset in the storage)``, as torch's
+    ``untyped_storage()._share_cuda_()`` and ``storage_offset()`` give them.
+    Returns the allocations (:class:`DeviceMemory`, each reaching the end of
+    the last storage in it: a handle is opened once however many tensors it
+    holds) and per tensor ``(allocation index, byte offset in it)``."""
+    keys: list = []
+    ends: list = []
+    where = []
+    for device, handle, base, size, off in shared:
+        key = (int(device), bytes(handle))
+        if key not in keys:
+            keys.append(key)
+            ends.append(0)
+        i = keys.index(key)
+        ends[i] = max(ends[i], base + size)
+        where.append((i, base + off))
+    return [DeviceMemory(ordinal=k[0], length=e, ipc=k[1]) for k, e in zip(keys, ends)], where
+
+
 def _check_span(nbytes: int, offset: int, shape: Sequence[int], strides: Sequence[int], itemsize: int) -> None:
     if any(n <= 0 for n in shape):
         raise ValueError("shape %r: every size must be > 0" % (tuple(shape),))

@@ -29,13 +29,23 @@ process and the scheduler's in the engine-core process; they share only
 the metadata the scheduler builds each step):
 
 * **Worker, ``register_kv_caches``.** vLLM's per-layer tensors are read
-  as they are: their shapes, strides and dtype. vLLM's CPU layout, per
-  layer ``(num_blocks, kv_heads, block_size, 2 * head_size)``, is
-  registered as kvwire's ``vllm_cpu`` preset; any other shape is refused
-  with what was seen. The pages holding them are moved into a memfd in
+  as they are: their shapes, strides and dtype (:func:`kvwire.vllm_layout`).
+  vLLM's CPU layout, per layer ``(num_blocks, kv_heads, block_size, 2 *
+  head_size)``, is kvwire's ``vllm_cpu`` preset; FlashAttention's shape
+  ``(2, num_blocks, block_size, kv_heads, head_size)`` is ``vllm_nhd``, or
+  ``vllm_hnd`` where its strides put heads outside positions; FlashInfer's
+  ``(num_blocks, 2, …)`` is ``flashinfer`` or ``flashinfer_hnd``; a padded
+  view adds the layout's ``pad=``. Any other shape is refused with what was
+  seen. CPU tensors: the pages holding them are moved into a memfd in
   place (:meth:`kvwire.SharedMemory.adopt`: same addresses, vLLM never
   notices), and the tensors are registered with the local kvwired
-  (:meth:`kvwire.Client.register_tensors`) with no further copy.
+  (:meth:`kvwire.Client.register_tensors`) with no further copy. CUDA
+  tensors are registered by the CUDA IPC handle of the allocation each is
+  in (:meth:`kvwire.Client.register_device_tensors`; the daemon needs a
+  ``[device]`` backend), and the producer's announcements and whole-request
+  submits wait on a CUDA event recorded behind the forward's writes. The
+  CUDA path has not run on a GPU yet; its layout mapping and handle
+  grouping are tested on the CPU (``ffi/python/test_kvwire.py``).
 * **Whole blocks.** Inside a block, vLLM's CPU kernel (``cpu_attn``,
   0.32) does not keep one row per token: per block and KV head, the first
   half holds K transposed (``head_size x block_size``, a token's K spread
@@ -49,6 +59,8 @@ the metadata the scheduler builds each step):
   model digest both daemons compare: two engines whose blocks differ inside
   are refused, not remapped. Remapping to another block size or a GPU
   layout needs kvwire to describe a transposed K, which its orders cannot.
+  The GPU layouts keep a row per position and head: between them any
+  block size and layout remaps.
 * **Consumer.** ``get_num_new_matched_tokens`` claims the prompt tokens
   not already in the local prefix cache, as an asynchronous load.
   ``update_state_after_alloc`` records the blocks vLLM gave them; the
@@ -94,8 +106,8 @@ shared under a token made from vLLM's engine id); rank 0 prepares or
 submits for the group, and the other ranks report at once, since vLLM
 waits for every rank's report before it frees or schedules a request.
 
-Not yet: synchronous loads, pipeline parallelism, the hybrid allocator
-(``SupportsHMA``), and vLLM's GPU layouts (refused by name). With ``"trace": PATH`` in the extra config,
+Not yet: synchronous loads, pipeline parallelism and the hybrid allocator
+(``SupportsHMA``). With ``"trace": PATH`` in the extra config,
 the hook calls of every step with kvwire work in it, the per-request
 hooks, and every transfer's marks are appended to PATH as JSON lines.
 """
@@ -122,7 +134,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import DECODER_USABLE, LAYER_READY, Client, KvwireError, SharedMemory, TensorSpec
 from . import KVW_PEER_REFUSED, KVW_TIMEOUT  # type: ignore[attr-defined]  # set from RESULTS
-from ._views import dtype_name
+from ._views import device_memories, dtype_name, vllm_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -134,6 +146,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvwireConnector", "KvwireMetadata", "LayoutError"]
+
+# The block and head dimensions of each preset's vLLM tensor, as vLLM shapes it (HND caches are NHD-shaped views).
+_BLOCK_HEAD_AXES = {"vllm_cpu": (0, 1), "vllm_nhd": (1, 3), "vllm_hnd": (1, 3), "flashinfer": (0, 3), "flashinfer_hnd": (0, 3)}
 
 SEND = "kvwire_send"
 RECV = "kvwire_recv"
@@ -340,6 +355,8 @@ class KvwireConnector(KVConnectorBase_V1):
             self._client.share_group(self._group, "vllm-engine-%s" % vllm_config.kv_transfer_config.engine_id)
         self._memories: List[SharedMemory] = []
         self._kv: List[torch.Tensor] = []  # by layer
+        self._cuda = False
+        self._axes = _BLOCK_HEAD_AXES["vllm_cpu"]
         self._layer_index: Dict[str, int] = {}
         self._lock = threading.Lock()
         self._recving: Dict[str, Tuple[int, str, float]] = {}  # req_id -> (slot, name, prepared at)
@@ -350,8 +367,9 @@ class KvwireConnector(KVConnectorBase_V1):
         self._released: Set[str] = set()
         self._finished_seen: Set[str] = set()
         self._step_sends: List[SendSpec] = []
-        # (vLLM request id, layers written) for the daemon, sent from a thread of their own.
-        self._announce: "queue.Queue[List[Tuple[str, int]]]" = queue.Queue()
+        # (vLLM request id, layers written) for the daemon, sent from a thread of their own once
+        # the event (on CUDA: the forward's writes so far) completes.
+        self._announce: "queue.Queue[Tuple[Any, List[Tuple[str, int]]]]" = queue.Queue()
         if self._producer:
             threading.Thread(target=self._announcer, name="kvwire-produced", daemon=True).start()
 
@@ -361,57 +379,71 @@ class KvwireConnector(KVConnectorBase_V1):
         mc = self._vllm_config.model_config
         heads = mc.get_num_kv_heads(self._vllm_config.parallel_config)
         head_size = mc.get_head_size()
-        want = ("num_blocks", heads, self._block_size, 2 * head_size)
         layers = {name: extract_layer_index(name) for name in kv_caches}
         if sorted(layers.values()) != list(range(len(layers))):
             raise LayoutError("kvwire.vllm: KV cache layers %s are not 0..%d, one tensor each" % (sorted(layers.values()), len(layers) - 1))
-        num_blocks = None
+        seen = None
         for name, t in kv_caches.items():
-            shape = tuple(t.shape)
-            ok = len(shape) == 4 and shape[1:] == want[1:] and t.device.type == "cpu"
-            if not ok:
-                raise LayoutError(
-                    "kvwire.vllm: layer %s's KV cache is %s %s on %s; kvwire knows vLLM's CPU layout %s "
-                    "(kv=vllm_cpu: blocks, KV heads, block size, 2 * head size, K and V in each block). "
-                    "GPU layouts are not mapped yet" % (name, t.dtype, shape, t.device, want)
-                )
-            if num_blocks not in (None, shape[0]):
-                raise LayoutError("kvwire.vllm: layers hold different numbers of blocks (%d and %d)" % (num_blocks, shape[0]))
-            num_blocks = shape[0]
-        assert num_blocks is not None
+            try:
+                preset, pad, role, num_blocks = vllm_layout(t.shape, t.stride(), self._block_size, heads, head_size)
+            except ValueError as e:
+                raise LayoutError("kvwire.vllm: layer %s's KV cache (%s on %s): %s" % (name, t.dtype, t.device, e)) from None
+            if seen not in (None, (preset, pad, role, num_blocks, t.device.type)):
+                raise LayoutError("kvwire.vllm: layers differ: %s is %r, another %r" % (name, (preset, pad, role, num_blocks, t.device.type), seen))
+            seen = (preset, pad, role, num_blocks, t.device.type)
+        assert seen is not None
+        preset, pad, role, num_blocks, device = seen
+        self._axes = _BLOCK_HEAD_AXES[preset]
         fmt = dtype_name(next(iter(kv_caches.values())).dtype)
-        # The pages under the tensors (vLLM backs every layer with one allocation) move into memfds in place.
-        spans: List[List[int]] = []
-        for t in kv_caches.values():
-            lo = t.untyped_storage().data_ptr()
-            hi = lo + t.untyped_storage().nbytes()
-            spans.append([lo, hi])
-        spans.sort()
-        merged: List[List[int]] = []
-        for lo, hi in spans:
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self._memories = [SharedMemory.adopt(lo, hi - lo, "kvwire-vllm-kv") for lo, hi in merged]
-
-        def home(t: torch.Tensor) -> SharedMemory:
-            p = t.data_ptr()
-            return next(m for m in self._memories if m.ptr <= p < m.ptr + len(m))
-
-        specs = []
-        for name, t in sorted(kv_caches.items(), key=lambda kv: layers[kv[0]]):
+        ordered = sorted(kv_caches.items(), key=lambda kv: layers[kv[0]])
+        for name, t in ordered:
             self._layer_index[name] = layers[name]
             self._kv.append(t)
-            specs.append(TensorSpec.of(t, home(t), "kv_packed", (layers[name], layers[name] + 1)))
-        layout = "tp=%d,block=%d,kv=vllm_cpu" % (self._tp, self._block_size)
+        self._cuda = device == "cuda"
+        if self._cuda:
+            # Each tensor by the CUDA IPC handle of the allocation it is in; the daemon opens each once.
+            shared = []
+            for _, t in ordered:
+                device_index, handle, base, size = t.untyped_storage()._share_cuda_()[:4]
+                shared.append((device_index, handle, base, size, t.storage_offset() * t.element_size()))
+            memories, where = device_memories(shared)
+            specs = [TensorSpec(memories[m], off, fmt, tuple(t.shape), tuple(t.stride()), role, (layers[n], layers[n] + 1)) for (n, t), (m, off) in zip(ordered, where)]
+        elif device == "cpu":
+            # The pages under the tensors (vLLM backs every layer with one allocation) move into memfds in place.
+            spans: List[List[int]] = []
+            for t in kv_caches.values():
+                lo = t.untyped_storage().data_ptr()
+                hi = lo + t.untyped_storage().nbytes()
+                spans.append([lo, hi])
+            spans.sort()
+            merged: List[List[int]] = []
+            for lo, hi in spans:
+                if merged and lo <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            self._memories = [SharedMemory.adopt(lo, hi - lo, "kvwire-vllm-kv") for lo, hi in merged]
+
+            def home(t: torch.Tensor) -> SharedMemory:
+                p = t.data_ptr()
+                return next(m for m in self._memories if m.ptr <= p < m.ptr + len(m))
+
+            specs = [TensorSpec.of(t, home(t), role, (layers[n], layers[n] + 1)) for n, t in ordered]
+        else:
+            raise LayoutError("kvwire.vllm: KV caches on %s; kvwire registers host (cpu) and CUDA memory" % device)
+        layout = "tp=%d,block=%d,kv=%s" % (self._tp, self._block_size, preset) + (",pad=%s" % pad if pad else "")
         model = _model_source(mc)
-        # The bytes of a block depend on the attention kernel's layout inside it (below): both
-        # engines must use the same one, so it is part of what the daemon compares.
-        isas = {getattr(self._vllm_config.compilation_config.static_forward_context.get(n), "isa", None) for n in kv_caches}
-        kernel = "vllm %s cpu_attn isa=%s block=%d" % (_vllm_version(), ",".join(sorted(str(i) for i in isas)), self._block_size)
+        # Both engines must agree on what a block holds, so it is part of what the daemon
+        # compares. vLLM's CPU kernel keeps its own layout inside a block (below); the other
+        # backends keep a row per position and head, which kvwire remaps between them.
+        if preset == "vllm_cpu":
+            isas = {getattr(self._vllm_config.compilation_config.static_forward_context.get(n), "isa", None) for n in kv_caches}
+            kernel = "vllm %s cpu_attn isa=%s block=%d" % (_vllm_version(), ",".join(sorted(str(i) for i in isas)), self._block_size)
+        else:
+            kernel = "rows"
         identity = _identity(mc, fmt, self._tenant, kernel)
-        regions, nbytes, complete = self._client.register_tensors(self._group, model, fmt, layout, self._rank, num_blocks, identity, specs)
+        register = self._client.register_device_tensors if self._cuda else self._client.register_tensors
+        regions, nbytes, complete = register(self._group, model, fmt, layout, self._rank, num_blocks, identity, specs)
         self._trace(
             "register_kv_caches",
             group=self._group,
@@ -422,6 +454,7 @@ class KvwireConnector(KVConnectorBase_V1):
             shape=list(specs[0].shape),
             strides=list(specs[0].strides),
             memfds=len(self._memories),
+            device=device,
             regions=regions,
             bytes=nbytes,
             complete=complete,
@@ -478,22 +511,34 @@ class KvwireConnector(KVConnectorBase_V1):
         self._step_trace("save_kv_layer", layer=layer)
         if self._stream and self._step_sends and layer is not None:
             # Layers 0..layer are written for every request of the step (the forward goes in layer order).
-            self._announce.put([(s.req_id, layer + 1) for s in self._step_sends])
+            self._announce.put((self._written(), [(s.req_id, layer + 1) for s in self._step_sends]))
+
+    def _written(self) -> Any:
+        """On CUDA, an event recorded behind the forward's work queued so far:
+        a layer's hook runs when its kernels are queued, not done, and the
+        daemon reads the device memory from another process. None on CPU,
+        where the hooks run after the writes."""
+        if not self._cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
 
     def _announcer(self) -> None:
         """Tells the daemon which layers are written, off the forward's
         thread; announcements waiting together go as the latest per request."""
         while True:
             latest: Dict[str, int] = {}
-            for req, n in self._announce.get():
-                latest[req] = max(n, latest.get(req, 0))
+            written, items = self._announce.get()
             while True:
+                if written is not None:
+                    written.synchronize()
+                for req, n in items:
+                    latest[req] = max(n, latest.get(req, 0))
                 try:
-                    more = self._announce.get_nowait()
+                    written, items = self._announce.get_nowait()
                 except queue.Empty:
                     break
-                for req, n in more:
-                    latest[req] = max(n, latest.get(req, 0))
             for req, n in latest.items():
                 try:
                     self._client.produced(self._group, req, self._rank, n)
@@ -502,22 +547,22 @@ class KvwireConnector(KVConnectorBase_V1):
                 except Exception:  # the client closed at shutdown
                     return
 
-    def _start_sends(self, sends: List[SendSpec]) -> None:
+    def _start_sends(self, sends: List[SendSpec], written: Any = None) -> None:
         for s in sends:
             with self._lock:
                 self._sends_open.add(s.req_id)
             if not self._leader:
                 continue
-            threading.Thread(target=self._send, args=(s,), name="kvwire-send-%s" % s.req_id, daemon=True).start()
+            threading.Thread(target=self._send, args=(s, written), name="kvwire-send-%s" % s.req_id, daemon=True).start()
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvwireMetadata)
         self._step_trace("wait_for_save", sends=len(meta.sends))
         if self._stream and meta.sends:
-            self._announce.put([(s.req_id, len(self._kv)) for s in meta.sends])
+            self._announce.put((self._written(), [(s.req_id, len(self._kv)) for s in meta.sends]))
         elif meta.sends:
-            self._start_sends(meta.sends)
+            self._start_sends(meta.sends, self._written())
         for s in meta.sends:
             if self._digest:
                 self._trace("send_digest", req=s.req_id, request=s.dst_request, rank=self._rank, heads=self._head_digests(s.block_ids))
@@ -526,9 +571,12 @@ class KvwireConnector(KVConnectorBase_V1):
                 with self._lock:
                     self._released.add(s.req_id)
 
-    def _send(self, s: SendSpec) -> None:
+    def _send(self, s: SendSpec, written: Any = None) -> None:
         """Submits (retrying while the consumer has not prepared), then waits
-        until the source blocks are released."""
+        until the source blocks are released. A whole-request submit on CUDA
+        waits first for the forward's writes (``written``)."""
+        if written is not None:
+            written.synchronize()
         t0 = time.monotonic()
         deadline = t0 + self._submit_timeout
         delay, attempts = 0.002, 0
@@ -654,12 +702,13 @@ class KvwireConnector(KVConnectorBase_V1):
         request's blocks, every layer, in block-table order (comparable
         across TP degrees: a head's bytes inside a block do not depend on the
         other heads)."""
-        idx = torch.tensor(block_ids, dtype=torch.long)
+        block_axis, head_axis = self._axes
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self._kv[0].device)
         out = []
-        for head in range(self._kv[0].shape[1]):
+        for head in range(self._kv[0].shape[head_axis]):
             h = hashlib.sha256()
-            for t in self._kv:  # (blocks, heads, block, 2 * head_size)
-                h.update(t.index_select(0, idx)[:, head].contiguous().view(torch.uint8).numpy().tobytes())
+            for t in self._kv:
+                h.update(t.index_select(block_axis, idx).select(head_axis, head).contiguous().view(torch.uint8).cpu().numpy().tobytes())
             out.append(h.hexdigest()[:32])
         return out
 
