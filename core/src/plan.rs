@@ -33,6 +33,7 @@ use crate::tensors::{rank_tensors, Expected, KvOrder, RankTensors, Strides, Tens
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// One side (source or destination) of a transfer, resolved for a request.
@@ -382,7 +383,42 @@ pub struct Segments {
     groups: Vec<Group>,
     /// Segments before each group; one more entry, the total, at the end.
     starts: Vec<usize>,
+    hint: Hint,
 }
+
+/// Where the last lookup by index ended. Packing, unpacking and hashing
+/// look segments up by index in plan order: each one is then in the same
+/// entry as the last or the next, found without a search. Any thread may
+/// move it; a stale hint costs only the search.
+#[derive(Debug, Default)]
+pub struct Hint(AtomicUsize);
+
+impl Hint {
+    /// The last entry found.
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::Relaxed)
+    }
+
+    /// Remembers the entry found.
+    pub fn set(&self, at: usize) {
+        self.0.store(at, Ordering::Relaxed);
+    }
+}
+
+impl Clone for Hint {
+    fn clone(&self) -> Hint {
+        Hint(AtomicUsize::new(self.0.load(Ordering::Relaxed)))
+    }
+}
+
+/// A hint is no part of what its owner holds.
+impl PartialEq for Hint {
+    fn eq(&self, _: &Hint) -> bool {
+        true
+    }
+}
+
+impl Eq for Hint {}
 
 impl Segments {
     fn push_group(&mut self, g: Group) {
@@ -412,7 +448,14 @@ impl Segments {
         if i >= self.len() {
             return None;
         }
-        let g = self.starts.partition_point(|&s| s <= i) - 1;
+        let inside = |g: usize| g < self.groups.len() && self.starts[g] <= i && i < self.starts[g + 1];
+        let h = self.hint.get();
+        let g = match (inside(h), inside(h.saturating_add(1))) {
+            (true, _) => h,
+            (_, true) => h + 1,
+            _ => self.starts.partition_point(|&s| s <= i) - 1,
+        };
+        self.hint.set(g);
         let group = &self.groups[g];
         Some(group.stamp(&self.templates[group.template as usize][i - self.starts[g]]))
     }

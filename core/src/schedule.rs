@@ -9,7 +9,7 @@
 //! source's staging buffer and in the destination's.
 
 use crate::codec::{self, Codec};
-use crate::plan::{Mode, Plan, Segment};
+use crate::plan::{Hint, Mode, Plan, Segment};
 use crate::shard::RegionId;
 use crate::{CacheFormat, ModelSpec};
 
@@ -122,6 +122,8 @@ pub struct Schedule {
     pub staged: Vec<Staged>,
     /// Bytes of each staging buffer.
     pub stage_bytes: u64,
+    /// The entry of `staged` last looked up (see [`Schedule::staged_of`]).
+    pub hint: Hint,
 }
 
 impl Schedule {
@@ -162,13 +164,24 @@ impl Schedule {
             staged.push(st);
             offset += size;
         }
-        Ok(Schedule { layers, staged, stage_bytes: offset })
+        Ok(Schedule { layers, staged, stage_bytes: offset, hint: Hint::default() })
     }
 
     /// Where staged segment `seg` lies in staging; `None` for a direct one.
     pub fn staged_of(&self, seg: usize) -> Option<&Staged> {
-        // Staging order is plan order.
-        self.staged.binary_search_by_key(&seg, |st| st.seg).ok().map(|i| &self.staged[i])
+        // Staging order is plan order: a walk in plan order asks for the
+        // entry after the last one found, or again for that one, or for a
+        // direct segment between the two.
+        let h = self.hint.get();
+        let (at, next) = (self.staged.get(h).map(|st| st.seg), self.staged.get(h.saturating_add(1)).map(|st| st.seg));
+        let i = match (at, next) {
+            (Some(a), _) if a == seg => h,
+            (_, Some(n)) if n == seg => h + 1,
+            (Some(a), Some(n)) if a < seg && seg < n => return None,
+            _ => self.staged.binary_search_by_key(&seg, |st| st.seg).ok()?,
+        };
+        self.hint.set(i);
+        Some(&self.staged[i])
     }
 
     /// Bytes every layer's writes carry together.

@@ -62,6 +62,9 @@ fn assert_counters_consistent(plan: &Plan) {
     // Kept as templates: random access and the flat list agree with the walk.
     let flat = plan.segments.to_vec();
     assert!(flat.iter().enumerate().all(|(i, s)| plan.segments.get(i) == Some(*s)));
+    // Lookups out of plan order too (backwards, then strided): each finds its own.
+    assert!(flat.iter().enumerate().rev().all(|(i, s)| plan.segments.get(i) == Some(*s)));
+    assert!((0..flat.len()).map(|i| i * 7919 % flat.len()).all(|i| plan.segments.get(i) == Some(flat[i])));
     assert_eq!(plan.segments.get(flat.len()), None);
     assert_eq!(Segments::from(flat), plan.segments);
 }

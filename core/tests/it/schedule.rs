@@ -51,8 +51,11 @@ fn each_layer_waits_for_exactly_its_share_and_its_writes_carry_it() {
             let own: Vec<usize> = (0..plan.segments.len()).filter(|&i| plan.segments.at(i).dst_region.layer as usize == l).collect();
             assert_eq!(ls.segments(), own, "{src} -> {dst} layer {l}");
         }
-        for (i, seg) in plan.segments.iter().enumerate() {
-            assert_eq!(s.staged_of(i).map(|st| st.seg), (seg.mode == kvwire_core::plan::Mode::Packed).then_some(i), "{src} -> {dst} segment {i}");
+        // In plan order, backwards and strided (a lookup remembers where it ended).
+        let n = plan.segments.len();
+        for i in (0..n).chain((0..n).rev()).chain((0..n).map(|i| i * 7919 % n)) {
+            let packed = plan.segments.at(i).mode == kvwire_core::plan::Mode::Packed;
+            assert_eq!(s.staged_of(i).map(|st| st.seg), packed.then_some(i), "{src} -> {dst} segment {i}");
         }
     }
 }

@@ -362,6 +362,7 @@ mod tests {
             ],
             staged: vec![packed],
             stage_bytes: 20,
+            hint: Default::default(),
         };
         let l = RingLayout::build(&plan, &schedule, &regions, |s| s.mode == Mode::Packed).unwrap();
         assert_eq!(l.sources, vec![(0, k(0))], "one memory, one source");
