@@ -21,6 +21,7 @@
 use crate::manifest::LayerChecksum;
 use crate::reuse::CacheIdentity;
 use crate::shard::RegionId;
+use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
 
 /// Peer protocol version.
@@ -30,8 +31,9 @@ use serde::{Deserialize, Serialize};
 /// 6: a destination may announce a prepared request (`Announce`); the source claims it with no round trip (`Claim`).
 pub const PEER_VERSION: u32 = 6;
 
-/// Messages on a peer connection.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// Messages on a peer connection: JSON objects, `msg` naming the message
+/// (its first key), the rest its fields.
+#[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum PeerMsg {
     /// Server's challenge.
@@ -103,6 +105,105 @@ pub enum PeerMsg {
         /// Destination slot.
         slot: u16,
     },
+}
+
+/// The message names, for errors.
+const MESSAGES: &[&str] = &["challenge", "auth", "auth_ok", "refused", "offer", "accept", "expect", "layer_sums", "announce", "claim", "ok", "abort", "ping", "pong", "done"];
+
+/// Read with the tag first, as [`Serialize`] writes it: the fields then go
+/// straight into the message. A derived internally tagged enum would
+/// buffer the whole object first to find its tag wherever it is, which
+/// doubled the parse of every announcement on the submit path.
+impl<'de> Deserialize<'de> for PeerMsg {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<PeerMsg, D::Error> {
+        d.deserialize_map(MsgVisitor)
+    }
+}
+
+struct MsgVisitor;
+
+// The fields of the messages that carry no struct of their own.
+#[derive(Deserialize)]
+struct ChallengeFields {
+    node: String,
+    version: u32,
+    nonce: String,
+}
+
+#[derive(Deserialize)]
+struct AuthFields {
+    node: String,
+    nonce: String,
+    mac: String,
+}
+
+#[derive(Deserialize)]
+struct Mac {
+    mac: String,
+}
+
+#[derive(Deserialize)]
+struct Reason {
+    reason: String,
+}
+
+#[derive(Deserialize)]
+struct SlotReason {
+    slot: u16,
+    reason: String,
+}
+
+#[derive(Deserialize)]
+struct SlotOnly {
+    slot: u16,
+}
+
+impl<'de> Visitor<'de> for MsgVisitor {
+    type Value = PeerMsg;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a peer message: an object whose first key is `msg`")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PeerMsg, A::Error> {
+        if map.next_key::<String>()?.as_deref() != Some("msg") {
+            return Err(de::Error::custom("a peer message's first key must be `msg`"));
+        }
+        let tag: String = map.next_value()?;
+        let rest = de::value::MapAccessDeserializer::new(map);
+        Ok(match tag.as_str() {
+            "challenge" => {
+                let f = ChallengeFields::deserialize(rest)?;
+                PeerMsg::Challenge { node: f.node, version: f.version, nonce: f.nonce }
+            }
+            "auth" => {
+                let f = AuthFields::deserialize(rest)?;
+                PeerMsg::Auth { node: f.node, nonce: f.nonce, mac: f.mac }
+            }
+            "auth_ok" => PeerMsg::AuthOk { mac: Mac::deserialize(rest)?.mac },
+            "refused" => PeerMsg::Refused { reason: Reason::deserialize(rest)?.reason },
+            "offer" => PeerMsg::Offer(Offer::deserialize(rest)?),
+            "accept" => PeerMsg::Accept(Accept::deserialize(rest)?),
+            "expect" => PeerMsg::Expect(Expect::deserialize(rest)?),
+            "layer_sums" => PeerMsg::LayerSums(LayerSums::deserialize(rest)?),
+            "announce" => PeerMsg::Announce(Announce::deserialize(rest)?),
+            "claim" => PeerMsg::Claim(Claim::deserialize(rest)?),
+            "abort" => {
+                let f = SlotReason::deserialize(rest)?;
+                PeerMsg::Abort { slot: f.slot, reason: f.reason }
+            }
+            "done" => PeerMsg::Done { slot: SlotOnly::deserialize(rest)?.slot },
+            unit @ ("ok" | "ping" | "pong") => {
+                de::IgnoredAny::deserialize(rest)?;
+                match unit {
+                    "ok" => PeerMsg::Ok,
+                    "ping" => PeerMsg::Ping,
+                    _ => PeerMsg::Pong,
+                }
+            }
+            other => return Err(de::Error::unknown_variant(other, MESSAGES)),
+        })
+    }
 }
 
 impl PeerMsg {

@@ -407,3 +407,40 @@ fn a_claim_staging_more_than_was_set_aside_or_refused_ends_without_an_abort() {
     bad.transport = "shm".into();
     assert!(matches!(SourceSession::claim(now, bad, 1, offer(), TransportKind::Tcp, timeouts()), Err(SessionError::BadAccept(_))));
 }
+
+#[test]
+fn every_peer_message_reads_back_as_written_and_a_misplaced_or_unknown_tag_is_refused_by_name() {
+    let sums = LayerSums { slot: SLOT, layer: 3, checksums: vec![LayerChecksum { dst_rank: 0, layer: 3, tensor: Tensor::V, bytes: 96, xxh3: 7 }] };
+    let announce = kvwire_core::session::msg::Announce { group: "decode".into(), request: "r1".into(), gen: 4, tokens: 100, identity: offer().identity, layer_bytes: vec![10, 20], accept: accept() };
+    let all = [
+        PeerMsg::Challenge { node: "b".into(), version: 6, nonce: "00".into() },
+        PeerMsg::Auth { node: "a".into(), nonce: "01".into(), mac: "02".into() },
+        PeerMsg::AuthOk { mac: "03".into() },
+        PeerMsg::Refused { reason: "no \"such\" request".into() },
+        PeerMsg::Offer(offer()),
+        PeerMsg::Accept(accept()),
+        PeerMsg::Expect(expect()),
+        PeerMsg::LayerSums(sums),
+        PeerMsg::Announce(announce),
+        PeerMsg::Claim(Claim { slot: SLOT, gen: 4, offer: offer() }),
+        PeerMsg::Ok,
+        PeerMsg::Abort { slot: SLOT, reason: "cancelled".into() },
+        PeerMsg::Ping,
+        PeerMsg::Pong,
+        PeerMsg::Done { slot: SLOT },
+    ];
+    for m in &all {
+        let text = serde_json::to_string(m).unwrap();
+        assert!(text.starts_with("{\"msg\":"), "{text}");
+        assert_eq!(&serde_json::from_str::<PeerMsg>(&text).unwrap(), m, "{text}");
+    }
+    let err = |text: &str| serde_json::from_str::<PeerMsg>(text).unwrap_err().to_string();
+    assert!(err(r#"{"slot":7,"msg":"done"}"#).contains("first key must be `msg`"));
+    assert!(err(r#"{"msg":"staging","key":9}"#).contains("unknown variant `staging`"));
+    assert!(err(r#"{"msg":"done"}"#).contains("missing field `slot`"));
+    assert!(err(r#"{"msg":"offer","slot":7}"#).contains("unknown field `slot`"), "the structs still deny unknown fields");
+    assert!(err(r#"[1,2]"#).contains("first key is `msg`"));
+    // Fields a message does not know are skipped where they were before (the tag-only messages, the unstructured ones).
+    assert_eq!(serde_json::from_str::<PeerMsg>(r#"{"msg":"ping","extra":[1,{"a":2}]}"#).unwrap(), PeerMsg::Ping);
+    assert_eq!(serde_json::from_str::<PeerMsg>(r#"{"msg":"done","slot":3,"why":"x"}"#).unwrap(), PeerMsg::Done { slot: 3 });
+}
