@@ -88,10 +88,11 @@ pub struct TransportConfig {
     /// failed and its slices re-sent on the others (a port that went down
     /// breaks no TCP connection by itself).
     pub rail_stall_ms: u64,
-    /// A source transfer of at least this many payload bytes hashes beside
-    /// the wire: its manifest goes without checksums, and each layer's
-    /// follow as they are computed while the bytes already move. Smaller
-    /// ones hash first (the per-layer messages cost more than they save).
+    /// A source transfer of at least this many payload bytes is packed and
+    /// hashed beside the wire: its manifest goes without checksums, and a
+    /// worker packs and hashes each layer, its checksums and then its bytes
+    /// going as soon as it is done. Smaller ones are packed and hashed
+    /// whole first (per-layer messages and hand-offs cost more than they save).
     pub hash_beside_bytes: u64,
     /// A receive prepared for a named source node (`source` in the
     /// prepare) of at most this many payload bytes is announced to it:

@@ -167,11 +167,13 @@ impl Daemon {
         if s.stream {
             return self.stream_source(id, stop, s, g, p, codec, accept, l);
         }
-        // A large transfer hashes beside the wire: the manifest goes without
-        // checksums and each layer's follow as they are computed, while the
-        // bytes already move (the destination verifies a layer once both
-        // are in).
-        let beside = self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes;
+        // A large transfer is packed and hashed beside the wire: the
+        // manifest goes without checksums, each layer's follow as they are
+        // computed, and its bytes as soon as it is packed (the destination
+        // verifies a layer once both are in).
+        if self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes {
+            return self.pipelined_source(id, stop, s, g, p, codec, accept, l);
+        }
         let (rails, prefer) = rails_of(&accept);
         let size = Size::of(&g, &p);
         let (g, peer_slot, dst_request) = (Arc::new(g), accept.slot, s.dst_request.clone());
@@ -182,7 +184,7 @@ impl Daemon {
         let start = move |d: &Daemon, link: &Arc<PeerLink>| -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
             let stage = d.pack(id, &sg, &sp, codec)?;
             d.keeping_stage(stage, |st| {
-                d.expect(id, &sg, &dst_request, &sp, codec, &sa, st.map(|r| &**r), beside, link)?;
+                d.expect(id, &sg, &dst_request, &sp, codec, &sa, st.map(|r| &**r), false, link)?;
                 batches(&sg, &sp, &sa, codec, st)
             })
         };
@@ -201,27 +203,24 @@ impl Daemon {
         };
         let stage_here = early.as_ref().and_then(|(st, _)| st.clone());
         let (manifest_out, manifest_sent) = mpsc::sync_channel::<bool>(1);
-        let (mg, mp) = (g.clone(), p.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
             let (stage, batches) = match early.map_or_else(|| start(d, link), Ok) {
                 Ok(x) => x,
                 Err(r) => return (total, Err(r.message)),
             };
-            let hashing = beside.then(|| d.hash_beside(id, mg, mp, codec, stage.clone(), link.clone(), stop.clone()));
             let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
-            // Every layer's checksums are out before `Done`: after it the
-            // destination reads nothing more until it gives its verdict. A
-            // small transfer's manifest went beside its writes; its stage,
-            // which the manifest hashed, is kept until it is out.
+            // The manifest is out before `Done`: after it the destination
+            // reads nothing more until it gives its verdict. A small
+            // transfer's manifest went beside its writes; its stage, which
+            // the manifest hashed, is kept until it is out.
             let manifest = match small {
                 true => manifest_sent.recv().unwrap_or(false).then_some(()).ok_or_else(|| "the manifest did not go out".to_string()),
                 false => Ok(()),
             };
-            let hashed = hashing.map_or(Ok(()), |rx| rx.recv().unwrap_or_else(|_| Err("the hashing job ended without a word".into())));
-            // Every write completed or failed, and the hashing job ended: nothing reads it now.
+            // Every write completed or failed: nothing reads the stage now.
             d.drop_stage(stage);
-            (total, moved.and(manifest).and(hashed))
+            (total, moved.and(manifest))
         };
         let reply = self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), mover)?;
         if small {
@@ -233,11 +232,60 @@ impl Daemon {
         Ok(reply)
     }
 
-    /// Hashes a transfer's layers in order on a worker, sending each one's
-    /// checksums as soon as they are known; says on the returned channel
-    /// how it ended.
+    /// A large host-resident source: a worker packs and hashes it layer by
+    /// layer, sending each layer's checksums, while the transfer thread
+    /// posts the layers packed so far. The wire starts once the first
+    /// layer is packed, not the whole transfer. The manifest goes first,
+    /// without checksums; each layer's go before its bytes.
+    #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
+    fn pipelined_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
+        let size = Size::of(&g, &p);
+        let (rails, prefer) = rails_of(&accept);
+        let n = p.schedule.layers.len();
+        let (g, peer_slot, dst_request) = (Arc::new(g), accept.slot, s.dst_request.clone());
+        let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
+            let mut total = Outcome::default();
+            let started = d.expect(id, &g, &dst_request, &p, codec, &accept, None, true, link).and_then(|()| {
+                let stage = d.stage_buffer(id, stage_needed(&p, codec))?;
+                d.keeping_stage(stage, |st| batches(&g, &p, &accept, codec, st))
+            });
+            let (stage, batches) = match started {
+                Ok(x) => x,
+                Err(r) => return (total, Err(r.message)),
+            };
+            let halt = Arc::new(AtomicBool::new(false));
+            let packed = d.pack_ahead(id, g, p, codec, stage.clone(), link.clone(), [stop.clone(), halt.clone()]);
+            let mut batches = batches.into_iter();
+            let moved = (|| {
+                let mut layer = 0;
+                while layer < n {
+                    let next = |r: Result<Result<usize, String>, _>| r.unwrap_or_else(|_| Err("the packing job ended without a word".into()));
+                    let mut upto = next(packed.recv())? + 1;
+                    // Layers packed meanwhile go with it: one post, not one each.
+                    while let Ok(more) = packed.try_recv() {
+                        upto = more? + 1;
+                    }
+                    d.move_bytes(id, &rails, &prefer, batches.by_ref().take(upto - layer).collect(), stop, link, &mut total)?;
+                    layer = upto;
+                }
+                Ok(())
+            })();
+            // The job stops before its next layer; once it dropped its end
+            // of the channel it reads neither the cache nor the stage.
+            halt.store(true, Ordering::Release);
+            while packed.recv().is_ok() {}
+            d.drop_stage(stage);
+            (total, moved)
+        };
+        self.post(id, stop, s, size, codec, peer_slot, None, l, mover)
+    }
+
+    /// Packs and hashes a transfer's layers in order on a worker, sending
+    /// each one's checksums; says on the returned channel which layer is
+    /// ready to post, or why it stopped. Any of `stops` ends it before its
+    /// next layer; it drops its end of the channel last.
     #[allow(clippy::too_many_arguments)] // what the job takes over
-    fn hash_beside(
+    fn pack_ahead(
         self: &Arc<Self>,
         id: SlotId,
         g: Arc<SourceGroup>,
@@ -245,24 +293,29 @@ impl Daemon {
         codec: Option<Codec>,
         stage: Option<Arc<Region>>,
         link: Arc<PeerLink>,
-        stop: Arc<AtomicBool>,
-    ) -> mpsc::Receiver<Result<(), String>> {
+        stops: [Arc<AtomicBool>; 2],
+    ) -> mpsc::Receiver<Result<usize, String>> {
         let (tx, rx) = mpsc::channel();
         let (d, panicked, unstarted) = (self.clone(), tx.clone(), tx.clone());
         let job = move || {
-            let done = (0..p.schedule.layers.len()).try_for_each(|layer| {
-                if stop.load(Ordering::Acquire) {
-                    return Err("cancelled".to_string());
+            for layer in 0..p.schedule.layers.len() {
+                if stops.iter().any(|s| s.load(Ordering::Acquire)) {
+                    let _ = tx.send(Err("cancelled".to_string()));
+                    break;
                 }
-                d.send_layer_checksums(id, &g, &p, codec, layer, stage.as_deref(), &link).map_err(|r| r.message)
-            });
-            let _ = tx.send(done);
+                let done = d.host_layer(id, &g, &p, codec, layer, stage.as_deref(), &link).map(|()| layer).map_err(|r| r.message);
+                let failed = done.is_err();
+                if tx.send(done).is_err() || failed {
+                    break;
+                }
+            }
+            drop(stage);
         };
         let on_panic = move |why: String| {
-            let _ = panicked.send(Err(format!("internal error: the hashing job panicked: {why}")));
+            let _ = panicked.send(Err(format!("internal error: the packing job panicked: {why}")));
         };
-        if let Err(e) = self.workers.spawn("kvwired-hash", job, on_panic) {
-            let _ = unstarted.send(Err(format!("cannot start the hashing job: {e}")));
+        if let Err(e) = self.workers.spawn("kvwired-pack", job, on_panic) {
+            let _ = unstarted.send(Err(format!("cannot start the packing job: {e}")));
         }
         rx
     }

@@ -312,8 +312,9 @@ fn a_corrupted_byte_in_transit_fails_the_checksum_and_publishes_nothing() {
 #[test]
 fn a_source_hashing_beside_the_wire_moves_bitwise_and_a_corrupted_byte_still_fails_its_layer() {
     let _shared = crate::shared();
-    // Every transfer hashes beside the wire: the manifest carries no
-    // checksums, each layer's follow while the bytes move.
+    // Every transfer is packed and hashed beside the wire: the manifest
+    // carries no checksums, each layer's follow, then its bytes, while the
+    // layers before it move.
     let beside = "[transport]\nhash_beside_bytes = 0\n";
     let p = pair_with("beside", beside, "");
     for name in ["beside", "beside-remap"] {
