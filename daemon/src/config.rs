@@ -91,7 +91,8 @@ pub struct TransportConfig {
     /// A source transfer of at least this many payload bytes is packed and
     /// hashed beside the wire: its manifest goes without checksums, and a
     /// worker packs and hashes each layer, its checksums and then its bytes
-    /// going as soon as it is done. Smaller ones are packed and hashed
+    /// going as soon as it is done (striped over several rails: packed
+    /// first, then hashed beside the writes). Smaller ones are packed and hashed
     /// whole first (per-layer messages and hand-offs cost more than they save).
     pub hash_beside_bytes: u64,
     /// A receive prepared for a named source node (`source` in the

@@ -170,8 +170,12 @@ impl Daemon {
         // A large transfer is packed and hashed beside the wire: the
         // manifest goes without checksums, each layer's follow as they are
         // computed, and its bytes as soon as it is packed (the destination
-        // verifies a layer once both are in).
-        if self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes {
+        // verifies a layer once both are in). Over one rail only: each
+        // post of packed layers is a stripe run of its own, and a rail
+        // that failed in one run would be tried again in the next, so a
+        // striped transfer keeps one run and packs first.
+        let beside = self.cfg.verify_checksums && p.plan.counters.total_bytes_moved >= self.cfg.transport.hash_beside_bytes;
+        if beside && accept.rails.len() <= 1 {
             return self.pipelined_source(id, stop, s, g, p, codec, accept, l);
         }
         let (rails, prefer) = rails_of(&accept);
@@ -184,7 +188,7 @@ impl Daemon {
         let start = move |d: &Daemon, link: &Arc<PeerLink>| -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
             let stage = d.pack(id, &sg, &sp, codec)?;
             d.keeping_stage(stage, |st| {
-                d.expect(id, &sg, &dst_request, &sp, codec, &sa, st.map(|r| &**r), false, link)?;
+                d.expect(id, &sg, &dst_request, &sp, codec, &sa, st.map(|r| &**r), beside, link)?;
                 batches(&sg, &sp, &sa, codec, st)
             })
         };
@@ -203,24 +207,27 @@ impl Daemon {
         };
         let stage_here = early.as_ref().and_then(|(st, _)| st.clone());
         let (manifest_out, manifest_sent) = mpsc::sync_channel::<bool>(1);
+        let (mg, mp) = (g.clone(), p.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
             let (stage, batches) = match early.map_or_else(|| start(d, link), Ok) {
                 Ok(x) => x,
                 Err(r) => return (total, Err(r.message)),
             };
+            let hashing = beside.then(|| d.hash_beside(id, mg, mp, codec, stage.clone(), link.clone(), stop.clone()));
             let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
-            // The manifest is out before `Done`: after it the destination
-            // reads nothing more until it gives its verdict. A small
-            // transfer's manifest went beside its writes; its stage, which
-            // the manifest hashed, is kept until it is out.
+            // Every layer's checksums are out before `Done`: after it the
+            // destination reads nothing more until it gives its verdict. A
+            // small transfer's manifest went beside its writes; its stage,
+            // which the manifest hashed, is kept until it is out.
             let manifest = match small {
                 true => manifest_sent.recv().unwrap_or(false).then_some(()).ok_or_else(|| "the manifest did not go out".to_string()),
                 false => Ok(()),
             };
-            // Every write completed or failed: nothing reads the stage now.
+            let hashed = hashing.map_or(Ok(()), |rx| rx.recv().unwrap_or_else(|_| Err("the hashing job ended without a word".into())));
+            // Every write completed or failed, and the hashing job ended: nothing reads it now.
             d.drop_stage(stage);
-            (total, moved.and(manifest))
+            (total, moved.and(manifest).and(hashed))
         };
         let reply = self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), mover)?;
         if small {
@@ -316,6 +323,40 @@ impl Daemon {
         };
         if let Err(e) = self.workers.spawn("kvwired-pack", job, on_panic) {
             let _ = unstarted.send(Err(format!("cannot start the packing job: {e}")));
+        }
+        rx
+    }
+
+    /// Hashes a transfer's layers in order on a worker, sending each one's
+    /// checksums as soon as they are known; says on the returned channel
+    /// how it ended.
+    #[allow(clippy::too_many_arguments)] // what the job takes over
+    fn hash_beside(
+        self: &Arc<Self>,
+        id: SlotId,
+        g: Arc<SourceGroup>,
+        p: Arc<Planned>,
+        codec: Option<Codec>,
+        stage: Option<Arc<Region>>,
+        link: Arc<PeerLink>,
+        stop: Arc<AtomicBool>,
+    ) -> mpsc::Receiver<Result<(), String>> {
+        let (tx, rx) = mpsc::channel();
+        let (d, panicked, unstarted) = (self.clone(), tx.clone(), tx.clone());
+        let job = move || {
+            let done = (0..p.schedule.layers.len()).try_for_each(|layer| {
+                if stop.load(Ordering::Acquire) {
+                    return Err("cancelled".to_string());
+                }
+                d.send_layer_checksums(id, &g, &p, codec, layer, stage.as_deref(), &link).map_err(|r| r.message)
+            });
+            let _ = tx.send(done);
+        };
+        let on_panic = move |why: String| {
+            let _ = panicked.send(Err(format!("internal error: the hashing job panicked: {why}")));
+        };
+        if let Err(e) = self.workers.spawn("kvwired-hash", job, on_panic) {
+            let _ = unstarted.send(Err(format!("cannot start the hashing job: {e}")));
         }
         rx
     }
