@@ -471,6 +471,19 @@ def eng_locate(side, places, layer, kv, head, pos):
     return mem, off + eng_index(side, kv, b, pos % side["block"], head % per) * 2
 
 
+def move_and_compare(a, b, d, groups, name, mem, want):
+    """Moves request `name` from ENG_SRC's group into ENG_DST's table of the
+    other group, then checks every byte of `mem` (what lies outside the rows too)."""
+    slot = b.prepare_receive(groups[1], name, ENG_DST["table"], TOKENS)
+    sslot, _ = a.submit("p" + name, groups[0], ENG_SRC["table"], TOKENS, d.peer_b, groups[1], name)
+    b.decoder_usable(slot, timeout_ms=20000)
+    a.source_released(sslot, timeout_ms=20000)
+    got = mem.read()
+    if got != bytes(want):
+        bad = [i for i in range(len(got)) if got[i] != want[i]]
+        raise AssertionError("%d destination bytes differ, first at %d" % (len(bad), bad[0]))
+
+
 def test_engine_tensors_in_their_own_device_allocations(d):
     a = kvwire.Client(d.sock_a, "py-deveng-prefill")
     b = kvwire.Client(d.sock_b, "py-deveng-decode")
@@ -577,14 +590,7 @@ def test_engine_tensors_move_between_two_layouts(d):
             mem.write(off, row)
             _, o = eng_locate(ENG_DST, dst, layer, kv, h, pos)
             want[o : o + ROW] = row
-        slot = b.prepare_receive("py-eng-dst", "e1", ENG_DST["table"], TOKENS)
-        sslot, _ = a.submit("pe1", "py-eng-src", ENG_SRC["table"], TOKENS, d.peer_b, "py-eng-dst", "e1")
-        b.decoder_usable(slot, timeout_ms=20000)
-        a.source_released(sslot, timeout_ms=20000)
-        got = dst_mem.read()
-        if got != bytes(want):
-            bad = [i for i in range(len(got)) if got[i] != want[i]]
-            raise AssertionError("%d destination bytes differ, first at %d" % (len(bad), bad[0]))
+        move_and_compare(a, b, d, ("py-eng-src", "py-eng-dst"), "e1", dst_mem, want)
         if numpy is not None:
             # The engine reads its tensor through the same zero-copy view.
             shape, _ = kvwire.preset_shape("flashinfer", ENG_DST["blocks"], ENG_DST["block"], HEADS, ROW // 2)
@@ -655,14 +661,7 @@ def test_padded_engine_views_register_with_the_pad_their_strides_imply(d):
             blk = side["table"][pos // side["block"]]
             at = offs[layer] + (blk * st["b"] + kv * st["k"] + (pos % side["block"]) * st["t"] + h * st["h"]) * 2
             want[at : at + ROW] = row
-        slot = b.prepare_receive("py-pad-dst", "p1", side["table"], TOKENS)
-        sslot, _ = a.submit("pp1", "py-pad-src", ENG_SRC["table"], TOKENS, d.peer_b, "py-pad-dst", "p1")
-        b.decoder_usable(slot, timeout_ms=20000)
-        a.source_released(sslot, timeout_ms=20000)
-        got = mem.read()
-        if got != bytes(want):
-            bad = [i for i in range(len(got)) if got[i] != want[i]]
-            raise AssertionError("%d destination bytes differ (padding included), first at %d" % (len(bad), bad[0]))
+        move_and_compare(a, b, d, ("py-pad-src", "py-pad-dst"), "p1", mem, want)
         for rank in range(ENG_SRC["tp"]):
             a.release_cache("py-pad-src", rank)
         b.release_cache("py-pad-dst", 0)

@@ -302,9 +302,8 @@ impl Daemon {
         link: Arc<PeerLink>,
         stops: [Arc<AtomicBool>; 2],
     ) -> mpsc::Receiver<Result<usize, String>> {
-        let (tx, rx) = mpsc::channel();
-        let (d, panicked, unstarted) = (self.clone(), tx.clone(), tx.clone());
-        let job = move || {
+        let d = self.clone();
+        self.on_worker("kvwired-pack", "packing", move |tx| {
             for layer in 0..p.schedule.layers.len() {
                 if stops.iter().any(|s| s.load(Ordering::Acquire)) {
                     let _ = tx.send(Err("cancelled".to_string()));
@@ -316,15 +315,7 @@ impl Daemon {
                     break;
                 }
             }
-            drop(stage);
-        };
-        let on_panic = move |why: String| {
-            let _ = panicked.send(Err(format!("internal error: the packing job panicked: {why}")));
-        };
-        if let Err(e) = self.workers.spawn("kvwired-pack", job, on_panic) {
-            let _ = unstarted.send(Err(format!("cannot start the packing job: {e}")));
-        }
-        rx
+        })
     }
 
     /// Hashes a transfer's layers in order on a worker, sending each one's
@@ -341,9 +332,8 @@ impl Daemon {
         link: Arc<PeerLink>,
         stop: Arc<AtomicBool>,
     ) -> mpsc::Receiver<Result<(), String>> {
-        let (tx, rx) = mpsc::channel();
-        let (d, panicked, unstarted) = (self.clone(), tx.clone(), tx.clone());
-        let job = move || {
+        let d = self.clone();
+        self.on_worker("kvwired-hash", "hashing", move |tx| {
             let done = (0..p.schedule.layers.len()).try_for_each(|layer| {
                 if stop.load(Ordering::Acquire) {
                     return Err("cancelled".to_string());
@@ -351,12 +341,21 @@ impl Daemon {
                 d.send_layer_checksums(id, &g, &p, codec, layer, stage.as_deref(), &link).map_err(|r| r.message)
             });
             let _ = tx.send(done);
-        };
+        })
+    }
+
+    /// Runs `job` on a worker with the sending end of a channel and returns
+    /// the receiving end. A panic, or a job that cannot start, arrives on
+    /// it as an error naming `what`. What the job holds is dropped before
+    /// its end of the channel.
+    fn on_worker<T: Send + 'static>(&self, name: &str, what: &'static str, job: impl FnOnce(&mpsc::Sender<Result<T, String>>) + Send + 'static) -> mpsc::Receiver<Result<T, String>> {
+        let (tx, rx) = mpsc::channel();
+        let (panicked, unstarted) = (tx.clone(), tx.clone());
         let on_panic = move |why: String| {
-            let _ = panicked.send(Err(format!("internal error: the hashing job panicked: {why}")));
+            let _ = panicked.send(Err(format!("internal error: the {what} job panicked: {why}")));
         };
-        if let Err(e) = self.workers.spawn("kvwired-hash", job, on_panic) {
-            let _ = unstarted.send(Err(format!("cannot start the hashing job: {e}")));
+        if let Err(e) = self.workers.spawn(name, move || job(&tx), on_panic) {
+            let _ = unstarted.send(Err(format!("cannot start the {what} job: {e}")));
         }
         rx
     }
