@@ -252,11 +252,7 @@ impl Daemon {
         let (g, peer_slot, dst_request) = (Arc::new(g), accept.slot, s.dst_request.clone());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
-            let started = d.expect(id, &g, &dst_request, &p, codec, &accept, None, true, link).and_then(|()| {
-                let stage = d.stage_buffer(id, stage_needed(&p, codec))?;
-                d.keeping_stage(stage, |st| batches(&g, &p, &accept, codec, st))
-            });
-            let (stage, batches) = match started {
+            let (stage, batches) = match d.layer_by_layer(id, &g, &dst_request, &p, codec, &accept, link) {
                 Ok(x) => x,
                 Err(r) => return (total, Err(r.message)),
             };
@@ -373,12 +369,13 @@ impl Daemon {
         Ok(())
     }
 
-    /// What a streamed transfer starts with: the manifest out, each
-    /// layer's checksums to follow; a staging buffer for what it packs;
-    /// and one batch of writes per layer.
+    /// What a transfer moved layer by layer (streamed, or packed beside the
+    /// wire) starts with: the manifest out, each layer's checksums to
+    /// follow; a staging buffer for what it packs; and one batch of writes
+    /// per layer.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
-    fn layer_by_layer(&self, id: SlotId, g: &SourceGroup, s: &Submit, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
-        self.expect(id, g, &s.dst_request, p, codec, accept, None, true, l)?;
+    fn layer_by_layer(&self, id: SlotId, g: &SourceGroup, dst_request: &str, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
+        self.expect(id, g, dst_request, p, codec, accept, None, true, l)?;
         let src_stage = self.stage_buffer(id, stage_needed(p, codec))?;
         self.keeping_stage(src_stage, |st| batches(g, p, accept, codec, st))
     }
@@ -402,7 +399,7 @@ impl Daemon {
     /// transfer timeout.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn stream_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
-        let (src_stage, batches) = self.layer_by_layer(id, &g, &s, &p, codec, &accept, &l)?;
+        let (src_stage, batches) = self.layer_by_layer(id, &g, &s.dst_request, &p, codec, &accept, &l)?;
         let n = g.model.layers.len();
         let readers = readers_of(&p.plan, n);
         let size = Size::of(&g, &p);
