@@ -450,6 +450,17 @@ fn strides_of(order: &KvOrder, axes: &[Axis], shape: &[u64]) -> Vec<u64> {
     strides
 }
 
+/// The byte stride of `axis` in a tensor of `axes` with element `strides`; 0 when it has no such axis.
+fn byte_stride(axes: &[Axis], strides: &[u64], elem_bytes: u64, axis: Axis) -> u64 {
+    axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i].saturating_mul(elem_bytes))
+}
+
+/// A region's block, position and head byte strides in a tensor of `axes` with element `strides`.
+fn region_strides(axes: &[Axis], strides: &[u64], elem_bytes: u64) -> Strides {
+    let at = |axis| byte_stride(axes, strides, elem_bytes, axis);
+    Strides { block: at(Axis::Block), token: at(Axis::Token), head: at(Axis::Head) }
+}
+
 /// The tensors a rank holds under `order`, where each of its rows lives in them, and its regions.
 pub fn rank_tensors(
     order: &KvOrder,
@@ -466,10 +477,6 @@ pub fn rank_tensors(
     let geo = rank_geometry(order, model, rank)?;
     // Groups of layers sharing a tensor: all of them, or one each.
     let groups: Vec<Vec<(u32, u64, u64)>> = if order.cross_layer() { vec![geo].into_iter().filter(|g| !g.is_empty()).collect() } else { geo.into_iter().map(|g| vec![g]).collect() };
-    let stride_of = |shape: &[u64], axis: Axis| -> u64 {
-        let strides = strides_of(order, &order.axes, shape);
-        order.axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i].saturating_mul(es))
-    };
     let mut tensors = Vec::new();
     let mut places = Vec::new();
     for group in groups {
@@ -493,8 +500,7 @@ pub fn rank_tensors(
                 })
                 .collect();
             let strides = strides_of(order, &axes, &shape);
-            let at = |axis: Axis| axes.iter().position(|&a| a == axis).map_or(0, |i| strides[i].saturating_mul(es));
-            let s = Strides { block: at(Axis::Block), token: at(Axis::Token), head: at(Axis::Head) };
+            let s = region_strides(&axes, &strides, es);
             let len = span(s, dim);
             places.push(Placement { id: RegionId { layer: first, tensor: Tensor::Latent }, tensor: tensors.len(), base: 0, len, strides: s });
             tensors.push(Expected { role: Role::Latent, layers, axes, shape, strides, elem_bytes: es });
@@ -502,7 +508,7 @@ pub fn rank_tensors(
         }
         let shape = shape_of(order, group.len() as u64, num_blocks, block_size, heads, dim);
         let strides = strides_of(order, &order.axes, &shape);
-        let s = Strides { block: stride_of(&shape, Axis::Block), token: stride_of(&shape, Axis::Token), head: stride_of(&shape, Axis::Head) };
+        let s = region_strides(&order.axes, &strides, es);
         let len = span(s, dim);
         let roles: &[(Role, Tensor)] = if order.kv_together() { &[(Role::Kv, Tensor::K)] } else { &[(Role::K, Tensor::K), (Role::V, Tensor::V)] };
         for &(role, _) in roles {
@@ -513,15 +519,15 @@ pub fn rank_tensors(
                     _ => dim,
                 };
                 let shape = shape_of(order, group.len() as u64, num_blocks, block_size, heads, vdim);
-                let s = Strides { block: stride_of(&shape, Axis::Block), token: stride_of(&shape, Axis::Token), head: stride_of(&shape, Axis::Head) };
-                let len = span(s, vdim);
-                (shape.clone(), strides_of(order, &order.axes, &shape), len, s)
+                let strides = strides_of(order, &order.axes, &shape);
+                let s = region_strides(&order.axes, &strides, es);
+                (shape, strides, span(s, vdim), s)
             } else {
                 (shape.clone(), strides.clone(), len, s)
             };
             let index = tensors.len();
             for (i, &(layer, ..)) in group.iter().enumerate() {
-                let l_off = stride_of(&shape, Axis::Layer).saturating_mul(i as u64);
+                let l_off = byte_stride(&order.axes, &strides, es, Axis::Layer).saturating_mul(i as u64);
                 let kinds: &[(Tensor, u64)] = match role {
                     Role::Kv | Role::KvPacked => &[(Tensor::K, 0), (Tensor::V, 1)],
                     Role::K => &[(Tensor::K, 0)],
@@ -529,7 +535,7 @@ pub fn rank_tensors(
                     Role::Latent => &[(Tensor::Latent, 0)],
                 };
                 for &(tensor, kv) in kinds {
-                    let base = l_off.saturating_add(kv * stride_of(&shape, Axis::Kv));
+                    let base = l_off.saturating_add(kv * byte_stride(&order.axes, &strides, es, Axis::Kv));
                     places.push(Placement { id: RegionId { layer, tensor }, tensor: index, base, len, strides: s });
                 }
             }
