@@ -245,6 +245,18 @@ pub struct DeviceConfig {
     /// layer L is on the wire, and a transfer holds `depth` layers of
     /// pinned host memory, not its ranks'.
     pub ring_depth: u32,
+    /// Whether a device-resident source's NIC reads its allocations in
+    /// place (GPUDirect), chosen per allocation at registration:
+    /// - `auto`: on verbs, each allocation is registered with every rail's
+    ///   NIC (CUDA: `ibv_reg_dmabuf_mr` of the dmabuf the client handed
+    ///   over; the stand-in: its host memory as it is); where that is
+    ///   refused, or on tcp or shm, the allocation stages through the ring,
+    ///   and the reason is logged and reported (`kvwire_device_memory`).
+    /// - `on`: as auto on any transport that can read the memory (the
+    ///   stand-in's host memory on tcp and shm too); a refusal fails the
+    ///   registration.
+    /// - `off`: every allocation stages through the ring.
+    pub gpudirect: String,
     /// `host` stand-in only (tests): every copy sleeps this long first, as
     /// a slow device would.
     pub standin_delay_ms: u64,
@@ -255,7 +267,7 @@ pub struct DeviceConfig {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        DeviceConfig { backend: "none".into(), ordinal: 0, copy_timeout_secs: 30, ring_depth: 2, standin_delay_ms: 0, standin_fail_copy: None }
+        DeviceConfig { backend: "none".into(), ordinal: 0, copy_timeout_secs: 30, ring_depth: 2, gpudirect: "auto".into(), standin_delay_ms: 0, standin_fail_copy: None }
     }
 }
 
@@ -405,6 +417,9 @@ impl Config {
         }
         if !(1..=64).contains(&self.device.ring_depth) {
             return Err(invalid("device.ring_depth", "between 1 and 64"));
+        }
+        if !["auto", "on", "off"].contains(&self.device.gpudirect.as_str()) {
+            return Err(invalid("device.gpudirect", format!("`{}`: expected auto, on or off", self.device.gpudirect)));
         }
         if self.transport.rail_stall_ms == 0 {
             return Err(invalid("transport.rail_stall_ms", "must be > 0"));

@@ -197,6 +197,35 @@ impl Metrics {
 }
 
 /// A label value in the text format: backslash, double quote and newline escaped.
+/// One registered device allocation's source path: group, rank, its
+/// index in the rank, whether the NIC reads it in place, and how or why not.
+#[derive(Debug)]
+pub struct DeviceMemoryRow<'a> {
+    /// The group.
+    pub group: &'a str,
+    /// The rank.
+    pub rank: u32,
+    /// The allocation's index in the rank.
+    pub memory: usize,
+    /// Read in place by the NIC.
+    pub direct: bool,
+    /// How it is registered, or why it stages.
+    pub detail: &'a str,
+}
+
+/// `kvwire_device_memory`: one series per registered device allocation,
+/// `path="direct"` (read in place by the NIC, `how` the registration) or
+/// `path="staged"` (through the ring, `why` the NIC does not).
+pub fn device_memory(node: &str, rows: &[DeviceMemoryRow<'_>]) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# HELP kvwire_device_memory Registered device allocations and how a source reads them: in place by the NIC (path=\"direct\", GPUDirect; how=the registration) or through a staging ring (path=\"staged\"; why=the NIC does not read it in place).\n# TYPE kvwire_device_memory gauge");
+    for r in rows {
+        let (path, key) = if r.direct { ("direct", "how") } else { ("staged", "why") };
+        let _ = writeln!(out, "kvwire_device_memory{{node=\"{}\",group=\"{}\",rank=\"{}\",memory=\"{}\",path=\"{path}\",{key}=\"{}\"}} 1", label(node), label(r.group), r.rank, r.memory, label(r.detail));
+    }
+    out
+}
+
 fn label(v: &str) -> String {
     let mut s = String::with_capacity(v.len());
     for c in v.chars() {

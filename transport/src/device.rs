@@ -136,6 +136,16 @@ pub trait DeviceMem: Debug + Send + Sync {
     fn ordinal(&self) -> u32;
     /// PCI address of that device (`0000:3b:00.0`), for locality; None when unknown.
     fn pci_bus_id(&self) -> Option<&str>;
+    /// The host memory that plays this allocation, where it is host
+    /// memory (the stand-in): a NIC registers it as it is.
+    fn host_mem(&self) -> Option<&Arc<HostMem>> {
+        None
+    }
+    /// The allocation's device address, where it has one (CUDA): the
+    /// address a dmabuf registration's writes name (its iova).
+    fn device_addr(&self) -> Option<u64> {
+        None
+    }
     /// Checks `offset..offset+len` lies inside the allocation.
     fn check(&self, offset: u64, len: u64) -> Result<(), DeviceError> {
         match offset.checked_add(len) {

@@ -264,6 +264,17 @@ pub trait Endpoint: Send + Sync {
         Ok(self.registry().register(mem, offset, len, grant)?)
     }
 
+    /// Registers device memory for local reads by the NIC (GPUDirect): a
+    /// dmabuf of `len` bytes whose writes name addresses from `iova`, under
+    /// `key` (a rail registering what the first endpoint reserved) or a
+    /// fresh reserved key. The key is a write's `src_key`, offsets from the
+    /// allocation's start; [`Endpoint::revoke`] deregisters it. Only verbs
+    /// can: the other transports read memory through a host mapping.
+    fn register_dmabuf(&self, fd: std::os::fd::BorrowedFd<'_>, len: u64, iova: u64, key: Option<u32>) -> Result<u32, TransportError> {
+        let _ = (fd, len, iova, key);
+        Err(TransportError::Unsupported(format!("the {} transport reads memory through a host mapping and cannot read device memory; GPUDirect needs verbs", self.transport().as_str())))
+    }
+
     /// Revokes a region: every later write to `key` fails. Returns whether it was registered.
     fn revoke(&self, key: u32) -> bool {
         self.registry().revoke(key)

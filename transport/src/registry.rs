@@ -106,13 +106,16 @@ pub struct Registry {
     next: Mutex<u32>,
     permute: [u64; 4],
     sessions: Mutex<HashMap<u64, Session>>,
+    /// Keys taken by memory a NIC registered without a host mapping
+    /// (device memory through a dmabuf): never handed to a region.
+    reserved: Mutex<std::collections::HashSet<u32>>,
     limit: usize,
 }
 
 impl Registry {
     /// An empty registry holding at most `limit` regions.
     pub fn new(limit: usize) -> Registry {
-        Registry { regions: Mutex::new(HashMap::new()), next: Mutex::new(0), permute: random_round_keys(), sessions: Mutex::new(HashMap::new()), limit }
+        Registry { regions: Mutex::new(HashMap::new()), next: Mutex::new(0), permute: random_round_keys(), sessions: Mutex::new(HashMap::new()), reserved: Mutex::new(Default::default()), limit }
     }
 
     /// Registers `mem[offset..offset+len]`, open to remote writes as
@@ -138,24 +141,47 @@ impl Registry {
         if regions.len() >= self.limit {
             return Err(RegistryError::Limit(self.limit));
         }
+        let reserved = self.reserved.lock().expect("reserved keys lock");
         let key = match key {
-            Some(k) if regions.contains_key(&k) => return Err(RegistryError::KeyInUse(k)),
+            Some(k) if regions.contains_key(&k) || reserved.contains(&k) => return Err(RegistryError::KeyInUse(k)),
             Some(k) => k,
-            None => {
-                let mut next = self.next.lock().expect("key lock");
-                loop {
-                    let k = permuted(&self.permute, *next);
-                    *next = next.wrapping_add(1);
-                    // 0 reads as "no key" in logs; a key a NIC chose may be in use.
-                    if k != 0 && !regions.contains_key(&k) {
-                        break k;
-                    }
-                }
-            }
+            None => self.fresh(&regions, &reserved),
         };
         let region = Arc::new(Region { key, mem, offset, len, grant });
         regions.insert(key, region.clone());
         Ok(region)
+    }
+
+    /// A key no region or reservation holds, from the keyed counter.
+    fn fresh(&self, regions: &HashMap<u32, Arc<Region>>, reserved: &std::collections::HashSet<u32>) -> u32 {
+        let mut next = self.next.lock().expect("key lock");
+        loop {
+            let k = permuted(&self.permute, *next);
+            *next = next.wrapping_add(1);
+            // 0 reads as "no key" in logs; a key a NIC chose may be in use.
+            if k != 0 && !regions.contains_key(&k) && !reserved.contains(&k) {
+                break k;
+            }
+        }
+    }
+
+    /// Takes a key for memory registered outside the registry (a NIC's
+    /// registration of device memory), under the region limit; no region
+    /// gets it until [`Registry::revoke`] gives it back.
+    pub fn reserve(&self) -> Result<u32, RegistryError> {
+        let regions = self.regions.lock().expect("registry lock");
+        let mut reserved = self.reserved.lock().expect("reserved keys lock");
+        if regions.len() + reserved.len() >= self.limit {
+            return Err(RegistryError::Limit(self.limit));
+        }
+        let k = self.fresh(&regions, &reserved);
+        reserved.insert(k);
+        Ok(k)
+    }
+
+    /// Whether `key` is reserved ([`Registry::reserve`]).
+    pub fn is_reserved(&self, key: u32) -> bool {
+        self.reserved.lock().expect("reserved keys lock").contains(&key)
     }
 
     /// Registers a whole mapping, local only.
@@ -164,9 +190,10 @@ impl Registry {
         self.register(mem, 0, len, None)
     }
 
-    /// Revokes `key`; returns whether it was registered.
+    /// Revokes `key` (a region's, or a reservation); returns whether it was registered.
     pub fn revoke(&self, key: u32) -> bool {
-        self.regions.lock().expect("registry lock").remove(&key).is_some()
+        let region = self.regions.lock().expect("registry lock").remove(&key).is_some();
+        region | self.reserved.lock().expect("reserved keys lock").remove(&key)
     }
 
     /// The region registered under `key`.

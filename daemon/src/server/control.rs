@@ -2,7 +2,7 @@
 //! prepare receives, submit transfers, wait on flags and read status.
 
 use super::error::{refused, Refusal};
-use super::state::{bytes_of, DeviceRank, Group, Groups, Pin, RankCache, Role, Share, SlotId};
+use super::state::{bytes_of, DeviceRank, Group, Groups, Mirrored, Pin, RankCache, Role, Share, SlotId};
 use super::Daemon;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -391,7 +391,7 @@ impl Daemon {
             }
             let dev = backend.import(DeviceHandle { ordinal, len, fd, ipc }).map_err(|e| format!("device allocation: {e}"))?;
             let mirror = HostMem::new("kvwire-device-mirror", total).map(Arc::new).map_err(|e| format!("host mirror: {e}"))?;
-            Ok((vec![mirror.clone()], Some(DeviceRank { pins: Default::default(), devs: vec![(mirror, dev)] })))
+            Ok((vec![mirror.clone()], Some(DeviceRank { pins: Default::default(), devs: vec![Mirrored::new(mirror, dev)] })))
         })
     }
 
@@ -417,7 +417,7 @@ impl Daemon {
                 let dev = backend.import(DeviceHandle { ordinal: m.ordinal, len: m.len, fd: fds.next(), ipc: m.ipc }).map_err(|e| format!("device memory {i}: {e}"))?;
                 let mirror = HostMem::new("kvwire-device-mirror", m.len).map(Arc::new).map_err(|e| format!("host mirror of device memory {i}: {e}"))?;
                 mirrors.push(mirror.clone());
-                devs.push((mirror, dev));
+                devs.push(Mirrored::new(mirror, dev));
             }
             Ok((mirrors, Some(DeviceRank { pins: Default::default(), devs })))
         })
@@ -451,6 +451,16 @@ impl Daemon {
             }
         }
         let registered = self.register_windows(&mems, &windows)?;
+        let mut device = device;
+        if let Some(d) = device.as_mut() {
+            // Last, so a refusal above leaves no NIC registration behind.
+            if let Err(e) = self.choose_device_paths(&mut d.devs) {
+                for w in registered.values() {
+                    self.revoke_key(w.key);
+                }
+                return Err(Refusal::new(Code::BadRegion, e));
+            }
+        }
         let n = registered.len();
         st.memory += bytes_of(&mems);
         st.regions += n;
@@ -543,6 +553,9 @@ impl Daemon {
     fn forget_rank(&self, memory: &mut u64, regions: &mut usize, rc: &RankCache) {
         for r in rc.regions.values() {
             self.revoke_key(r.key);
+        }
+        for d in rc.device.iter().flat_map(|d| &d.devs) {
+            self.forget_path(d);
         }
         *memory -= bytes_of(&rc.mems);
         *regions -= rc.regions.len();

@@ -2,12 +2,14 @@
 //! and the host mirror the data plane reads and writes.
 
 use super::ring::Ring;
-use super::state::{DeviceMems, SlotId};
+use super::state::{DeviceMems, DevicePath, Mirrored, SlotId};
 use super::transfers::RankSpan;
 use super::Daemon;
 use kvwire_core::plan::Plan;
 use kvwire_core::shard::RegionId;
-use kvwire_transport::{Hop, Region};
+use kvwire_transport::device::bound::{BoundMem, NicMemory};
+use kvwire_transport::{Hop, Region, TransportKind};
+use std::os::fd::AsFd;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -48,11 +50,11 @@ impl Daemon {
                     }
                     let region = seg.dst_region;
                     let r = regions.get(&(rank, region)).ok_or_else(|| CopyError { rank, layer, why: format!("no region {region:?}") })?;
-                    let m = devs.iter().position(|(mirror, _)| Arc::ptr_eq(mirror, &r.mem)).ok_or_else(|| CopyError { rank, layer, why: format!("region {region:?} lies in no mirrored allocation") })?;
+                    let m = devs.iter().position(|d| Arc::ptr_eq(&d.mirror, &r.mem)).ok_or_else(|| CopyError { rank, layer, why: format!("region {region:?} lies in no mirrored allocation") })?;
                     // The mirror holds the allocation's bytes at the same offsets.
                     runs[m].extend(seg.runs().map(|(_, dof)| (r.offset + dof, r.offset + dof, seg.len)));
                 }
-                for ((mirror, dev), runs) in devs.iter().zip(runs) {
+                for (Mirrored { mirror, dev, .. }, runs) in devs.iter().zip(runs) {
                     if runs.is_empty() {
                         continue;
                     }
@@ -183,4 +185,79 @@ fn merge_runs(mut runs: Vec<(u64, u64, u64)>) -> Vec<(u64, u64, u64)> {
         }
     }
     out
+}
+
+impl Daemon {
+    /// Chooses each allocation's path at the source ([`DevicePath`]), as
+    /// `[device] gpudirect` says. With `on`, a refusal is an error (and
+    /// what this call registered is let go); else the allocation stages,
+    /// and why is logged and reported.
+    pub(super) fn choose_device_paths(&self, devs: &mut [Mirrored]) -> Result<(), String> {
+        for i in 0..devs.len() {
+            match self.device_path(&devs[i].dev) {
+                Ok(path) => devs[i].path = path,
+                Err(why) => {
+                    for d in &devs[..i] {
+                        self.forget_path(d);
+                    }
+                    return Err(format!("device memory {i}: [device] gpudirect = \"on\" but the NIC cannot read it in place: {why}"));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One allocation's path; Err only with `gpudirect = "on"`.
+    fn device_path(&self, dev: &Arc<dyn BoundMem>) -> Result<DevicePath, String> {
+        let mode = self.cfg.device.gpudirect.as_str();
+        if mode == "off" {
+            return Ok(DevicePath::Staged { why: "[device] gpudirect = \"off\"".into() });
+        }
+        let kind = self.ep.transport();
+        let rails = || self.rails.iter().filter_map(|r| r.ep.as_ref());
+        let devices = || self.rails.iter().map(|r| r.device.as_deref().unwrap_or(r.name.as_str())).collect::<Vec<_>>().join(", ");
+        let attempt = match dev.nic() {
+            Err(why) => Err(why),
+            // The stand-in's memory is host memory: any transport reads
+            // it, but `auto` goes in place only where a real device's could.
+            Ok(NicMemory::Host(_)) if mode == "auto" && kind != TransportKind::Verbs => {
+                Err(format!("the {} transport reads memory through a host mapping; `auto` reads device memory in place on verbs only", kind.as_str()))
+            }
+            Ok(NicMemory::Host(mem)) => {
+                let len = mem.len();
+                self.register_region(mem, 0, len, None).map(|r| (r.key, format!("the stand-in's host memory, registered with the {} data plane", kind.as_str()))).map_err(|e| e.to_string())
+            }
+            Ok(NicMemory::Dmabuf { fd, iova, len }) => self.ep.register_dmabuf(fd.as_fd(), len, iova, None).map_err(|e| e.to_string()).and_then(|key| {
+                for r in rails() {
+                    if let Err(e) = r.register_dmabuf(fd.as_fd(), len, iova, Some(key)) {
+                        self.revoke_key(key);
+                        return Err(e.to_string());
+                    }
+                }
+                Ok((key, format!("ibv_reg_dmabuf_mr on {}", devices())))
+            }),
+        };
+        match attempt {
+            Ok((key, how)) => {
+                tracing::info!(ordinal = dev.ordinal(), len = dev.len(), how, "device memory read in place by the NIC (GPUDirect)");
+                Ok(DevicePath::Direct { key, how })
+            }
+            Err(why) if mode == "on" => Err(why),
+            Err(why) => {
+                // On verbs a refusal is news; elsewhere it is the transport's nature.
+                match kind {
+                    TransportKind::Verbs => tracing::warn!(ordinal = dev.ordinal(), len = dev.len(), why, "device memory staged through the ring: the NIC cannot read it in place"),
+                    _ => tracing::info!(ordinal = dev.ordinal(), len = dev.len(), why, "device memory staged through the ring"),
+                }
+                Ok(DevicePath::Staged { why })
+            }
+        }
+    }
+
+    /// Lets an allocation's in-place registration go.
+    pub(super) fn forget_path(&self, d: &Mirrored) {
+        if let Some(key) = d.path.key() {
+            self.revoke_key(key);
+        }
+    }
 }

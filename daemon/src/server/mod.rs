@@ -337,7 +337,23 @@ impl Daemon {
     pub fn metrics_text(&self) -> String {
         let per_peer: Vec<(String, Arc<Hops>)> =
             self.peer_hops.lock().expect("peer hops lock").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        self.metrics.render(&self.cfg.node, self.hops(), &per_peer)
+        let mut text = self.metrics.render(&self.cfg.node, self.hops(), &per_peer);
+        let groups = self.groups.lock().expect("groups lock");
+        let mut rows = Vec::new();
+        for (name, g) in &groups.map {
+            for (rank, rc) in &g.ranks {
+                for (memory, m) in rc.device.iter().flat_map(|d| d.devs.iter().enumerate()) {
+                    let (direct, detail) = match &m.path {
+                        state::DevicePath::Direct { how, .. } => (true, how.as_str()),
+                        state::DevicePath::Staged { why } => (false, why.as_str()),
+                    };
+                    rows.push(crate::metrics::DeviceMemoryRow { group: name, rank: *rank, memory, direct, detail });
+                }
+            }
+        }
+        rows.sort_by_key(|r| (r.group, r.rank, r.memory));
+        text.push_str(&crate::metrics::device_memory(&self.cfg.node, &rows));
+        text
     }
 
     /// Whether anything should be kept for a next transfer: some client is

@@ -51,7 +51,7 @@ impl Daemon {
             // GPU memory goes by its device's PCI address (the rail on its
             // PCIe switch first); host memory, or a device whose address is
             // unknown, by the NUMA node of the pages the NIC reads.
-            let gpu = rc.device.as_ref().and_then(|d| d.devs.first()).and_then(|(_, dev)| dev.pci_bus_id()).and_then(|p| p.parse().ok());
+            let gpu = rc.device.as_ref().and_then(|d| d.devs.first()).and_then(|m| m.dev.pci_bus_id()).and_then(|p| p.parse().ok());
             let mem = match gpu {
                 Some(pci) => kvwire_core::topology::MemPlace::Gpu { pci },
                 None => {

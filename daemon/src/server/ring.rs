@@ -55,6 +55,9 @@ pub(super) struct RingSource {
     pub rank: u32,
     pub mem: Arc<HostMem>,
     pub dev: Option<Arc<dyn BoundMem>>,
+    /// The key the NIC reads the device allocation under in place
+    /// (GPUDirect), offsets as in `mem`; None: written from the ring.
+    pub direct: Option<u32>,
 }
 
 /// A piece of a layer's source footprint: `len` bytes at `from` in source
@@ -162,10 +165,10 @@ impl RingLayout {
             .map(|&(rank, region)| {
                 let r = regions.get(&(rank, region)).ok_or_else(|| format!("rank {rank} has no region {region:?}"))?;
                 let dev = match devices.get(&rank) {
-                    Some(devs) => Some(devs.iter().find(|(mirror, _)| Arc::ptr_eq(mirror, &r.mem)).map(|(_, d)| d.clone()).ok_or_else(|| format!("rank {rank} region {region:?} lies in no registered allocation"))?),
+                    Some(devs) => Some(devs.iter().find(|m| Arc::ptr_eq(&m.mirror, &r.mem)).ok_or_else(|| format!("rank {rank} region {region:?} lies in no registered allocation"))?),
                     None => None,
                 };
-                Ok(RingSource { rank, mem: r.mem.clone(), dev })
+                Ok(RingSource { rank, mem: r.mem.clone(), dev: dev.map(|m| m.dev.clone()), direct: dev.and_then(|m| m.path.key()) })
             })
             .collect::<Result<Vec<_>, String>>()?;
         for (&(rank, region), &(src, offset)) in &self.regions {

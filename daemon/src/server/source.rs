@@ -440,7 +440,11 @@ impl Daemon {
     /// the device after them. Streamed, a layer's copies start only once
     /// every rank reading it said it is written. What the source gathers
     /// (with a codec, every segment, its rows converted) is packed from
-    /// the footprint into the slot's end.
+    /// the footprint into the slot's end. An allocation the NIC reads in
+    /// place (GPUDirect, [`super::state::DevicePath`]) is written from
+    /// device memory as soon as its layer's copies are enqueued; the copy
+    /// still serves the checksums and what is gathered, and the source is
+    /// released only once the last writes completed.
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn ring_source(self: &Arc<Self>, id: SlotId, stop: Arc<AtomicBool>, s: Submit, g: SourceGroup, p: Arc<Planned>, codec: Option<Codec>, accept: Box<Accept>, l: Arc<PeerLink>) -> Result<Reply, Refusal> {
         let ring_failed = |e: String| Refusal::new(Code::TransferFailed, format!("staging ring: {e}"));
@@ -480,6 +484,7 @@ impl Daemon {
         let (rails, prefer) = rails_of(&accept);
         let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
         let gate = s.stream.then(|| (s.group.clone(), s.request.clone(), readers_of(&p.plan, n)));
+        let in_place_any = ring.sources.iter().any(|s| s.direct.is_some());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
             let mut batches = batches.into_iter();
@@ -513,9 +518,21 @@ impl Daemon {
                         copies.push_back(d.start_ring_copies(&ring, started).map_err(failed(started)));
                         started += 1;
                     }
+                    let (in_place, from_ring) = batches.next().expect("a batch per layer");
+                    // Read in place by the NIC: out while this layer's copies
+                    // (for its checksums and what is gathered) still run.
+                    let from_ring = match in_place.writes.is_empty() {
+                        true => Some(from_ring),
+                        false => {
+                            d.move_bytes(id, &rails, &prefer, vec![in_place], stop, link, &mut total)?;
+                            Some(from_ring).filter(|b| !b.writes.is_empty())
+                        }
+                    };
                     let staged = copies.pop_front().expect("this layer's copies were started")?.finish(d, id, &mut free_at).map_err(failed(layer))?;
                     d.slot_mark_at(id, Boundary::HostStaged(layer), staged);
-                    if layer + 1 == n {
+                    // In place, the NIC reads the engine's memory until the
+                    // last writes complete: the release comes with them.
+                    if layer + 1 == n && !in_place_any {
                         d.release_source(id);
                     }
                     if stop.load(Ordering::Acquire) {
@@ -527,7 +544,9 @@ impl Daemon {
                     // Packed bytes are what the destination holds only without a codec.
                     let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments.at(i).bytes())).map(RunBytes::Mapped);
                     d.send_sums(id, &p, layer, link, |segs| d.sums_of(&g, &p, codec, segs, read, whole)).map_err(|r| r.message)?;
-                    d.move_bytes(id, &rails, &prefer, batches.by_ref().take(1).collect(), stop, link, &mut total)?;
+                    if let Some(b) = from_ring {
+                        d.move_bytes(id, &rails, &prefer, vec![b], stop, link, &mut total)?;
+                    }
                     d.slot_mark(id, Boundary::Sent(layer));
                 }
                 Ok(())
@@ -1128,31 +1147,46 @@ fn push_write(writes: &mut Vec<WriteOp>, op: WriteOp) {
     }
 }
 
-/// Layer `layer`'s writes from its slot of `ring`: a direct segment's runs
-/// each into place from the footprint, a staged one whole into the
-/// destination's staging, gathered or (back to back at the source) from
-/// the footprint.
-fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>, ring: &Ring, codec: Option<Codec>, layer: usize) -> Result<Batch, Refusal> {
+/// Layer `layer`'s writes, as two batches: those the NIC reads in place
+/// from device memory its source registered (GPUDirect), and those from
+/// the layer's slot of `ring`. A direct segment's runs go each into place,
+/// a staged one whole into the destination's staging: gathered in the
+/// slot, or (back to back at the source) from the device or the footprint.
+fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>, ring: &Ring, codec: Option<Codec>, layer: usize) -> Result<(Batch, Batch), Refusal> {
     let ls = &p.schedule.layers[layer];
     let missing = |i: usize| Refusal::new(Code::TransferFailed, format!("segment {i} is not in layer {layer}'s ring slot"));
-    let mut writes = Vec::new();
+    // Where a segment's source allocation is read in place: its key, and
+    // the offset of its region there.
+    let in_place = |s: &Segment| ring.layout.regions.get(&(s.src_rank, s.src_region)).and_then(|&(src, base)| Some((ring.sources[src].direct?, base)));
+    let (mut device, mut slot) = (Vec::new(), Vec::new());
     for &i in &ls.direct {
         let s = &p.plan.segments.at(i);
         let &dst_key = dst_keys.get(&(s.dst_rank, s.dst_region)).ok_or_else(|| Refusal::new(Code::PeerRefused, format!("no region for dst rank {} {:?}", s.dst_rank, s.dst_region)))?;
-        for (from, (_, dst_offset)) in ring.runs(layer, s).zip(s.runs()) {
-            let src_offset = from.ok_or_else(|| missing(i))?;
-            push_write(&mut writes, WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset, len: s.len });
+        match in_place(s) {
+            Some((src_key, base)) => {
+                for (src_offset, dst_offset) in s.runs() {
+                    push_write(&mut device, WriteOp { src_key, src_offset: base + src_offset, dst_key, dst_offset, len: s.len });
+                }
+            }
+            None => {
+                for (from, (_, dst_offset)) in ring.runs(layer, s).zip(s.runs()) {
+                    let src_offset = from.ok_or_else(|| missing(i))?;
+                    push_write(&mut slot, WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset, len: s.len });
+                }
+            }
         }
     }
     for st in &ls.staged {
         let s = &p.plan.segments.at(st.seg);
-        let src_offset = match gathers(s, codec) {
-            true => ring.packed(layer, st.seg),
-            false => ring.find(layer, s.src_rank, s.src_region, s.src_offset, s.bytes()),
+        let (writes, src_key, src_offset) = match (gathers(s, codec), in_place(s)) {
+            (true, _) => (&mut slot, ring.region.key, ring.packed(layer, st.seg)),
+            (false, Some((key, base))) => (&mut device, key, Some(base + s.src_offset)),
+            (false, None) => (&mut slot, ring.region.key, ring.find(layer, s.src_rank, s.src_region, s.src_offset, s.bytes())),
         };
-        push_write(&mut writes, WriteOp { src_key: ring.region.key, src_offset: src_offset.ok_or_else(|| missing(st.seg))?, dst_key: a.stage_key, dst_offset: st.offset, len: st.size });
+        push_write(writes, WriteOp { src_key, src_offset: src_offset.ok_or_else(|| missing(st.seg))?, dst_key: a.stage_key, dst_offset: st.offset, len: st.size });
     }
-    Ok(Batch { tag: Tag { slot: a.slot, layer: layer as u16 }, writes })
+    let tag = Tag { slot: a.slot, layer: layer as u16 };
+    Ok((Batch { tag, writes: device }, Batch { tag, writes: slot }))
 }
 
 /// The schedule's writes per layer, with both sides' keys.

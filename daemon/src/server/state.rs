@@ -42,6 +42,27 @@ pub(crate) struct DeviceRank {
     pub devs: Vec<Mirrored>,
 }
 
+/// How the data plane reads a device allocation at the source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum DevicePath {
+    /// In place: the NIC registered it (GPUDirect) under `key`, which
+    /// writes name with offsets from the allocation's start; `how` says
+    /// which registration.
+    Direct { key: u32, how: String },
+    /// Copied device -> host into the transfer's ring first, and why.
+    Staged { why: String },
+}
+
+impl DevicePath {
+    /// The key writes read the allocation under, when read in place.
+    pub fn key(&self) -> Option<u32> {
+        match self {
+            DevicePath::Direct { key, .. } => Some(*key),
+            DevicePath::Staged { .. } => None,
+        }
+    }
+}
+
 /// Keeps host memory pinned until dropped, its bytes counted in a gauge
 /// meanwhile.
 pub(crate) struct Pin {
@@ -63,8 +84,20 @@ impl Drop for Pin {
     }
 }
 
-/// A device allocation and its host mirror.
-pub(crate) type Mirrored = (Arc<HostMem>, Arc<dyn BoundMem>);
+/// A device allocation, its host mirror, and how the source reads it.
+#[derive(Clone)]
+pub(crate) struct Mirrored {
+    pub mirror: Arc<HostMem>,
+    pub dev: Arc<dyn BoundMem>,
+    pub path: DevicePath,
+}
+
+impl Mirrored {
+    /// Staged until the registration chooses its path.
+    pub fn new(mirror: Arc<HostMem>, dev: Arc<dyn BoundMem>) -> Mirrored {
+        Mirrored { mirror, dev, path: DevicePath::Staged { why: "not registered yet".into() } }
+    }
+}
 
 /// The device-resident ranks of a group, by rank.
 pub(crate) type DeviceMems = HashMap<u32, Vec<Mirrored>>;
@@ -104,7 +137,7 @@ impl Group {
     /// their pins go, and the mirrors.
     pub fn unpinned(&self) -> Vec<(Arc<std::sync::Mutex<Vec<Pin>>>, Vec<Arc<HostMem>>)> {
         let rank_devs = self.ranks.values().filter_map(|rc| rc.device.as_ref());
-        rank_devs.filter(|d| d.pins.lock().expect("pins lock").is_empty()).map(|d| (d.pins.clone(), d.devs.iter().map(|(m, _)| m.clone()).collect())).collect()
+        rank_devs.filter(|d| d.pins.lock().expect("pins lock").is_empty()).map(|d| (d.pins.clone(), d.devs.iter().map(|m| m.mirror.clone()).collect())).collect()
     }
 
     /// The device-resident ranks and their allocations.

@@ -337,6 +337,10 @@ fn bad_device_registrations_are_refused_by_name_and_nothing_is_kept() {
     // A backend the daemon does not know stops it, named.
     let cfg = kvwired::config::Config { device: kvwired::config::DeviceConfig { backend: "tpu".into(), ..Default::default() }, ..Default::default() };
     assert!(cfg.validate().unwrap_err().to_string().contains("device.backend"));
+    // So does a GPUDirect mode it does not know.
+    let cfg = kvwired::config::Config { device: kvwired::config::DeviceConfig { gpudirect: "always".into(), ..Default::default() }, ..Default::default() };
+    let e = cfg.validate().unwrap_err().to_string();
+    assert!(e.contains("device.gpudirect") && e.contains("auto, on or off"), "{e}");
 }
 
 fn denied(r: Result<impl std::fmt::Debug, ClientError>, what: &str) {

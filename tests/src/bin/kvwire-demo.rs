@@ -124,8 +124,13 @@ fn main() -> ExitCode {
     );
     let mut streamed_ok = true;
     if device {
-        staged_model(&stages, out.source.bytes, p.setup_ns);
-        source_marks(&out.source);
+        let in_place = device_paths(&ca, &cb);
+        match in_place {
+            // Its writes did not wait for the copies: no staged pipeline ran.
+            true => println!("staged model: not what ran (the source's device memory was read in place)"),
+            false => staged_model(&stages, out.source.bytes, p.setup_ns),
+        }
+        source_marks(&out.source, in_place);
     } else {
         // The same request again, streamed for real: submitted first, then
         // each layer written and announced as the prefill computes it.
@@ -170,8 +175,9 @@ fn main() -> ExitCode {
 /// write; per layer, its device → host copies into a ring slot started and
 /// completed, and its writes from there completed; and its release.
 /// Through the ring, the first write goes out before the last copy, and
-/// the release comes with the last copy, before the last writes end.
-fn source_marks(st: &kvwire_client::control::TransferStatus) {
+/// the release comes with the last copy, before the last writes end. Read
+/// in place (`in_place`), the release comes after the last writes.
+fn source_marks(st: &kvwire_client::control::TransferStatus, in_place: bool) {
     let at = |name: &str| st.marks.iter().find(|m| m.name == name).map(|m| m.at_ns as f64 / 1e6);
     let ms = |t: Option<f64>| t.map_or("(not marked)".into(), |t| format!("{t:>9.3}"));
     let staged: Vec<(usize, f64)> = (0..).map_while(|l| at(&format!("host_staged({l})")).map(|t| (l, t))).collect();
@@ -188,8 +194,41 @@ fn source_marks(st: &kvwire_client::control::TransferStatus) {
     };
     let last = staged.last().map(|&(l, t)| (l, t));
     order("first post", at("posting"), last.map(|(_, t)| t), "the last device -> host copy completed");
-    order("source_released", at("source_released"), last.and_then(|(l, _)| at(&format!("sent({l})"))), "the last layer's writes completed");
+    let last_sent = last.and_then(|(l, _)| at(&format!("sent({l})")));
+    match (in_place, at("source_released"), last_sent) {
+        // Read in place, the NIC reads the engine's memory until the last writes complete.
+        (true, Some(r), Some(s)) if r >= s => println!("  source_released after the last layer's writes completed ({:.3} ms later): the NIC read device memory in place until then", r - s),
+        (true, ..) => println!("  source_released NOT after the last layer's writes completed, though the NIC read device memory in place"),
+        (false, ..) => order("source_released", at("source_released"), last_sent, "the last layer's writes completed"),
+    }
     println!("  staging ring: {} bytes of pinned host memory for a {}-byte transfer", st.staging_bytes, st.bytes);
+}
+
+/// How each daemon reads its device allocations at the source, as it
+/// reports them (`kvwire_device_memory`): in place by the NIC (GPUDirect)
+/// or through the staging ring, and why. Returns whether the prefill
+/// daemon reads all of its in place.
+fn device_paths(ca: &Client, cb: &Client) -> bool {
+    println!("device memory at the source (each daemon's kvwire_device_memory):");
+    let mut in_place = false;
+    for (who, c) in [("prefill", ca), ("decode", cb)] {
+        let text = c.stats().unwrap_or_default();
+        let mut paths: Vec<String> = Vec::new();
+        for l in text.lines().filter(|l| l.starts_with("kvwire_device_memory{")) {
+            let field = |k: &str| l.split(&format!("{k}=\"")).nth(1).and_then(|r| r.split('"').next()).unwrap_or("").to_string();
+            let detail = if field("path") == "direct" { format!("read in place by the NIC: {}", field("how")) } else { format!("staged through the ring: {}", field("why")) };
+            if !paths.contains(&detail) {
+                paths.push(detail);
+            }
+        }
+        if who == "prefill" {
+            in_place = !paths.is_empty() && paths.iter().all(|d| d.starts_with("read in place"));
+        }
+        for d in paths {
+            println!("  {who:<8} {d}");
+        }
+    }
+    in_place
 }
 
 /// The measured stage, wire and device_complete rates through a staging

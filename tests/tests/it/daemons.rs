@@ -970,6 +970,62 @@ fn groups_of_device_and_host_ranks_stage_only_their_device_ranks_and_decode_bitw
 }
 
 #[test]
+fn a_device_source_read_in_place_by_the_nic_writes_before_its_copies_and_is_released_after_its_writes() {
+    let _shared = crate::shared();
+    // The prefill daemon reads its stand-in device memory in place
+    // (`gpudirect = "on"`: over tcp only the stand-in's host memory can
+    // be, which is what this tests: the daemon's side of the path). Its
+    // copies sleep first, so a write that waited for them would show.
+    let dev = "[device]\nbackend = \"host\"\n";
+    let p = pair_with("in-place", &format!("{dev}gpudirect = \"on\"\nstandin_delay_ms = 3\n"), dev);
+    for (name, memory, prefix) in [("in-place", scenario::Memory::StandIn, 0), ("in-place-prefix", scenario::Memory::StandIn, 40), ("in-place-mixed", scenario::Memory::Mixed, 0)] {
+        let mut sc = Scenario::new(name);
+        sc.memory = memory;
+        sc.prefix = prefix;
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        let src = |m: &str| mark_at(name, &o.source, m);
+        // Each layer's in-place writes went out before its copies (for
+        // its checksums and what is gathered) completed, and the slot
+        // rule of the ring still holds for those copies.
+        for l in 0..4 {
+            assert!(src(&format!("staging({l})")) <= src(&format!("host_staged({l})")) && src(&format!("host_staged({l})")) <= src(&format!("sent({l})")), "{name}: {:?}", o.source.marks);
+            if l + 2 < 4 {
+                assert!(src(&format!("sent({l})")) <= src(&format!("staging({})", l + 2)), "{name}: slot of layer {l} reused early: {:?}", o.source.marks);
+            }
+        }
+        assert!(src("posting") < src("host_staged(0)"), "{name}: the first write waited for the first copies: {:?}", o.source.marks);
+        // The NIC reads the engine's memory until the last writes
+        // complete: the source is released only then, not at its copies.
+        assert!(src("sent(3)") <= src("source_released"), "{name}: released while its writes still read device memory: {:?}", o.source.marks);
+        // Every byte the plan reads from device memory was still copied
+        // to the host, for its checksums (mixed: the host ranks' are not).
+        let staged = hop(&o.source, "stage").unwrap_or(0);
+        match memory {
+            scenario::Memory::Mixed => assert!(staged > 0 && staged < o.source.bytes, "{name}: {:?}", o.source.hops),
+            _ => assert_eq!(staged, o.source.bytes, "{name}: {:?}", o.source.hops),
+        }
+    }
+    // With a codec, every segment's rows are converted in the ring: none
+    // is read in place, and it decodes as the same transfer from host memory.
+    let coded = |memory| {
+        let mut sc = Scenario::new(&format!("in-place-fp8-{}", matches!(memory, scenario::Memory::StandIn)));
+        sc.memory = memory;
+        sc.codec = Some("fp8_e4m3_row".into());
+        run(&p, &sc).unwrap()
+    };
+    assert_eq!(coded(scenario::Memory::StandIn).remote, coded(scenario::Memory::Host).remote, "in place fp8 against host fp8");
+    // Each daemon reports every device allocation's path: the prefill
+    // daemon's are read in place; the decode daemon (`auto`, over tcp)
+    // stages, and says why.
+    let paths = |c: &Client| -> Vec<String> { c.stats().unwrap().lines().filter(|l| l.starts_with("kvwire_device_memory{")).map(str::to_owned).collect() };
+    let a = paths(&p.ca);
+    assert!(!a.is_empty() && a.iter().all(|l| l.contains("path=\"direct\"") && l.contains("how=\"the stand-in's host memory")), "{a:?}");
+    let b = paths(&p.cb);
+    assert!(!b.is_empty() && b.iter().all(|l| l.contains("path=\"staged\"") && l.contains("why=\"the tcp transport reads memory through a host mapping")), "{b:?}");
+}
+
+#[test]
 fn a_device_source_ring_of_any_depth_reuses_a_slot_only_after_its_writes_with_slow_copies() {
     let _shared = crate::shared();
     let dev = "[device]\nbackend = \"host\"\n";

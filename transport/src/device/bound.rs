@@ -30,6 +30,23 @@ pub struct DeviceHandle {
     pub ipc: Option<Vec<u8>>,
 }
 
+/// How a NIC can read an allocation in place (GPUDirect), where it can.
+#[derive(Debug, Clone)]
+pub enum NicMemory {
+    /// The stand-in: its device memory is host memory, registered as it is.
+    Host(Arc<HostMem>),
+    /// CUDA: the allocation's dmabuf (for `ibv_reg_dmabuf_mr`) and the
+    /// device address the registration's writes name.
+    Dmabuf {
+        /// The dmabuf fd the client exported (offset 0 is the allocation's start).
+        fd: Arc<std::os::fd::OwnedFd>,
+        /// The allocation's device address, used as the MR's iova.
+        iova: u64,
+        /// Bytes.
+        len: u64,
+    },
+}
+
 /// Waits for the copies enqueued before it (one recorded event).
 pub trait EventWait: Send + Sync + std::fmt::Debug {
     /// Whether every copy enqueued before the event finished. Err when one
@@ -63,6 +80,9 @@ pub trait BoundMem: Send + Sync + std::fmt::Debug {
     fn d2h(&self, runs: &[(u64, u64, u64)], host: &Arc<HostMem>) -> Result<Box<dyn EventWait>, DeviceError>;
     /// Host → device, as `d2h` (runs = (device offset, host offset, len)).
     fn h2d(&self, runs: &[(u64, u64, u64)], host: &Arc<HostMem>) -> Result<Box<dyn EventWait>, DeviceError>;
+    /// What a NIC registers to read this allocation in place, or why
+    /// nothing can be (CUDA without a dmabuf from the client).
+    fn nic(&self) -> Result<NicMemory, String>;
     /// Synchronous read for setup and checks (tests, the demo). It does not
     /// wait for enqueued copies: wait for their event first.
     fn read(&self, off: u64, out: &mut [u8]) -> Result<(), DeviceError>;
@@ -93,6 +113,8 @@ struct Bound<D: Device> {
     stream: Mutex<D::Stream>,
     mem: Arc<D::Mem>,
     dev: D,
+    /// The dmabuf the client exported for the allocation, kept for a NIC to register.
+    dmabuf: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -103,7 +125,7 @@ enum Dir {
 
 impl<D: Device> Bound<D> {
     fn new(dev: D, mem: Arc<D::Mem>) -> Result<Bound<D>, DeviceError> {
-        Ok(Bound { stream: Mutex::new(dev.stream()?), mem, dev })
+        Ok(Bound { stream: Mutex::new(dev.stream()?), mem, dev, dmabuf: None })
     }
 
     /// Checks every run, then enqueues them all and records an event.
@@ -146,6 +168,15 @@ where
     }
     fn h2d(&self, runs: &[(u64, u64, u64)], host: &Arc<HostMem>) -> Result<Box<dyn EventWait>, DeviceError> {
         Ok(Box::new(Waiter(Mutex::new(self.copies(Dir::H2d, runs, host)?))))
+    }
+    fn nic(&self) -> Result<NicMemory, String> {
+        if let Some(host) = self.mem.host_mem() {
+            return Ok(NicMemory::Host(host.clone()));
+        }
+        match (&self.dmabuf, self.mem.device_addr()) {
+            (Some(fd), Some(iova)) => Ok(NicMemory::Dmabuf { fd: fd.clone(), iova, len: self.mem.len() }),
+            _ => Err("the client handed over no dmabuf for this allocation (its driver refused cuMemGetHandleForAddressRange)".into()),
+        }
     }
     fn read(&self, off: u64, out: &mut [u8]) -> Result<(), DeviceError> {
         self.dev.read(&self.mem, off, out)
@@ -203,8 +234,7 @@ impl Backend {
     /// a wrong length, an ordinal other than this device's: DeviceError::Invalid with a
     /// message naming what was wrong.
     ///
-    /// CUDA does not use `fd` (the dmabuf) here and closes it: take it out of
-    /// the handle first to register it with the NIC.
+    /// CUDA keeps `fd` (the dmabuf) for a NIC to register ([`BoundMem::nic`]).
     pub fn import(&self, h: DeviceHandle) -> Result<Arc<dyn BoundMem>, DeviceError> {
         let ordinal = self.ordinal();
         if h.ordinal != ordinal {
@@ -225,7 +255,9 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda(dev) => {
                 let ipc = h.ipc.ok_or_else(|| DeviceError::Invalid("CUDA import needs the allocation's IPC handle, and the handle has none".into()))?;
-                Arc::new(Bound::new(dev.clone(), dev.import_ipc(&ipc, h.len)?)?)
+                let mut bound = Bound::new(dev.clone(), dev.import_ipc(&ipc, h.len)?)?;
+                bound.dmabuf = h.fd.map(|f| Arc::new(std::os::fd::OwnedFd::from(f)));
+                Arc::new(bound)
             }
         };
         tracing::debug!(backend = self.kind(), ordinal, len = h.len, "device allocation imported");

@@ -260,6 +260,9 @@ impl DeviceMem for CudaMem {
     fn pci_bus_id(&self) -> Option<&str> {
         self.ctx.pci.as_deref()
     }
+    fn device_addr(&self) -> Option<u64> {
+        Some(self.ptr)
+    }
 }
 
 impl Drop for CudaMem {

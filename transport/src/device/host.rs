@@ -45,7 +45,8 @@ pub type Tracer = Arc<dyn Fn(DeviceTrace) + Send + Sync>;
 /// Stand-in device memory.
 #[derive(Debug)]
 pub struct HostDeviceMem {
-    mem: HostMem,
+    // Shared: a NIC may register it to read it in place (the stand-in's GPUDirect).
+    mem: Arc<HostMem>,
     ordinal: u32,
 }
 
@@ -65,6 +66,9 @@ impl DeviceMem for HostDeviceMem {
     }
     fn pci_bus_id(&self) -> Option<&str> {
         None
+    }
+    fn host_mem(&self) -> Option<&Arc<HostMem>> {
+        Some(&self.mem)
     }
 }
 
@@ -121,7 +125,7 @@ impl HostDevice {
     /// Makes existing host memory (a memfd another process handed over) this
     /// device's memory, as a daemon imports a client's allocation.
     pub fn import_mem(&self, mem: HostMem) -> Arc<HostDeviceMem> {
-        Arc::new(HostDeviceMem { mem, ordinal: self.ordinal })
+        Arc::new(HostDeviceMem { mem: Arc::new(mem), ordinal: self.ordinal })
     }
 }
 
@@ -137,7 +141,7 @@ impl Device for HostDevice {
         None
     }
     fn alloc(&self, len: u64) -> Result<Arc<HostDeviceMem>, DeviceError> {
-        Ok(Arc::new(HostDeviceMem { mem: HostMem::new("kvwire-host-device", len)?, ordinal: self.ordinal }))
+        Ok(Arc::new(HostDeviceMem { mem: Arc::new(HostMem::new("kvwire-host-device", len)?), ordinal: self.ordinal }))
     }
     fn stream(&self) -> Result<HostStream, DeviceError> {
         HostStream::spawn(self.shared.clone())

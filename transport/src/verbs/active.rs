@@ -122,25 +122,25 @@ impl VerbsConnection {
                     self.remote.node, w.dst_key
                 )));
             };
-            let src = mrs.get(&w.src_key).filter(|_| self.shared.registry.get(w.src_key).is_some()).ok_or_else(|| {
+            let src = mrs.get(&w.src_key).filter(|m| m.live(w.src_key, &self.shared.registry)).ok_or_else(|| {
                 TransportError::Source(format!(
                     "write {i}: local key {:#010x} is not registered with VerbsEndpoint::register (or was revoked); nothing posted",
                     w.src_key
                 ))
             })?;
             match w.src_offset.checked_add(w.len) {
-                Some(end) if end <= src.region.len => {}
+                Some(end) if end <= src.len() => {}
                 _ => {
                     return Err(TransportError::Source(format!(
                         "write {i}: {} bytes at offset {} exceed local region {:#010x} of {} bytes; nothing posted",
-                        w.len, w.src_offset, w.src_key, src.region.len
+                        w.len, w.src_offset, w.src_key, src.len()
                     )))
                 }
             }
             if !sources.iter().any(|s| Arc::ptr_eq(s, src)) {
                 sources.push(src.clone());
             }
-            let laddr = src.region.desc().addr + w.src_offset;
+            let laddr = src.laddr() + w.src_offset;
             let raddr = dst.addr + w.dst_offset;
             let mut done = 0u64;
             while done < w.len {

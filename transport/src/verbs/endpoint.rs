@@ -2,7 +2,7 @@
 //! regions, and the handshake listener.
 
 use super::active::VerbsConnection;
-use super::shared::{RegionMr, Shared};
+use super::shared::{MrMem, RegionMr, Shared};
 use super::passive::accept_loop;
 use super::{chain, mtu_bytes, os_code, verbs_err, VerbsInfo, VerbsLimits, HOW_TO_GET_A_DEVICE};
 use crate::flags::FlagTable;
@@ -195,7 +195,7 @@ impl VerbsEndpoint {
             Some(_) => self.shared.registry.register_with_key(mem, offset, len, mr.rkey(), grant)?,
             None => self.shared.registry.register(mem, offset, len, None)?,
         };
-        self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
+        self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, mem: MrMem::Region(region.clone()) }));
         Ok(region)
     }
 
@@ -204,7 +204,7 @@ impl VerbsEndpoint {
     /// it and peers of this rail can write into it (under its shared key).
     pub fn attach(&self, region: &Arc<Region>) -> Result<(), TransportError> {
         let mr = self.reg_mr(&region.mem, region.offset, region.len, region.grant.is_some())?;
-        self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, region: region.clone() }));
+        self.shared.mrs.lock().expect("mr lock").insert(region.key, Arc::new(RegionMr { mr, mem: MrMem::Region(region.clone()) }));
         // Revoked while this MR was being made: do not keep it.
         if self.shared.registry.get(region.key).is_none() {
             self.shared.mrs.lock().expect("mr lock").remove(&region.key);
@@ -242,6 +242,38 @@ impl VerbsEndpoint {
             }
         };
         Ok(mr)
+    }
+
+    /// Registers device memory with this device through its dmabuf
+    /// (`ibv_reg_dmabuf_mr`, local reads only), under `key` or a key the
+    /// registry reserves ([`Endpoint::register_dmabuf`]). A NIC or driver
+    /// without dmabuf support refuses here, with its reason.
+    pub fn register_dmabuf(&self, fd: std::os::fd::BorrowedFd<'_>, len: u64, iova: u64, key: Option<u32>) -> Result<u32, TransportError> {
+        use std::os::fd::AsRawFd;
+        if len == 0 {
+            return Err(crate::mem::MemError::Empty.into());
+        }
+        let len_usize = usize::try_from(len).map_err(|_| TransportError::Unsupported(format!("a dmabuf of {len} bytes")))?;
+        // SAFETY: `fd` is open for the call (borrowed); the kernel takes
+        // its own reference to the dmabuf and the exporter keeps the pages
+        // for the MR's life, so nothing here outlives what it names.
+        let mr = unsafe { self.shared.pd.reg_dmabuf_mr(0, len_usize, iova, fd.as_raw_fd(), AccessFlags::LocalWrite) };
+        let mr = mr.map_err(|e| {
+            let hint = match os_code(&e) {
+                Some(c) if c == nix::errno::Errno::EOPNOTSUPP as i32 || c == nix::errno::Errno::ENOSYS as i32 || c == nix::errno::Errno::EPROTONOSUPPORT as i32 => {
+                    "; this device or its driver cannot register dmabufs (soft-RoCE cannot; mlx5 with a peer-memory-capable GPU driver can)"
+                }
+                Some(c) if c == nix::errno::Errno::EBADF as i32 || c == nix::errno::Errno::EINVAL as i32 => "; the fd is not a dmabuf of that size",
+                _ => "",
+            };
+            verbs_err("ibv_reg_dmabuf_mr", format!("{len} bytes of device memory on {}: {}{hint}", self.shared.info.device, chain(&e)))
+        })?;
+        let key = match key {
+            Some(k) => k,
+            None => self.shared.registry.reserve()?,
+        };
+        self.shared.mrs.lock().expect("mr lock").insert(key, Arc::new(RegionMr { mr, mem: MrMem::Device { key, len, iova } }));
+        Ok(key)
     }
 
     /// Registers a whole mapping, as [`VerbsEndpoint::register`].
@@ -308,6 +340,10 @@ impl Endpoint for VerbsEndpoint {
 
     fn revoke(&self, key: u32) -> bool {
         VerbsEndpoint::revoke(self, key)
+    }
+
+    fn register_dmabuf(&self, fd: std::os::fd::BorrowedFd<'_>, len: u64, iova: u64, key: Option<u32>) -> Result<u32, TransportError> {
+        VerbsEndpoint::register_dmabuf(self, fd, len, iova, key)
     }
 
     fn attach(&self, region: &Arc<Region>) -> Result<(), TransportError> {

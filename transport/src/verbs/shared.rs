@@ -18,12 +18,56 @@ pub(super) struct RegionMr {
     // Field order is drop order: deregister the MR before the region (and
     // so possibly the memory) goes away.
     pub(super) mr: Arc<MemoryRegion>,
-    pub(super) region: Arc<Region>,
+    pub(super) mem: MrMem,
+}
+
+/// What an MR covers.
+#[derive(Debug)]
+pub(super) enum MrMem {
+    /// A region of the registry (host memory).
+    Region(Arc<Region>),
+    /// Device memory through a dmabuf, under a key the registry reserved:
+    /// no host mapping, local reads only. The dmabuf's exporter keeps its
+    /// pages while the MR holds it.
+    Device { key: u32, len: u64, iova: u64 },
 }
 
 impl RegionMr {
     pub(super) fn rdesc(&self) -> RegionDesc {
-        RegionDesc { key: self.region.key, addr: self.region.desc().addr, len: self.region.len, rkey: Some(self.mr.rkey()) }
+        let (key, addr) = match &self.mem {
+            MrMem::Region(r) => (r.key, r.desc().addr),
+            MrMem::Device { key, iova, .. } => (*key, *iova),
+        };
+        RegionDesc { key, addr, len: self.len(), rkey: Some(self.mr.rkey()) }
+    }
+
+    /// Bytes it covers.
+    pub(super) fn len(&self) -> u64 {
+        match &self.mem {
+            MrMem::Region(r) => r.len,
+            MrMem::Device { len, .. } => *len,
+        }
+    }
+
+    /// The address its first byte has in work requests.
+    pub(super) fn laddr(&self) -> u64 {
+        match &self.mem {
+            MrMem::Region(r) => r.desc().addr,
+            MrMem::Device { iova, .. } => *iova,
+        }
+    }
+
+    /// Whether a remote peer of `session` may write into it.
+    fn granted_to(&self, session: u64) -> bool {
+        matches!(&self.mem, MrMem::Region(r) if r.grant.is_some_and(|g| g.session == session))
+    }
+
+    /// Whether its key is still registered (or reserved) in `registry`.
+    pub(super) fn live(&self, key: u32, registry: &Registry) -> bool {
+        match self.mem {
+            MrMem::Region(_) => registry.get(key).is_some(),
+            MrMem::Device { .. } => registry.is_reserved(key),
+        }
     }
 }
 
@@ -47,14 +91,14 @@ impl Shared {
     /// Deregisters MRs whose key was revoked through the registry directly.
     pub(super) fn sweep(&self) {
         let mut mrs = self.mrs.lock().expect("mr lock");
-        mrs.retain(|key, _| self.registry.get(*key).is_some());
+        mrs.retain(|key, m| m.live(*key, &self.registry));
     }
 
     /// What a peer of `session` may write into: the regions granted to it.
     pub(super) fn descs(&self, session: u64) -> Vec<RegionDesc> {
         self.sweep();
         let mrs = self.mrs.lock().expect("mr lock");
-        let mut v: Vec<RegionDesc> = mrs.values().filter(|m| m.region.grant.is_some_and(|g| g.session == session)).map(|m| m.rdesc()).collect();
+        let mut v: Vec<RegionDesc> = mrs.values().filter(|m| m.granted_to(session)).map(|m| m.rdesc()).collect();
         v.sort_by_key(|d| d.key);
         v
     }

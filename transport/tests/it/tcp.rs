@@ -332,3 +332,15 @@ fn unauthenticated_connections_are_capped() {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn device_memory_through_a_dmabuf_is_refused_by_a_transport_that_reads_host_mappings() {
+    // tcp (as shm) reads what it sends through a host mapping, which
+    // device memory does not have: a dmabuf registration names why, and
+    // reserves no key.
+    let ep = endpoint("src");
+    let mem = kvwire_transport::HostMem::new("not-a-dmabuf", 4096).unwrap();
+    let e = ep.register_dmabuf(mem.fd(), 4096, 0x1000, None).unwrap_err().to_string();
+    assert!(e.contains("the tcp transport") && e.contains("GPUDirect needs verbs"), "{e}");
+    assert!(ep.registry().descs().is_empty());
+}

@@ -146,6 +146,52 @@ fn ok(c: &Completion) {
     }
 }
 
+/// A real dmabuf over `mem` (a sealed memfd), through the kernel's
+/// udmabuf driver, where it has one.
+fn udmabuf(mem: &HostMem) -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    #[repr(C)]
+    struct Create {
+        memfd: u32,
+        flags: u32,
+        offset: u64,
+        size: u64,
+    }
+    nix::ioctl_write_ptr!(udmabuf_create, b'u', 0x42, Create);
+    let dev = std::fs::OpenOptions::new().read(true).write(true).open("/dev/udmabuf").ok()?;
+    let arg = Create { memfd: mem.fd().as_raw_fd() as u32, flags: 0, offset: 0, size: mem.len() };
+    // SAFETY: `arg` is the driver's struct, alive for the call; the fd it
+    // returns is new and ours.
+    let fd = unsafe { udmabuf_create(dev.as_raw_fd(), &arg) }.ok()?;
+    Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+}
+
+#[test]
+fn verbs_dmabuf_registration_is_a_real_call_whose_refusal_names_the_verb() {
+    let Some(ep) = endpoint(limits("dmabuf")) else { return };
+    let mem = HostMem::new("dmabuf", 1 << 16).unwrap();
+    let dmabuf = udmabuf(&mem);
+    let what = if dmabuf.is_some() { "a udmabuf" } else { "a memfd (no /dev/udmabuf on this kernel)" };
+    let fd = dmabuf.as_ref().map_or(mem.fd(), |f| std::os::fd::AsFd::as_fd(f));
+    match ep.register_dmabuf(fd, mem.len(), 0x7f00_0000_0000, None) {
+        // A device that registers dmabufs: the key is reserved until revoked.
+        Ok(key) => {
+            eprintln!("{} registered {what} as key {key:#010x}", ep.info().device);
+            assert!(ep.registry().is_reserved(key));
+            assert!(ep.revoke(key) && !ep.registry().is_reserved(key) && !ep.revoke(key));
+        }
+        // soft-RoCE cannot: the refusal names the verb and the device, and
+        // nothing is reserved.
+        Err(e) => {
+            let t = e.to_string();
+            eprintln!("{} refused {what}: {t}", ep.info().device);
+            assert!(t.contains("ibv_reg_dmabuf_mr") && t.contains(&ep.info().device), "{t}");
+        }
+    }
+    // Plain regions still register beside it.
+    ep.register_all(Arc::new(HostMem::new("after", 4096).unwrap()), None).expect("a region after the dmabuf attempt");
+}
+
 #[test]
 fn verbs_no_device_or_unknown_device_is_a_clear_error() {
     // Runs everywhere: on a host without RDMA the message must say how to get
