@@ -1355,8 +1355,8 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     // `n`: its transfer into the same decode daemon fails after the
     // submit (its copies run layer by layer on the transfer thread). Its
     // client, and its transfer's status once ended.
-    let failing_source = |node: &str, name: &str, n: u64| {
-        let extra = format!("{dev}standin_fail_copy = {n}\nstandin_delay_ms = 1\n");
+    let failing_source = |node: &str, name: &str, n: u64, more: &str| {
+        let extra = format!("{dev}standin_fail_copy = {n}\nstandin_delay_ms = 1\n{more}");
         let a = start_daemon(p.dir.path(), node, SECRET, &[("decode-host", &p._b.peer)], &extra);
         let c = Client::connect(&a.socket, node).unwrap();
         let mut sc = Scenario::new(name);
@@ -1371,7 +1371,7 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
         (a, c, st)
     };
     // The first copy: the transfer fails naming layer 0, and nothing is released.
-    let (_a2, ca2, st) = failing_source("prefill-two", "d2h-fails", 0);
+    let (_a2, ca2, st) = failing_source("prefill-two", "d2h-fails", 0, "");
     let err = st.error.clone().unwrap_or_default();
     assert!(err.contains("device → host staging of layer 0"), "{err}");
     assert!(!ca2.ready(st.slot, FlagName::SourceReleased), "released after a failed device copy");
@@ -1380,20 +1380,25 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
     // copy per run of a rank's shuffled blocks) while earlier layers are
     // already out. The transfer fails naming that layer, which is never
     // published, nor any after it.
-    let (_a3, ca3, st) = failing_source("prefill-three", "d2h-fails-mid", 40);
-    let err = st.error.clone().unwrap_or_default();
-    let failed: u16 = err.split("device → host staging of layer ").nth(1).and_then(|r| r.split(':').next()?.parse().ok()).unwrap_or_else(|| panic!("no layer named: {err}"));
-    assert!(failed >= 1, "the injected copy is not past layer 0: {err}");
-    let staged = |l: u16| st.marks.iter().any(|m| m.name == format!("host_staged({l})"));
-    assert!((0..failed).all(staged) && !staged(failed), "{:?}", st.marks);
-    // Mid-ring: every earlier layer left the wire from its slot; the ring's
-    // copies never all completed, so the source was never released.
-    let sent = |l: u16| st.marks.iter().any(|m| m.name == format!("sent({l})"));
-    assert!((0..failed).all(sent) && !sent(failed), "{:?}", st.marks);
-    assert!(!ca3.ready(st.slot, FlagName::SourceReleased), "released after a failed device copy");
-    let dslot = (0..8).filter(|&s| p.cb.status(s).is_ok_and(|d| d.request == "d2h-fails-mid-req")).last().expect("the destination's slot");
-    for l in failed..4 {
-        assert!(!p.cb.ready(dslot, FlagName::LayerReady(l)), "layer_ready({l}) published after the source failed at layer {failed}");
+    // The same read in place (GPUDirect): the failed layer's writes went
+    // out before its copies, but without the checksums that copy gives
+    // the destination never publishes it.
+    for (node, name, more) in [("prefill-three", "d2h-fails-mid", ""), ("prefill-four", "d2h-fails-in-place", "gpudirect = \"on\"\n")] {
+        let (_a3, ca3, st) = failing_source(node, name, 40, more);
+        let err = st.error.clone().unwrap_or_default();
+        let failed: u16 = err.split("device → host staging of layer ").nth(1).and_then(|r| r.split(':').next()?.parse().ok()).unwrap_or_else(|| panic!("{name}: no layer named: {err}"));
+        assert!(failed >= 1, "{name}: the injected copy is not past layer 0: {err}");
+        let staged = |l: u16| st.marks.iter().any(|m| m.name == format!("host_staged({l})"));
+        assert!((0..failed).all(staged) && !staged(failed), "{name}: {:?}", st.marks);
+        // Mid-ring: every earlier layer left the wire; the ring's copies
+        // never all completed, so the source was never released.
+        let sent = |l: u16| st.marks.iter().any(|m| m.name == format!("sent({l})"));
+        assert!((0..failed).all(sent) && !sent(failed), "{name}: {:?}", st.marks);
+        assert!(!ca3.ready(st.slot, FlagName::SourceReleased), "{name}: released after a failed device copy");
+        let dslot = (0..8).filter(|&s| p.cb.status(s).is_ok_and(|d| d.request == format!("{name}-req"))).last().expect("the destination's slot");
+        for l in failed..4 {
+            assert!(!p.cb.ready(dslot, FlagName::LayerReady(l)), "{name}: layer_ready({l}) published after the source failed at layer {failed}");
+        }
+        assert!(!p.cb.ready(dslot, FlagName::DecoderUsable));
     }
-    assert!(!p.cb.ready(dslot, FlagName::DecoderUsable));
 }
