@@ -623,6 +623,12 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
             h.bandwidth_bytes_per_second.map(rate).unwrap_or_else(|| "-".into())
         );
     }
+    if !st.device_memory.is_empty() {
+        let _ = writeln!(out, "device memory at the source (direct: read in place by the NIC; staged: through a ring)");
+        for d in &st.device_memory {
+            let _ = writeln!(out, "  group {} rank {} memory {}: {} ({})", d.group, d.rank, d.memory, d.path, d.detail);
+        }
+    }
     let _ = writeln!(
         out,
         "quantiles: the daemon's hdrhistogram (within 0.1%) where `from` is histogram; p50/p99 estimated from buckets\n\

@@ -208,6 +208,21 @@ pub struct StartCount {
     pub count: u64,
 }
 
+/// A registered device allocation and how a source reads it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceMemory {
+    /// Its group.
+    pub group: String,
+    /// Its rank.
+    pub rank: u32,
+    /// Its index in the rank.
+    pub memory: u32,
+    /// `direct` (in place by the NIC, GPUDirect) or `staged` (through a ring).
+    pub path: String,
+    /// Direct: the registration; staged: why the NIC does not read it in place.
+    pub detail: String,
+}
+
 /// Refusals of one kind.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct RefusalCount {
@@ -298,6 +313,9 @@ pub struct Stats {
     pub refused: Vec<RefusalCount>,
     /// Hop table, in the order the daemon lists the hops.
     pub hops: Vec<HopStats>,
+    /// Registered device allocations and their source paths (empty from a
+    /// daemon without any, or one that does not report them).
+    pub device_memory: Vec<DeviceMemory>,
 }
 
 /// A counter value as an integer: finite, non-negative and whole.
@@ -358,6 +376,7 @@ impl Stats {
         let mut transfers = Vec::new();
         let mut refused = Vec::new();
         let mut starts = Vec::new();
+        let mut device_memory = Vec::new();
         let mut hops: Vec<HopStats> = Vec::new();
         fn hop_mut<'h>(hops: &'h mut Vec<HopStats>, name: &str) -> &'h mut HopStats {
             let i = match hops.iter().position(|h| h.hop == name) {
@@ -395,6 +414,14 @@ impl Stats {
                 }),
                 "kvwire_refused_total" => refused.push(RefusalCount { who: need(s, "who")?.to_string(), count: count(s)? }),
                 "kvwire_starts_total" => starts.push(StartCount { how: need(s, "how")?.to_string(), count: count(s)? }),
+                "kvwire_device_memory" => {
+                    let number = |label: &str| -> Result<u32, ParseError> {
+                        need(s, label)?.parse().map_err(|_| ParseError::Value { line: s.line, metric: s.name.clone(), reason: format!("`{label}` is not a number") })
+                    };
+                    let path = need(s, "path")?.to_string();
+                    let detail = need(s, if path == "direct" { "how" } else { "why" })?.to_string();
+                    device_memory.push(DeviceMemory { group: need(s, "group")?.to_string(), rank: number("rank")?, memory: number("memory")?, path, detail });
+                }
                 "kvwire_hop_seconds_bucket" => {
                     let hop = need(s, "hop")?;
                     let le = need(s, "le")?;
@@ -477,7 +504,7 @@ impl Stats {
                 h.bandwidth_bytes_per_second = Some(h.bytes as f64 / h.sum_seconds);
             }
         }
-        Ok(Stats { node, counters, transfers, starts, refused, hops })
+        Ok(Stats { node, counters, transfers, starts, refused, hops, device_memory })
     }
 }
 

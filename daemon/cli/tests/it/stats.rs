@@ -203,6 +203,9 @@ kvwire_hop_seconds_bucket{node="a",hop="pack",le="+Inf"} 4
 kvwire_hop_seconds_sum{node="a",hop="pack"} 0.002
 kvwire_hop_seconds_count{node="a",hop="pack"} 4
 kvwire_hop_bytes_total{node="a",hop="pack"} 0
+# TYPE kvwire_device_memory gauge
+kvwire_device_memory{node="a",group="g",rank="0",memory="0",path="direct",how="ibv_reg_dmabuf_mr on mlx5_0"} 1
+kvwire_device_memory{node="a",group="g",rank="1",memory="0",path="staged",why="no dmabuf"} 1
 "#;
 
 fn close(a: Option<f64>, b: f64) -> bool {
@@ -241,6 +244,11 @@ fn promtext_reads_counters_and_hops_from_a_sample() {
     assert_eq!((p.p50_seconds, p.p99_seconds), (None, None), "no finite buckets: no quantiles");
     assert!(close(p.mean_seconds, 0.0005));
     assert!(close(p.bandwidth_bytes_per_second, 0.0), "0 bytes over 2 ms");
+
+    let d: Vec<_> = s.device_memory.iter().map(|d| (d.group.as_str(), d.rank, d.memory, d.path.as_str(), d.detail.as_str())).collect();
+    assert_eq!(d, [("g", 0, 0, "direct", "ibv_reg_dmabuf_mr on mlx5_0"), ("g", 1, 0, "staged", "no dmabuf")]);
+    let e = Stats::from_text(&SAMPLE.replace("rank=\"1\"", "rank=\"one\"")).unwrap_err();
+    assert!(e.to_string().contains("`rank` is not a number"), "{e}");
 }
 
 #[test]
