@@ -64,13 +64,130 @@ pub struct Staged {
     pub dim: u32,
 }
 
+/// Segment indices in increasing order, kept as runs of consecutive
+/// indices: a fragmented plan's millions of segments are a few runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SegList {
+    /// (first index, count).
+    runs: Vec<(usize, usize)>,
+    len: usize,
+}
+
+impl SegList {
+    /// Appends `seg`, above every index already in.
+    pub fn push(&mut self, seg: usize) {
+        match self.runs.last_mut() {
+            Some((first, count)) if *first + *count == seg => *count += 1,
+            _ => self.runs.push((seg, 1)),
+        }
+        self.len += 1;
+    }
+
+    /// Indices held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The indices, in order.
+    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
+        self.runs.iter().flat_map(|&(first, count)| first..first + count)
+    }
+
+    /// Runs stored (what it costs in memory).
+    pub fn runs(&self) -> usize {
+        self.runs.len()
+    }
+}
+
+/// Staged segments in staging order, kept as runs: consecutive segments
+/// of one size and row width lie back to back in staging, so a run is its
+/// first segment, its first offset and a count.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StagedList {
+    runs: Vec<StagedRun>,
+    len: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct StagedRun {
+    first: Staged,
+    count: usize,
+    /// Entries before it in the list.
+    before: usize,
+}
+
+impl StagedRun {
+    fn at(&self, k: usize) -> Staged {
+        Staged { seg: self.first.seg + k, offset: self.first.offset + k as u64 * self.first.size, ..self.first }
+    }
+
+    fn holds(&self, seg: usize) -> bool {
+        (self.first.seg..self.first.seg + self.count).contains(&seg)
+    }
+}
+
+impl StagedList {
+    /// Appends `st`, after every entry already in (in segment and offset order).
+    pub fn push(&mut self, st: Staged) {
+        let before = self.len;
+        self.len += 1;
+        if let Some(r) = self.runs.last_mut() {
+            let next = r.at(r.count);
+            if next.seg == st.seg && next.offset == st.offset && r.first.size == st.size && r.first.dim == st.dim {
+                r.count += 1;
+                return;
+            }
+        }
+        self.runs.push(StagedRun { first: st, count: 1, before });
+    }
+
+    /// Entries held.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The entries, in staging order.
+    pub fn iter(&self) -> impl Iterator<Item = Staged> + '_ {
+        self.runs.iter().flat_map(|r| (0..r.count).map(move |k| r.at(k)))
+    }
+
+    /// Runs stored (what it costs in memory).
+    pub fn runs(&self) -> usize {
+        self.runs.len()
+    }
+
+    /// The entry of segment `seg` and its run, looking in run `hint` and
+    /// the one after it before searching.
+    fn find(&self, seg: usize, hint: usize) -> Option<(Staged, usize)> {
+        let i = match (self.runs.get(hint), self.runs.get(hint.saturating_add(1))) {
+            (Some(r), _) if r.holds(seg) => hint,
+            (_, Some(r)) if r.holds(seg) => hint + 1,
+            // Between the two: a direct segment.
+            (Some(a), Some(b)) if a.first.seg < seg && seg < b.first.seg => return None,
+            _ => self.runs.partition_point(|r| r.first.seg <= seg).checked_sub(1)?,
+        };
+        let r = &self.runs[i];
+        r.holds(seg).then(|| (r.at(seg - r.first.seg), i))
+    }
+}
+
 /// One layer's share of a transfer.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct LayerSchedule {
     /// Segments written straight into place (indices into `plan.segments`).
-    pub direct: Vec<usize>,
+    pub direct: SegList,
     /// Segments that go through staging, in staging order.
-    pub staged: Vec<Staged>,
+    pub staged: StagedList,
     /// Bytes this layer's writes carry: what its flag waits for.
     pub wire_bytes: u64,
 }
@@ -79,7 +196,7 @@ impl LayerSchedule {
     /// The layer's segments, direct and staged, in plan order (what the
     /// layer's checksums are computed over).
     pub fn segments(&self) -> Vec<usize> {
-        let mut segs: Vec<usize> = self.direct.iter().copied().chain(self.staged.iter().map(|st| st.seg)).collect();
+        let mut segs: Vec<usize> = self.direct.iter().chain(self.staged.iter().map(|st| st.seg)).collect();
         segs.sort_unstable();
         segs
     }
@@ -119,10 +236,10 @@ pub struct Schedule {
     /// Per destination layer, in layer order.
     pub layers: Vec<LayerSchedule>,
     /// Every staged segment, in staging order.
-    pub staged: Vec<Staged>,
+    pub staged: StagedList,
     /// Bytes of each staging buffer.
     pub stage_bytes: u64,
-    /// The entry of `staged` last looked up (see [`Schedule::staged_of`]).
+    /// The run of `staged` last looked in (see [`Schedule::staged_of`]).
     pub hint: Hint,
 }
 
@@ -135,8 +252,10 @@ impl Schedule {
         }
         let n = model.layers.len();
         let mut layers = vec![LayerSchedule::default(); n];
-        let mut staged = Vec::new();
+        let mut staged = StagedList::default();
         let mut offset = 0;
+        // Each layer's tensors once, not once per segment.
+        let shapes: Vec<_> = model.layers.iter().map(|l| l.tensors()).collect();
         for (i, s) in plan.segments.iter().enumerate() {
             let layer = s.dst_region.layer as usize;
             let ls = layers.get_mut(layer).ok_or(ScheduleError::NoLayer { seg: i, layer: s.dst_region.layer, layers: n })?;
@@ -145,7 +264,7 @@ impl Schedule {
                 ls.wire_bytes += s.bytes();
                 continue;
             }
-            let dim = model.layers[layer].tensors().iter().find(|t| t.tensor == s.dst_region.tensor).map(|t| t.dim).ok_or_else(|| {
+            let dim = shapes[layer].iter().find(|t| t.tensor == s.dst_region.tensor).map(|t| t.dim).ok_or_else(|| {
                 ScheduleError::NoTensor { seg: i, layer: s.dst_region.layer, tensor: format!("{:?}", s.dst_region.tensor) }
             })?;
             let size = match codec {
@@ -168,20 +287,19 @@ impl Schedule {
     }
 
     /// Where staged segment `seg` lies in staging; `None` for a direct one.
-    pub fn staged_of(&self, seg: usize) -> Option<&Staged> {
-        // Staging order is plan order: a walk in plan order asks for the
-        // entry after the last one found, or again for that one, or for a
-        // direct segment between the two.
-        let h = self.hint.get();
-        let (at, next) = (self.staged.get(h).map(|st| st.seg), self.staged.get(h.saturating_add(1)).map(|st| st.seg));
-        let i = match (at, next) {
-            (Some(a), _) if a == seg => h,
-            (_, Some(n)) if n == seg => h + 1,
-            (Some(a), Some(n)) if a < seg && seg < n => return None,
-            _ => self.staged.binary_search_by_key(&seg, |st| st.seg).ok()?,
-        };
-        self.hint.set(i);
-        Some(&self.staged[i])
+    pub fn staged_of(&self, seg: usize) -> Option<Staged> {
+        // Staging order is plan order: a walk in plan order asks again in
+        // the run of the last one found, or in the next, or for a direct
+        // segment between the two.
+        let (st, run) = self.staged.find(seg, self.hint.get())?;
+        self.hint.set(run);
+        Some(st)
+    }
+
+    /// Runs the schedule stores, its layers' and the whole transfer's
+    /// (what it costs in memory, whatever the segment count).
+    pub fn stored_runs(&self) -> usize {
+        self.staged.runs() + self.layers.iter().map(|l| l.staged.runs() + l.direct.runs()).sum::<usize>()
     }
 
     /// Bytes every layer's writes carry together.
@@ -193,7 +311,7 @@ impl Schedule {
     /// staged segments. Their lengths add up to the layer's `wire_bytes`.
     pub fn writes<'a>(&'a self, plan: &'a Plan, layer: usize) -> impl Iterator<Item = WriteTarget> + 'a {
         let ls = &self.layers[layer];
-        let direct = ls.direct.iter().flat_map(move |&i| {
+        let direct = ls.direct.iter().flat_map(move |i| {
             let s = plan.segments.at(i);
             s.runs().map(move |(so, dof)| WriteTarget::Direct {
                 src: (s.src_rank, s.src_region),

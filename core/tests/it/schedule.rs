@@ -41,7 +41,7 @@ fn each_layer_waits_for_exactly_its_share_and_its_writes_carry_it() {
         // Without a codec only packed segments are staged, back to back.
         assert_eq!(s.stage_bytes, plan.counters.packed_bytes, "{src} -> {dst}");
         let mut at = 0;
-        for st in &s.staged {
+        for st in s.staged.iter() {
             assert_eq!(st.offset, at);
             at += st.size;
         }
@@ -58,6 +58,36 @@ fn each_layer_waits_for_exactly_its_share_and_its_writes_carry_it() {
             assert_eq!(s.staged_of(i).map(|st| st.seg), packed.then_some(i), "{src} -> {dst} segment {i}");
         }
     }
+}
+
+#[test]
+fn a_fragmented_transfer_schedules_in_runs_not_one_record_per_segment() {
+    // llama-3.1-70b at 128k tokens, tp=8 -> tp=2, both block tables
+    // shuffled: 10,485,760 segments, every one packed. Held one record per
+    // segment, the whole list and the layers' would be about 670 MB; as
+    // runs of consecutive segments of one size they are a few per layer.
+    let m = builtin("llama-3.1-70b").unwrap();
+    let bf16 = CacheFormat::parse("bf16").unwrap();
+    let tokens = 128 * 1024;
+    let plan = planned(&m, bf16, "tp=8,table=shuffle:1", "tp=2,table=shuffle:2", tokens);
+    let n = plan.segments.len();
+    assert_eq!(n, 10_485_760);
+    let s = Schedule::new(&m, &bf16, &plan, None).unwrap();
+    assert_eq!((s.staged.len(), s.stage_bytes), (n, plan.counters.packed_bytes));
+    assert!(s.stored_runs() <= 4 * m.layers.len(), "{} runs stored", s.stored_runs());
+    // The runs stand for every segment at its place, back to back.
+    let mut at = 0;
+    for (i, st) in s.staged.iter().enumerate() {
+        assert!(st.seg == i && st.offset == at, "entry {i}: {st:?} (expected offset {at})");
+        if i % 4099 == 0 {
+            assert_eq!(st.size, plan.segments.at(i).bytes(), "segment {i}");
+        }
+        at += st.size;
+    }
+    for i in [0, 1, n / 2, n - 1, n / 2 + 1] {
+        assert_eq!(s.staged_of(i).map(|st| (st.seg, st.offset)), Some((i, s.staged.iter().nth(i).unwrap().offset)));
+    }
+    assert_eq!(s.layers.iter().map(|l| l.staged.len()).sum::<usize>(), n);
 }
 
 #[test]

@@ -551,9 +551,9 @@ impl Daemon {
             self.verify_layer(r, manifest, layer, true)?;
         }
         let t = Instant::now();
-        for st in &ls.staged {
+        for st in ls.staged.iter() {
             let seg = &r.p.plan.segments.at(st.seg);
-            unpack_segment(r, seg, st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
+            unpack_segment(r, seg, &st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
         }
         if !ls.staged.is_empty() {
             self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.p.plan.segments.at(st.seg).bytes()).sum());

@@ -329,7 +329,7 @@ mod tests {
     use super::*;
     use kvwire_core::layout::Tensor;
     use kvwire_core::plan::{Mode, PlanCounters};
-    use kvwire_core::schedule::{LayerSchedule, Staged};
+    use kvwire_core::schedule::{LayerSchedule, SegList, Staged, StagedList};
     use kvwire_transport::Registry;
 
     fn seg(layer: u32, src_offset: u64, len: u64, count: u64, src_stride: u64, mode: Mode) -> Segment {
@@ -358,12 +358,22 @@ mod tests {
         let counters = PlanCounters { segments: 5, writes: 0, total_bytes_moved: 0, packed_bytes: 0, direct_bytes: 0, reused_bytes: 0, metadata_bytes: 0, src_ranks: vec![], dst_ranks: vec![] };
         let plan = Plan { tokens: 1, prefix_tokens: 0, cost: Default::default(), counters, segments: segments.into() };
         let packed = Staged { seg: 3, offset: 0, size: 20, dim: 1 };
+        let list = |segs: &[usize]| {
+            let mut l = SegList::default();
+            segs.iter().for_each(|&s| l.push(s));
+            l
+        };
+        let one = || {
+            let mut l = StagedList::default();
+            l.push(packed);
+            l
+        };
         let schedule = Schedule {
             layers: vec![
-                LayerSchedule { direct: vec![0, 1, 2], staged: vec![packed], wire_bytes: 420 },
-                LayerSchedule { direct: vec![4], staged: vec![], wire_bytes: 64 },
+                LayerSchedule { direct: list(&[0, 1, 2]), staged: one(), wire_bytes: 420 },
+                LayerSchedule { direct: list(&[4]), staged: StagedList::default(), wire_bytes: 64 },
             ],
-            staged: vec![packed],
+            staged: one(),
             stage_bytes: 20,
             hint: Default::default(),
         };

@@ -585,7 +585,7 @@ impl Daemon {
                 (Some(_), Some(st)) => {
                     let (base, mut find) = (ring.region.offset + ring.base(layer), ring.layout.finder(layer));
                     let read = |so, len| read_mem(mem, base + find(s.src_rank, s.src_region, so, len)?, len);
-                    let coded = schedule::pack(s, st, &g.format, codec, read).ok_or_else(|| missing(0))?;
+                    let coded = schedule::pack(s, &st, &g.format, codec, read).ok_or_else(|| missing(0))?;
                     mem.write(to, &coded).map_err(|e| failed(e.to_string()))?;
                 }
                 (Some(_), None) => return Err(failed(format!("segment {i} is not staged"))),
@@ -789,7 +789,7 @@ impl Daemon {
         let ls = &p.schedule.layers[layer];
         if let (Some(stage), true) = (stage, ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec))) {
             let started = Instant::now();
-            let bytes = self.pack_into(stage, g, p, codec, &ls.staged)?;
+            let bytes = self.pack_into(stage, g, p, codec, ls.staged.iter())?;
             self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
         }
         self.send_layer_checksums(id, g, p, codec, layer, stage, link)
@@ -822,7 +822,7 @@ impl Daemon {
     fn pack(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<Option<Arc<Region>>, Refusal> {
         let started = Instant::now();
         let Some(stage) = self.stage_buffer(id, stage_needed(p, codec))? else { return Ok(None) };
-        match self.pack_into(&stage, g, p, codec, &p.schedule.staged) {
+        match self.pack_into(&stage, g, p, codec, p.schedule.staged.iter()) {
             Ok(bytes) => {
                 self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
                 Ok(Some(stage))
@@ -844,7 +844,7 @@ impl Daemon {
 
     /// Packs (and encodes) the segments of `staged` that need it
     /// ([`gathers`]) into the staging buffer; returns the bytes written.
-    fn pack_into(&self, stage: &Region, g: &SourceGroup, p: &Planned, codec: Option<Codec>, staged: &[Staged]) -> Result<u64, Refusal> {
+    fn pack_into(&self, stage: &Region, g: &SourceGroup, p: &Planned, codec: Option<Codec>, staged: impl Iterator<Item = Staged>) -> Result<u64, Refusal> {
         let failed = |e: &dyn std::fmt::Display| Refusal::new(Code::TransferFailed, format!("pack: {e}"));
         let mut total = 0;
         for st in staged {
@@ -861,7 +861,7 @@ impl Daemon {
                 }
                 continue;
             }
-            let bytes = schedule::pack(seg, st, &g.format, codec, |o, l| read_mem(&r.mem, r.offset + o, l)).ok_or_else(|| failed(&"cannot read a packed source run"))?;
+            let bytes = schedule::pack(seg, &st, &g.format, codec, |o, l| read_mem(&r.mem, r.offset + o, l)).ok_or_else(|| failed(&"cannot read a packed source run"))?;
             stage.mem.write(stage.offset + st.offset, &bytes).map_err(|e| failed(&e))?;
         }
         Ok(total)
@@ -1159,7 +1159,7 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
     // the offset of its region there.
     let in_place = |s: &Segment| ring.layout.regions.get(&(s.src_rank, s.src_region)).and_then(|&(src, base)| Some((ring.sources[src].direct?, base)));
     let (mut device, mut slot) = (Vec::new(), Vec::new());
-    for &i in &ls.direct {
+    for i in ls.direct.iter() {
         let s = &p.plan.segments.at(i);
         let &dst_key = dst_keys.get(&(s.dst_rank, s.dst_region)).ok_or_else(|| Refusal::new(Code::PeerRefused, format!("no region for dst rank {} {:?}", s.dst_rank, s.dst_region)))?;
         match in_place(s) {
@@ -1176,7 +1176,7 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
             }
         }
     }
-    for st in &ls.staged {
+    for st in ls.staged.iter() {
         let s = &p.plan.segments.at(st.seg);
         let (writes, src_key, src_offset) = match (gathers(s, codec), in_place(s)) {
             (true, _) => (&mut slot, ring.region.key, ring.packed(layer, st.seg)),
