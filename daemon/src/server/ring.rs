@@ -97,8 +97,10 @@ pub(super) struct RingLayout {
 
 impl RingLayout {
     /// The slots of `plan`'s layers, read from `regions`; `packs` says
-    /// which staged segments are gathered.
-    pub fn build(plan: &Plan, schedule: &Schedule, regions: &HashMap<(u32, RegionId), Arc<Region>>, packs: impl Fn(&Segment) -> bool) -> Result<RingLayout, String> {
+    /// which staged segments are gathered, and `copied` which other
+    /// segments' bytes the slot holds (not those the NIC reads in place
+    /// with nothing to check).
+    pub fn build(plan: &Plan, schedule: &Schedule, regions: &HashMap<(u32, RegionId), Arc<Region>>, packs: impl Fn(&Segment) -> bool, copied: impl Fn(&Segment) -> bool) -> Result<RingLayout, String> {
         let mut sources: Vec<(u32, RegionId)> = Vec::new();
         let mut at_region: HashMap<(u32, RegionId), (usize, u64)> = HashMap::new();
         let mut source_of = |rank: u32, region: RegionId| -> Result<(usize, u64), String> {
@@ -121,10 +123,13 @@ impl RingLayout {
         let mut layers = Vec::with_capacity(schedule.layers.len());
         for ls in &schedule.layers {
             let mut runs = Vec::new();
-            for i in ls.segments() {
+            let staged = ls.staged.iter().map(|st| (st.seg, true));
+            for (i, is_staged) in ls.direct.iter().map(|i| (i, false)).chain(staged) {
                 let s = &plan.segments.at(i);
                 let (src, base) = source_of(s.src_rank, s.src_region)?;
-                runs.extend(s.runs().map(|(so, _)| (src, base + so, s.len)));
+                if (is_staged && packs(s)) || copied(s) {
+                    runs.extend(s.runs().map(|(so, _)| (src, base + so, s.len)));
+                }
             }
             runs.sort_unstable();
             // Runs that touch or overlap (a byte two destination ranks read) become one extent.
@@ -377,7 +382,7 @@ mod tests {
             stage_bytes: 20,
             hint: Default::default(),
         };
-        let l = RingLayout::build(&plan, &schedule, &regions, |s| s.mode == Mode::Packed).unwrap();
+        let l = RingLayout::build(&plan, &schedule, &regions, |s| s.mode == Mode::Packed, |_| true).unwrap();
         assert_eq!(l.sources, vec![(0, k(0))], "one memory, one source");
         let sources = l.resolve(&regions, &HashMap::new()).unwrap();
         assert!(Arc::ptr_eq(&sources[0].mem, &mem) && sources[0].dev.is_none());
@@ -412,7 +417,7 @@ mod tests {
         assert_eq!(l.packed(0, 3), Some(320));
         assert_eq!(l.packed(0, 0), None);
         // A region no rank holds is an error naming it.
-        let err = RingLayout::build(&plan, &schedule, &HashMap::new(), |_| false).err().unwrap();
+        let err = RingLayout::build(&plan, &schedule, &HashMap::new(), |_| false, |_| true).err().unwrap();
         assert!(err.contains("rank 0 has no region"), "{err}");
     }
 }

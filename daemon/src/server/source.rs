@@ -450,7 +450,15 @@ impl Daemon {
         let ring_failed = |e: String| Refusal::new(Code::TransferFailed, format!("staging ring: {e}"));
         // Laid out once per plan: a request like an earlier one takes its
         // layout, while its regions are where they were.
-        let build = || RingLayout::build(&p.plan, &p.schedule, &g.regions, |s| gathers(s, codec)).map(Arc::new).map_err(ring_failed);
+        // A segment the NIC reads in place is copied only for its
+        // checksums, or to be gathered.
+        let in_place = |s: &Segment| {
+            let r = g.regions.get(&(s.src_rank, s.src_region));
+            let alloc = g.devices.get(&s.src_rank).zip(r).and_then(|(devs, r)| devs.iter().find(|m| Arc::ptr_eq(&m.mirror, &r.mem)));
+            alloc.is_some_and(|m| m.path.key().is_some())
+        };
+        let copied = |s: &Segment| self.cfg.verify_checksums || !in_place(s);
+        let build = || RingLayout::build(&p.plan, &p.schedule, &g.regions, |s| gathers(s, codec), copied).map(Arc::new).map_err(ring_failed);
         let kept = match p.ring.get() {
             Some(l) => l.clone(),
             None => {

@@ -1023,6 +1023,21 @@ fn a_device_source_read_in_place_by_the_nic_writes_before_its_copies_and_is_rele
     assert!(!a.is_empty() && a.iter().all(|l| l.contains("path=\"direct\"") && l.contains("how=\"the stand-in's host memory")), "{a:?}");
     let b = paths(&p.cb);
     assert!(!b.is_empty() && b.iter().all(|l| l.contains("path=\"staged\"") && l.contains("why=\"the tcp transport reads memory through a host mapping")), "{b:?}");
+    drop(p);
+    // With checksums off nothing needs the bytes on the host: read in
+    // place, the source copies nothing and holds no ring; gathered
+    // segments (a codec gathers all) still go through it.
+    let p = pair_with("in-place-unverified", &format!("verify_checksums = false\n{dev}gpudirect = \"on\"\n"), &format!("verify_checksums = false\n{dev}"));
+    let mut sc = Scenario::new("in-place-unverified");
+    sc.memory = scenario::Memory::StandIn;
+    let o = run(&p, &sc).unwrap();
+    assert_bitwise(&o);
+    assert_eq!((hop(&o.source, "stage"), o.source.staging_bytes), (None, 0), "{:?} {:?}", o.source.hops, o.source);
+    assert!(mark_at("in-place-unverified", &o.source, "sent(3)") <= mark_at("in-place-unverified", &o.source, "source_released"), "{:?}", o.source.marks);
+    sc.codec = Some("fp8_e4m3_row".into());
+    sc.name = "in-place-unverified-fp8".into();
+    let o = run(&p, &sc).unwrap();
+    assert!(hop(&o.source, "stage").is_some_and(|b| b > 0) && o.source.staging_bytes > 0, "{:?} {:?}", o.source.hops, o.source);
 }
 
 #[test]
