@@ -380,6 +380,10 @@ pub struct TransferStatus {
     /// or the buffer packed segments cross in at either side.
     #[serde(default)]
     pub staging_bytes: u64,
+    /// Payload bytes the NIC read in place from device memory (GPUDirect;
+    /// source side): the rest went from host memory.
+    #[serde(default)]
+    pub in_place_bytes: u64,
 }
 
 /// What one rail carried for one transfer.

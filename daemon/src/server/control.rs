@@ -309,6 +309,7 @@ impl Daemon {
             marks: s.marks.clone(),
             rails: s.rails.clone(),
             staging_bytes: s.staging,
+            in_place_bytes: s.in_place,
             elapsed_ns: s.elapsed.map(|d| d.as_nanos() as u64),
         }))
     }

@@ -532,7 +532,9 @@ impl Daemon {
                     let from_ring = match in_place.writes.is_empty() {
                         true => Some(from_ring),
                         false => {
+                            let bytes = in_place.bytes();
                             d.move_bytes(id, &rails, &prefer, vec![in_place], stop, link, &mut total)?;
+                            d.with_slot(id, |sl| sl.in_place += bytes);
                             Some(from_ring).filter(|b| !b.writes.is_empty())
                         }
                     };

@@ -287,6 +287,8 @@ pub(crate) struct Slot {
     pub compressed: u64,
     // Host staging held for it: a source's ring or staging buffer, a destination's staging buffer.
     pub staging: u64,
+    // Payload bytes written from device memory in place (source).
+    pub in_place: u64,
     // Source: what crossed the link, counted as the transfer ends.
     // Destination: its control frames; the data plane's count lives in
     // the placement (read with it).
@@ -336,6 +338,7 @@ impl Slot {
             reused: 0,
             compressed: 0,
             staging: 0,
+            in_place: 0,
             wire: 0,
             hops: BTreeMap::new(),
             rank_hops: BTreeMap::new(),

@@ -202,6 +202,7 @@ fn source_marks(st: &kvwire_client::control::TransferStatus, in_place: bool) {
         (false, ..) => order("source_released", at("source_released"), last_sent, "the last layer's writes completed"),
     }
     println!("  staging ring: {} bytes of pinned host memory for a {}-byte transfer", st.staging_bytes, st.bytes);
+    println!("  read in place by the NIC: {} of {} payload bytes (the rest gathered in the ring)", st.in_place_bytes, st.compressed_bytes);
 }
 
 /// How each daemon reads its device allocations at the source, as it

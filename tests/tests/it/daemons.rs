@@ -995,6 +995,8 @@ fn a_device_source_read_in_place_by_the_nic_writes_before_its_copies_and_is_rele
             }
         }
         assert!(src("posting") < src("host_staged(0)"), "{name}: the first write waited for the first copies: {:?}", o.source.marks);
+        // What was not gathered went from device memory.
+        assert!(o.source.in_place_bytes > 0 && o.source.in_place_bytes <= o.source.bytes, "{name}: {:?}", o.source);
         // The NIC reads the engine's memory until the last writes
         // complete: the source is released only then, not at its copies.
         assert!(src("sent(3)") <= src("source_released"), "{name}: released while its writes still read device memory: {:?}", o.source.marks);
@@ -1033,6 +1035,7 @@ fn a_device_source_read_in_place_by_the_nic_writes_before_its_copies_and_is_rele
     let o = run(&p, &sc).unwrap();
     assert_bitwise(&o);
     assert_eq!((hop(&o.source, "stage"), o.source.staging_bytes), (None, 0), "{:?} {:?}", o.source.hops, o.source);
+    assert_eq!(o.source.in_place_bytes, o.source.bytes, "every byte from device memory: {:?}", o.source);
     assert!(mark_at("in-place-unverified", &o.source, "sent(3)") <= mark_at("in-place-unverified", &o.source, "source_released"), "{:?}", o.source.marks);
     sc.codec = Some("fp8_e4m3_row".into());
     sc.name = "in-place-unverified-fp8".into();
