@@ -53,7 +53,7 @@ const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--stream] [--device] [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -66,6 +66,7 @@ struct RawArgs {
     netns: bool,
     stream: bool,
     device: bool,
+    gpudirect: Option<String>,
     json: bool,
     help: bool,
 }
@@ -81,6 +82,9 @@ struct Settings {
     // Both daemons serve device memory through the stand-in backend, and
     // every rank's cache is registered as a device allocation.
     device: bool,
+    // `[device] gpudirect` of both daemons: whether the source's NIC reads
+    // the (stand-in) device memory in place.
+    gpudirect: String,
     json: bool,
 }
 
@@ -96,6 +100,7 @@ fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
             "--netns" => raw.netns = true,
             "--stream" => raw.stream = true,
             "--device" => raw.device = true,
+            "--gpudirect" => raw.gpudirect = Some(value("--gpudirect")?),
             "--json" => raw.json = true,
             "-h" | "--help" => raw.help = true,
             other => return Err(format!("unknown argument `{other}`")),
@@ -126,6 +131,12 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
         netns: raw.netns,
         stream: raw.stream,
         device: raw.device,
+        gpudirect: match raw.gpudirect.as_deref() {
+            None => "auto".into(),
+            Some(m @ ("auto" | "on" | "off")) if raw.device => m.into(),
+            Some(m @ ("auto" | "on" | "off")) => return Err(format!("--gpudirect {m} needs --device")),
+            Some(m) => return Err(format!("--gpudirect `{m}`: expected auto, on or off")),
+        },
         json: raw.json,
     })
 }
@@ -531,7 +542,7 @@ struct Report {
 
 fn soak(s: &Settings) -> Result<Report, String> {
     let fx = fixture(s.tokens, s.stream, s.device)?;
-    let extra = if s.device { "[device]\nbackend = \"host\"\n" } else { "" };
+    let extra = &if s.device { format!("[device]\nbackend = \"host\"\ngpudirect = \"{}\"\n", s.gpudirect) } else { String::new() };
     // The daemons' configs, secrets and sockets; removed on drop.
     let tmp = TempDir::try_new("soak")?;
     let dir = tmp.path();
@@ -765,13 +776,14 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
     let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
     let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
     println!(
-        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"device\":{},\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"device\":{},\"gpudirect\":\"{}\",\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
         r.settings.seconds,
         r.settings.clients,
         r.settings.tokens,
         r.settings.netns,
         r.settings.stream,
         r.settings.device,
+        r.settings.gpudirect,
         json_str(SRC_LAYOUT),
         json_str(DST_LAYOUT),
         r.transfers,
@@ -808,7 +820,7 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
         println!("streamed submits: every layer announced right after the submit");
     }
     if s.device {
-        println!("caches registered as device memory (the stand-in backend's)");
+        println!("caches registered as device memory (the stand-in backend's), gpudirect {}", s.gpudirect);
     }
     println!(
         "transfers {}  errors {}  {:.1}/s  (per client {}..{})",
