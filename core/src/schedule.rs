@@ -117,8 +117,6 @@ pub struct StagedList {
 struct StagedRun {
     first: Staged,
     count: usize,
-    /// Entries before it in the list.
-    before: usize,
 }
 
 impl StagedRun {
@@ -134,7 +132,6 @@ impl StagedRun {
 impl StagedList {
     /// Appends `st`, after every entry already in (in segment and offset order).
     pub fn push(&mut self, st: Staged) {
-        let before = self.len;
         self.len += 1;
         if let Some(r) = self.runs.last_mut() {
             let next = r.at(r.count);
@@ -143,7 +140,7 @@ impl StagedList {
                 return;
             }
         }
-        self.runs.push(StagedRun { first: st, count: 1, before });
+        self.runs.push(StagedRun { first: st, count: 1 });
     }
 
     /// Entries held.
