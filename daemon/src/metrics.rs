@@ -196,7 +196,6 @@ impl Metrics {
     }
 }
 
-/// A label value in the text format: backslash, double quote and newline escaped.
 /// One registered device allocation's source path: group, rank, its
 /// index in the rank, whether the NIC reads it in place, and how or why not.
 #[derive(Debug)]
@@ -226,6 +225,7 @@ pub fn device_memory(node: &str, rows: &[DeviceMemoryRow<'_>]) -> String {
     out
 }
 
+/// A label value in the text format: backslash, double quote and newline escaped.
 fn label(v: &str) -> String {
     let mut s = String::with_capacity(v.len());
     for c in v.chars() {
