@@ -213,11 +213,17 @@ fn device_paths(ca: &Client, cb: &Client) -> bool {
     println!("device memory at the source (each daemon's kvwire_device_memory):");
     let mut in_place = false;
     for (who, c) in [("prefill", ca), ("decode", cb)] {
-        let text = c.stats().unwrap_or_default();
+        let stats = c.stats().map_err(|e| e.to_string()).and_then(|t| kvwire_client::promtext::Stats::from_text(&t).map_err(|e| e.to_string()));
+        let memories = match stats {
+            Ok(s) => s.device_memory,
+            Err(e) => {
+                println!("  {who:<8} no stats: {e}");
+                continue;
+            }
+        };
         let mut paths: Vec<String> = Vec::new();
-        for l in text.lines().filter(|l| l.starts_with("kvwire_device_memory{")) {
-            let field = |k: &str| l.split(&format!("{k}=\"")).nth(1).and_then(|r| r.split('"').next()).unwrap_or("").to_string();
-            let detail = if field("path") == "direct" { format!("read in place by the NIC: {}", field("how")) } else { format!("staged through the ring: {}", field("why")) };
+        for m in memories {
+            let detail = if m.path == "direct" { format!("read in place by the NIC: {}", m.detail) } else { format!("staged through the ring: {}", m.detail) };
             if !paths.contains(&detail) {
                 paths.push(detail);
             }
