@@ -138,10 +138,11 @@ impl Registry {
             return Err(RegistryError::Window(MemError::Empty));
         }
         let mut regions = self.regions.lock().expect("registry lock");
-        if regions.len() >= self.limit {
+        let reserved = self.reserved.lock().expect("reserved keys lock");
+        // Reserved keys are registrations too (device memory a NIC holds).
+        if regions.len() + reserved.len() >= self.limit {
             return Err(RegistryError::Limit(self.limit));
         }
-        let reserved = self.reserved.lock().expect("reserved keys lock");
         let key = match key {
             Some(k) if regions.contains_key(&k) || reserved.contains(&k) => return Err(RegistryError::KeyInUse(k)),
             Some(k) => k,
@@ -233,6 +234,25 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reserved_keys_count_toward_the_limit_and_no_region_takes_one() {
+        let r = Registry::new(2);
+        let mem = Arc::new(HostMem::new("t", 4096).unwrap());
+        let k = r.reserve().unwrap();
+        let region = r.register(mem.clone(), 0, 4096, None).unwrap();
+        assert_ne!(region.key, k);
+        assert_eq!(r.register(mem.clone(), 0, 4096, None).unwrap_err(), RegistryError::Limit(2));
+        assert_eq!(r.reserve().unwrap_err(), RegistryError::Limit(2));
+        assert_eq!(r.register_with_key(mem.clone(), 0, 4096, k, None).unwrap_err(), RegistryError::Limit(2));
+        // Given back, its room is free again, and its key is still no region's.
+        assert!(r.revoke(k) && !r.is_reserved(k));
+        assert!(r.register(mem.clone(), 0, 4096, None).is_ok());
+        // With room, a region under a reserved key (a NIC's rkey) is refused by name.
+        let r = Registry::new(4);
+        let k = r.reserve().unwrap();
+        assert_eq!(r.register_with_key(mem, 0, 4096, k, None).unwrap_err(), RegistryError::KeyInUse(k));
+    }
 
     #[test]
     fn region_keys_are_distinct_and_not_a_counter() {
