@@ -222,6 +222,10 @@ pub fn count(registry: &Registry, placement: &Placement, a: Admitted, seen_at: I
     if !registry.get(w.key).is_some_and(|r| Arc::ptr_eq(&r, &a.region)) {
         return Err(Refusal::UnknownKey(w.key));
     }
+    // Let go of the region first: counting may complete a layer whose
+    // landing then gives its staging buffer back, whole only when no one
+    // else holds it.
+    drop(a);
     placement.placed_range(w.tag, w.key, w.offset, w.len, seen_at).map_err(Refusal::Uncounted)
 }
 

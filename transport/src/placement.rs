@@ -7,7 +7,7 @@ use crate::metrics::{Hop, Hops};
 use kvwire_core::protocol::Tag;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// Why placement accounting refused an event.
@@ -82,19 +82,43 @@ pub struct Placement {
     // outsiders wants (its counting tables then hold nothing an outsider
     // made up); a bare endpoint may declare after bytes arrived.
     declared_only: bool,
+    // Told of each (slot, layer) whose bytes are all placed, on the thread
+    // that placed the last of them (see [`Placement::on_complete`]).
+    complete: OnceLock<Hook>,
+}
+
+/// What [`Placement::on_complete`] runs.
+pub type CompleteHook = Box<dyn Fn(Tag) + Send + Sync>;
+
+struct Hook(CompleteHook);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Hook")
+    }
 }
 
 impl Placement {
     /// Accounting publishing into `flags`, timing into `hops`.
     pub fn new(flags: FlagTable, hops: Arc<Hops>) -> Placement {
         let crossed = (0..flags.slots()).map(|_| AtomicU64::new(0)).collect();
-        Placement { counts: Mutex::new(BTreeMap::new()), ranges: Mutex::new(BTreeMap::new()), crossed, flags, hops, declared_only: false }
+        Placement { counts: Mutex::new(BTreeMap::new()), ranges: Mutex::new(BTreeMap::new()), crossed, flags, hops, declared_only: false, complete: OnceLock::new() }
     }
 
     /// This accounting, refusing bytes for any (slot, layer) no
     /// [`Placement::expect`] declared before they arrived.
     pub fn declared_only(self) -> Placement {
         Placement { declared_only: true, ..self }
+    }
+
+    /// Runs `hook` for each (slot, layer) whose bytes are all placed, as
+    /// the write that completes it is counted, on the data plane's thread
+    /// that placed it, outside every lock here: whoever lands the layer
+    /// can do so there, with no thread woken to do it. The hook must be
+    /// quick, as the connection reads nothing meanwhile. One hook per
+    /// placement: false when one was set already.
+    pub fn on_complete(&self, hook: CompleteHook) -> bool {
+        self.complete.set(Hook(hook)).is_ok()
     }
 
     /// The flag page.
@@ -121,7 +145,7 @@ impl Placement {
             }
         }
         c.expected = Some(bytes);
-        self.settle(tag, c)
+        self.settle(tag, c).map(|_| ())
     }
 
     /// Refuses, before any byte is written, a write that would take `tag`
@@ -150,11 +174,17 @@ impl Placement {
         // end the transfer, and a sample read after that would outlast it.
         let took = seen_at.elapsed();
         let r = self.settle(tag, c);
+        drop(counts);
         self.hops.record(Hop::Place, took, bytes);
-        r
+        if let (Ok(true), Some(hook)) = (&r, self.complete.get()) {
+            (hook.0)(tag);
+        }
+        r.map(|_| ())
     }
 
-    fn settle(&self, tag: Tag, c: &mut Count) -> Result<(), PlacementError> {
+    /// Publishes `tag`'s flag once its count reaches what was declared;
+    /// true when this call published it.
+    fn settle(&self, tag: Tag, c: &mut Count) -> Result<bool, PlacementError> {
         match c.expected {
             Some(expected) if c.placed > expected => {
                 Err(PlacementError::Overrun { slot: tag.slot, layer: tag.layer, placed: c.placed, expected })
@@ -164,9 +194,9 @@ impl Placement {
                     return Err(PlacementError::NoFlag { slot: tag.slot, layer: tag.layer });
                 }
                 c.published = true;
-                Ok(())
+                Ok(true)
             }
-            _ => Ok(()),
+            _ => Ok(false),
         }
     }
 
@@ -292,6 +322,28 @@ fn cover(m: &mut BTreeMap<u64, u64>, start: u64, end: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_complete_hook_runs_once_per_layer_outside_the_lock() {
+        let p = Arc::new(Placement::new(FlagTable::new(2, 2).unwrap(), Arc::new(Hops::default())));
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let (pw, sw) = (Arc::downgrade(&p), seen.clone());
+        // The hook reads the placement back: it runs with no lock of it held.
+        assert!(p.on_complete(Box::new(move |tag| sw.lock().unwrap().push((tag, pw.upgrade().unwrap().placed_bytes(tag))))));
+        assert!(!p.on_complete(Box::new(|_| {})), "a second hook was taken");
+        let (t, other) = (Tag { slot: 1, layer: 0 }, Tag { slot: 1, layer: 1 });
+        p.expect(t, 100).unwrap();
+        p.expect(other, 10).unwrap();
+        let now = std::time::Instant::now();
+        assert_eq!(p.placed_range(t, 7, 0, 60, now), Ok(60));
+        assert!(seen.lock().unwrap().is_empty(), "hook before the layer was whole");
+        assert_eq!(p.placed_range(t, 7, 60, 40, now), Ok(40));
+        // The same range again (a slice re-sent on another rail) completes nothing new.
+        assert_eq!(p.placed_range(t, 7, 0, 100, now), Ok(0));
+        assert_eq!(*seen.lock().unwrap(), vec![(t, 100)]);
+        assert_eq!(p.placed_range(other, 7, 0, 10, now), Ok(10));
+        assert_eq!(*seen.lock().unwrap(), vec![(t, 100), (other, 10)]);
+    }
 
     #[test]
     fn ranges_count_each_byte_once_and_merge() {

@@ -311,7 +311,7 @@ impl Daemon {
         };
         tracing::info!(peer, slot = c.slot, request = o.dst_request, src_request = o.src_request, "announced transfer claimed");
         match self.receive_for(id, session, src, Some(stage)) {
-            Ok((_, _, inbound)) => Ok(Mine { id, inbound }),
+            Ok((_, _, to)) => Ok(Mine { id, to }),
             Err(r) => {
                 self.fail(id, &r.message);
                 Err(r.message)

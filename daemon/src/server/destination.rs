@@ -1,11 +1,12 @@
 //! The destination side: authenticated peer connections, each the pump of
 //! a [`DestinationSession`]; offers into prepared requests, planned here
-//! from both sides' layouts before they are accepted; and the receive
-//! thread that checks the manifest, then unpacks, verifies and publishes
-//! each layer.
+//! from both sides' layouts before they are accepted; and each transfer's
+//! landing set up ([`super::landing`]): the manifest checked, then each
+//! layer unpacked, verified and published.
 
 use super::announce::mismatch;
 use super::error::Refusal;
+use super::landing::{Landing, LAND_ON_ARRIVAL_MAX};
 use super::state::{Boundary, DeviceMems, Role, SlotId};
 use super::{read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
@@ -15,7 +16,7 @@ use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{checksums_of, Expected, Manifest, Reading};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::protocol::TransportKind;
 use kvwire_core::schedule::{self, Schedule, Staged};
@@ -28,17 +29,37 @@ use kvwire_transport::{Grant, Hop, Region, Tag};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a peer may take over its whole handshake.
 const PEER_HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// A transfer accepted on a peer connection: its slot, and where its
-/// manifest and per-layer checksums go (its receive thread).
+/// manifest and per-layer checksums go.
 pub(super) struct Mine {
     pub id: SlotId,
-    pub inbound: Sender<Inbound>,
+    pub to: Lands,
+}
+
+/// Who lands a transfer ([`super::landing`]).
+pub(super) enum Lands {
+    /// Its receive thread, through this channel.
+    Thread(Sender<Inbound>),
+    /// Its events, on the threads that bring them.
+    OnArrival(Arc<Mutex<Landing>>),
+}
+
+impl Daemon {
+    /// Hands the source's message `m` to whoever lands its transfer.
+    fn deliver(&self, to: &Lands, m: Inbound) {
+        match to {
+            Lands::Thread(tx) => {
+                let _ = tx.send(m);
+            }
+            Lands::OnArrival(l) => self.landing_inbound(l, m),
+        }
+    }
 }
 
 /// What the peer connection hands a transfer's receive thread.
@@ -68,23 +89,23 @@ pub(super) struct ReceivedKey {
 pub(super) struct Replanned {
     dst: Side,
     plan: Plan,
-    schedule: Schedule,
+    pub schedule: Schedule,
 }
 
-/// What the receive thread of one transfer works from.
-struct Receive {
-    id: SlotId,
+/// What landing one transfer works from.
+pub(super) struct Receive {
+    pub id: SlotId,
     request: String,
     model: ModelSpec,
     format: CacheFormat,
     codec: Option<Codec>,
     // The plan and schedule, perhaps an earlier request's like this one.
-    p: Arc<Replanned>,
+    pub p: Arc<Replanned>,
     // What the manifest must claim: this side's identity, shapes, maps and positions.
     expected: Expected,
     regions: HashMap<(u32, RegionId), Arc<Region>>,
     devices: DeviceMems,
-    stage: Option<Arc<Region>>,
+    pub stage: Option<Arc<Region>>,
 }
 
 impl Daemon {
@@ -224,17 +245,17 @@ impl Daemon {
                     Err(reason) => session.refuse(reason),
                 }
             }
-            // Handed to the slot's receive thread, which checks them (the
+            // Handed to whoever lands the slot, which checks them (the
             // session passes one manifest per slot, and sums only after it).
             DestinationStep::Expect(e) => {
                 if let Some(m) = mine.get(&e.slot) {
-                    let _ = m.inbound.send(Inbound::Expect(e));
+                    self.deliver(&m.to, Inbound::Expect(e));
                 }
                 return None;
             }
             DestinationStep::LayerSums(l) => {
                 if let Some(m) = mine.get(&l.slot) {
-                    let _ = m.inbound.send(Inbound::Sums(l));
+                    self.deliver(&m.to, Inbound::Sums(l));
                 }
                 return None;
             }
@@ -290,9 +311,9 @@ impl Daemon {
         let src = (o.src_layout.clone(), o.src_num_blocks, o.src_block_table.clone(), o.codec.clone());
         let (mut accept, id) = self.grant(peer, session, o)?;
         match self.receive_for(id, session, src, None) {
-            Ok((key, len, inbound)) => {
+            Ok((key, len, to)) => {
                 (accept.stage_key, accept.stage_len) = (key, len);
-                Ok((accept, Mine { id, inbound }))
+                Ok((accept, Mine { id, to }))
             }
             Err(r) => {
                 self.fail(id, &r.message);
@@ -345,10 +366,11 @@ impl Daemon {
     }
 
     /// Plans the transfer from the source's side and this side's
-    /// registration, stages it, expects its bytes, and starts the receive
-    /// thread, which waits for the manifest. Returns the staging buffer's
-    /// key and size, and where the manifest goes.
-    pub(super) fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<(u32, u64, Sender<Inbound>), Refusal> {
+    /// registration, stages it, expects its bytes, and sets up its landing:
+    /// a small one on its events' threads, a large one (or one into device
+    /// memory, whose copies wait on their events) on a receive thread.
+    /// Returns the staging buffer's key and size, and where the manifest goes.
+    pub(super) fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<(u32, u64, Lands), Refusal> {
         let mut r = self.receive_of(id, session, src, announced)?;
         let n = r.model.layers.len();
         let c = &r.p.plan.counters;
@@ -360,6 +382,11 @@ impl Daemon {
             return Err(Refusal::new(Code::TransferFailed, err));
         }
         let staging = (r.stage.as_ref().map_or(0, |s| s.key), r.p.schedule.stage_bytes);
+        let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+        if r.devices.is_empty() && c.total_bytes_moved <= LAND_ON_ARRIVAL_MAX {
+            let l = self.land_on_arrival(Landing::new(r, timeout));
+            return Ok((staging.0, staging.1, Lands::OnArrival(l)));
+        }
         let stage = r.stage.clone();
         let (tx, rx) = mpsc::channel();
         let (d, pd) = (self.clone(), self.clone());
@@ -368,17 +395,18 @@ impl Daemon {
             tracing::error!(slot = id.slot, why, "transfer failed");
             pd.fail(id, why);
         };
+        let request = r.request.clone();
+        let l = Landing::new(r, timeout);
         let spawned = self.workers.spawn("kvwired-recv", move || {
-            let span = tracing::info_span!("receive", slot = id.slot, request = r.request);
+            let span = tracing::info_span!("receive", slot = id.slot, request);
             let _g = span.enter();
-            d.receive(&r, rx);
-            d.drop_stage(r.stage.take());
+            d.receive(l, rx);
         }, on_panic);
         if let Err(err) = spawned {
             self.drop_stage(stage);
             return Err(Refusal::new(Code::TransferFailed, format!("cannot start the receive thread: {err}")));
         }
-        Ok((staging.0, staging.1, tx))
+        Ok((staging.0, staging.1, Lands::Thread(tx)))
     }
 
     /// Everything the receive thread needs, checked: the plan from both
@@ -445,7 +473,7 @@ impl Daemon {
 
     /// The source's manifest, checked field by field against this side's
     /// registration and plan, before any flag of the slot is published.
-    fn checked_manifest(&self, r: &Receive, e: &Expect) -> Result<Manifest, String> {
+    pub(super) fn checked_manifest(&self, r: &Receive, e: &Expect) -> Result<Manifest, String> {
         let manifest = Manifest::from_json(e.manifest.as_bytes()).map_err(|err| format!("manifest: {err}"))?;
         manifest.check(&r.expected).map_err(|err| err.to_string())?;
         if e.layer_sums && !manifest.checksums.is_empty() {
@@ -457,90 +485,9 @@ impl Daemon {
         Ok(manifest)
     }
 
-    /// A streamed transfer: waits (until `deadline`) for layer `layer`'s
-    /// checksums, adding each layer's that arrives to the manifest.
-    fn await_layer_sums(&self, r: &Receive, inbound: &Receiver<Inbound>, manifest: &mut Manifest, arrived: &mut [bool], layer: usize, deadline: Instant) -> Result<(), String> {
-        while !arrived[layer] {
-            let sums = match inbound.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
-                Ok(Inbound::Sums(l)) => l,
-                // The session passes one manifest per slot.
-                Ok(Inbound::Expect(_)) => continue,
-                Err(RecvTimeoutError::Timeout) => return Err(format!("no checksums for layer {layer} within the transfer timeout")),
-                Err(RecvTimeoutError::Disconnected) => return Err(format!("the source's connection ended before layer {layer}'s checksums")),
-            };
-            let l = usize::from(sums.layer);
-            if l >= arrived.len() {
-                return Err(format!("checksums for layer {l}; the model has {}", arrived.len()));
-            }
-            manifest.add_layer_checksums(u32::from(sums.layer), &sums.checksums).map_err(|e| e.to_string())?;
-            arrived[l] = true;
-            if self.cfg.verify_checksums && sums.checksums.is_empty() && r.p.schedule.layers[l].wire_bytes > 0 {
-                return Err(format!("this daemon verifies checksums and layer {l}'s carry none"));
-            }
-        }
-        Ok(())
-    }
-
-    /// The receive thread: checks the manifest as it arrives (the bytes may
-    /// be landing already); then per layer, waits for its bytes (and, from
-    /// a streaming source, its checksums), unpacks, verifies, copies to the
-    /// device, and publishes `layer_ready`; then `decoder_usable`. The
-    /// first failure fails the transfer.
-    fn receive(&self, r: &Receive, inbound: Receiver<Inbound>) {
-        let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
-        let start = Instant::now();
-        let (mut manifest, streamed) = match inbound.recv_timeout(timeout) {
-            Ok(Inbound::Expect(e)) => match self.checked_manifest(r, &e) {
-                Ok(m) => (m, e.layer_sums),
-                Err(why) => {
-                    tracing::warn!(why, "manifest refused; no flag for this transfer");
-                    self.fail(r.id, why);
-                    return;
-                }
-            },
-            // The session passes sums only after the manifest.
-            Ok(Inbound::Sums(_)) => {
-                self.fail(r.id, "layer checksums before the manifest");
-                return;
-            }
-            Err(RecvTimeoutError::Timeout) => {
-                self.fail(r.id, format!("no manifest within {}s of the accept", timeout.as_secs()));
-                return;
-            }
-            // The slot ended before its manifest came (aborted, or its
-            // connection closed): it was failed there.
-            Err(RecvTimeoutError::Disconnected) => return,
-        };
-        let mut arrived = vec![false; r.p.schedule.layers.len()];
-        for layer in 0..r.p.schedule.layers.len() {
-            let tag = Tag { slot: r.id.slot, layer: layer as u16 };
-            if let Err(err) = self.ep.placement().wait(tag, timeout.saturating_sub(start.elapsed())) {
-                self.fail(r.id, err);
-                return;
-            }
-            self.slot_mark(r.id, Boundary::HostReceived(layer));
-            // A streamed layer's checksums came just before its bytes.
-            if streamed && self.cfg.verify_checksums {
-                if let Err(why) = self.await_layer_sums(r, &inbound, &mut manifest, &mut arrived, layer, start + timeout) {
-                    tracing::warn!(layer, why, "layer checksums refused; no flag for this layer");
-                    self.fail(r.id, why);
-                    return;
-                }
-            }
-            if let Err(why) = self.land_layer(r, &manifest, layer) {
-                self.fail(r.id, why);
-                return;
-            }
-            self.publish(r.id, tag.layer);
-            self.slot_mark(r.id, Boundary::LayerReady(layer));
-        }
-        self.complete(r.id, DECODER_USABLE, Boundary::DecoderUsable);
-        tracing::info!(elapsed_ms = start.elapsed().as_millis() as u64, "decoder usable");
-    }
-
     /// One layer whose bytes are all placed: unpack (and decode) its staged
     /// segments, verify it, and copy it to the device where it lives there.
-    fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
+    pub(super) fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
         let ls = &r.p.schedule.layers[layer];
         // Without a codec a staged segment's bytes sit in staging exactly
         // as its runs will hold them: verified there, in one piece, before

@@ -21,6 +21,7 @@ mod destination;
 mod device;
 mod error;
 mod kept;
+mod landing;
 mod link;
 mod plans;
 mod produced;
@@ -117,6 +118,8 @@ pub struct Daemon {
     workers: workers::Workers,
     // The transfers' periodic checks (stripe watchdogs, heartbeats), on one thread.
     ticker: ticker::Ticker,
+    // Transfers landing on their events' threads, by slot.
+    landings: landing::Landings,
     // Layers engines announced as written, for streamed submits.
     produced: produced::Produced,
     // Destination: authenticated peer connections, where announcements go.
@@ -273,6 +276,7 @@ impl Daemon {
             data_conns: kept::Kept::new(KEEP_PER_KEY),
             workers: workers::Workers::default(),
             ticker: ticker::Ticker::start("kvwired-tick")?,
+            landings: Default::default(),
             produced: produced::Produced::default(),
             outboxes: announce::Outboxes::default(),
             announcements: Arc::default(),
@@ -281,6 +285,14 @@ impl Daemon {
             announced_plans: plans::Plans::new(),
             discovery: std::sync::OnceLock::new(),
         });
+        // Weak: the data plane's threads hold the placement, and through
+        // this the daemon, only while a layer's landing runs there.
+        let weak = Arc::downgrade(&d);
+        d.ep.placement().on_complete(Box::new(move |tag| {
+            if let Some(d) = weak.upgrade() {
+                d.layer_placed(tag);
+            }
+        }));
         let dd = d.clone();
         std::thread::Builder::new().name("kvwired-control".into()).spawn(move || dd.control_loop(control))?;
         let dd = d.clone();

@@ -222,6 +222,11 @@ impl Daemon {
         self.with_slot(id, |s| s.wire += bytes);
     }
 
+    /// Whether transfer `id` still runs (its slot not taken again since).
+    pub(super) fn runs(&self, id: SlotId) -> bool {
+        self.slots.lock().expect("slots lock").get_mut(id).is_some_and(|s| running(s.state))
+    }
+
     pub(super) fn with_slot(&self, id: SlotId, f: impl FnOnce(&mut Slot)) {
         if let Some(s) = self.slots.lock().expect("slots lock").get_mut(id) {
             f(s);

@@ -671,3 +671,125 @@ fn quiet_notify_samples_are_never_answered_and_never_desync_replies() {
     let st = kvwire_client::promtext::Stats::from_text(serde_json::from_str::<serde_json::Value>(&stats).unwrap()["text"].as_str().unwrap()).unwrap();
     assert_eq!(st.hops.iter().find(|h| h.hop == "notify").unwrap().count, 3, "the two quiet samples and the answered one; the oversized batch dropped");
 }
+
+/// A small receive lands on the threads its events come on, with no
+/// receive thread to time it out or give its staging buffer back: a
+/// claimed one whose manifest never comes fails at the transfer timeout
+/// by name, one whose manifest is refused fails at once by name, and one
+/// its source aborts fails with the source's reason. Each time the
+/// staging buffer's key is revoked (a write there is refused), and the
+/// bytes already in the cache stay as they were.
+#[test]
+fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_staging_back() {
+    use crate::daemons::{identity_of, register, side};
+    use kvwire_client::control::{PrepareReceive, TransferState};
+    use kvwire_core::session::msg::{Claim, Expect, Offer, PeerMsg};
+    use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+    use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
+    use kvwired::peer::{connect_auth, Sealed};
+    use std::sync::Arc;
+    use std::time::Instant;
+    let dir = TempDir::new("hostile-landing");
+    let d = start_daemon(dir.path(), "h", SECRET, &[], "[limits]\ntransfer_timeout_secs = 2\npeer_timeout_secs = 2\n");
+    let c = Client::connect(&d.socket, "victim").unwrap();
+    let tokens = 20;
+    let s = side(crate::daemons::DST, tokens);
+    let id = identity_of("toy-digest", "t1");
+    let victim = register(&c, "g", crate::daemons::DST, &s, None, id.clone());
+    let before = snapshot(&victim);
+    let mut pc = std::net::TcpStream::connect(&d.peer).unwrap();
+    let (_, cred) = connect_auth(&mut pc, SECRET.as_bytes(), "holder").unwrap();
+    let mut peer = Sealed::new(pc, cred.clone(), true);
+    peer.send(&PeerMsg::Ping).unwrap();
+    assert_eq!(peer.recv().unwrap(), PeerMsg::Pong);
+    peer.stream().set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
+    let ep = TcpEndpoint::bind("holder", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement, TcpLimits::default()).unwrap();
+    let src = ep.register(Arc::new(HostMem::new("holder", 4096).unwrap()), 0, 4096, None).unwrap();
+    let mut data = ep.connect(&d.data, &cred).unwrap();
+    // One 64-byte write into the staging buffer: its answer, refused or not.
+    let mut write_stage = |slot: u16, key: u32| -> Result<(), String> {
+        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: 0, len: 64 };
+        data.post(Batch { tag: Tag { slot, layer: 0 }, writes: vec![w] }).unwrap();
+        let done = data.poll(Duration::from_secs(5)).unwrap();
+        done.into_iter().next().expect("an answer").result.map_err(|e| e.to_string())
+    };
+    let offer = |request: &str| Offer {
+        dst_group: "g".into(),
+        dst_request: request.into(),
+        src_request: format!("{request}-src"),
+        identity: id.clone(),
+        tokens,
+        codec: None,
+        src_layout: crate::daemons::SRC.into(),
+        src_num_blocks: side(crate::daemons::SRC, tokens).num_blocks,
+        src_block_table: side(crate::daemons::SRC, tokens).block_table,
+    };
+    // Claimed (unanswered), with its staging buffer live: a write there lands.
+    let claimed = |peer: &mut Sealed, request: &str| {
+        let prep = PrepareReceive { group: "g".into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0, source: Some("holder".into()) };
+        let (slot, told) = c.prepare_announced(prep).unwrap();
+        assert_eq!(told, Some(Ok(())));
+        let PeerMsg::Announce(ann) = peer.recv().unwrap() else { panic!("no announcement") };
+        assert!(ann.accept.stage_len > 0, "this remap stages: {ann:?}");
+        peer.send(&PeerMsg::Claim(Claim { slot, gen: ann.gen, offer: offer(request) })).unwrap();
+        (slot, ann.accept.stage_key)
+    };
+    // Waits (bounded) for the receive to fail; its error.
+    let failed = |slot: u16, within: Duration| -> String {
+        let deadline = Instant::now() + within;
+        loop {
+            let st = c.status(slot).unwrap();
+            if st.state == TransferState::Failed {
+                return st.error.unwrap_or_default();
+            }
+            assert_eq!(st.state, TransferState::Running, "{st:?}");
+            assert!(Instant::now() < deadline, "slot {slot} still running: {st:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let revoked = |r: Result<(), String>| r.is_err_and(|e| e.contains("unknown or revoked remote key"));
+
+    // No manifest: failed at the transfer timeout (pings keep the source
+    // alive meanwhile, so only the landing's own deadline can end it).
+    let (slot, stage) = claimed(&mut peer, "r1");
+    assert_eq!(write_stage(slot, stage), Ok(()));
+    let claimed_at = Instant::now();
+    let why = loop {
+        peer.send(&PeerMsg::Ping).unwrap();
+        assert_eq!(peer.recv().unwrap(), PeerMsg::Pong);
+        let st = c.status(slot).unwrap();
+        if st.state != TransferState::Running {
+            assert_eq!(st.state, TransferState::Failed, "{st:?}");
+            break st.error.unwrap_or_default();
+        }
+        assert!(claimed_at.elapsed() < Duration::from_secs(10), "never failed: {st:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(why.contains("no manifest within 2s of the accept"), "{why}");
+    assert!(claimed_at.elapsed() >= Duration::from_millis(1500), "failed after {:?}", claimed_at.elapsed());
+    assert!(revoked(write_stage(slot, stage)), "the staging buffer outlived its failed receive");
+
+    // A manifest that is not one: refused at once, by name.
+    let (slot, stage) = claimed(&mut peer, "r2");
+    assert_eq!(write_stage(slot, stage), Ok(()));
+    peer.send(&PeerMsg::Expect(Expect { slot, manifest: "{\"not\": \"a manifest\"}".into(), layer_sums: false })).unwrap();
+    let why = failed(slot, Duration::from_secs(1));
+    assert!(why.starts_with("manifest:"), "{why}");
+    assert!(revoked(write_stage(slot, stage)), "the staging buffer outlived its refused manifest");
+
+    // Aborted by its source: failed with the source's reason, and the
+    // staging buffer goes back within a tick or so.
+    let (slot, stage) = claimed(&mut peer, "r3");
+    assert_eq!(write_stage(slot, stage), Ok(()));
+    peer.send(&PeerMsg::Abort { slot, reason: "engine gone".into() }).unwrap();
+    let why = failed(slot, Duration::from_secs(1));
+    assert!(why.contains("source aborted: engine gone"), "{why}");
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !revoked(write_stage(slot, stage)) {
+        assert!(Instant::now() < deadline, "the staging buffer outlived its aborted receive");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(snapshot(&victim), before);
+    assert!(Client::connect(&d.socket, "still").is_ok());
+}
