@@ -27,7 +27,6 @@ use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN};
 use std::io::{BufRead, BufReader, BufWriter, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -307,7 +306,7 @@ impl Endpoint for TcpEndpoint {
     }
 }
 
-/// What the ack reader thread reports.
+/// What an answer read from the destination says.
 enum Event {
     /// Write `seq` answered at `at` (refused with the reason), the answer
     /// taking `bytes` on the link.
@@ -322,7 +321,11 @@ pub struct TcpConnection {
     registry: Arc<Registry>,
     hops: Arc<Hops>,
     max_frame: u64,
-    events: Receiver<Vec<Event>>,
+    // Answers read and not yet taken (the last may be partial): the socket
+    // is non-blocking, and its owner reads them itself, in `poll` and
+    // while a write waits for room, so no thread is woken per answer.
+    inbox: Vec<u8>,
+    rbuf: Box<[u8]>,
     next_seq: u64,
     ledger: Ledger,
     closed: Option<TransportError>,
@@ -336,39 +339,48 @@ impl std::fmt::Debug for TcpConnection {
     }
 }
 
-/// Reads the destination's answers until the connection ends, handing on
-/// every answer that arrived together in one message (one wake-up of the
-/// connection's owner, not one per write).
-fn read_answers(reader: TcpStream, tx: mpsc::Sender<Vec<Event>>) {
-    let mut reader = BufReader::with_capacity(64 << 10, reader);
-    loop {
-        let mut batch = Vec::new();
-        loop {
-            let ev = read_answer(&mut reader);
-            let last = matches!(ev, Event::Closed(_));
-            batch.push(ev);
-            if last || reader.buffer().len() < HEADER_LEN {
-                break;
-            }
-        }
-        let last = matches!(batch.last(), Some(Event::Closed(_)));
-        if tx.send(batch).is_err() || last {
-            return;
-        }
+/// Answer bytes read per system call at most (an `Ack` is a bare header).
+const ANSWERS_READ: usize = 16 << 10;
+
+/// The first whole answer in `b`, and the bytes it took; None while it
+/// is not all there.
+fn parse_answer(b: &[u8]) -> Option<(Event, usize)> {
+    if b.len() < HEADER_LEN {
+        return None;
     }
+    let h = match Header::decode(&b[..HEADER_LEN], 0) {
+        Ok(h) => h,
+        Err(e) => return Some((Event::Closed(e.into()), b.len())),
+    };
+    let end = HEADER_LEN + h.len as usize;
+    if b.len() < end {
+        return None;
+    }
+    let ev = match h.kind {
+        Kind::Ack | Kind::Nack => Event::Answer {
+            seq: h.seq,
+            refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&b[HEADER_LEN..end]).into_owned()),
+            at: Instant::now(),
+            bytes: end as u64,
+        },
+        k => Event::Closed(TransportError::Refused(format!("unexpected {k:?} frame from destination"))),
+    };
+    Some((ev, end))
 }
 
-fn read_answer(reader: &mut impl Read) -> Event {
-    match hello::read_frame(reader, 0, "receive answer") {
-        Ok((h, why)) if matches!(h.kind, Kind::Ack | Kind::Nack) => Event::Answer {
-            seq: h.seq,
-            refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&why).into_owned()),
-            at: Instant::now(),
-            bytes: (HEADER_LEN + why.len()) as u64,
-        },
-        Ok((h, _)) => Event::Closed(TransportError::Refused(format!("unexpected {:?} frame from destination", h.kind))),
-        Err(e) => Event::Closed(e),
-    }
+/// Waits until `s` is readable (or, with `write`, writable too), for at
+/// most `timeout` (None: no limit); true when it is.
+fn ready(s: &TcpStream, write: bool, timeout: Option<Duration>) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let flags = if write { PollFlags::POLLIN | PollFlags::POLLOUT } else { PollFlags::POLLIN };
+    let t = match timeout {
+        None => PollTimeout::NONE,
+        // Rounded up: a wait of under a millisecond is a wait, not a spin.
+        Some(t) => PollTimeout::try_from(t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX),
+    };
+    let mut fds = [PollFd::new(s.as_fd(), flags)];
+    matches!(poll(&mut fds, t), Ok(n) if n > 0)
 }
 
 impl TcpConnection {
@@ -379,12 +391,7 @@ impl TcpConnection {
         let remote = hello::initiate(&mut hs.again(), &mut hs.again(), TRANSPORT, cred, hello(node))?;
         stream.set_read_timeout(None).map_err(TransportError::io("set timeout"))?;
         stream.set_write_timeout(None).map_err(TransportError::io("set timeout"))?;
-        let (tx, events) = mpsc::channel();
-        let reader = stream.try_clone().map_err(TransportError::io("clone socket"))?;
-        std::thread::Builder::new()
-            .name("kvwire-tcp-acks".into())
-            .spawn(move || read_answers(reader, tx))
-            .map_err(TransportError::io("spawn ack thread"))?;
+        stream.set_nonblocking(true).map_err(TransportError::io("set nonblocking"))?;
         Ok(TcpConnection {
             remote,
             stream,
@@ -392,7 +399,8 @@ impl TcpConnection {
             registry,
             hops,
             max_frame: limits.max_frame,
-            events,
+            inbox: Vec::new(),
+            rbuf: vec![0u8; ANSWERS_READ].into_boxed_slice(),
             next_seq: 1,
             closed: None,
             framing: 0,
@@ -410,6 +418,38 @@ impl TcpConnection {
             }
             Event::Closed(e) => self.close(e),
         }
+    }
+
+    /// Reads the answers that arrived, without waiting. While writes wait
+    /// for room the bytes are only kept (`apply` false): their batches are
+    /// not sealed yet. Otherwise every whole answer is applied.
+    fn read_answers(&mut self, apply: bool) {
+        while self.closed.is_none() {
+            match (&self.stream).read(&mut self.rbuf) {
+                Ok(0) => {
+                    let pending = self.ledger.waiting();
+                    self.close(TransportError::PeerClosed { pending });
+                }
+                Ok(n) => {
+                    self.inbox.extend_from_slice(&self.rbuf[..n]);
+                    if n < self.rbuf.len() {
+                        break;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => self.close(TransportError::io("receive answer")(e)),
+            }
+        }
+        if !apply {
+            return;
+        }
+        let mut at = 0;
+        while let Some((ev, used)) = parse_answer(&self.inbox[at..]) {
+            at += used;
+            self.apply(ev);
+        }
+        self.inbox.drain(..at);
     }
 
     /// Fails every outstanding batch: the peer is gone, or the stream
@@ -456,7 +496,27 @@ impl TcpConnection {
         }
         for group in frames.chunks(GATHER_FRAMES) {
             let mut slices: Vec<IoSlice<'_>> = group.iter().flat_map(|(h, d)| [IoSlice::new(h), IoSlice::new(d)]).collect();
-            write_gathered(&self.stream, &mut slices)?;
+            self.write_gathered(&mut slices)?;
+        }
+        Ok(())
+    }
+
+    /// `write_all` for a list of slices. While the socket has no room the
+    /// answers that arrive meanwhile are read: a destination blocked on
+    /// sending them would stop reading these writes.
+    fn write_gathered(&mut self, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
+        IoSlice::advance_slices(&mut bufs, 0);
+        while !bufs.is_empty() {
+            match (&self.stream).write_vectored(bufs) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => IoSlice::advance_slices(&mut bufs, n),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    ready(&self.stream, true, None);
+                    self.read_answers(false);
+                }
+                Err(e) => return Err(e),
+            }
         }
         Ok(())
     }
@@ -493,20 +553,6 @@ impl TcpConnection {
 /// Frames per gathered write: two slices each, well under `IOV_MAX` (1024).
 const GATHER_FRAMES: usize = 256;
 
-/// `write_all` for a list of slices.
-fn write_gathered(mut w: &TcpStream, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
-    IoSlice::advance_slices(&mut bufs, 0);
-    while !bufs.is_empty() {
-        match w.write_vectored(bufs) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => IoSlice::advance_slices(&mut bufs, n),
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 impl Connection for TcpConnection {
     fn remote(&self) -> &Hello {
         &self.remote
@@ -539,9 +585,7 @@ impl Connection for TcpConnection {
     fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {
         let deadline = Instant::now() + timeout;
         loop {
-            while let Ok(evs) = self.events.try_recv() {
-                evs.into_iter().for_each(|ev| self.apply(ev));
-            }
+            self.read_answers(true);
             if self.ledger.has_done() || self.ledger.waiting() == 0 {
                 return Ok(self.ledger.take_done());
             }
@@ -549,14 +593,7 @@ impl Connection for TcpConnection {
             if left.is_zero() {
                 return Ok(Vec::new());
             }
-            match self.events.recv_timeout(left) {
-                Ok(evs) => evs.into_iter().for_each(|ev| self.apply(ev)),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    let pending = self.ledger.waiting();
-                    self.close(TransportError::PeerClosed { pending });
-                }
-            }
+            ready(&self.stream, false, Some(left));
         }
     }
 
@@ -571,9 +608,7 @@ impl Connection for TcpConnection {
     /// The destination checks every write's key itself, and this side holds
     /// nothing of the peer's but its address.
     fn reusable(&mut self) -> bool {
-        while let Ok(evs) = self.events.try_recv() {
-            evs.into_iter().for_each(|ev| self.apply(ev));
-        }
+        self.read_answers(true);
         self.closed.is_none() && self.ledger.pending() == 0
     }
 
@@ -619,11 +654,9 @@ impl Drop for TcpConnection {
         if self.ledger.waiting() > 0 {
             // Abandoned with writes outstanding (a failed rail): reset, so
             // the kernel drops what it still holds instead of delivering it
-            // later, after the writes were re-sent elsewhere.
-            // Only the read side is shut (that ends the ack thread, whose
-            // close then resets): shutting the write side would flush first.
+            // later, after the writes were re-sent elsewhere. The close
+            // resets; shutting the write side would flush first.
             let _ = nix::sys::socket::setsockopt(&self.stream, nix::sys::socket::sockopt::Linger, &nix::libc::linger { l_onoff: 1, l_linger: 0 });
-            let _ = self.stream.shutdown(Shutdown::Read);
             return;
         }
         let _ = self.stream.shutdown(Shutdown::Both);

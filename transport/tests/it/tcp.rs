@@ -133,6 +133,49 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     }
 }
 
+/// A destination answers each write before it reads the next, as the
+/// real one does once its answers fill the socket: a source that read
+/// answers only after all its writes went out would stall both ends, as
+/// soon as more answers wait than the two sockets hold. One batch of
+/// 400,000 one-byte writes is some 16 MB of answers: every one completes.
+#[test]
+fn answers_are_read_while_a_large_batch_is_still_being_written() {
+    use kvwire_transport::{Batch, WriteOp};
+    const WRITES: usize = 400_000;
+    let src = endpoint("src");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let fake = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        fake_destination_handshake(&mut s, conformance::cred());
+        let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+        let mut w = std::io::BufWriter::with_capacity(4096, s);
+        for _ in 0..WRITES {
+            let mut b = [0u8; HEADER_LEN];
+            r.read_exact(&mut b).unwrap();
+            let h = Header::decode(&b, u64::MAX).unwrap();
+            let mut payload = vec![0u8; h.len as usize];
+            r.read_exact(&mut payload).unwrap();
+            w.write_all(&Header { kind: Kind::Ack, offset: h.len, len: 0, ..h }.encode()).unwrap();
+        }
+        w.flush().unwrap();
+    });
+    let mut conn = src.connect(&addr.to_string(), conformance::cred()).unwrap();
+    let (region, _) = conformance::source(&*src, 64, 1);
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 };
+    // On a thread: a stalled post never returns, and the test says so.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write; WRITES] }).unwrap();
+        let c = conformance::complete(&mut *conn, 1);
+        let _ = tx.send((c[0].result.clone(), conn.pending()));
+    });
+    let (result, pending) = rx.recv_timeout(Duration::from_secs(60)).expect("the batch stalled: its answers were not read while it was written");
+    assert_eq!(result, Ok(()));
+    assert_eq!(pending, 0);
+    fake.join().unwrap();
+}
+
 #[test]
 fn an_answer_for_no_outstanding_write_closes_the_connection() {
     use kvwire_transport::{Batch, TransportError};
