@@ -306,7 +306,7 @@ impl Daemon {
     /// An offer into a prepared request: checks it against the group and
     /// the request, grants this transfer its own keys, writable only by
     /// connections of `session` and only for this slot, then plans it,
-    /// stages it and starts its receive thread ([`Daemon::receive_for`]).
+    /// stages it and sets up its landing ([`Daemon::receive_for`]).
     fn offer(self: &Arc<Self>, peer: &str, session: u64, o: Offer) -> Result<(Accept, Mine), String> {
         let src = (o.src_layout.clone(), o.src_num_blocks, o.src_block_table.clone(), o.codec.clone());
         let (mut accept, id) = self.grant(peer, session, o)?;
@@ -409,7 +409,7 @@ impl Daemon {
         Ok((staging.0, staging.1, Lands::Thread(tx)))
     }
 
-    /// Everything the receive thread needs, checked: the plan from both
+    /// Everything landing the transfer needs, checked: the plan from both
     /// sides' layouts, what the manifest must claim, the schedule and its
     /// staging buffer.
     fn receive_of(&self, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
