@@ -20,6 +20,37 @@ fn prepare(c: &Client, s: &kvwire_core::plan::Side, tokens: u64, group: &str, re
     c.prepare(PrepareReceive { group: group.into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0, source: None })
 }
 
+/// An authenticated peer connection to the daemon at `peer` as node
+/// `node`, answered once (the daemon serves it from there on), reads
+/// bounded at 10 s; and its data-plane credential.
+fn open_peer(peer: &str, node: &str) -> (kvwired::peer::Sealed, kvwire_transport::Credential) {
+    use kvwire_core::session::msg::PeerMsg;
+    let mut pc = std::net::TcpStream::connect(peer).unwrap();
+    let (_, cred) = kvwired::peer::connect_auth(&mut pc, SECRET.as_bytes(), node).unwrap();
+    let mut sealed = kvwired::peer::Sealed::new(pc, cred.clone(), true);
+    sealed.send(&PeerMsg::Ping).unwrap();
+    assert_eq!(sealed.recv().unwrap(), PeerMsg::Pong);
+    sealed.stream().set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    (sealed, cred)
+}
+
+/// The offer a source holding `tokens` tokens of the test cache in the
+/// `SRC` layout makes into request `request` of group `g`.
+fn offer_into(request: &str, src_request: &str, id: &kvwire_core::reuse::CacheIdentity, tokens: u64) -> kvwire_core::session::msg::Offer {
+    let src = crate::daemons::side(crate::daemons::SRC, tokens);
+    kvwire_core::session::msg::Offer {
+        dst_group: "g".into(),
+        dst_request: request.into(),
+        src_request: src_request.into(),
+        identity: id.clone(),
+        tokens,
+        codec: None,
+        src_layout: crate::daemons::SRC.into(),
+        src_num_blocks: src.num_blocks,
+        src_block_table: src.block_table,
+    }
+}
+
 /// Open descriptors of process `pid`.
 fn fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).map(|d| d.count()).unwrap_or(0)
@@ -563,7 +594,7 @@ fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
     use crate::daemons::{identity_of, register, side};
     use kvwire_client::control::{PrepareReceive, TransferState};
     use kvwire_core::session::msg::{Claim, Offer, PeerMsg};
-    use kvwired::peer::{connect_auth, Sealed};
+    use kvwired::peer::Sealed;
     let dir = TempDir::new("hostile-claim");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "");
     let c = Client::connect(&d.socket, "victim").unwrap();
@@ -572,16 +603,7 @@ fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
     let id = identity_of("toy-digest", "t1");
     let victim = register(&c, "g", crate::daemons::DST, &s, None, id.clone());
     let before = snapshot(&victim);
-    let open = |node: &str| {
-        let mut pc = std::net::TcpStream::connect(&d.peer).unwrap();
-        let (_, cred) = connect_auth(&mut pc, SECRET.as_bytes(), node).unwrap();
-        let mut sealed = Sealed::new(pc, cred, true);
-        // Answered: the daemon serves the connection from here on.
-        sealed.send(&PeerMsg::Ping).unwrap();
-        assert_eq!(sealed.recv().unwrap(), PeerMsg::Pong);
-        sealed.stream().set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        sealed
-    };
+    let open = |node: &str| open_peer(&d.peer, node).0;
     let (mut one, mut two, mut other) = (open("holder"), open("holder"), open("bystander"));
     let prep = |request: &str| PrepareReceive { group: "g".into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0, source: Some("holder".into()) };
     let (slot, told) = c.prepare_announced(prep("r")).unwrap();
@@ -592,17 +614,7 @@ fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
     for c in [&one, &other] {
         assert_eq!(c.pending().unwrap(), false, "an announcement on another connection");
     }
-    let offer = Offer {
-        dst_group: "g".into(),
-        dst_request: "r".into(),
-        src_request: "x".into(),
-        identity: id.clone(),
-        tokens,
-        codec: None,
-        src_layout: crate::daemons::SRC.into(),
-        src_num_blocks: side(crate::daemons::SRC, tokens).num_blocks,
-        src_block_table: side(crate::daemons::SRC, tokens).block_table,
-    };
+    let offer = offer_into("r", "x", &id, tokens);
     let claim = |gen: u64, o: &Offer| PeerMsg::Claim(Claim { slot, gen, offer: o.clone() });
     let refused = |c: &mut Sealed, m: PeerMsg, why: &str| {
         c.send(&m).unwrap();
@@ -683,10 +695,10 @@ fn quiet_notify_samples_are_never_answered_and_never_desync_replies() {
 fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_staging_back() {
     use crate::daemons::{identity_of, register, side};
     use kvwire_client::control::{PrepareReceive, TransferState};
-    use kvwire_core::session::msg::{Claim, Expect, Offer, PeerMsg};
+    use kvwire_core::session::msg::{Claim, Expect, PeerMsg};
     use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
     use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
-    use kvwired::peer::{connect_auth, Sealed};
+    use kvwired::peer::Sealed;
     use std::sync::Arc;
     use std::time::Instant;
     let dir = TempDir::new("hostile-landing");
@@ -697,12 +709,7 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
     let id = identity_of("toy-digest", "t1");
     let victim = register(&c, "g", crate::daemons::DST, &s, None, id.clone());
     let before = snapshot(&victim);
-    let mut pc = std::net::TcpStream::connect(&d.peer).unwrap();
-    let (_, cred) = connect_auth(&mut pc, SECRET.as_bytes(), "holder").unwrap();
-    let mut peer = Sealed::new(pc, cred.clone(), true);
-    peer.send(&PeerMsg::Ping).unwrap();
-    assert_eq!(peer.recv().unwrap(), PeerMsg::Pong);
-    peer.stream().set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let (mut peer, cred) = open_peer(&d.peer, "holder");
     let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
     let ep = TcpEndpoint::bind("holder", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement, TcpLimits::default()).unwrap();
     let src = ep.register(Arc::new(HostMem::new("holder", 4096).unwrap()), 0, 4096, None).unwrap();
@@ -714,17 +721,6 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
         let done = data.poll(Duration::from_secs(5)).unwrap();
         done.into_iter().next().expect("an answer").result.map_err(|e| e.to_string())
     };
-    let offer = |request: &str| Offer {
-        dst_group: "g".into(),
-        dst_request: request.into(),
-        src_request: format!("{request}-src"),
-        identity: id.clone(),
-        tokens,
-        codec: None,
-        src_layout: crate::daemons::SRC.into(),
-        src_num_blocks: side(crate::daemons::SRC, tokens).num_blocks,
-        src_block_table: side(crate::daemons::SRC, tokens).block_table,
-    };
     // Claimed (unanswered), with its staging buffer live: a write there lands.
     let claimed = |peer: &mut Sealed, request: &str| {
         let prep = PrepareReceive { group: "g".into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0, source: Some("holder".into()) };
@@ -732,7 +728,7 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
         assert_eq!(told, Some(Ok(())));
         let PeerMsg::Announce(ann) = peer.recv().unwrap() else { panic!("no announcement") };
         assert!(ann.accept.stage_len > 0, "this remap stages: {ann:?}");
-        peer.send(&PeerMsg::Claim(Claim { slot, gen: ann.gen, offer: offer(request) })).unwrap();
+        peer.send(&PeerMsg::Claim(Claim { slot, gen: ann.gen, offer: offer_into(request, &format!("{request}-src"), &id, tokens) })).unwrap();
         (slot, ann.accept.stage_key)
     };
     // Waits (bounded) for the receive to fail; its error.

@@ -41,6 +41,20 @@ fn fake_destination_handshake(s: &mut TcpStream, cred: &Credential) {
 
 /// A source's hello as an outsider would send it: `node`, claiming
 /// `session`, proving it with `key`.
+/// A fake destination on loopback: it takes one connection, runs its side
+/// of the handshake, then hands the stream to `serve`. Its address, and
+/// the thread to join.
+fn fake_destination(serve: impl FnOnce(TcpStream) + Send + 'static) -> (String, std::thread::JoinHandle<()>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let t = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        fake_destination_handshake(&mut s, conformance::cred());
+        serve(s);
+    });
+    (addr, t)
+}
+
 fn hello_from(nd: &[u8], node: &str, session: u64, key: &[u8]) -> Vec<u8> {
     let ns = [9u8; NONCE_LEN];
     let proof = auth::mac(key, "kvwire-data-source-v1", &[b"tcp", nd, &ns, node.as_bytes()]);
@@ -113,15 +127,11 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     use kvwire_transport::Batch;
     let src = endpoint("src");
     // A fake destination that handshakes, reads a little, then vanishes.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let fake = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        fake_destination_handshake(&mut s, conformance::cred());
+    let (addr, fake) = fake_destination(|mut s| {
         let mut some = vec![0u8; 1000];
         s.read_exact(&mut some).unwrap();
     });
-    let mut conn = src.connect(&addr.to_string(), conformance::cred()).unwrap();
+    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 1 << 16, 1);
     let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 << 16 };
     // The post may itself fail if the peer is already gone; either way nothing completes OK.
@@ -143,11 +153,7 @@ fn answers_are_read_while_a_large_batch_is_still_being_written() {
     use kvwire_transport::{Batch, WriteOp};
     const WRITES: usize = 400_000;
     let src = endpoint("src");
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let fake = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        fake_destination_handshake(&mut s, conformance::cred());
+    let (addr, fake) = fake_destination(|s| {
         let mut r = std::io::BufReader::new(s.try_clone().unwrap());
         let mut w = std::io::BufWriter::with_capacity(4096, s);
         for _ in 0..WRITES {
@@ -160,7 +166,7 @@ fn answers_are_read_while_a_large_batch_is_still_being_written() {
         }
         w.flush().unwrap();
     });
-    let mut conn = src.connect(&addr.to_string(), conformance::cred()).unwrap();
+    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64, 1);
     let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 };
     // On a thread: a stalled post never returns, and the test says so.
@@ -181,11 +187,7 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
     use kvwire_transport::{Batch, TransportError};
     let src = endpoint("src");
     // A fake destination that handshakes, then acks a write never sent.
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let fake = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
-        fake_destination_handshake(&mut s, conformance::cred());
+    let (addr, fake) = fake_destination(|mut s| {
         // Wait for the write frame's header, then answer another seq.
         let mut b = [0u8; HEADER_LEN];
         s.read_exact(&mut b).unwrap();
@@ -194,7 +196,7 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
         let mut sink = Vec::new();
         let _ = s.read_to_end(&mut sink);
     });
-    let mut conn = src.connect(&addr.to_string(), conformance::cred()).unwrap();
+    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64, 1);
     let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 };
     conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).unwrap();
