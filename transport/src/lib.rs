@@ -24,6 +24,7 @@
 #![warn(missing_docs)]
 
 pub mod accept;
+mod answers;
 pub mod auth;
 pub mod device;
 pub mod flags;

@@ -70,6 +70,7 @@ use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
 use crate::accept::{self, Admitted, Incoming, Refusal};
+use crate::answers::{self, Answer, Inbox, Stream};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
@@ -83,7 +84,7 @@ use std::os::unix::fs::DirBuilderExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -603,16 +604,6 @@ fn read_header(rd: &mut FdReader, max_write: u64) -> Result<Header, Either> {
     Header::decode(b, max_write).map_err(Either::Frame)
 }
 
-/// What the initiator's reader thread saw.
-#[derive(Debug)]
-enum Event {
-    /// Write `seq` placed (or refused with the reason), answered at `at`
-    /// in `bytes` on the link.
-    Answer { seq: u64, refused: Option<String>, at: Instant, bytes: u64 },
-    /// The connection ended.
-    Closed { reason: String },
-}
-
 /// Write requests and the memfds one `sendmsg` carries with them.
 type Piece = (Vec<u8>, Vec<RawFd>);
 
@@ -632,31 +623,12 @@ pub struct ShmConnection {
     shared: HashMap<u32, Weak<crate::Region>>,
     next_seq: u64,
     ledger: Ledger,
-    events: mpsc::Receiver<Event>,
+    // Answers read and not yet taken: the socket is non-blocking, and its
+    // owner reads them itself ([`crate::answers`]).
+    inbox: Inbox,
     closed: Option<String>,
-    reader: Option<JoinHandle<()>>,
     framing: u64,
     answers: u64,
-}
-
-/// Reads the destination's answers until the connection ends.
-fn read_answers(mut rd: UnixStream, tx: mpsc::Sender<Event>) {
-    loop {
-        let ev = match hello::read_frame(&mut rd, 0, "receive answer") {
-            Ok((h, p)) if matches!(h.kind, Kind::Ack | Kind::Nack) => Event::Answer {
-                seq: h.seq,
-                refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&p).into_owned()),
-                at: Instant::now(),
-                bytes: (HEADER_LEN + p.len()) as u64,
-            },
-            Ok((h, _)) => Event::Closed { reason: format!("unexpected {:?} frame", h.kind) },
-            Err(e) => Event::Closed { reason: e.to_string() },
-        };
-        let closed = matches!(ev, Event::Closed { .. });
-        if tx.send(ev).is_err() || closed {
-            return;
-        }
-    }
 }
 
 impl ShmConnection {
@@ -666,12 +638,7 @@ impl ShmConnection {
         let remote = hello::initiate(&mut hs.again(), &mut hs.again(), TRANSPORT, cred, hello_of(node))?;
         stream.set_read_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
         stream.set_write_timeout(None).map_err(TransportError::io("clear shm timeout"))?;
-        let rd = stream.try_clone().map_err(TransportError::io("clone shm socket"))?;
-        let (tx, events) = mpsc::channel();
-        let reader = std::thread::Builder::new()
-            .name("kvwire-shm-acks".into())
-            .spawn(move || read_answers(rd, tx))
-            .map_err(TransportError::io("spawn shm ack reader"))?;
+        stream.set_nonblocking(true).map_err(TransportError::io("set shm socket nonblocking"))?;
         Ok(ShmConnection {
             stream,
             remote,
@@ -680,23 +647,22 @@ impl ShmConnection {
             hops,
             shared: HashMap::new(),
             next_seq: 0,
-            events,
+            inbox: Inbox::default(),
             closed: None,
-            reader: Some(reader),
             framing: 0,
             answers: 0,
         })
     }
 
-    fn on_event(&mut self, ev: Event) {
-        match ev {
-            Event::Answer { seq, refused, at, bytes } => {
+    fn apply(&mut self, a: Answer) {
+        match a {
+            Answer::Placed { seq, refused, at, bytes } => {
                 self.answers += bytes;
                 if let Err(UnknownPart(seq)) = self.ledger.answer(seq, refused.map_or(Ok(()), |r| Err(TransportError::Refused(r))), at) {
                     self.close(format!("peer answered write {seq}, which is not outstanding"));
                 }
             }
-            Event::Closed { reason } => self.close(reason),
+            Answer::Garbled(e) => self.close(e.to_string()),
         }
     }
 
@@ -715,16 +681,20 @@ impl ShmConnection {
         self.closed = Some(reason);
     }
 
-    fn drain(&mut self) {
-        loop {
-            match self.events.try_recv() {
-                Ok(ev) => self.on_event(ev),
-                Err(mpsc::TryRecvError::Empty) => return,
-                Err(mpsc::TryRecvError::Disconnected) => {
-                    self.close("ack reader ended".into());
-                    return;
-                }
+    /// Reads the answers that arrived, without waiting; applies them
+    /// unless writes of a batch not yet sealed wait for room (`apply` false).
+    fn drain(&mut self, apply: bool) {
+        if self.closed.is_none() {
+            match self.inbox.read_from(&self.stream) {
+                Stream::Open => {}
+                Stream::Ended => self.close("the peer closed the connection".into()),
+                Stream::Failed(e) => self.close(format!("receive answer: {e}")),
             }
+        }
+        if apply {
+            let mut answers = Vec::new();
+            self.inbox.take(|a| answers.push(a));
+            answers.into_iter().for_each(|a| self.apply(a));
         }
     }
 
@@ -777,8 +747,10 @@ impl ShmConnection {
         (pieces, newly)
     }
 
-    /// Sends `buf` with `fds` attached to its first byte.
-    fn send(&self, buf: &[u8], fds: &[RawFd]) -> Result<(), TransportError> {
+    /// Sends `buf` with `fds` attached to its first byte. While the socket
+    /// has no room the answers that arrive meanwhile are read: a peer
+    /// blocked on sending them would stop reading these requests.
+    fn send(&mut self, buf: &[u8], fds: &[RawFd]) -> Result<(), TransportError> {
         let fd = self.stream.as_raw_fd();
         let mut sent = 0;
         while sent < buf.len() {
@@ -787,6 +759,10 @@ impl ShmConnection {
             match sendmsg::<()>(fd, &[IoSlice::new(&buf[sent..])], cmsgs, MsgFlags::MSG_NOSIGNAL, None) {
                 Ok(n) => sent += n,
                 Err(nix::errno::Errno::EINTR) => continue,
+                Err(nix::errno::Errno::EAGAIN) => {
+                    answers::ready(&self.stream, true, None);
+                    self.drain(false);
+                }
                 Err(e) => return Err(TransportError::Io { op: "send shm write requests", kind: std::io::Error::from(e).kind(), message: e.to_string() }),
             }
         }
@@ -797,9 +773,6 @@ impl ShmConnection {
 impl Drop for ShmConnection {
     fn drop(&mut self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
-        if let Some(h) = self.reader.take() {
-            let _ = h.join();
-        }
     }
 }
 
@@ -810,7 +783,7 @@ impl Connection for ShmConnection {
 
     fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
         let started = Instant::now();
-        self.drain();
+        self.drain(true);
         if self.closed.is_some() {
             return Err(TransportError::PeerClosed { pending: self.ledger.waiting() });
         }
@@ -838,7 +811,7 @@ impl Connection for ShmConnection {
     fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {
         let deadline = Instant::now() + timeout;
         loop {
-            self.drain();
+            self.drain(true);
             if self.ledger.has_done() || self.ledger.waiting() == 0 {
                 return Ok(self.ledger.take_done());
             }
@@ -846,11 +819,7 @@ impl Connection for ShmConnection {
             if left.is_zero() {
                 return Ok(Vec::new());
             }
-            match self.events.recv_timeout(left) {
-                Ok(ev) => self.on_event(ev),
-                Err(mpsc::RecvTimeoutError::Timeout) => return Ok(Vec::new()),
-                Err(mpsc::RecvTimeoutError::Disconnected) => self.close("ack reader ended".into()),
-            }
+            answers::ready(&self.stream, false, Some(left));
         }
     }
 
@@ -866,7 +835,7 @@ impl Connection for ShmConnection {
     /// next transfer reuses the peer's mappings of the same caches instead
     /// of a handshake, a memfd hand-over and a fresh mapping to fault in.
     fn reusable(&mut self) -> bool {
-        self.drain();
+        self.drain(true);
         let current = |k: u32, was: &Weak<crate::Region>| self.registry.get(k).is_some_and(|r| std::ptr::eq(Arc::as_ptr(&r), was.as_ptr()));
         self.closed.is_none() && self.ledger.pending() == 0 && self.shared.len() <= MAX_KEPT_SHARES && self.shared.iter().all(|(&k, was)| current(k, was))
     }

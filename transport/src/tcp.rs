@@ -20,6 +20,7 @@ use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
 use crate::accept::{self, Admitted, Incoming, Refusal};
+use crate::answers::{self, Answer, Inbox, Stream};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
@@ -306,14 +307,6 @@ impl Endpoint for TcpEndpoint {
     }
 }
 
-/// What an answer read from the destination says.
-enum Event {
-    /// Write `seq` answered at `at` (refused with the reason), the answer
-    /// taking `bytes` on the link.
-    Answer { seq: u64, refused: Option<String>, at: Instant, bytes: u64 },
-    Closed(TransportError),
-}
-
 /// An initiating TCP connection.
 pub struct TcpConnection {
     remote: Hello,
@@ -321,11 +314,9 @@ pub struct TcpConnection {
     registry: Arc<Registry>,
     hops: Arc<Hops>,
     max_frame: u64,
-    // Answers read and not yet taken (the last may be partial): the socket
-    // is non-blocking, and its owner reads them itself, in `poll` and
-    // while a write waits for room, so no thread is woken per answer.
-    inbox: Vec<u8>,
-    rbuf: Box<[u8]>,
+    // Answers read and not yet taken: the socket is non-blocking, and its
+    // owner reads them itself ([`crate::answers`]).
+    inbox: Inbox,
     next_seq: u64,
     ledger: Ledger,
     closed: Option<TransportError>,
@@ -337,50 +328,6 @@ impl std::fmt::Debug for TcpConnection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpConnection").field("remote", &self.remote.node).field("pending", &self.ledger.pending()).finish()
     }
-}
-
-/// Answer bytes read per system call at most (an `Ack` is a bare header).
-const ANSWERS_READ: usize = 16 << 10;
-
-/// The first whole answer in `b`, and the bytes it took; None while it
-/// is not all there.
-fn parse_answer(b: &[u8]) -> Option<(Event, usize)> {
-    if b.len() < HEADER_LEN {
-        return None;
-    }
-    let h = match Header::decode(&b[..HEADER_LEN], 0) {
-        Ok(h) => h,
-        Err(e) => return Some((Event::Closed(e.into()), b.len())),
-    };
-    let end = HEADER_LEN + h.len as usize;
-    if b.len() < end {
-        return None;
-    }
-    let ev = match h.kind {
-        Kind::Ack | Kind::Nack => Event::Answer {
-            seq: h.seq,
-            refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&b[HEADER_LEN..end]).into_owned()),
-            at: Instant::now(),
-            bytes: end as u64,
-        },
-        k => Event::Closed(TransportError::Refused(format!("unexpected {k:?} frame from destination"))),
-    };
-    Some((ev, end))
-}
-
-/// Waits until `s` is readable (or, with `write`, writable too), for at
-/// most `timeout` (None: no limit); true when it is.
-fn ready(s: &TcpStream, write: bool, timeout: Option<Duration>) -> bool {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::os::fd::AsFd;
-    let flags = if write { PollFlags::POLLIN | PollFlags::POLLOUT } else { PollFlags::POLLIN };
-    let t = match timeout {
-        None => PollTimeout::NONE,
-        // Rounded up: a wait of under a millisecond is a wait, not a spin.
-        Some(t) => PollTimeout::try_from(t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX),
-    };
-    let mut fds = [PollFd::new(s.as_fd(), flags)];
-    matches!(poll(&mut fds, t), Ok(n) if n > 0)
 }
 
 impl TcpConnection {
@@ -399,8 +346,7 @@ impl TcpConnection {
             registry,
             hops,
             max_frame: limits.max_frame,
-            inbox: Vec::new(),
-            rbuf: vec![0u8; ANSWERS_READ].into_boxed_slice(),
+            inbox: Inbox::default(),
             next_seq: 1,
             closed: None,
             framing: 0,
@@ -408,15 +354,15 @@ impl TcpConnection {
         })
     }
 
-    fn apply(&mut self, ev: Event) {
-        match ev {
-            Event::Answer { seq, refused, at, bytes } => {
+    fn apply(&mut self, a: Answer) {
+        match a {
+            Answer::Placed { seq, refused, at, bytes } => {
                 self.answers += bytes;
                 if let Err(UnknownPart(seq)) = self.ledger.answer(seq, refused.map_or(Ok(()), |r| Err(TransportError::Refused(r))), at) {
                     self.close(TransportError::Refused(format!("destination answered write {seq}, which is not outstanding")));
                 }
             }
-            Event::Closed(e) => self.close(e),
+            Answer::Garbled(e) => self.close(e),
         }
     }
 
@@ -424,32 +370,21 @@ impl TcpConnection {
     /// for room the bytes are only kept (`apply` false): their batches are
     /// not sealed yet. Otherwise every whole answer is applied.
     fn read_answers(&mut self, apply: bool) {
-        while self.closed.is_none() {
-            match (&self.stream).read(&mut self.rbuf) {
-                Ok(0) => {
+        if self.closed.is_none() {
+            match self.inbox.read_from(&self.stream) {
+                Stream::Open => {}
+                Stream::Ended => {
                     let pending = self.ledger.waiting();
                     self.close(TransportError::PeerClosed { pending });
                 }
-                Ok(n) => {
-                    self.inbox.extend_from_slice(&self.rbuf[..n]);
-                    if n < self.rbuf.len() {
-                        break;
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => self.close(TransportError::io("receive answer")(e)),
+                Stream::Failed(e) => self.close(TransportError::io("receive answer")(e)),
             }
         }
-        if !apply {
-            return;
+        if apply {
+            let mut answers = Vec::new();
+            self.inbox.take(|a| answers.push(a));
+            answers.into_iter().for_each(|a| self.apply(a));
         }
-        let mut at = 0;
-        while let Some((ev, used)) = parse_answer(&self.inbox[at..]) {
-            at += used;
-            self.apply(ev);
-        }
-        self.inbox.drain(..at);
     }
 
     /// Fails every outstanding batch: the peer is gone, or the stream
@@ -512,7 +447,7 @@ impl TcpConnection {
                 Ok(n) => IoSlice::advance_slices(&mut bufs, n),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    ready(&self.stream, true, None);
+                    answers::ready(&self.stream, true, None);
                     self.read_answers(false);
                 }
                 Err(e) => return Err(e),
@@ -593,7 +528,7 @@ impl Connection for TcpConnection {
             if left.is_zero() {
                 return Ok(Vec::new());
             }
-            ready(&self.stream, false, Some(left));
+            answers::ready(&self.stream, false, Some(left));
         }
     }
 

@@ -459,6 +459,40 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     assert!(conn.post(Batch { tag: Tag { slot: 1, layer: 4 }, writes: vec![write] }).is_err(), "a closed connection takes no more batches");
 }
 
+/// A destination answers each request before it reads the next: the
+/// initiator must read answers while its requests wait for room, or both
+/// ends stall once the sockets are full. 100,000 requests in one batch.
+#[test]
+fn answers_are_read_while_a_large_batch_is_still_being_requested() {
+    const WRITES: usize = 100_000;
+    let src = endpoint("src");
+    let (addr, fake, _dir) = fake_destination(Answer::Hello(V, "shm", "fake"), move |s| {
+        let mut r = std::io::BufReader::new(s.try_clone().unwrap());
+        let mut w = std::io::BufWriter::with_capacity(4096, s);
+        for _ in 0..WRITES {
+            let mut req = vec![0u8; HEADER_LEN + TRAILER_LEN as usize];
+            r.read_exact(&mut req).unwrap();
+            let seq = Header::decode(&req, TRAILER_LEN).unwrap().seq;
+            w.write_all(&hdr(Kind::Ack, 0, seq, 1, 0).encode()).unwrap();
+        }
+        w.flush().unwrap();
+    });
+    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
+    let (region, _) = source(&*src, 64, 1);
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 };
+    // On a thread: a stalled post never returns, and the test says so.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write; WRITES] }).unwrap();
+        let c = complete(&mut *conn, 1);
+        let _ = tx.send((c[0].result.clone(), conn.pending()));
+    });
+    let (result, pending) = rx.recv_timeout(Duration::from_secs(60)).expect("the batch stalled: its answers were not read while it was requested");
+    assert_eq!(result, Ok(()));
+    assert_eq!(pending, 0);
+    fake.join().unwrap();
+}
+
 #[test]
 fn an_answer_for_no_outstanding_write_closes_the_connection() {
     let src = endpoint("src");

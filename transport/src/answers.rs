@@ -1,0 +1,121 @@
+//! The initiator's side of a stream transport's answers (tcp, shm): read
+//! by the connection's owner itself from a non-blocking socket, in `poll`
+//! and while a write waits for room, so no thread is woken per answer and
+//! none is kept per connection.
+
+use crate::TransportError;
+use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
+use std::io::Read;
+use std::os::fd::AsFd;
+use std::time::{Duration, Instant};
+
+/// What an answer from the destination says.
+pub(crate) enum Answer {
+    /// Write `seq` placed (or refused, with the reason), answered at `at`
+    /// in `bytes` on the link.
+    Placed { seq: u64, refused: Option<String>, at: Instant, bytes: u64 },
+    /// The stream carried something that is not an answer.
+    Garbled(TransportError),
+}
+
+/// How a read of the answers that arrived ended.
+#[derive(Debug)]
+pub(crate) enum Stream {
+    /// Everything that arrived was read; the stream is open.
+    Open,
+    /// The destination closed the stream.
+    Ended,
+    /// Reading failed.
+    Failed(std::io::Error),
+}
+
+/// Answer bytes read per system call at most (an `Ack` is a bare header).
+const READ: usize = 16 << 10;
+
+/// Answer bytes read and not yet taken; the last answer may be partial.
+pub(crate) struct Inbox {
+    bytes: Vec<u8>,
+    buf: Box<[u8]>,
+}
+
+impl std::fmt::Debug for Inbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inbox").field("bytes", &self.bytes.len()).finish()
+    }
+}
+
+impl Default for Inbox {
+    fn default() -> Inbox {
+        Inbox { bytes: Vec::new(), buf: vec![0u8; READ].into_boxed_slice() }
+    }
+}
+
+impl Inbox {
+    /// Reads what arrived on `s` (non-blocking), without waiting.
+    pub fn read_from(&mut self, mut s: impl Read) -> Stream {
+        loop {
+            match s.read(&mut self.buf) {
+                Ok(0) => return Stream::Ended,
+                Ok(n) => {
+                    self.bytes.extend_from_slice(&self.buf[..n]);
+                    if n < self.buf.len() {
+                        return Stream::Open;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Stream::Open,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Stream::Failed(e),
+            }
+        }
+    }
+
+    /// Hands every whole answer read so far to `take`, in order.
+    pub fn take(&mut self, mut take: impl FnMut(Answer)) {
+        let mut at = 0;
+        while let Some((a, used)) = parse(&self.bytes[at..]) {
+            at += used;
+            take(a);
+        }
+        self.bytes.drain(..at);
+    }
+}
+
+/// The first whole answer in `b`, and the bytes it took; None while it is
+/// not all there.
+fn parse(b: &[u8]) -> Option<(Answer, usize)> {
+    if b.len() < HEADER_LEN {
+        return None;
+    }
+    let h = match Header::decode(&b[..HEADER_LEN], 0) {
+        Ok(h) => h,
+        Err(e) => return Some((Answer::Garbled(e.into()), b.len())),
+    };
+    let end = HEADER_LEN + h.len as usize;
+    if b.len() < end {
+        return None;
+    }
+    let a = match h.kind {
+        Kind::Ack | Kind::Nack => Answer::Placed {
+            seq: h.seq,
+            refused: (h.kind == Kind::Nack).then(|| String::from_utf8_lossy(&b[HEADER_LEN..end]).into_owned()),
+            at: Instant::now(),
+            bytes: end as u64,
+        },
+        k => Answer::Garbled(TransportError::Refused(format!("unexpected {k:?} frame from destination"))),
+    };
+    Some((a, end))
+}
+
+/// Waits until `s` is readable (or, with `write`, writable too), for at
+/// most `timeout` (None: no limit); true when it is.
+pub(crate) fn ready(s: impl AsFd, write: bool, timeout: Option<Duration>) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let flags = if write { PollFlags::POLLIN | PollFlags::POLLOUT } else { PollFlags::POLLIN };
+    let t = match timeout {
+        None => PollTimeout::NONE,
+        // Rounded up: a wait of under a millisecond is a wait, not a spin.
+        Some(t) => PollTimeout::try_from(t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX),
+    };
+    let mut fds = [PollFd::new(s.as_fd(), flags)];
+    matches!(poll(&mut fds, t), Ok(n) if n > 0)
+}
