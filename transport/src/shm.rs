@@ -626,6 +626,10 @@ pub struct ShmConnection {
     // Answers read and not yet taken: the socket is non-blocking, and its
     // owner reads them itself ([`crate::answers`]).
     inbox: Inbox,
+    // The answer stream ended (or failed) while requests waited for room:
+    // the connection closes at the next `poll`, once their batch is
+    // accounted for by the failed request.
+    ended: Option<String>,
     closed: Option<String>,
     framing: u64,
     answers: u64,
@@ -648,6 +652,7 @@ impl ShmConnection {
             shared: HashMap::new(),
             next_seq: 0,
             inbox: Inbox::default(),
+            ended: None,
             closed: None,
             framing: 0,
             answers: 0,
@@ -684,17 +689,26 @@ impl ShmConnection {
     /// Reads the answers that arrived, without waiting; applies them
     /// unless writes of a batch not yet sealed wait for room (`apply` false).
     fn drain(&mut self, apply: bool) {
-        if self.closed.is_none() {
-            match self.inbox.read_from(&self.stream) {
-                Stream::Open => {}
-                Stream::Ended => self.close("the peer closed the connection".into()),
-                Stream::Failed(e) => self.close(format!("receive answer: {e}")),
-            }
+        if self.closed.is_none() && self.ended.is_none() {
+            self.ended = match self.inbox.read_from(&self.stream) {
+                Stream::Open => None,
+                Stream::Ended => Some("the peer closed the connection".into()),
+                Stream::Failed(e) => Some(format!("receive answer: {e}")),
+            };
         }
-        if apply {
-            let mut answers = Vec::new();
-            self.inbox.take(|a| answers.push(a));
-            answers.into_iter().for_each(|a| self.apply(a));
+        if !apply {
+            // The request that waits fails at once, rather than waking for
+            // a stream that has nothing more to say.
+            if self.ended.is_some() {
+                let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            }
+            return;
+        }
+        let mut answers = Vec::new();
+        self.inbox.take(|a| answers.push(a));
+        answers.into_iter().for_each(|a| self.apply(a));
+        if let Some(why) = self.ended.take() {
+            self.close(why);
         }
     }
 

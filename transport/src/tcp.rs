@@ -317,6 +317,10 @@ pub struct TcpConnection {
     // Answers read and not yet taken: the socket is non-blocking, and its
     // owner reads them itself ([`crate::answers`]).
     inbox: Inbox,
+    // The answer stream ended (or failed) while writes waited for room:
+    // the connection closes at the next `poll`, once their batches are
+    // accounted for by the failed write.
+    ended: Option<TransportError>,
     next_seq: u64,
     ledger: Ledger,
     closed: Option<TransportError>,
@@ -347,6 +351,7 @@ impl TcpConnection {
             hops,
             max_frame: limits.max_frame,
             inbox: Inbox::default(),
+            ended: None,
             next_seq: 1,
             closed: None,
             framing: 0,
@@ -370,20 +375,31 @@ impl TcpConnection {
     /// for room the bytes are only kept (`apply` false): their batches are
     /// not sealed yet. Otherwise every whole answer is applied.
     fn read_answers(&mut self, apply: bool) {
-        if self.closed.is_none() {
-            match self.inbox.read_from(&self.stream) {
-                Stream::Open => {}
-                Stream::Ended => {
-                    let pending = self.ledger.waiting();
-                    self.close(TransportError::PeerClosed { pending });
-                }
-                Stream::Failed(e) => self.close(TransportError::io("receive answer")(e)),
-            }
+        if self.closed.is_none() && self.ended.is_none() {
+            self.ended = match self.inbox.read_from(&self.stream) {
+                Stream::Open => None,
+                Stream::Ended => Some(TransportError::PeerClosed { pending: 0 }),
+                Stream::Failed(e) => Some(TransportError::io("receive answer")(e)),
+            };
         }
-        if apply {
-            let mut answers = Vec::new();
-            self.inbox.take(|a| answers.push(a));
-            answers.into_iter().for_each(|a| self.apply(a));
+        if !apply {
+            // The write that waits fails at once, rather than waking for
+            // a stream that has nothing more to say.
+            if self.ended.is_some() {
+                let _ = self.stream.shutdown(Shutdown::Both);
+            }
+            return;
+        }
+        let mut answers = Vec::new();
+        self.inbox.take(|a| answers.push(a));
+        answers.into_iter().for_each(|a| self.apply(a));
+        match self.ended.take() {
+            Some(TransportError::PeerClosed { .. }) => {
+                let pending = self.ledger.waiting();
+                self.close(TransportError::PeerClosed { pending });
+            }
+            Some(e) => self.close(e),
+            None => {}
         }
     }
 

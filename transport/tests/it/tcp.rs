@@ -182,6 +182,33 @@ fn answers_are_read_while_a_large_batch_is_still_being_written() {
     fake.join().unwrap();
 }
 
+/// A destination that stops answering and reading (it shut its sending
+/// side) while a large batch waits for room: the post fails, rather than
+/// waiting on a stream that has nothing more to say, while the
+/// destination still holds the connection open.
+#[test]
+fn a_destination_that_hangs_up_its_answers_fails_a_waiting_post() {
+    use kvwire_transport::{Batch, WriteOp};
+    let src = endpoint("src");
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let (addr, fake) = fake_destination(move |s| {
+        s.shutdown(std::net::Shutdown::Write).unwrap();
+        // Open, silent, reading nothing, until the source's post returned.
+        let _ = done_rx.recv_timeout(Duration::from_secs(60));
+    });
+    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
+    let (region, _) = conformance::source(&*src, 64 << 20, 1);
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 << 20 };
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).map(|_| ()));
+    });
+    let posted = rx.recv_timeout(Duration::from_secs(30)).expect("the post still waits on a connection whose answers ended");
+    done_tx.send(()).unwrap();
+    assert!(posted.is_err(), "64 MiB were taken by a destination that reads nothing");
+    fake.join().unwrap();
+}
+
 #[test]
 fn an_answer_for_no_outstanding_write_closes_the_connection() {
     use kvwire_transport::{Batch, TransportError};
