@@ -808,7 +808,7 @@ impl Connection for ShmConnection {
         // `srcs` keeps every shared memfd open until sent.
         for (buf, fds) in &pieces {
             if let Err(e) = self.send(buf, fds) {
-                // The peer is gone (a blocking Unix socket fails no other way):
+                // The peer is gone (`send` waits out a full socket; a Unix socket fails no other way):
                 // it reads none of this batch's sources any more.
                 self.ledger.withdraw(id);
                 self.close(e.to_string());
