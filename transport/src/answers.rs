@@ -6,7 +6,7 @@
 use crate::TransportError;
 use kvwire_core::protocol::{Header, Kind, HEADER_LEN};
 use std::io::Read;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::time::{Duration, Instant};
 
 /// What an answer from the destination says.
@@ -18,24 +18,26 @@ pub(crate) enum Answer {
     Garbled(TransportError),
 }
 
-/// How a read of the answers that arrived ended.
+/// How the answer stream ended.
 #[derive(Debug)]
-pub(crate) enum Stream {
-    /// Everything that arrived was read; the stream is open.
-    Open,
-    /// The destination closed the stream.
-    Ended,
-    /// Reading failed.
+pub(crate) enum End {
+    /// The destination closed it.
+    Closed,
+    /// Reading it failed.
     Failed(std::io::Error),
 }
 
 /// Answer bytes read per system call at most (an `Ack` is a bare header).
 const READ: usize = 16 << 10;
 
-/// Answer bytes read and not yet taken; the last answer may be partial.
+/// Answer bytes read and not yet taken (the last answer may be partial),
+/// and how the stream ended once it did.
 pub(crate) struct Inbox {
     bytes: Vec<u8>,
     buf: Box<[u8]>,
+    // Seen and not yet handed on (`ended` stays set: nothing more is read).
+    end: Option<End>,
+    ended: bool,
 }
 
 impl std::fmt::Debug for Inbox {
@@ -46,37 +48,58 @@ impl std::fmt::Debug for Inbox {
 
 impl Default for Inbox {
     fn default() -> Inbox {
-        Inbox { bytes: Vec::new(), buf: vec![0u8; READ].into_boxed_slice() }
+        Inbox { bytes: Vec::new(), buf: vec![0u8; READ].into_boxed_slice(), end: None, ended: false }
     }
 }
 
 impl Inbox {
-    /// Reads what arrived on `s` (non-blocking), without waiting.
-    pub fn read_from(&mut self, mut s: impl Read) -> Stream {
-        loop {
-            match s.read(&mut self.buf) {
-                Ok(0) => return Stream::Ended,
-                Ok(n) => {
-                    self.bytes.extend_from_slice(&self.buf[..n]);
-                    if n < self.buf.len() {
-                        return Stream::Open;
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Stream::Open,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Stream::Failed(e),
-            }
+    /// Reads the answers that arrived on non-blocking `s`, without
+    /// waiting, when `read` (the connection is open) and the stream has
+    /// not ended. While a write waits for room (`applying` false) nothing
+    /// is handed on, as the answers' batches are not sealed yet, and an
+    /// ended stream is shut so that write fails at once rather than waking
+    /// again. Otherwise: every whole answer read so far, in order, and how
+    /// the stream ended, once.
+    pub fn pump<S: AsFd>(&mut self, s: &S, read: bool, applying: bool) -> (Vec<Answer>, Option<End>)
+    where
+        for<'a> &'a S: Read,
+    {
+        if read && !self.ended {
+            self.end = self.read_from(s);
+            self.ended = self.end.is_some();
         }
-    }
-
-    /// Hands every whole answer read so far to `take`, in order.
-    pub fn take(&mut self, mut take: impl FnMut(Answer)) {
+        if !applying {
+            if self.end.is_some() {
+                let _ = nix::sys::socket::shutdown(s.as_fd().as_raw_fd(), nix::sys::socket::Shutdown::Both);
+            }
+            return (Vec::new(), None);
+        }
+        let mut answers = Vec::new();
         let mut at = 0;
         while let Some((a, used)) = parse(&self.bytes[at..]) {
             at += used;
-            take(a);
+            answers.push(a);
         }
         self.bytes.drain(..at);
+        (answers, self.end.take())
+    }
+
+    /// Reads what arrived on `s`; how the stream ended, if it did.
+    fn read_from(&mut self, mut s: impl Read) -> Option<End> {
+        loop {
+            match s.read(&mut self.buf) {
+                Ok(0) => return Some(End::Closed),
+                Ok(n) => {
+                    self.bytes.extend_from_slice(&self.buf[..n]);
+                    if n < self.buf.len() {
+                        return None;
+                    }
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return None,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Some(End::Failed(e)),
+            }
+        }
     }
 }
 

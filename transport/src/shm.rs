@@ -70,7 +70,7 @@ use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
 use crate::accept::{self, Admitted, Incoming, Refusal};
-use crate::answers::{self, Answer, Inbox, Stream};
+use crate::answers::{self, Answer, End, Inbox};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
@@ -626,10 +626,6 @@ pub struct ShmConnection {
     // Answers read and not yet taken: the socket is non-blocking, and its
     // owner reads them itself ([`crate::answers`]).
     inbox: Inbox,
-    // The answer stream ended (or failed) while requests waited for room:
-    // the connection closes at the next `poll`, once their batch is
-    // accounted for by the failed request.
-    ended: Option<String>,
     closed: Option<String>,
     framing: u64,
     answers: u64,
@@ -652,7 +648,6 @@ impl ShmConnection {
             shared: HashMap::new(),
             next_seq: 0,
             inbox: Inbox::default(),
-            ended: None,
             closed: None,
             framing: 0,
             answers: 0,
@@ -686,29 +681,18 @@ impl ShmConnection {
         self.closed = Some(reason);
     }
 
-    /// Reads the answers that arrived, without waiting; applies them
-    /// unless writes of a batch not yet sealed wait for room (`apply` false).
+    /// Reads the answers that arrived, without waiting, and applies them;
+    /// while requests wait for room (`apply` false) only reads them
+    /// ([`Inbox::pump`]). An answer stream that ended while they waited
+    /// closes the connection here, once their batch is accounted for by
+    /// the failed request.
     fn drain(&mut self, apply: bool) {
-        if self.closed.is_none() && self.ended.is_none() {
-            self.ended = match self.inbox.read_from(&self.stream) {
-                Stream::Open => None,
-                Stream::Ended => Some("the peer closed the connection".into()),
-                Stream::Failed(e) => Some(format!("receive answer: {e}")),
-            };
-        }
-        if !apply {
-            // The request that waits fails at once, rather than waking for
-            // a stream that has nothing more to say.
-            if self.ended.is_some() {
-                let _ = self.stream.shutdown(std::net::Shutdown::Both);
-            }
-            return;
-        }
-        let mut answers = Vec::new();
-        self.inbox.take(|a| answers.push(a));
+        let (answers, end) = self.inbox.pump(&self.stream, self.closed.is_none(), apply);
         answers.into_iter().for_each(|a| self.apply(a));
-        if let Some(why) = self.ended.take() {
-            self.close(why);
+        match end {
+            Some(End::Closed) => self.close("the peer closed the connection".into()),
+            Some(End::Failed(e)) => self.close(format!("receive answer: {e}")),
+            None => {}
         }
     }
 

@@ -20,7 +20,7 @@ use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
 use crate::accept::{self, Admitted, Incoming, Refusal};
-use crate::answers::{self, Answer, Inbox, Stream};
+use crate::answers::{self, Answer, End, Inbox};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
@@ -317,10 +317,6 @@ pub struct TcpConnection {
     // Answers read and not yet taken: the socket is non-blocking, and its
     // owner reads them itself ([`crate::answers`]).
     inbox: Inbox,
-    // The answer stream ended (or failed) while writes waited for room:
-    // the connection closes at the next `poll`, once their batches are
-    // accounted for by the failed write.
-    ended: Option<TransportError>,
     next_seq: u64,
     ledger: Ledger,
     closed: Option<TransportError>,
@@ -351,7 +347,6 @@ impl TcpConnection {
             hops,
             max_frame: limits.max_frame,
             inbox: Inbox::default(),
-            ended: None,
             next_seq: 1,
             closed: None,
             framing: 0,
@@ -371,34 +366,20 @@ impl TcpConnection {
         }
     }
 
-    /// Reads the answers that arrived, without waiting. While writes wait
-    /// for room the bytes are only kept (`apply` false): their batches are
-    /// not sealed yet. Otherwise every whole answer is applied.
+    /// Reads the answers that arrived, without waiting, and applies them;
+    /// while writes wait for room (`apply` false) only reads them
+    /// ([`Inbox::pump`]). An answer stream that ended while they waited
+    /// closes the connection here, once their batches are accounted for
+    /// by the failed write.
     fn read_answers(&mut self, apply: bool) {
-        if self.closed.is_none() && self.ended.is_none() {
-            self.ended = match self.inbox.read_from(&self.stream) {
-                Stream::Open => None,
-                Stream::Ended => Some(TransportError::PeerClosed { pending: 0 }),
-                Stream::Failed(e) => Some(TransportError::io("receive answer")(e)),
-            };
-        }
-        if !apply {
-            // The write that waits fails at once, rather than waking for
-            // a stream that has nothing more to say.
-            if self.ended.is_some() {
-                let _ = self.stream.shutdown(Shutdown::Both);
-            }
-            return;
-        }
-        let mut answers = Vec::new();
-        self.inbox.take(|a| answers.push(a));
+        let (answers, end) = self.inbox.pump(&self.stream, self.closed.is_none(), apply);
         answers.into_iter().for_each(|a| self.apply(a));
-        match self.ended.take() {
-            Some(TransportError::PeerClosed { .. }) => {
+        match end {
+            Some(End::Closed) => {
                 let pending = self.ledger.waiting();
                 self.close(TransportError::PeerClosed { pending });
             }
-            Some(e) => self.close(e),
+            Some(End::Failed(e)) => self.close(TransportError::io("receive answer")(e)),
             None => {}
         }
     }

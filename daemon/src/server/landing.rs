@@ -176,8 +176,7 @@ impl Daemon {
 
     /// The receive thread: waits for whatever the landing waits for next,
     /// until it has landed or failed.
-    pub(super) fn receive(&self, l: Landing, inbound: Receiver<Inbound>) {
-        let mut l = l;
+    pub(super) fn receive(&self, mut l: Landing, inbound: Receiver<Inbound>) {
         loop {
             let next = self.advance(&mut l);
             let left = l.deadline.saturating_duration_since(Instant::now());
