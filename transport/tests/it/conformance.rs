@@ -110,6 +110,17 @@ pub fn complete(conn: &mut dyn Connection, n: usize) -> Vec<Completion> {
     out
 }
 
+/// Runs `f` on `conn` on a thread of its own and waits at most `bound`
+/// for what it returns: a call that stalls (never returns) fails the test,
+/// saying `stalled`.
+pub fn within<T: Send + 'static>(mut conn: Box<dyn Connection>, bound: Duration, stalled: &str, f: impl FnOnce(&mut dyn Connection) -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f(&mut *conn));
+    });
+    rx.recv_timeout(bound).unwrap_or_else(|_| panic!("{stalled}"))
+}
+
 pub fn one_segment(p: &mut Pair) {
     let dst = Window::new(&*p.dst, 1, 8192);
     let (src, data) = source(&*p.src, 8192, 7);

@@ -477,17 +477,14 @@ fn answers_are_read_while_a_large_batch_is_still_being_requested() {
         }
         w.flush().unwrap();
     });
-    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
+    let conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = source(&*src, 64, 1);
     let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 };
-    // On a thread: a stalled post never returns, and the test says so.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    let (result, pending) = conformance::within(conn, Duration::from_secs(60), "the batch stalled: its answers were not read while it was requested", move |conn| {
         conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write; WRITES] }).unwrap();
-        let c = complete(&mut *conn, 1);
-        let _ = tx.send((c[0].result.clone(), conn.pending()));
+        let c = complete(conn, 1);
+        (c[0].result.clone(), conn.pending())
     });
-    let (result, pending) = rx.recv_timeout(Duration::from_secs(60)).expect("the batch stalled: its answers were not read while it was requested");
     assert_eq!(result, Ok(()));
     assert_eq!(pending, 0);
     fake.join().unwrap();

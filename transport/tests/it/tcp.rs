@@ -166,17 +166,14 @@ fn answers_are_read_while_a_large_batch_is_still_being_written() {
         }
         w.flush().unwrap();
     });
-    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
+    let conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64, 1);
     let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 };
-    // On a thread: a stalled post never returns, and the test says so.
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    let (result, pending) = conformance::within(conn, Duration::from_secs(60), "the batch stalled: its answers were not read while it was written", move |conn| {
         conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write; WRITES] }).unwrap();
-        let c = conformance::complete(&mut *conn, 1);
-        let _ = tx.send((c[0].result.clone(), conn.pending()));
+        let c = conformance::complete(conn, 1);
+        (c[0].result.clone(), conn.pending())
     });
-    let (result, pending) = rx.recv_timeout(Duration::from_secs(60)).expect("the batch stalled: its answers were not read while it was written");
     assert_eq!(result, Ok(()));
     assert_eq!(pending, 0);
     fake.join().unwrap();
@@ -196,14 +193,12 @@ fn a_destination_that_hangs_up_its_answers_fails_a_waiting_post() {
         // Open, silent, reading nothing, until the source's post returned.
         let _ = done_rx.recv_timeout(Duration::from_secs(60));
     });
-    let mut conn = src.connect(&addr, conformance::cred()).unwrap();
+    let conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64 << 20, 1);
     let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 << 20 };
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let _ = tx.send(conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).map(|_| ()));
+    let posted = conformance::within(conn, Duration::from_secs(30), "the post still waits on a connection whose answers ended", move |conn| {
+        conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).map(|_| ())
     });
-    let posted = rx.recv_timeout(Duration::from_secs(30)).expect("the post still waits on a connection whose answers ended");
     done_tx.send(()).unwrap();
     assert!(posted.is_err(), "64 MiB were taken by a destination that reads nothing");
     fake.join().unwrap();
