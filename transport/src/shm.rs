@@ -41,11 +41,17 @@
 //! | trailer offset | field | type | meaning |
 //! |---|---|---|---|
 //! | 0  | src_key    | u32 | the initiator's key of the source region |
-//! | 4  | share      | u32 | 1: this message carries the region's memfd (SCM_RIGHTS) and defines its window; 0: the key was shared before on this connection |
+//! | 4  | share      | u32 | 1: this message carries the region's memfd (SCM_RIGHTS) and defines its window; 0: the key was shared before on this connection; 2: a forget (below) |
 //! | 8  | win_offset | u64 | window start in the memfd (share = 1) |
 //! | 16 | win_len    | u64 | window length (share = 1) |
 //! | 24 | src_offset | u64 | offset of the write in the source window |
 //! | 32 | write_len  | u64 | bytes to copy |
+//!
+//! A forget (`share` = 2, header key, offset and tag 0, every other
+//! trailer field 0, no descriptor) says the initiator no longer writes
+//! from `src_key`, shared before on this connection: the destination
+//! unmaps it. It is not a write and is not answered; its `seq` is not
+//! one of the initiator's write numbers.
 //!
 //! The destination answers every write, in order, with `Ack` (`tag`, `key`
 //! and `seq` echoed, `offset` = bytes placed, len 0) or `Nack` (the same
@@ -57,11 +63,12 @@
 //! # Limits
 //!
 //! The destination keeps each shared source mapping for the life of the
-//! connection (keys are never reused, so a cached key always names the
-//! same window). An initiator reuses a connection for later transfers
-//! only while every region it shared is still registered and it shared at
-//! most [`MAX_KEPT_SHARES`], so a kept connection pins no released memory
-//! and stays well under the peer's `max_sources`. [`HostMem::from_file`] insists the memfd is sealed
+//! connection, or until a forget (keys are never reused, so a cached key
+//! always names the same window). An initiator reuses a connection for a
+//! later transfer after forgetting every region it shared and released
+//! since (a transfer's staging buffer is registered under a key of its
+//! own), while it shares at most [`MAX_KEPT_SHARES`], so a kept connection
+//! pins no released memory and stays well under the peer's `max_sources`. [`HostMem::from_file`] insists the memfd is sealed
 //! against shrinking, so a peer cannot turn a copy into SIGBUS.
 
 use crate::auth::{ConnectionCaps, Credential, Gate, Pass};
@@ -74,7 +81,7 @@ use crate::answers::{self, Answer, End, Inbox};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{FrameError, Header, Hello, Kind, HEADER_LEN};
+use kvwire_core::protocol::{FrameError, Header, Hello, Kind, Tag, HEADER_LEN};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -507,6 +514,15 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
         let u64_at = |i: usize| u64::from_le_bytes(t[i..i + 8].try_into().expect("8 bytes"));
         let (src_key, share, win_offset, win_len, src_offset, len) = (u32_at(0), u32_at(4), u64_at(8), u64_at(16), u64_at(24), u64_at(32));
 
+        if share == 2 {
+            if h.key != 0 || h.offset != 0 || h.tag != (Tag { slot: 0, layer: 0 }) || (win_offset, win_len, src_offset, len) != (0, 0, 0, 0) {
+                return Err(closing(&node, format!("forget of source {src_key:#010x} carries write fields")));
+            }
+            if sources.remove(&src_key).is_none() {
+                return Err(closing(&node, format!("forget of source {src_key:#010x}, which this connection never shared")));
+            }
+            continue;
+        }
         let mut refused: Option<Refusal> = None;
         match share {
             0 => {}
@@ -527,7 +543,7 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
                     Err(e) => refused = Some(Refusal::SourceUnusable { key: src_key, reason: format!("cannot map the shared file: {e}") }),
                 }
             }
-            s => return Err(closing(&node, format!("write {}: share field {s} is neither 0 nor 1", h.seq))),
+            s => return Err(closing(&node, format!("write {}: share field {s} is neither 0, 1 nor 2", h.seq))),
         }
 
         let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len };
@@ -745,6 +761,28 @@ impl ShmConnection {
         (pieces, newly)
     }
 
+    /// Tells the peer to unmap `keys` (regions shared here and released
+    /// since) and forgets them; a failure closes the connection.
+    fn forget(&mut self, keys: &[u32]) -> Result<(), TransportError> {
+        let mut buf = Vec::with_capacity(keys.len() * (HEADER_LEN + TRAILER_LEN as usize));
+        for &k in keys {
+            let h = Header { kind: Kind::Write, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: TRAILER_LEN };
+            buf.extend_from_slice(&h.encode());
+            buf.extend_from_slice(&k.to_le_bytes());
+            buf.extend_from_slice(&2u32.to_le_bytes());
+            buf.extend_from_slice(&[0u8; TRAILER_LEN as usize - 8]);
+        }
+        if let Err(e) = self.send(&buf, &[]) {
+            self.close(e.to_string());
+            return Err(e);
+        }
+        self.framing += buf.len() as u64;
+        keys.iter().for_each(|k| {
+            self.shared.remove(k);
+        });
+        Ok(())
+    }
+
     /// Sends `buf` with `fds` attached to its first byte. While the socket
     /// has no room the answers that arrive meanwhile are read: a peer
     /// blocked on sending them would stop reading these requests.
@@ -834,8 +872,15 @@ impl Connection for ShmConnection {
     /// of a handshake, a memfd hand-over and a fresh mapping to fault in.
     fn reusable(&mut self) -> bool {
         self.drain(true);
+        if self.closed.is_some() || self.ledger.pending() != 0 {
+            return false;
+        }
         let current = |k: u32, was: &Weak<crate::Region>| self.registry.get(k).is_some_and(|r| std::ptr::eq(Arc::as_ptr(&r), was.as_ptr()));
-        self.closed.is_none() && self.ledger.pending() == 0 && self.shared.len() <= MAX_KEPT_SHARES && self.shared.iter().all(|(&k, was)| current(k, was))
+        let released: Vec<u32> = self.shared.iter().filter(|&(&k, was)| !current(k, was)).map(|(&k, _)| k).collect();
+        if !released.is_empty() && self.forget(&released).is_err() {
+            return false;
+        }
+        self.shared.len() <= MAX_KEPT_SHARES
     }
 
     /// A header and a trailer per write request.

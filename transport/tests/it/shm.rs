@@ -293,6 +293,12 @@ fn hostile_raw_clients_close_only_their_connection() {
         raw.write_all(&bad).unwrap();
         closed_by_peer(raw);
     }
+    // A forget of a source never shared; a forget carrying write fields.
+    for bad in [write_request(tag(0, 0), 0, 0, 0, 0x99, 2, 0), write_request(tag(3, 0), dst.region.key, 0, 0, 0x99, 2, 0), write_request(tag(0, 0), 0, 0, 0, 0x99, 2, 16)] {
+        let mut raw = raw_client(&addr);
+        raw.write_all(&bad).unwrap();
+        assert!(closed_by_peer(raw).is_empty(), "a forget is never answered");
+    }
     // A write from a source never shared: refused by name, connection kept.
     let mut raw = raw_client(&addr);
     raw.write_all(&write_request(tag(3, 0), dst.region.key, 5, 0, 0x77, 0, 4096)).unwrap();
@@ -573,10 +579,10 @@ fn dropping_the_destination_fails_the_initiators_batches() {
 }
 
 #[test]
-fn a_shm_connection_is_kept_only_while_every_region_it_shared_is_registered_as_it_was() {
-    // The peer keeps each shared memfd mapped by key for the connection's
-    // life: reusing it is right only while that key still names the region
-    // it named when shared.
+fn a_kept_shm_connection_has_the_peer_unmap_what_it_shared_and_released() {
+    // The peer keeps each shared memfd mapped by key until told to forget
+    // it: a connection is reused once every key it shared and released
+    // since (a transfer's staging buffer) is forgotten there.
     let mut p = pair();
     assert!(p.conn().reusable());
     conformance::one_segment(&mut p);
@@ -593,17 +599,46 @@ fn a_shm_connection_is_kept_only_while_every_region_it_shared_is_registered_as_i
     let (src, _) = source(&*p.src, 4096, 1);
     send(&mut p, &src, 3);
     assert!(p.conn().reusable());
-    // Released here: let go, and the peer's mapping with it.
+    // Released here: forgotten there, and the connection serves on.
     assert!(p.src.revoke(src.key));
-    assert!(!p.conn().reusable());
+    assert!(p.conn().reusable());
+    let (src, _) = source(&*p.src, 4096, 4);
+    send(&mut p, &src, 6);
 
-    // A key that names another region than the one shared under it.
-    let mut p = pair();
+    // A key that names another region than the one shared under it: the
+    // peer's old mapping is gone, so the write reads the new region.
     let (src, _) = source(&*p.src, 4096, 2);
     send(&mut p, &src, 4);
     assert!(p.src.revoke(src.key));
-    let (other, _) = source(&*p.src, 4096, 3);
+    let (other, data) = source(&*p.src, 4096, 3);
     p.src.registry().revoke(other.key);
     p.src.registry().register_with_key(other.mem.clone(), 0, 4096, src.key, None).unwrap();
-    assert!(!p.conn().reusable(), "the peer still maps the old region under that key");
+    let again = p.src.registry().get(src.key).unwrap();
+    assert!(p.conn().reusable());
+    let dst = Window::new(&*p.dst, 5, 4096);
+    p.dst.placement().expect(tag(5, 0), 4096).unwrap();
+    p.conn().post(Batch { tag: tag(5, 0), writes: vec![w(&again, 0, &dst.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    assert_eq!(dst.bytes(), data, "the bytes of the region now under the key, not of the one shared before");
+    dst.assert_guards();
+}
+
+#[test]
+fn a_kept_shm_connection_moves_from_new_stages_past_the_peers_source_limit() {
+    // One staging buffer per transfer, each released after it: the peer
+    // unmaps each one, so a peer that maps at most 2 sources serves five
+    // transfers on one connection.
+    let src_ep = endpoint("src");
+    let dst_ep = endpoint_with("dst", 64, ShmLimits { max_sources: 2, ..ShmLimits::default() });
+    let mut p = Pair { conn: Some(connect(&src_ep, &dst_ep)), src: src_ep.clone(), dst: dst_ep.clone() };
+    for i in 0..5u16 {
+        let (stage, data) = source(&*src_ep, 256, i as u8 + 10);
+        let dst = Window::new(&*dst_ep, 6 + i, 256);
+        dst_ep.placement().expect(tag(6 + i, 0), 256).unwrap();
+        p.conn().post(Batch { tag: tag(6 + i, 0), writes: vec![w(&stage, 0, &dst.region, 0, 256)] }).unwrap();
+        assert_eq!(complete(p.conn(), 1)[0].result, Ok(()), "transfer {i}");
+        assert_eq!(dst.bytes(), data);
+        assert!(src_ep.revoke(stage.key));
+        assert!(p.conn().reusable(), "transfer {i}: its stage forgotten");
+    }
 }
