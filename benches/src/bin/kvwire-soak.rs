@@ -53,7 +53,7 @@ const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -63,6 +63,7 @@ struct RawArgs {
     seconds: Option<String>,
     clients: Option<String>,
     tokens: Option<String>,
+    transport: Option<String>,
     netns: bool,
     stream: bool,
     device: bool,
@@ -77,6 +78,8 @@ struct Settings {
     seconds: u64,
     clients: usize,
     tokens: u64,
+    // The daemons' data plane: tcp, or same-host shared memory.
+    transport: &'static str,
     netns: bool,
     stream: bool,
     // Both daemons serve device memory through the stand-in backend, and
@@ -97,6 +100,7 @@ fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
             "--seconds" => raw.seconds = Some(value("--seconds")?),
             "--clients" => raw.clients = Some(value("--clients")?),
             "--tokens" => raw.tokens = Some(value("--tokens")?),
+            "--transport" => raw.transport = Some(value("--transport")?),
             "--netns" => raw.netns = true,
             "--stream" => raw.stream = true,
             "--device" => raw.device = true,
@@ -128,6 +132,13 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
         // A daemon runs at most 64 transfers at once by default; each client has one.
         clients: number("--clients", raw.clients.as_deref(), 8, 1..=64)? as usize,
         tokens: number("--tokens", raw.tokens.as_deref(), 256, 1..=65536)?,
+        transport: match (raw.transport.as_deref(), raw.netns) {
+            (None | Some("tcp"), _) => "tcp",
+            (Some("shm"), false) => "shm",
+            // shm is same-host memory: the namespaces would prove nothing.
+            (Some("shm"), true) => return Err("--transport shm moves bytes through shared memory on one host; --netns measures tcp between namespaces".into()),
+            (Some(t), _) => return Err(format!("--transport `{t}`: expected tcp or shm")),
+        },
         netns: raw.netns,
         stream: raw.stream,
         device: raw.device,
@@ -542,7 +553,10 @@ struct Report {
 
 fn soak(s: &Settings) -> Result<Report, String> {
     let fx = fixture(s.tokens, s.stream, s.device)?;
-    let extra = &if s.device { format!("[device]\nbackend = \"host\"\ngpudirect = \"{}\"\n", s.gpudirect) } else { String::new() };
+    let device = if s.device { format!("[device]\nbackend = \"host\"\ngpudirect = \"{}\"\n", s.gpudirect) } else { String::new() };
+    // tcp is the daemons' default (and --netns sets its listen address).
+    let shm = if s.transport == "shm" { "[transport]\nkind = \"shm\"\n" } else { "" };
+    let extra = &format!("{device}{shm}");
     // The daemons' configs, secrets and sockets; removed on drop.
     let tmp = TempDir::try_new("soak")?;
     let dir = tmp.path();
@@ -776,10 +790,11 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
     let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
     let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
     println!(
-        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"netns\":{},\"stream\":{},\"device\":{},\"gpudirect\":\"{}\",\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"transport\":\"{}\",\"netns\":{},\"stream\":{},\"device\":{},\"gpudirect\":\"{}\",\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
         r.settings.seconds,
         r.settings.clients,
         r.settings.tokens,
+        r.settings.transport,
         r.settings.netns,
         r.settings.stream,
         r.settings.device,
@@ -814,7 +829,11 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
         s.seconds,
         s.clients,
         s.tokens,
-        if s.netns { "two network namespaces (veth)" } else { "loopback" }
+        match (s.netns, s.transport) {
+            (true, _) => "tcp between two network namespaces (veth)",
+            (false, "shm") => "shm (same-host shared memory)",
+            (false, _) => "tcp on loopback",
+        }
     );
     if s.stream {
         println!("streamed submits: every layer announced right after the submit");
