@@ -3,16 +3,19 @@
 //!
 //! - kvwire end to end: two real kvwired processes, a remapped and verified
 //!   transfer (the soak's shape: TP2 NHD/16 → TP1 HND/32, shuffled tables),
-//!   submit → `decoder_usable` seen, through `kvwire-soak` with one client;
-//! - kvwire's transport alone (tcp one-sided writes, best of the run);
+//!   submit → `decoder_usable` seen, through `kvwire-soak` with one client,
+//!   over tcp and over shm;
+//! - kvwire's transport alone (one-sided writes over tcp and over shm, best of the run);
 //! - Mooncake's TransferEngine (tcp, `transfer_sync_write`) and NIXL (UCX
 //!   over tcp, and UCX's same-host path), each driven by `peers/peers.py`
 //!   in a virtualenv under `target/` that `--install` creates. Each engine's
 //!   bytes are checked where they landed.
 //!
 //! An engine that cannot be installed or run is skipped loudly, with why.
-//! Ratios are an engine's p50 over kvwire's end-to-end p50: above 1 means
-//! kvwire was faster. Nothing here asserts a ratio.
+//! Ratios are an engine's p50 over kvwire's end-to-end p50 on the same
+//! path: tcp engines against kvwire end to end over tcp, same-host ones
+//! (NIXL's cma, kvwire's shm) against kvwire end to end over shm. Above 1
+//! means kvwire was faster. Nothing here asserts a ratio.
 
 use crate::{parse_size, Error};
 use anyhow::{anyhow, bail, Context};
@@ -53,7 +56,7 @@ pub struct PeersArgs {
 /// One measured (engine, size) point: a line of peers.jsonl.
 #[derive(Debug, Clone, Serialize)]
 pub struct PeerPoint {
-    /// `kvwire-e2e`, `kvwire-transport`, `mooncake-tcp`, `nixl-tcp`, `nixl-cma`.
+    /// `kvwire-e2e`, `kvwire-transport`, `kvwire-e2e-shm`, `kvwire-transport-shm`, `mooncake-tcp`, `nixl-tcp`, `nixl-cma`.
     pub engine: String,
     /// Bytes per transfer.
     pub size: u64,
@@ -65,7 +68,7 @@ pub struct PeerPoint {
     pub gbps: f64,
     /// Every byte checked at the destination.
     pub verified: bool,
-    /// This engine's p50 over kvwire end to end's (above 1: kvwire faster).
+    /// This engine's p50 over kvwire end to end's on the same path (above 1: kvwire faster).
     pub ratio_to_kvwire: Option<f64>,
 }
 
@@ -86,11 +89,13 @@ pub fn run(a: PeersArgs, out: &mut String) -> Result<(), Error> {
     }
     let mut points = Vec::new();
     for &size in &sizes {
-        eprintln!("kvwire: peers: kvwire end to end, {size} bytes");
-        points.push(kvwire_e2e(size, a.seconds).map_err(Error::Failed)?);
-        let t = crate::baseline::transport(TransportKind::Tcp, size, a.reps.clamp(3, 50)).map_err(Error::Failed)?;
-        let us = size as f64 / (t.gbps * 1e9) * 1e6;
-        points.push(PeerPoint { engine: "kvwire-transport".into(), size, p50_us: us, p99_us: None, gbps: t.gbps, verified: true, ratio_to_kvwire: None });
+        for kind in [TransportKind::Tcp, TransportKind::Shm] {
+            eprintln!("kvwire: peers: kvwire end to end over {kind}, {size} bytes");
+            points.push(kvwire_e2e(size, a.seconds, kind).map_err(Error::Failed)?);
+            let t = crate::baseline::transport(kind, size, a.reps.clamp(3, 50)).map_err(Error::Failed)?;
+            let us = size as f64 / (t.gbps * 1e9) * 1e6;
+            points.push(PeerPoint { engine: engine_name("kvwire-transport", kind), size, p50_us: us, p99_us: None, gbps: t.gbps, verified: true, ratio_to_kvwire: None });
+        }
     }
     let mut skipped = Vec::new();
     match python(a.install) {
@@ -105,9 +110,10 @@ pub fn run(a: PeersArgs, out: &mut String) -> Result<(), Error> {
         }
         Err(e) => skipped.extend(["mooncake-tcp", "nixl-tcp", "nixl-cma"].map(|engine| Skipped { engine: engine.into(), reason: format!("{e:#}") })),
     }
-    let e2e: Vec<(u64, f64)> = points.iter().filter(|p| p.engine == "kvwire-e2e").map(|p| (p.size, p.p50_us)).collect();
+    let e2e: Vec<(String, u64, f64)> = points.iter().filter(|p| p.engine.starts_with("kvwire-e2e")).map(|p| (p.engine.clone(), p.size, p.p50_us)).collect();
     for p in &mut points {
-        p.ratio_to_kvwire = e2e.iter().find(|(s, _)| *s == p.size).map(|(_, k)| p.p50_us / k);
+        let path = engine_name("kvwire-e2e", if same_host(&p.engine) { TransportKind::Shm } else { TransportKind::Tcp });
+        p.ratio_to_kvwire = e2e.iter().find(|(e, s, _)| *e == path && *s == p.size).map(|(_, _, k)| p.p50_us / k);
     }
     write_jsonl(&a.out, &points, &skipped).map_err(Error::Failed)?;
     render(out, &sizes, &points, &skipped);
@@ -129,22 +135,36 @@ fn sizes(text: &str) -> anyhow::Result<Vec<u64>> {
     Ok(v)
 }
 
-/// kvwire end to end at `size`: `kvwire-soak` with one client.
-fn kvwire_e2e(size: u64, seconds: u32) -> anyhow::Result<PeerPoint> {
+/// kvwire's row names: tcp's bare, shm's with `-shm`.
+fn engine_name(base: &str, kind: TransportKind) -> String {
+    match kind {
+        TransportKind::Shm => format!("{base}-shm"),
+        _ => base.to_string(),
+    }
+}
+
+/// Whether an engine moves bytes through same-host memory (its ratio is
+/// taken against kvwire end to end over shm).
+fn same_host(engine: &str) -> bool {
+    engine == "nixl-cma" || engine.ends_with("-shm")
+}
+
+/// kvwire end to end at `size` over `kind`: `kvwire-soak` with one client.
+fn kvwire_e2e(size: u64, seconds: u32, kind: TransportKind) -> anyhow::Result<PeerPoint> {
     let soak = kvwire_testkit::find_bin("kvwire-soak").map_err(|e| anyhow!(e))?;
     let tokens = size / SOAK_BYTES_PER_TOKEN;
     let o = Command::new(&soak)
-        .args(["--seconds", &seconds.to_string(), "--clients", "1", "--tokens", &tokens.to_string(), "--json"])
+        .args(["--seconds", &seconds.to_string(), "--clients", "1", "--tokens", &tokens.to_string(), "--transport", kind.as_str(), "--json"])
         .output()
         .with_context(|| format!("run {}", soak.display()))?;
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).with_context(|| format!("kvwire-soak output: {}", String::from_utf8_lossy(&o.stderr)))?;
     let ok = o.status.success() && v["errors"] == 0 && v["mismatches"] == 0;
     if !ok {
-        bail!("kvwire-soak at {tokens} tokens failed: {}", v["judgement"]);
+        bail!("kvwire-soak over {kind} at {tokens} tokens failed: {}", v["judgement"]);
     }
     let p50 = v["latency_ms"]["p50"].as_f64().ok_or_else(|| anyhow!("kvwire-soak gave no p50"))? * 1e3;
     let p99 = v["latency_ms"]["p99"].as_f64().map(|ms| ms * 1e3);
-    Ok(PeerPoint { engine: "kvwire-e2e".into(), size, p50_us: p50, p99_us: p99, gbps: size as f64 / (p50 * 1e-6) / 1e9, verified: true, ratio_to_kvwire: None })
+    Ok(PeerPoint { engine: engine_name("kvwire-e2e", kind), size, p50_us: p50, p99_us: p99, gbps: size as f64 / (p50 * 1e-6) / 1e9, verified: true, ratio_to_kvwire: None })
 }
 
 /// The virtualenv's python, made with `--install` when missing.
@@ -232,13 +252,13 @@ fn write_jsonl(dir: &Path, points: &[PeerPoint], skipped: &[Skipped]) -> anyhow:
 }
 
 fn render(out: &mut String, sizes: &[u64], points: &[PeerPoint], skipped: &[Skipped]) {
-    let _ = writeln!(out, "kvwire bench peers: p50 µs per transfer, same host, same run; ratio = engine p50 / kvwire end-to-end p50 (above 1: kvwire faster)");
-    let _ = writeln!(out, "{:<18} {:>10} {:>10} {:>10} {:>8}  verified", "engine", "size", "p50 µs", "p99 µs", "ratio");
+    let _ = writeln!(out, "kvwire bench peers: p50 µs per transfer, same host, same run; ratio = engine p50 / kvwire end-to-end p50 on the same path (tcp; same-host: -shm, nixl-cma), above 1: kvwire faster");
+    let _ = writeln!(out, "{:<20} {:>10} {:>10} {:>10} {:>8}  verified", "engine", "size", "p50 µs", "p99 µs", "ratio");
     for &size in sizes {
         for p in points.iter().filter(|p| p.size == size) {
             let p99 = p.p99_us.map_or("-".to_string(), |v| format!("{v:.1}"));
             let ratio = p.ratio_to_kvwire.map_or("-".to_string(), |r| format!("{r:.2}"));
-            let _ = writeln!(out, "{:<18} {:>10} {:>10.1} {:>10} {:>8}  {}", p.engine, size, p.p50_us, p99, ratio, if p.verified { "yes" } else { "NO" });
+            let _ = writeln!(out, "{:<20} {:>10} {:>10.1} {:>10} {:>8}  {}", p.engine, size, p.p50_us, p99, ratio, if p.verified { "yes" } else { "NO" });
         }
     }
     for s in skipped {
