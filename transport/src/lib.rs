@@ -204,10 +204,10 @@ pub trait Connection: Send {
     }
 
     /// Whether this connection may carry another transfer's writes: open,
-    /// nothing outstanding, and nothing about the peer's regions fixed at
-    /// connect time (verbs learns the peer's keys in its hello; shm caches
-    /// which memfds the peer holds by key, and keys are reused). Only such
-    /// a connection is kept between transfers.
+    /// and nothing outstanding (verbs asks the peer again for regions its
+    /// hello did not list; shm has the peer unmap the regions released
+    /// here since it shared them). Only such a connection is kept between
+    /// transfers.
     fn reusable(&mut self) -> bool {
         false
     }

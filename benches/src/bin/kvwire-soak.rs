@@ -53,7 +53,7 @@ const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm|verbs (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -78,7 +78,7 @@ struct Settings {
     seconds: u64,
     clients: usize,
     tokens: u64,
-    // The daemons' data plane: tcp, or same-host shared memory.
+    // The daemons' data plane: tcp, same-host shared memory, or verbs.
     transport: &'static str,
     netns: bool,
     stream: bool,
@@ -135,9 +135,11 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
         transport: match (raw.transport.as_deref(), raw.netns) {
             (None | Some("tcp"), _) => "tcp",
             (Some("shm"), false) => "shm",
-            // shm is same-host memory: the namespaces would prove nothing.
-            (Some("shm"), true) => return Err("--transport shm moves bytes through shared memory on one host; --netns measures tcp between namespaces".into()),
-            (Some(t), _) => return Err(format!("--transport `{t}`: expected tcp or shm")),
+            // verbs: the first RDMA device (a soft-RoCE rxe0 in scripts/softroce-vm).
+            (Some("verbs"), false) => "verbs",
+            // Both stay on one host: the namespaces would prove nothing.
+            (Some(t @ ("shm" | "verbs")), true) => return Err(format!("--transport {t} runs on one host's device or memory; --netns measures tcp between namespaces")),
+            (Some(t), _) => return Err(format!("--transport `{t}`: expected tcp, shm or verbs")),
         },
         netns: raw.netns,
         stream: raw.stream,
@@ -566,8 +568,8 @@ fn soak(s: &Settings) -> Result<Report, String> {
     let fx = fixture(s.tokens, s.stream, s.device)?;
     let device = if s.device { format!("[device]\nbackend = \"host\"\ngpudirect = \"{}\"\n", s.gpudirect) } else { String::new() };
     // tcp is the daemons' default (and --netns sets its listen address).
-    let shm = if s.transport == "shm" { "[transport]\nkind = \"shm\"\n" } else { "" };
-    let extra = &format!("{device}{shm}");
+    let kind = if s.transport == "tcp" { String::new() } else { format!("[transport]\nkind = \"{}\"\n", s.transport) };
+    let extra = &format!("{device}{kind}");
     // The daemons' configs, secrets and sockets; removed on drop.
     let tmp = TempDir::try_new("soak")?;
     let dir = tmp.path();
@@ -843,6 +845,7 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
         match (s.netns, s.transport) {
             (true, _) => "tcp between two network namespaces (veth)",
             (false, "shm") => "shm (same-host shared memory)",
+            (false, "verbs") => "verbs (the host's first RDMA device)",
             (false, _) => "tcp on loopback",
         }
     );

@@ -6,13 +6,14 @@ use super::shared::{RegionMr, Shared};
 use super::handshake;
 use super::notes::NoteRing;
 use super::qp::{wc_error, Qp, WC_FLUSH, WC_SUCCESS};
-use super::{chain, os_code, verbs_err, MAX_WR_BYTES, NOTES_PER_SEND, NOTE_BUF};
+use super::{chain, os_code, verbs_err, MAX_WR_BYTES, NOTES_PER_SEND, NOTE_BUF, TRANSPORT};
 use crate::auth::Credential;
 use crate::accept::Refusal;
 use crate::ledger::Ledger;
 use crate::metrics::Hop;
 use crate::{Batch, BatchId, Completion, Connection, TransportError};
-use kvwire_core::protocol::{self, Hello, RegionDesc, WriteNote, NOTE_LEN};
+use crate::hello;
+use kvwire_core::protocol::{self, Hello, Kind, RegionDesc, WriteNote, NOTE_LEN};
 use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags};
 use std::collections::HashMap;
 use std::net::TcpStream;
@@ -67,8 +68,9 @@ pub struct VerbsConnection {
     broken: Option<String>,
     remote: Hello,
     remote_regions: HashMap<u32, RegionDesc>,
-    /// The handshake socket: while it is open, the peer keeps its QP.
-    _stream: TcpStream,
+    /// The handshake socket: while it is open, the peer keeps its QP. A
+    /// kept connection asks on it for the regions granted since its hello.
+    stream: TcpStream,
     shared: Arc<Shared>,
 }
 
@@ -90,9 +92,38 @@ impl VerbsConnection {
             broken: None,
             remote,
             remote_regions,
-            _stream: stream,
+            stream,
             shared,
         })
+    }
+
+    /// Asks the peer, on the handshake stream, for the regions granted to
+    /// this session now, and takes them in place of those it knew: a kept
+    /// connection carries later transfers, whose windows the peer
+    /// registered after this connection's hello. A failure ends the
+    /// connection.
+    fn refresh(&mut self) -> Result<(), TransportError> {
+        let t = Some(self.shared.limits.handshake_timeout);
+        let asked = (|| {
+            self.stream.set_read_timeout(t).map_err(TransportError::io("handshake socket"))?;
+            self.stream.set_write_timeout(t).map_err(TransportError::io("handshake socket"))?;
+            hello::send(&mut &self.stream, &hello::control(Kind::Hello, &[]), "ask the peer for its regions")?;
+            hello::read_hello(&mut &self.stream, TRANSPORT)
+        })();
+        let asked = asked.and_then(|h| match h.node == self.remote.node {
+            true => Ok(h),
+            false => Err(TransportError::Refused(format!("peer {} answered for its regions as {}", self.remote.node, hello::printable(&h.node)))),
+        });
+        let theirs = match asked {
+            Ok(h) => h,
+            Err(e) => {
+                self.broken = Some(format!("asking {} for its regions: {e}", self.remote.node));
+                return Err(e);
+            }
+        };
+        self.remote_regions = theirs.regions.iter().map(|d| (d.key, *d)).collect();
+        self.remote.regions = theirs.regions;
+        Ok(())
     }
 
     /// Checks every write and turns it into work requests (the writes,
@@ -284,6 +315,11 @@ impl Connection for VerbsConnection {
                 format!("connection to {} is unusable, its queue pair failed earlier ({why}); reconnect", self.remote.node),
             ));
         }
+        // A key the last hello did not list: a region granted since, when
+        // this connection is kept from an earlier transfer.
+        if batch.writes.iter().any(|w| !self.remote_regions.contains_key(&w.dst_key)) {
+            self.refresh()?;
+        }
         let Planned { wrs, notes, sources } = self.plan(&batch)?;
         let start = Instant::now();
         let id = self.ledger.begin(batch.tag, batch.bytes(), start, sources);
@@ -366,6 +402,21 @@ impl Connection for VerbsConnection {
 
     fn pending(&self) -> usize {
         self.ledger.pending()
+    }
+
+    /// Open, and every work request completed. The peer's regions are
+    /// asked for again when a later transfer writes to one it has not
+    /// listed (see `refresh`).
+    fn reusable(&mut self) -> bool {
+        if self.broken.is_none() && self.outstanding_wrs > 0 {
+            let _ = self.reap();
+        }
+        // The peer sends nothing unasked on the handshake stream: readable
+        // now means it closed (idle, or gone), and with it its QP.
+        if self.broken.is_none() && crate::answers::ready(&self.stream, false, Some(Duration::ZERO)) {
+            self.broken = Some(format!("{} closed the connection", self.remote.node));
+        }
+        self.broken.is_none() && self.outstanding_wrs == 0 && self.ledger.pending() == 0
     }
 
     /// The write notes: [`NOTE_LEN`] bytes per write, SENT after the

@@ -3,7 +3,10 @@
 //! the destination's proving it back), each hello carrying its queue
 //! pair's address (QPN, PSN, GID, LID, MTU); the destination's also lists
 //! the regions granted to that session, and no others. Both bring their
-//! QP to RTR/RTS against the other's.
+//! QP to RTR/RTS against the other's. After the handshake the stream
+//! carries one thing more: a source's empty `Hello`, asking for the
+//! regions granted to the session now (a kept connection's later
+//! transfers), answered with the destination's hello listing them.
 
 use super::shared::Shared;
 use super::notes::NoteRing;

@@ -1,17 +1,18 @@
 //! The destination: one thread per accepted connection pre-posts
 //! receives into its note buffers and counts each range a received note
-//! names through the shared acceptance path ([`crate::accept`]).
+//! names through the shared acceptance path ([`crate::accept`]), and
+//! answers its source's requests for the session's regions.
 
 use super::shared::Shared;
 use super::handshake;
 use super::notes::NoteRing;
-use super::qp::{wc_error, Wc, WC_RECV, WC_SUCCESS};
+use super::qp::{wc_error, Qp, Wc, WC_RECV, WC_SUCCESS};
 use super::TRANSPORT;
 use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::auth::{Gate, Pass};
 use crate::hello;
 use crate::TransportError;
-use kvwire_core::protocol::NOTE_LEN;
+use kvwire_core::protocol::{Header, Kind, HEADER_LEN, NOTE_LEN};
 use std::io::Read;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
@@ -83,6 +84,23 @@ fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at:
     Ok(())
 }
 
+/// Answers a source's request on the handshake stream, the only one there
+/// is after the handshake: an empty `Hello` asks for the regions granted
+/// to the session now, answered with our hello listing them. Anything
+/// else ends the connection.
+fn answer_regions(shared: &Shared, stream: &TcpStream, qp: &Qp, session: u64, h: Header) -> Result<(), TransportError> {
+    if h.kind != Kind::Hello || h.len != 0 {
+        return Err(TransportError::Refused(format!(
+            "after the handshake a source may only ask for its regions (an empty Hello), not send {:?} with {} bytes",
+            h.kind, h.len
+        )));
+    }
+    stream.set_nonblocking(false).map_err(TransportError::io("connection socket"))?;
+    let _ = stream.set_write_timeout(Some(shared.limits.handshake_timeout));
+    hello::send_hello(&mut &*stream, &shared.hello(qp, Some(session)))?;
+    stream.set_nonblocking(true).map_err(TransportError::io("connection socket"))
+}
+
 /// One accepted connection: handshake, then count the ranges of received
 /// write notes until the peer closes the TCP stream or the endpoint stops.
 fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), TransportError> {
@@ -104,6 +122,8 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
     let mut last_note = Instant::now();
     let mut last_check = Instant::now();
     let mut failed = false;
+    // A request read so far on the handshake stream.
+    let mut asked: Vec<u8> = Vec::with_capacity(HEADER_LEN);
     loop {
         let wcs = qp.drain()?;
         let seen_at = Instant::now();
@@ -144,10 +164,12 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
             tracing::debug!(peer = %peer.node, "verbs connection closed: idle");
             return Ok(());
         }
-        if last_check.elapsed() >= Duration::from_millis(10) {
+        // The stream is read whenever the CQ is idle: a kept connection's
+        // source asks on it for its regions before a transfer's first post.
+        if wcs.is_empty() || last_check.elapsed() >= Duration::from_millis(10) {
             last_check = Instant::now();
-            let mut b = [0u8; 64];
-            match stream.read(&mut b) {
+            let mut b = [0u8; HEADER_LEN];
+            match stream.read(&mut b[..HEADER_LEN - asked.len()]) {
                 Ok(0) => {
                     // The peer closed: its writes have all completed or failed at
                     // its side; take what is left in the CQ, then go.
@@ -158,7 +180,14 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                     }
                     return Ok(());
                 }
-                Ok(_) => {} // nothing is sent after the handshake; ignore
+                Ok(n) => {
+                    asked.extend_from_slice(&b[..n]);
+                    if asked.len() == HEADER_LEN {
+                        let h = Header::decode(&asked, 0)?;
+                        asked.clear();
+                        answer_regions(shared, &stream, &qp, session, h)?;
+                    }
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) => return Err(TransportError::io("connection socket")(e)),
             }

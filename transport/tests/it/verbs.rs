@@ -638,3 +638,95 @@ fn verbs_rails_share_keys_and_count_a_range_written_twice_once() {
     dst1.revoke(dst.key);
     assert!(dst1.desc(dst.key).is_none(), "the rail deregistered its MR");
 }
+
+#[test]
+fn verbs_a_kept_connection_asks_for_the_regions_granted_after_its_hello() {
+    // A kept connection carries later transfers, whose windows the
+    // destination grants after this connection's hello: a write to a key
+    // the hello did not list asks the peer on the handshake stream.
+    let Some((src, dst_ep)) = pair(limits("src")) else { return };
+    let (smem, sbytes) = source(64 * 1024, 21);
+    let sreg = src.register_all(smem, None).expect("register source");
+    let mut conn = connect(&src, &dst_ep).expect("connect");
+    for (i, slot) in [7u16, 8, 9].into_iter().enumerate() {
+        let mut d = Dst::new(&dst_ep, slot, 16 * 1024);
+        assert!(!conn.remote().regions.iter().any(|r| r.key == d.rkey), "transfer {i}: granted after the hello");
+        let tag = Tag { slot, layer: 0 };
+        let w = WriteOp { src_key: sreg.key, src_offset: 100 * i as u64, dst_key: d.rkey, dst_offset: 64, len: 8192 };
+        dst_ep.placement().expect(tag, w.len).expect("expect");
+        conn.post(Batch { tag, writes: vec![w] }).expect("post to a window granted after the hello");
+        ok(&wait_completions(conn.as_mut(), 1)[0]);
+        dst_ep.placement().wait(tag, WAIT).expect("flag");
+        d.apply(&sbytes, &w);
+        d.check("window granted after the hello");
+        assert!(conn.reusable(), "transfer {i}: open, nothing outstanding");
+        // The transfer ends: its window is revoked, the connection kept.
+        assert!(dst_ep.revoke(d.key));
+    }
+    // A key the peer never granted is still refused here, by name, after asking.
+    let w = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: 0x5eed, dst_offset: 0, len: 64 };
+    let err = conn.post(Batch { tag: Tag { slot: 7, layer: 1 }, writes: vec![w] }).expect_err("a key never granted");
+    assert!(matches!(&err, TransportError::Refused(m) if m.contains("0x00005eed")), "{err:?}");
+    assert!(conn.reusable(), "a refusal before posting leaves the connection usable");
+}
+
+#[test]
+fn verbs_after_the_handshake_only_a_request_for_regions_is_answered() {
+    let Some((src, dst_ep)) = pair(limits("src")) else { return };
+    let d = Dst::new(&dst_ep, 3, 4096);
+    // A real connection, for the destination's QP address (a raw client's
+    // QP points at a QP number that never answers: its handshake still
+    // completes, and nothing here sends over it).
+    let real = connect(&src, &dst_ep).expect("connect");
+    let theirs = real.remote().verbs.expect("a verbs hello carries QP data");
+    let raw = || {
+        let mut s = TcpStream::connect(dst_ep.local_addr()).expect("connect");
+        s.set_read_timeout(Some(WAIT)).expect("timeout");
+        let mut w = s.try_clone().expect("clone");
+        let ours = Hello {
+            version: PROTOCOL_VERSION,
+            transport: "verbs".into(),
+            node: "src".into(),
+            regions: vec![],
+            verbs: Some(VerbsAddr { qpn: 0x42, psn: 1, ..theirs }),
+            session: None,
+            nonce: String::new(),
+            proof: String::new(),
+        };
+        let hello = kvwire_transport::hello::initiate(&mut s, &mut w, "verbs", crate::conformance::cred(), ours).expect("raw handshake");
+        assert!(hello.regions.iter().any(|r| r.key == d.rkey));
+        s
+    };
+    // An empty Hello asks for the regions: our hello comes back, listing them.
+    let mut s = raw();
+    send_frame(&mut s, Kind::Hello, &[]);
+    let (h, p) = recv_frame(&mut s);
+    assert_eq!(h.kind, Kind::Hello);
+    let listed = Hello::decode(&p, "verbs").expect("a hello");
+    assert!(listed.regions.iter().any(|r| r.key == d.rkey), "{listed:?}");
+    // Anything else ends that connection: a Hello with a payload, a write, half a header then more.
+    for bad in [
+        [Header { kind: Kind::Hello, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: 8 }.encode().as_slice(), &[0u8; 8]].concat(),
+        Header { kind: Kind::Write, tag: Tag { slot: 3, layer: 0 }, key: d.rkey, seq: 0, offset: 0, len: 16 }.encode().to_vec(),
+        vec![0xFF; HEADER_LEN],
+    ] {
+        let mut s = raw();
+        s.write_all(&bad).expect("send");
+        // Closed, with nothing answered (a reset when it left bytes unread).
+        let mut rest = Vec::new();
+        match s.read_to_end(&mut rest) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("the destination answered {other:?}: {rest:?}"),
+        }
+    }
+    // The endpoint still serves the real connection.
+    drop(real);
+    let mut conn = connect(&src, &dst_ep).expect("reconnect");
+    let (smem, _) = source(4096, 3);
+    let sreg = src.register_all(smem, None).expect("register source");
+    let tag = Tag { slot: 3, layer: 0 };
+    dst_ep.placement().expect(tag, 256).expect("expect");
+    conn.post(Batch { tag, writes: vec![WriteOp { src_key: sreg.key, src_offset: 0, dst_key: d.rkey, dst_offset: 0, len: 256 }] }).expect("post");
+    ok(&wait_completions(conn.as_mut(), 1)[0]);
+}
