@@ -864,12 +864,12 @@ impl Connection for ShmConnection {
         self.ledger.pending()
     }
 
-    /// Open, nothing outstanding, and every region the peer maps still
-    /// registered here under the key it was shared by: the peer keeps each shared mapping for the life of
-    /// the connection, so one that shared a region since released (or too
-    /// many of them) is let go, and the peer's mappings with it. Kept, the
-    /// next transfer reuses the peer's mappings of the same caches instead
-    /// of a handshake, a memfd hand-over and a fresh mapping to fault in.
+    /// Open and nothing outstanding, once the peer was told to forget
+    /// every region shared here that is no longer registered under the key
+    /// it was shared by (a transfer's staging buffer), and while it maps at
+    /// most [`MAX_KEPT_SHARES`]. Kept, the next transfer reuses the peer's
+    /// mappings of the same caches instead of a handshake, a memfd
+    /// hand-over and a fresh mapping to fault in.
     fn reusable(&mut self) -> bool {
         self.drain(true);
         if self.closed.is_some() || self.ledger.pending() != 0 {
