@@ -113,10 +113,13 @@ impl Daemon {
         let cred = &link.credential;
         let connect = |i: usize, rail: &RailAddr| {
             if let Some(c) = self.data_conns.take(&(i, rail.addr.clone(), cred.session), |c| c.reusable(), Duration::ZERO) {
+                Metrics::add(&self.metrics.data_conns_reused, 1);
                 return Ok(c);
             }
             let local = &self.rails[i % self.rails.len()];
-            local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr, cred)
+            let c = local.ep.as_ref().unwrap_or(&self.ep).connect(&rail.addr, cred)?;
+            Metrics::add(&self.metrics.data_conns_opened, 1);
+            Ok(c)
         };
         let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| self.data_conns.keep((i, rail.addr.clone(), cred.session), c, || self.keeping());
         let total_posted = total.writes + total.bytes;

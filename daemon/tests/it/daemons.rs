@@ -668,3 +668,35 @@ fn a_request_like_an_earlier_one_is_not_planned_again_and_a_new_table_is() {
     moved(ds, "r5");
     assert_eq!(counts(), (3, 3, 3));
 }
+
+/// A count of `kvwire_data_connections_total` in `stats`.
+fn data_conns(stats: &str, node: &str, how: &str) -> u64 {
+    let key = format!("kvwire_data_connections_total{{node=\"{node}\",how=\"{how}\"}} ");
+    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+}
+
+/// Transfers to one peer share its data connection: the first opens it,
+/// the next take it kept. Over shm too, where each remapped transfer packs
+/// from a staging buffer registered under a key of its own, which the
+/// destination is told to forget before the next transfer.
+#[test]
+fn later_transfers_to_a_peer_take_its_kept_data_connection_over_tcp_and_shm() {
+    let tokens = 100;
+    for kind in ["tcp", "shm"] {
+        let dir = TempDir::new(&format!("kept-{kind}"));
+        let extra = format!("[transport]\nkind = \"{kind}\"\n");
+        let b = start_daemon(dir.path(), "b", "a-secret-of-at-least-16-bytes", &[], &extra);
+        let a = start_daemon(dir.path(), "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)], &extra);
+        let ca = Client::connect(&a.socket, "prefill").unwrap();
+        let cb = Client::connect(&b.socket, "decode").unwrap();
+        let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+        let src_bytes = verify::fill_source(&model(), &ss, tokens);
+        let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
+        let dst = register(&cb, "decode", DST, &ds, None, identity());
+        for r in ["r1", "r2", "r3"] {
+            transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, r);
+        }
+        let sa = ca.stats().unwrap();
+        assert_eq!((data_conns(&sa, "a", "opened"), data_conns(&sa, "a", "reused")), (1, 2), "{kind}");
+    }
+}
