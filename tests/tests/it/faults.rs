@@ -960,6 +960,19 @@ fn verbs_rails_stripe_a_transfer_over_two_devices_exactly() {
     assert_eq!((st.state, dst_st.state), (TransferState::Done, TransferState::Done), "{st:?} {dst_st:?}");
     assert_eq!(st.wire_bytes, dst_st.wire_bytes, "the two sides' counts");
     assert!(st.wire_bytes >= c.bytes() + 24 * (r0.slices + r1.slices), "{} wire bytes for {} payload bytes in {} slices", st.wire_bytes, c.bytes(), r0.slices + r1.slices);
+
+    // The next transfer takes both rails' connections (their QPs) kept,
+    // asking the destination for the windows it granted since.
+    let (sslot, dslot) = start(&ca, &cb, "decode-host", &c, "src", "r2", &table);
+    cb.wait(dslot, FlagName::DecoderUsable, Duration::from_secs(60)).unwrap();
+    ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).unwrap();
+    assert_eq!(first_difference(&contents(&dst), &expected), None, "the second transfer, on kept connections");
+    let stats = ca.stats().unwrap();
+    let conns = |how: &str| {
+        let key = format!("kvwire_data_connections_total{{node=\"prefill-host\",how=\"{how}\"}} ");
+        stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+    };
+    assert_eq!((conns("opened"), conns("reused")), (2, 2), "one connection per rail, opened by the first transfer and taken by the second");
 }
 
 #[test]
