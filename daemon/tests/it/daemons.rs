@@ -494,10 +494,15 @@ fn limits_are_enforced_by_name_and_what_is_registered_keeps_working() {
     transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "after");
 }
 
+/// The count of counter `metric` of `node` with the one label `label` in `stats`.
+fn counter(stats: &str, metric: &str, node: &str, label: &str) -> u64 {
+    let key = format!("{metric}{{node=\"{node}\",{label}}} ");
+    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+}
+
 /// A count of `kvwire_starts_total` in `stats`.
 fn starts(stats: &str, node: &str, how: &str) -> u64 {
-    let key = format!("kvwire_starts_total{{node=\"{node}\",how=\"{how}\"}} ");
-    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+    counter(stats, "kvwire_starts_total", node, &format!("how=\"{how}\""))
 }
 
 /// Daemon `a` sending to daemon `b` (started with config `b_extra`), a
@@ -517,9 +522,14 @@ struct Pair {
 }
 
 fn pair(name: &str, b_extra: &str, tokens: u64) -> Pair {
+    pair_with(name, "", b_extra, tokens)
+}
+
+/// [`pair`], with `a` started with config `a_extra` too.
+fn pair_with(name: &str, a_extra: &str, b_extra: &str, tokens: u64) -> Pair {
     let dir = TempDir::new(name);
     let b = start_daemon(dir.path(), "b", "a-secret-of-at-least-16-bytes", &[], b_extra);
-    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let a = start_daemon(dir.path(), "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)], a_extra);
     let ca = Client::connect(&a.socket, "prefill").unwrap();
     let cb = Client::connect(&b.socket, "decode").unwrap();
     let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
@@ -628,8 +638,7 @@ fn a_receive_above_the_announce_bound_is_not_announced_and_its_transfer_offers()
 
 /// A count of `kvwire_plans_reused_total` in `stats`.
 fn reused(stats: &str, node: &str, when: &str) -> u64 {
-    let key = format!("kvwire_plans_reused_total{{node=\"{node}\",when=\"{when}\"}} ");
-    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+    counter(stats, "kvwire_plans_reused_total", node, &format!("when=\"{when}\""))
 }
 
 /// A request with the layouts, block tables and token counts of an
@@ -671,8 +680,7 @@ fn a_request_like_an_earlier_one_is_not_planned_again_and_a_new_table_is() {
 
 /// A count of `kvwire_data_connections_total` in `stats`.
 fn data_conns(stats: &str, node: &str, how: &str) -> u64 {
-    let key = format!("kvwire_data_connections_total{{node=\"{node}\",how=\"{how}\"}} ");
-    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+    counter(stats, "kvwire_data_connections_total", node, &format!("how=\"{how}\""))
 }
 
 /// Transfers to one peer share its data connection: the first opens it,
@@ -683,18 +691,10 @@ fn data_conns(stats: &str, node: &str, how: &str) -> u64 {
 fn later_transfers_to_a_peer_take_its_kept_data_connection_over_tcp_and_shm() {
     let tokens = 100;
     for kind in ["tcp", "shm"] {
-        let dir = TempDir::new(&format!("kept-{kind}"));
         let extra = format!("[transport]\nkind = \"{kind}\"\n");
-        let b = start_daemon(dir.path(), "b", "a-secret-of-at-least-16-bytes", &[], &extra);
-        let a = start_daemon(dir.path(), "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)], &extra);
-        let ca = Client::connect(&a.socket, "prefill").unwrap();
-        let cb = Client::connect(&b.socket, "decode").unwrap();
-        let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
-        let src_bytes = verify::fill_source(&model(), &ss, tokens);
-        let _src = register(&ca, "prefill", SRC, &ss, Some(&src_bytes), identity());
-        let dst = register(&cb, "decode", DST, &ds, None, identity());
+        let Pair { ca, cb, ss, ds, dst, .. } = &pair_with(&format!("kept-{kind}"), &extra, &extra, tokens);
         for r in ["r1", "r2", "r3"] {
-            transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, r);
+            transfer_exact(ca, cb, ss, ds, dst, tokens, r);
         }
         let sa = ca.stats().unwrap();
         assert_eq!((data_conns(&sa, "a", "opened"), data_conns(&sa, "a", "reused")), (1, 2), "{kind}");
