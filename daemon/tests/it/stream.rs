@@ -160,6 +160,13 @@ fn a_streamed_transfer_cancelled_while_waiting_for_a_layer_fails_both_sides_afte
         p.ca.produced("prefill", "s3", rank, 2).unwrap();
     }
     p.cb.wait(slot, FlagName::LayerReady(1), WAIT).unwrap();
+    // ... and the source has the answers for them: it counts the writes
+    // the destination answered, and a cancel stops it reading answers.
+    let deadline = std::time::Instant::now() + WAIT;
+    while p.ca.status(sub.slot).unwrap().rails.iter().map(|r| r.bytes).sum::<u64>() < sub.bytes / 2 {
+        assert!(std::time::Instant::now() < deadline, "the source never heard layers 0 and 1 answered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     // The engine gives up on the request before layer 2.
     p.ca.cancel(sub.slot).unwrap();
     match p.cb.wait(slot, FlagName::DecoderUsable, WAIT) {
