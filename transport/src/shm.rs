@@ -620,6 +620,18 @@ fn read_header(rd: &mut FdReader, max_write: u64) -> Result<Header, Either> {
     Header::decode(b, max_write).map_err(Either::Frame)
 }
 
+/// Appends one request, a header and its trailer as the module docs lay
+/// them out: a write (`share` 0 or 1) or a forget (2).
+fn push_request(buf: &mut Vec<u8>, h: Header, src_key: u32, share: u32, (win_offset, win_len): (u64, u64), src_offset: u64, len: u64) {
+    buf.extend_from_slice(&h.encode());
+    buf.extend_from_slice(&src_key.to_le_bytes());
+    buf.extend_from_slice(&share.to_le_bytes());
+    buf.extend_from_slice(&win_offset.to_le_bytes());
+    buf.extend_from_slice(&win_len.to_le_bytes());
+    buf.extend_from_slice(&src_offset.to_le_bytes());
+    buf.extend_from_slice(&len.to_le_bytes());
+}
+
 /// Write requests and the memfds one `sendmsg` carries with them.
 type Piece = (Vec<u8>, Vec<RawFd>);
 
@@ -745,14 +757,8 @@ impl ShmConnection {
             let seq = self.next_seq;
             self.next_seq += 1;
             let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset, len: TRAILER_LEN };
-            piece.0.extend_from_slice(&h.encode());
-            piece.0.extend_from_slice(&w.src_key.to_le_bytes());
-            piece.0.extend_from_slice(&u32::from(share).to_le_bytes());
-            let (win_offset, win_len) = if share { (region.offset, region.len) } else { (0, 0) };
-            piece.0.extend_from_slice(&win_offset.to_le_bytes());
-            piece.0.extend_from_slice(&win_len.to_le_bytes());
-            piece.0.extend_from_slice(&w.src_offset.to_le_bytes());
-            piece.0.extend_from_slice(&w.len.to_le_bytes());
+            let window = if share { (region.offset, region.len) } else { (0, 0) };
+            push_request(&mut piece.0, h, w.src_key, u32::from(share), window, w.src_offset, w.len);
             if share {
                 piece.1.push(region.mem.fd().as_raw_fd());
             }
@@ -765,12 +771,9 @@ impl ShmConnection {
     /// since) and forgets them; a failure closes the connection.
     fn forget(&mut self, keys: &[u32]) -> Result<(), TransportError> {
         let mut buf = Vec::with_capacity(keys.len() * (HEADER_LEN + TRAILER_LEN as usize));
+        let h = Header { kind: Kind::Write, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: TRAILER_LEN };
         for &k in keys {
-            let h = Header { kind: Kind::Write, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: TRAILER_LEN };
-            buf.extend_from_slice(&h.encode());
-            buf.extend_from_slice(&k.to_le_bytes());
-            buf.extend_from_slice(&2u32.to_le_bytes());
-            buf.extend_from_slice(&[0u8; TRAILER_LEN as usize - 8]);
+            push_request(&mut buf, h, k, 2, (0, 0), 0, 0);
         }
         if let Err(e) = self.send(&buf, &[]) {
             self.close(e.to_string());
