@@ -10,7 +10,7 @@ use kvwire_core::{verify, CacheFormat};
 use kvwire_transport::HostMem;
 use kvwire_client::client::{Client, ClientError, Submitted};
 use kvwire_client::control::*;
-use kvwire_testkit::{start_daemon, DaemonProc, TempDir};
+use kvwire_testkit::{counter, start_daemon, DaemonProc, TempDir};
 use std::time::Duration;
 
 pub(crate) const MODEL: &str = "name = \"toy\"\ndtype = \"bf16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 16\n";
@@ -492,12 +492,6 @@ fn limits_are_enforced_by_name_and_what_is_registered_keeps_working() {
     cb.cancel(_s2).unwrap();
     // The refusals cost nothing already registered: a transfer is exact.
     transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "after");
-}
-
-/// The count of counter `metric` of `node` with the one label `label` in `stats`.
-fn counter(stats: &str, metric: &str, node: &str, label: &str) -> u64 {
-    let key = format!("{metric}{{node=\"{node}\",{label}}} ");
-    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
 }
 
 /// A count of `kvwire_starts_total` in `stats`.

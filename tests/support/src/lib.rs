@@ -130,6 +130,14 @@ pub fn kvwire(args: &[&str]) -> Output {
     Command::new(bin("kvwire")).args(args).output().expect("run kvwire")
 }
 
+/// The count of counter `metric` of `node` with the one label `label`
+/// (`how="opened"`) in a daemon's Prometheus text `stats`; panics naming
+/// the series when it is not there.
+pub fn counter(stats: &str, metric: &str, node: &str, label: &str) -> u64 {
+    let key = format!("{metric}{{node=\"{node}\",{label}}} ");
+    stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
+}
+
 /// A kvwired process started for a test, a bench or the demo; killed on drop.
 #[derive(Debug)]
 pub struct DaemonProc {

@@ -968,10 +968,7 @@ fn verbs_rails_stripe_a_transfer_over_two_devices_exactly() {
     ca.wait(sslot, FlagName::SourceReleased, Duration::from_secs(10)).unwrap();
     assert_eq!(first_difference(&contents(&dst), &expected), None, "the second transfer, on kept connections");
     let stats = ca.stats().unwrap();
-    let conns = |how: &str| {
-        let key = format!("kvwire_data_connections_total{{node=\"prefill-host\",how=\"{how}\"}} ");
-        stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse::<u64>().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
-    };
+    let conns = |how: &str| kvwire_testkit::counter(&stats, "kvwire_data_connections_total", "prefill-host", &format!("how=\"{how}\""));
     assert_eq!((conns("opened"), conns("reused")), (2, 2), "one connection per rail, opened by the first transfer and taken by the second");
 }
 

@@ -121,6 +121,17 @@ impl Dst {
     }
 }
 
+/// Posts `w` alone under `tag` on `conn` and checks it landed in `d`: its
+/// completion, the layer's flag, and every byte of `d` (`what` names it).
+fn write_lands(conn: &mut dyn Connection, dst_ep: &VerbsEndpoint, d: &mut Dst, sbytes: &[u8], tag: Tag, w: WriteOp, what: &str) {
+    dst_ep.placement().expect(tag, w.len).expect("expect");
+    conn.post(Batch { tag, writes: vec![w] }).unwrap_or_else(|e| panic!("{what}: post: {e}"));
+    ok(&wait_completions(conn, 1)[0]);
+    dst_ep.placement().wait(tag, WAIT).expect("flag");
+    d.apply(sbytes, &w);
+    d.check(what);
+}
+
 /// A connection from `src` to `dst`, once `dst` has the test session open
 /// for `src`, as a destination daemon does after the peer handshake.
 fn connect(src: &VerbsEndpoint, dst: &VerbsEndpoint) -> Result<Box<dyn Connection>, TransportError> {
@@ -432,12 +443,7 @@ fn verbs_bad_writes_are_refused_locally_before_posting() {
     dst.check("after refused batches");
 
     // The connection still serves a good batch.
-    dst_ep.placement().expect(tag, good.len).expect("expect");
-    conn.post(Batch { tag, writes: vec![good] }).expect("post after refusals");
-    ok(&wait_completions(conn.as_mut(), 1)[0]);
-    dst_ep.placement().wait(tag, WAIT).expect("flag");
-    dst.apply(&sbytes, &good);
-    dst.check("good write after refusals");
+    write_lands(conn.as_mut(), &dst_ep, &mut dst, &sbytes, tag, good, "good write after refusals");
 }
 
 #[test]
@@ -481,12 +487,7 @@ fn verbs_write_after_revoke_fails_and_leaves_the_destination_untouched() {
     assert!(matches!(err, TransportError::Refused(_)), "{err:?}");
     let tag2 = Tag { slot: 6, layer: 1 };
     let w2 = WriteOp { src_key: sreg.key, src_offset: 500, dst_key: other.rkey, dst_offset: 1000, len: 8192 };
-    dst_ep.placement().expect(tag2, w2.len).expect("expect");
-    conn2.post(Batch { tag: tag2, writes: vec![w2] }).expect("post on the new connection");
-    ok(&wait_completions(conn2.as_mut(), 1)[0]);
-    dst_ep.placement().wait(tag2, WAIT).expect("flag");
-    other.apply(&sbytes, &w2);
-    other.check("other region");
+    write_lands(conn2.as_mut(), &dst_ep, &mut other, &sbytes, tag2, w2, "other region");
     revoked.check("revoked region, at the end");
 }
 
@@ -653,12 +654,7 @@ fn verbs_a_kept_connection_asks_for_the_regions_granted_after_its_hello() {
         assert!(!conn.remote().regions.iter().any(|r| r.key == d.rkey), "transfer {i}: granted after the hello");
         let tag = Tag { slot, layer: 0 };
         let w = WriteOp { src_key: sreg.key, src_offset: 100 * i as u64, dst_key: d.rkey, dst_offset: 64, len: 8192 };
-        dst_ep.placement().expect(tag, w.len).expect("expect");
-        conn.post(Batch { tag, writes: vec![w] }).expect("post to a window granted after the hello");
-        ok(&wait_completions(conn.as_mut(), 1)[0]);
-        dst_ep.placement().wait(tag, WAIT).expect("flag");
-        d.apply(&sbytes, &w);
-        d.check("window granted after the hello");
+        write_lands(conn.as_mut(), &dst_ep, &mut d, &sbytes, tag, w, "window granted after the hello");
         assert!(conn.reusable(), "transfer {i}: open, nothing outstanding");
         // The transfer ends: its window is revoked, the connection kept.
         assert!(dst_ep.revoke(d.key));
