@@ -63,6 +63,8 @@ pub struct VerbsConnection {
     /// until its work requests completed.
     ledger: Ledger<Vec<Arc<RegionMr>>>,
     outstanding_wrs: u32,
+    /// The CQ was armed and its event not taken yet (see `idle`).
+    armed: bool,
     /// Note bytes posted (the framing of RDMA writes).
     framing: u64,
     broken: Option<String>,
@@ -88,6 +90,7 @@ impl VerbsConnection {
             notes_sent: 0,
             ledger: Ledger::new(shared.placement.hops().clone(), 1),
             outstanding_wrs: 0,
+            armed: false,
             framing: 0,
             broken: None,
             remote,
@@ -284,22 +287,32 @@ impl VerbsConnection {
                     ));
                 }
                 idle += 1;
-                backoff(idle);
+                self.idle(idle, deadline)?;
             } else {
                 idle = 0;
             }
         }
         Ok(())
     }
-}
 
-fn backoff(idle: u32) {
-    if idle < 100 {
-        std::hint::spin_loop();
-    } else if idle < 300 {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep(Duration::from_micros(20));
+    /// After `idle` empty polls: spins, then yields (a write usually
+    /// completes within microseconds), then sleeps on the CQ's completion
+    /// channel until the next completion or `deadline`. Several
+    /// connections polling on few cores starved each other and, with
+    /// soft-RoCE, the kernel work that completes their writes.
+    fn idle(&mut self, idle: u32, deadline: Instant) -> Result<(), TransportError> {
+        if idle < 100 {
+            std::hint::spin_loop();
+        } else if idle < 300 {
+            std::thread::yield_now();
+        } else if !self.armed {
+            // The caller polls once more before the next call sleeps.
+            self.qp.arm()?;
+            self.armed = true;
+        } else if self.qp.wait(None, deadline.saturating_duration_since(Instant::now()))? {
+            self.armed = false;
+        }
+        Ok(())
     }
 }
 
@@ -396,7 +409,7 @@ impl Connection for VerbsConnection {
                 return Ok(self.ledger.take_done());
             }
             idle += 1;
-            backoff(idle);
+            self.idle(idle, deadline)?;
         }
     }
 

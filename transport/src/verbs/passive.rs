@@ -14,6 +14,7 @@ use crate::hello;
 use crate::TransportError;
 use kvwire_core::protocol::{Header, Kind, HEADER_LEN, NOTE_LEN};
 use std::io::Read;
+use std::os::fd::AsFd;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -122,6 +123,8 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
     let mut last_note = Instant::now();
     let mut last_check = Instant::now();
     let mut failed = false;
+    // The CQ was armed and its event not taken yet.
+    let mut armed = false;
     // A request read so far on the handshake stream.
     let mut asked: Vec<u8> = Vec::with_capacity(HEADER_LEN);
     loop {
@@ -146,16 +149,6 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
         }
         if !reposts.is_empty() && !failed {
             qp.post_recvs(&ring, reposts.into_iter())?;
-        }
-        if wcs.is_empty() {
-            idle = idle.saturating_add(1);
-            if idle > 200 {
-                std::thread::sleep(Duration::from_micros(if idle > 5000 { 500 } else { 50 }));
-            } else {
-                std::thread::yield_now();
-            }
-        } else {
-            idle = 0;
         }
         if shared.stop.load(Ordering::Acquire) {
             return Ok(());
@@ -192,5 +185,26 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                 Err(e) => return Err(TransportError::io("connection socket")(e)),
             }
         }
+        // Idle: yield a while, then sleep until the next completion or a
+        // byte on the stream (a request, or the peer closing).
+        if wcs.is_empty() {
+            idle = idle.saturating_add(1);
+            if idle <= 200 {
+                std::thread::yield_now();
+            } else if !armed {
+                // The CQ is polled once more before sleeping: a completion
+                // that came before arming raises no event.
+                qp.arm()?;
+                armed = true;
+            } else if qp.wait(Some(stream.as_fd()), IDLE_TICK)? {
+                armed = false;
+            }
+        } else {
+            idle = 0;
+        }
     }
 }
+
+/// The longest an idle connection sleeps before it looks at the endpoint's
+/// stop flag and its idle timeout again.
+const IDLE_TICK: Duration = Duration::from_millis(20);

@@ -9,14 +9,17 @@ use crate::TransportError;
 use kvwire_core::protocol::VerbsAddr;
 use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
 use sideway::ibverbs::completion::{
-    BasicCompletionQueue, PollCompletionQueueError, WorkCompletionOperationType, WorkCompletionStatus,
+    BasicCompletionQueue, CompletionChannel, CompletionQueue as _, PollCompletionQueueError, WorkCompletionOperationType,
+    WorkCompletionStatus,
 };
 use sideway::ibverbs::device_context::Mtu;
 use sideway::ibverbs::queue_pair::{
     BasicQueuePair, QueuePair, QueuePairAttribute, QueuePairState, SetScatterGatherEntry,
 };
 use sideway::ibverbs::AccessFlags;
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// One RC queue pair with its own CQ (send and receive share it).
 pub(super) struct Qp {
@@ -24,6 +27,9 @@ pub(super) struct Qp {
     // on it) before its CQ; the QP also holds the CQ and PD alive itself.
     pub(super) qp: BasicQueuePair,
     pub(super) cq: Arc<BasicCompletionQueue>,
+    // Raises an event on the CQ's next completion once armed: an idle
+    // side sleeps on it rather than polling (see `arm`, `wait`).
+    channel: Arc<CompletionChannel>,
     pub(super) psn: u32,
 }
 
@@ -37,10 +43,13 @@ impl Qp {
     /// A new RC QP in INIT.
     pub(super) fn new(shared: &Shared, send_depth: u32, recv_depth: u32) -> Result<Qp, TransportError> {
         let dev = &shared.info.device;
+        let channel = CompletionChannel::new(&shared.ctx).map_err(|e| verbs_err("ibv_create_comp_channel", format!("{dev}: {}", chain(&e))))?;
+        channel.set_nonblocking(true).map_err(|e| verbs_err("ibv_create_comp_channel", format!("{dev}: its fd cannot be made nonblocking: {e}")))?;
         let cq = shared
             .ctx
             .create_cq_builder()
             .setup_cqe(send_depth + recv_depth + 1)
+            .setup_comp_channel(&channel, 0)
             .build()
             .map_err(|e| verbs_err("ibv_create_cq", format!("{dev}, {} entries: {}", send_depth + recv_depth + 1, chain(&e))))?;
         let qp = shared
@@ -60,7 +69,7 @@ impl Qp {
                 )
             })?;
         let psn = (monotonic_ns() as u32 ^ (monotonic_ns() >> 20) as u32) & 0x00FF_FFFF;
-        let mut q = Qp { qp, cq, psn };
+        let mut q = Qp { qp, cq, channel, psn };
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -140,6 +149,48 @@ impl Qp {
             n += 1;
         }
         guard.post().map_err(|e| verbs_err("ibv_post_recv", format!("{n} receives: {}", chain(&e))))
+    }
+
+    /// Asks for an event on the CQ's next completion. One that came before
+    /// this call raises none: drain once more before `wait`.
+    pub(super) fn arm(&self) -> Result<(), TransportError> {
+        // SAFETY: the CQ lives as long as `self`.
+        let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+        match rc {
+            0 => Ok(()),
+            e => Err(verbs_err("ibv_req_notify_cq", std::io::Error::from_raw_os_error(e.abs()).to_string())),
+        }
+    }
+
+    /// Sleeps until the armed CQ raises its event, `also` turns readable,
+    /// or `timeout` passes; true when the CQ's event was taken (the CQ
+    /// must be armed again for the next).
+    pub(super) fn wait(&self, also: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<bool, TransportError> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        // SAFETY: the channel's fd stays open as long as the channel.
+        let ch = unsafe { BorrowedFd::borrow_raw(self.channel.as_raw_fd()) };
+        let mut fds = vec![PollFd::new(ch, PollFlags::POLLIN)];
+        fds.extend(also.map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
+        // Rounded up: a wait under a millisecond is a wait, not a spin.
+        let ms = PollTimeout::try_from(timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX);
+        match poll(&mut fds, ms) {
+            Ok(n) if n > 0 => {}
+            Ok(_) | Err(nix::errno::Errno::EINTR) => return Ok(false),
+            Err(e) => return Err(verbs_err("poll", format!("completion channel: {e}"))),
+        }
+        if !fds[0].revents().is_some_and(|r| r.intersects(PollFlags::POLLIN)) {
+            return Ok(false);
+        }
+        let (mut cq, mut ctx) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: the channel is live; being nonblocking, it answers EAGAIN
+        // when another wake took the event first.
+        if unsafe { rdma_mummy_sys::ibv_get_cq_event(self.channel.comp_channel().as_ptr(), &mut cq, &mut ctx) } != 0 {
+            return Ok(false);
+        }
+        // Acknowledged at once: destroying the CQ waits for every event taken.
+        // SAFETY: `cq` is this QP's CQ, which raised the event.
+        unsafe { rdma_mummy_sys::ibv_ack_cq_events(cq, 1) };
+        Ok(true)
     }
 
     /// Completions available now, copied out of the CQ.
