@@ -140,9 +140,10 @@ fn time_verbs(src: &VerbsEndpoint, dst: &VerbsEndpoint, size: u64, iters: u32) -
 }
 
 /// `ib_write_bw` loopback on `device`: server and client on the same
-/// device, `size` bytes × `iters`; returns per-transfer times derived from
-/// its average bandwidth (reported in Gb/s, 1e9 bits).
-fn ib_write_bw(device: &str, gid_index: u32, size: u64, iters: u32) -> anyhow::Result<Vec<Duration>> {
+/// device, `size` bytes × `iters` on each of `qps` QPs at once; returns
+/// one QP's per-transfer time derived from the average bandwidth (reported
+/// in Gb/s, 1e9 bits, summed over the QPs).
+fn ib_write_bw(device: &str, gid_index: u32, size: u64, iters: u32, qps: u32) -> anyhow::Result<Vec<Duration>> {
     use std::process::{Command, Stdio};
     let port = 18515 + (std::process::id() % 1000) as u16;
     // Small messages need many iterations before perftest's clock sees them:
@@ -150,7 +151,7 @@ fn ib_write_bw(device: &str, gid_index: u32, size: u64, iters: u32) -> anyhow::R
     let baseline_iters = u64::from(iters).max((64u64 << 20) / size.max(1)).clamp(5, 1000);
     let args = |c: &mut Command| {
         c.args(["-d", device, "-i", "1", "-x", &gid_index.to_string(), "-s", &size.to_string()])
-            .args(["-n", &baseline_iters.to_string(), "-p", &port.to_string(), "-F", "--report_gbits"]);
+            .args(["-n", &baseline_iters.to_string(), "-q", &qps.max(1).to_string(), "-p", &port.to_string(), "-F", "--report_gbits"]);
     };
     let mut server = Command::new("ib_write_bw");
     args(&mut server);
@@ -184,7 +185,20 @@ fn ib_write_bw(device: &str, gid_index: u32, size: u64, iters: u32) -> anyhow::R
     if avg_gbits <= 0.0 {
         bail!("ib_write_bw reported zero bandwidth: {row}");
     }
-    Ok(vec![Duration::from_secs_f64(size as f64 * 8.0 / (avg_gbits * 1e9))])
+    Ok(vec![Duration::from_secs_f64(size as f64 * 8.0 * f64::from(qps.max(1)) / (avg_gbits * 1e9))])
+}
+
+/// Aggregate GB/s of `ib_write_bw` with `qps` QPs at once, on the device
+/// and GID a kvwire verbs endpoint picks: the baseline for `qps` transfers
+/// sharing one link.
+pub fn ib_write_bw_aggregate(size: u64, iters: u32, qps: u32) -> anyhow::Result<f64> {
+    let dev = std::env::var("KVWIRE_RDMA_DEVICE").ok();
+    let limits = VerbsLimits { node: "bench-probe".into(), slots: 1, layers: 1, ..VerbsLimits::default() };
+    let (device, gid_index) = {
+        let ep = VerbsEndpoint::new(dev.as_deref(), 1, None, limits)?;
+        (ep.info().device.clone(), ep.info().gid_index)
+    };
+    Ok(gbps(size, best(ib_write_bw(&device, gid_index, size, iters, qps)?)) * f64::from(qps.max(1)))
 }
 
 /// Plain TCP socket pair on loopback streaming `size` bytes, receiver
@@ -266,7 +280,7 @@ pub fn transport(transport: TransportKind, size: u64, iters: u32) -> anyhow::Res
             let gid_index = src.info().gid_index;
             // Register before connecting: a verbs peer learns regions from the hello.
             let s = time_verbs(&src, &dst, size, iters).context("verbs transfers")?;
-            (s, "ib_write_bw (same device, same run)", ib_write_bw(&device, gid_index, size, iters)?)
+            (s, "ib_write_bw (same device, same run)", ib_write_bw(&device, gid_index, size, iters, 1)?)
         }
     };
     let (t, b) = (best(samples), best(base));

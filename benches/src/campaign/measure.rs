@@ -176,8 +176,8 @@ pub(super) fn measure(t: TransportKind, size: u64, c: u32, s: &Settings) -> anyh
         }
         TransportKind::Shm => {}
         TransportKind::Verbs => {
-            let r = crate::baseline::transport(TransportKind::Verbs, size, s.iterations).context("ib_write_bw baseline (needs perftest)")?;
-            baselines.push(Baseline { name: "ib_write_bw".into(), gbps: r.baseline_gbps });
+            let gbps = crate::baseline::ib_write_bw_aggregate(size, s.iterations, c).context("ib_write_bw baseline (needs perftest)")?;
+            baselines.push(Baseline { name: "ib_write_bw".into(), gbps });
         }
     }
     let transfers = u64::from(c) * u64::from(s.iterations);

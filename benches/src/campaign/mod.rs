@@ -32,9 +32,10 @@
 //!   note per write). Link-level headers (TCP/IP, RoCE) are not counted;
 //! - `baselines`: `memcpy` always, then the transport's own raw path —
 //!   `tcp socket pair` for tcp, `ib_write_bw` for verbs — each measured in
-//!   this run right after the point, with the same concurrency (except
-//!   `ib_write_bw`, one stream). The table's ratio is `gbps_avg` over the
-//!   last baseline;
+//!   this run right after the point, with the same concurrency. The
+//!   table's ratio is `gbps_avg` over the last baseline, except against
+//!   `ib_write_bw`: it runs one QP per transfer (`-q`) and reports their
+//!   sum, so the ratio is `gbps_aggregate` over it;
 //! - `hops`: post from the source endpoint's
 //!   [`Hops`](kvwire_transport::Hops), place from the destination's; wire
 //!   and notify timed by the campaign: wire from post returned to

@@ -79,7 +79,7 @@ pub fn render_table(s: &Settings, points: &[Point], skipped: &[Skipped], out: &m
     );
     let _ = writeln!(
         out,
-        "baseline: measured in this run right after its point, same concurrency (ib_write_bw: one stream); ratio = GB/s avg / baseline. \
+        "baseline: measured in this run right after its point, same concurrency; ratio = GB/s avg / baseline (against ib_write_bw, run with one QP per transfer: GB/s agg / its aggregate). \
          memcpy is in campaign.jsonl for every point."
     );
 }
