@@ -35,7 +35,7 @@ pub struct Grant {
 fn permuted(keys: &[u64; 4], n: u32) -> u32 {
     let (mut l, mut r) = ((n >> 16) as u16, n as u16);
     for k in keys {
-        let f = xxhash_rust::xxh3::xxh3_64_with_seed(&r.to_le_bytes(), *k);
+        let f = twox_hash::XxHash3_64::oneshot_with_seed(*k, &r.to_le_bytes());
         (l, r) = (r, l ^ f as u16);
     }
     (u32::from(l) << 16) | u32::from(r)
