@@ -4,7 +4,7 @@
 //! transport), timed from submit until `decoder_usable` is seen, next to
 //! the same payload's baseline in the same run: a raw socket for tcp, a
 //! memcpy between two mappings for shm (what same-host shared memory is
-//! up against).
+//! up against), `ib_write_bw` on the device the daemons use for verbs.
 
 use kvwire_core::protocol::TransportKind;
 use crate::Error;
@@ -41,7 +41,7 @@ pub struct LayoutsArgs {
     /// Layout pairs `SRC>DST`, separated by `;`.
     #[arg(long, default_value = "tp=1>tp=1;tp=8>tp=2;tp=8,block=16>tp=2,layout=hnd,block=32")]
     pairs: String,
-    /// tcp or shm.
+    /// tcp, shm or verbs.
     #[arg(long, default_value = "tcp")]
     transport: TransportKind,
     /// Timed transfers per point.
@@ -178,10 +178,7 @@ fn register(c: &Client, group: &str, model: &str, format: &CacheFormat, layout: 
 pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
     let model = layout::builtin(&a.model).map_err(|e| bad("model", e))?;
     let format = CacheFormat::parse(&a.format).map_err(|e| bad("format", e))?;
-    let kind = match a.transport {
-        TransportKind::Verbs => return Err(bad("transport", "`verbs`: expected tcp or shm")),
-        k => k,
-    };
+    let kind = a.transport;
     if a.iterations == 0 {
         return Err(bad("iterations", "must be > 0"));
     }
@@ -341,11 +338,19 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
 }
 
 /// The baseline a transport is held against, and its measurement: a raw
-/// loopback socket for tcp, a single-thread memcpy for shm.
+/// loopback socket for tcp, a single-thread memcpy for shm, one
+/// `ib_write_bw` stream for verbs.
 type Measure = fn(u64, u32) -> anyhow::Result<Vec<std::time::Duration>>;
 fn baseline_of(t: TransportKind) -> (&'static str, Measure) {
     match t {
         TransportKind::Shm => ("memcpy", crate::baseline::memcpy_baseline),
-        _ => ("socket", crate::baseline::tcp_baseline),
+        TransportKind::Verbs => ("ib_write_bw", ib_write_bw_once),
+        TransportKind::Tcp => ("socket", crate::baseline::tcp_baseline),
     }
+}
+
+/// One transfer's time at `ib_write_bw`'s bandwidth for `size` bytes.
+fn ib_write_bw_once(size: u64, iters: u32) -> anyhow::Result<Vec<std::time::Duration>> {
+    let gbps = crate::baseline::ib_write_bw_aggregate(size, iters, 1)?;
+    Ok(vec![std::time::Duration::from_secs_f64(size as f64 / (gbps * 1e9))])
 }
