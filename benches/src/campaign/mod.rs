@@ -29,7 +29,7 @@
 //!   getting back for those transfers
 //!   (tcp: a 40-byte header per frame and a 40-byte ack; shm: an 80-byte
 //!   write request and a 40-byte ack per write; verbs: a 24-byte write
-//!   note per write). Link-level headers (TCP/IP, RoCE) are not counted;
+//!   note per range written). Link-level headers (TCP/IP, RoCE) are not counted;
 //! - `baselines`: `memcpy` always, then the transport's own raw path —
 //!   `tcp socket pair` for tcp, `ib_write_bw` for verbs — each measured in
 //!   this run right after the point, with the same concurrency. The

@@ -14,6 +14,7 @@ use crate::metrics::Hop;
 use crate::{Batch, BatchId, Completion, Connection, TransportError};
 use crate::hello;
 use kvwire_core::protocol::{self, Hello, Kind, RegionDesc, WriteNote, NOTE_LEN};
+use rdma_mummy_sys::ibv_sge;
 use sideway::ibverbs::queue_pair::{PostSendGuard, QueuePair, SetScatterGatherEntry, WorkRequestFlags};
 use std::collections::HashMap;
 use std::net::TcpStream;
@@ -21,10 +22,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One work request, validated.
-#[derive(Debug, Clone, Copy)]
+#[derive(Clone)]
 enum Wr {
-    /// An `RDMA_WRITE` of local bytes into the peer's MR.
-    Write { lkey: u32, laddr: u64, rkey: u32, raddr: u64, len: u32 },
+    /// An `RDMA_WRITE` gathering `sges` into `len` bytes of the peer's MR.
+    Write { sges: Vec<ibv_sge>, rkey: u32, raddr: u64, len: u64 },
     /// A SEND of `notes[first..first + count]` of the batch.
     Notes { first: usize, count: usize },
 }
@@ -32,7 +33,7 @@ enum Wr {
 impl Wr {
     /// Bytes of write notes this work request sends.
     fn note_bytes(&self) -> u64 {
-        match *self {
+        match self {
             Wr::Write { .. } => 0,
             Wr::Notes { count, .. } => (count * NOTE_LEN) as u64,
         }
@@ -80,7 +81,7 @@ impl VerbsConnection {
     pub(super) fn connect(shared: Arc<Shared>, peer: &str, cred: &Credential) -> Result<VerbsConnection, TransportError> {
         let stream = TcpStream::connect(peer).map_err(TransportError::io("connect handshake"))?;
         let _ = stream.set_nodelay(true);
-        let mut qp = Qp::new(&shared, shared.limits.send_depth, 1)?;
+        let mut qp = Qp::new(&shared, shared.limits.send_depth, 1, shared.info.send_sge)?;
         let notes = NoteRing::new(&shared, shared.limits.send_depth)?;
         let remote = handshake::initiate(&shared, &stream, &mut qp, cred)?;
         let remote_regions = remote.regions.iter().map(|d| (d.key, *d)).collect();
@@ -179,12 +180,20 @@ impl VerbsConnection {
             let mut done = 0u64;
             while done < w.len {
                 let n = (w.len - done).min(MAX_WR_BYTES);
-                wrs.push(Wr::Write { lkey: src.mr.lkey(), laddr: laddr + done, rkey, raddr: raddr + done, len: n as u32 });
+                let sge = ibv_sge { lkey: src.mr.lkey(), addr: laddr + done, length: n as u32 };
+                push_wr(&mut wrs, sge, rkey, raddr + done, self.shared.info.send_sge as usize);
                 done += n;
             }
         }
-        let notes: Vec<WriteNote> =
-            batch.writes.iter().map(|w| WriteNote { tag: batch.tag, key: w.dst_key, offset: w.dst_offset, len: w.len }).collect();
+        // One note per range written, however many writes it took: the
+        // destination counts ranges.
+        let mut notes: Vec<WriteNote> = Vec::new();
+        for w in &batch.writes {
+            match notes.last_mut() {
+                Some(n) if n.key == w.dst_key && n.offset + n.len == w.dst_offset => n.len += w.len,
+                _ => notes.push(WriteNote { tag: batch.tag, key: w.dst_key, offset: w.dst_offset, len: w.len }),
+            }
+        }
         for first in (0..notes.len()).step_by(NOTES_PER_SEND) {
             wrs.push(Wr::Notes { first, count: (notes.len() - first).min(NOTES_PER_SEND) });
         }
@@ -219,13 +228,13 @@ impl VerbsConnection {
         let mut sends = sends.into_iter();
         let mut guard = self.qp.qp.start_post_send();
         for w in wrs {
-            match *w {
-                Wr::Write { lkey, laddr, rkey, raddr, len } => {
-                    let h = guard.construct_wr(batch, WorkRequestFlags::Signaled).setup_write(rkey, raddr);
-                    // SAFETY: the caller guarantees the local range stays
+            match w {
+                Wr::Write { sges, rkey, raddr, .. } => {
+                    let h = guard.construct_wr(batch, WorkRequestFlags::Signaled).setup_write(*rkey, *raddr);
+                    // SAFETY: the caller guarantees the local ranges stay
                     // registered and mapped until this work request's
                     // completion is polled.
-                    unsafe { h.setup_sge(lkey, laddr, len) };
+                    unsafe { h.setup_sge_list(sges) };
                 }
                 Wr::Notes { .. } => {
                     let (addr, len) = sends.next().expect("a ring slot per note send");
@@ -314,6 +323,29 @@ impl VerbsConnection {
         }
         Ok(())
     }
+}
+
+/// Appends a write of `sge` to the peer's `raddr`: one more SGE of the
+/// last write when it continues that one at the peer (within the device's
+/// SGEs and `MAX_WR_BYTES`), or that SGE grown when it also continues it
+/// locally; else a work request of its own.
+fn push_wr(wrs: &mut Vec<Wr>, sge: ibv_sge, rkey: u32, raddr: u64, max_sge: usize) {
+    if let Some(Wr::Write { sges, rkey: k, raddr: at, len }) = wrs.last_mut() {
+        if *k == rkey && *at + *len == raddr && *len + u64::from(sge.length) <= MAX_WR_BYTES {
+            let last = sges.last_mut().expect("a write gathers at least one SGE");
+            if last.lkey == sge.lkey && last.addr + u64::from(last.length) == sge.addr {
+                last.length += sge.length;
+                *len += u64::from(sge.length);
+                return;
+            }
+            if sges.len() < max_sge {
+                sges.push(sge);
+                *len += u64::from(sge.length);
+                return;
+            }
+        }
+    }
+    wrs.push(Wr::Write { sges: vec![sge], rkey, raddr, len: u64::from(sge.length) });
 }
 
 impl Connection for VerbsConnection {
@@ -432,7 +464,7 @@ impl Connection for VerbsConnection {
         self.broken.is_none() && self.outstanding_wrs == 0 && self.ledger.pending() == 0
     }
 
-    /// The write notes: [`NOTE_LEN`] bytes per write, SENT after the
+    /// The write notes: [`NOTE_LEN`] bytes per range written, SENT after the
     /// batch's RDMA writes. (The NIC's own headers are not counted.)
     fn framing_bytes(&self) -> u64 {
         self.framing

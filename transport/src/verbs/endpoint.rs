@@ -143,7 +143,9 @@ impl VerbsEndpoint {
             None => pick_gid(&ctx, &name, port, pattr.gid_tbl_len())?,
         };
         let mtu = pattr.active_mtu() as u32 as u8;
-        let info = VerbsInfo { device: name.clone(), port, gid_index, gid: gid.raw, lid: pattr.lid(), mtu };
+        let dattr = ctx.query_device().map_err(|e| verbs_err("ibv_query_device", format!("{name}: {}", chain(&e))))?;
+        let send_sge = u32::try_from(dattr.max_sge()).unwrap_or(1).clamp(1, super::MAX_SEND_SGE);
+        let info = VerbsInfo { device: name.clone(), port, gid_index, gid: gid.raw, lid: pattr.lid(), mtu, send_sge };
         let pd = ctx.alloc_pd().map_err(|e| verbs_err("ibv_alloc_pd", format!("{name}: {}", chain(&e))))?;
         let (registry, placement) = match shared_with {
             Some(s) => s,

@@ -58,7 +58,7 @@ pub(super) fn answer(shared: &Shared, stream: &TcpStream, ring: &NoteRing) -> Re
 /// so the peer's first write finds it ready.
 fn qp_for(shared: &Shared, proven: &Proven, ring: &NoteRing) -> Result<Qp, TransportError> {
     let pv = peer_verbs(&proven.hello)?;
-    let mut qp = Qp::new(shared, 1, ring.slots)?;
+    let mut qp = Qp::new(shared, 1, ring.slots, 1)?;
     qp.post_recvs(ring, 0..ring.slots)?;
     qp.connect(shared, &pv)?;
     Ok(qp)

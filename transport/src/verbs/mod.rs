@@ -73,6 +73,10 @@ use std::time::Duration;
 const TRANSPORT: &str = crate::TransportKind::Verbs.as_str();
 /// Largest single work request; longer writes are split (rxe allows 2 GiB).
 const MAX_WR_BYTES: u64 = 1 << 30;
+/// Most SGEs one RDMA write gathers (fewer where the device allows fewer):
+/// writes that continue one another at the peer from scattered local
+/// ranges go as one work request.
+const MAX_SEND_SGE: u32 = 16;
 /// Notes per SEND; a batch with more writes sends several.
 const NOTES_PER_SEND: usize = 64;
 /// Bytes of one note buffer (send ring slot, receive buffer).
@@ -145,6 +149,9 @@ pub struct VerbsInfo {
     pub lid: u16,
     /// Active MTU enum value (1 = 256 … 5 = 4096).
     pub mtu: u8,
+    /// SGEs per RDMA write this endpoint's QPs gather: the device's limit,
+    /// at most 16.
+    pub send_sge: u32,
 }
 
 fn verbs_err(verb: &'static str, message: impl Into<String>) -> TransportError {

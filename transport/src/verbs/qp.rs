@@ -40,8 +40,8 @@ impl std::fmt::Debug for Qp {
 }
 
 impl Qp {
-    /// A new RC QP in INIT.
-    pub(super) fn new(shared: &Shared, send_depth: u32, recv_depth: u32) -> Result<Qp, TransportError> {
+    /// A new RC QP in INIT, whose writes gather up to `send_sge` SGEs.
+    pub(super) fn new(shared: &Shared, send_depth: u32, recv_depth: u32, send_sge: u32) -> Result<Qp, TransportError> {
         let dev = &shared.info.device;
         let channel = CompletionChannel::new(&shared.ctx).map_err(|e| verbs_err("ibv_create_comp_channel", format!("{dev}: {}", chain(&e))))?;
         channel.set_nonblocking(true).map_err(|e| verbs_err("ibv_create_comp_channel", format!("{dev}: its fd cannot be made nonblocking: {e}")))?;
@@ -59,7 +59,7 @@ impl Qp {
             .setup_recv_cq(cq.clone())
             .setup_max_send_wr(send_depth.max(1))
             .setup_max_recv_wr(recv_depth.max(1))
-            .setup_max_send_sge(1)
+            .setup_max_send_sge(send_sge.max(1))
             .setup_max_recv_sge(1)
             .build()
             .map_err(|e| {

@@ -487,7 +487,9 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
 /// What a connection reports as its framing is what its protocol puts on
 /// the link per write (module docs): a 40-byte header per TCP frame, a
 /// 40-byte header and 40-byte trailer per shm request, a 24-byte note per
-/// verbs write; each TCP and shm write is answered by a 40-byte `Ack`.
+/// range a verbs batch writes (its writes that continue one another at the
+/// destination share one); each TCP and shm write is answered by a 40-byte
+/// `Ack`.
 /// The destination counts the same bytes for the slot the writes name:
 /// framing, payload and answers; for a refused write, its `Nack`, and
 /// its payload only where it crossed (TCP reads it off the socket, shm
@@ -498,18 +500,19 @@ pub fn framing_bytes_are_what_the_connection_sent(p: &mut Pair) {
     let (src, _) = source(&*p.src, 4096, 15);
     let (framing0, answers0) = (p.conn().framing_bytes(), p.conn().answer_bytes());
     let crossed0 = p.dst.placement().crossed_bytes(12);
+    // Three writes, back to back at the destination: one range.
     let writes = (0..3).map(|i| w(&src, i * 1000, &dst.region, i * 1000, 1000)).collect();
     p.conn().post(Batch { tag: tag(12, 0), writes }).unwrap();
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
-    let (per_write, per_answer) = match p.dst.transport() {
-        TransportKind::Tcp => (40, 40),
-        TransportKind::Shm => (40 + 40, 40),
+    let (framing, per_answer) = match p.dst.transport() {
+        TransportKind::Tcp => (3 * 40, 40),
+        TransportKind::Shm => (3 * (40 + 40), 40),
         TransportKind::Verbs => (24, 0),
     };
-    assert_eq!(p.conn().framing_bytes() - framing0, 3 * per_write);
+    assert_eq!(p.conn().framing_bytes() - framing0, framing);
     assert_eq!(p.conn().answer_bytes() - answers0, 3 * per_answer);
     // A verbs source completes locally; its notes reach the destination after.
-    let want = 3 * (per_write + per_answer + 1000);
+    let want = framing + 3 * (per_answer + 1000);
     let start = Instant::now();
     while p.dst.placement().crossed_bytes(12) - crossed0 < want && start.elapsed() < WAIT {
         std::thread::sleep(Duration::from_millis(1));

@@ -293,6 +293,45 @@ fn verbs_scatter_write_of_many_segments() {
 }
 
 #[test]
+fn verbs_writes_that_continue_at_the_peer_gather_into_few_work_requests() {
+    let Some((src, dst_ep)) = pair(limits("src")) else { return };
+    let sge = src.info().send_sge;
+    assert!(sge > 1, "{} gathers {sge} SGE per write", src.info().device);
+    let (amem, abytes) = source(1 << 20, 5);
+    let (bmem, bbytes) = source(1 << 20, 9);
+    let a = src.register_all(amem, None).expect("register source a");
+    let b = src.register_all(bmem, None).expect("register source b");
+    let mut dst = Dst::new(&dst_ep, 3, 1 << 20);
+    let mut conn = connect(&src, &dst_ep).expect("connect");
+    // Pieces back to back at the peer, read alternately from two regions at
+    // scattered offsets: more pieces than one work request gathers.
+    let n = 3 * u64::from(sge) + 1;
+    let mut writes = Vec::new();
+    let mut at = 4096u64;
+    for i in 0..n {
+        let len = 512 + 97 * i;
+        let (key, src_offset) = if i % 2 == 0 { (a.key, (i * 7919) % ((1 << 20) - len)) } else { (b.key, (i * 104_729) % ((1 << 20) - len)) };
+        writes.push(WriteOp { src_key: key, src_offset, dst_key: dst.rkey, dst_offset: at, len });
+        at += len;
+    }
+    let total = at - 4096;
+    let tag = Tag { slot: 3, layer: 1 };
+    dst_ep.placement().expect(tag, total).expect("expect");
+    conn.post(Batch { tag, writes: writes.clone() }).expect("post");
+    let c = wait_completions(conn.as_mut(), 1);
+    ok(&c[0]);
+    assert_eq!(c[0].bytes, total);
+    dst_ep.placement().wait(tag, WAIT).expect("layer flag");
+    assert_eq!(dst_ep.placement().placed_bytes(tag), total);
+    for w in &writes {
+        dst.apply(if w.src_key == a.key { &abytes } else { &bbytes }, w);
+    }
+    dst.check("gathered writes");
+    // One note names the range they covered, not one per write.
+    assert_eq!(conn.framing_bytes(), kvwire_core::protocol::NOTE_LEN as u64);
+}
+
+#[test]
 fn verbs_layer_flags_only_after_the_last_byte() {
     let Some((src, dst_ep)) = pair(limits("src")) else { return };
     let (smem, sbytes) = source(256 * 1024, 11);
