@@ -277,19 +277,24 @@ fn verbs_scatter_write_of_many_segments() {
         let j = next(i as u64 + 1) as usize;
         writes.swap(i, j);
     }
-    let total: u64 = writes.iter().map(|w| w.len).sum();
-    let tag = Tag { slot: 2, layer: 5 };
-    dst_ep.placement().expect(tag, total).expect("expect");
-    conn.post(Batch { tag, writes: writes.clone() }).expect("post");
-    let c = wait_completions(conn.as_mut(), 1);
-    ok(&c[0]);
-    assert_eq!(c[0].bytes, total);
-    dst_ep.placement().wait(tag, WAIT).expect("layer flag");
-    assert_eq!(dst_ep.placement().placed_bytes(tag), total);
+    batch_lands(conn.as_mut(), &dst_ep, Tag { slot: 2, layer: 5 }, &writes);
     for w in &writes {
         dst.apply(&sbytes, w);
     }
     dst.check("scatter write");
+}
+
+/// Posts `writes` as one batch under `tag`; checks it completed with every
+/// byte, and the destination placed them all and raised the layer's flag.
+fn batch_lands(conn: &mut dyn Connection, dst_ep: &VerbsEndpoint, tag: Tag, writes: &[WriteOp]) {
+    let total: u64 = writes.iter().map(|w| w.len).sum();
+    dst_ep.placement().expect(tag, total).expect("expect");
+    conn.post(Batch { tag, writes: writes.to_vec() }).expect("post");
+    let c = wait_completions(conn, 1);
+    ok(&c[0]);
+    assert_eq!(c[0].bytes, total);
+    dst_ep.placement().wait(tag, WAIT).expect("layer flag");
+    assert_eq!(dst_ep.placement().placed_bytes(tag), total);
 }
 
 #[test]
@@ -314,15 +319,7 @@ fn verbs_writes_that_continue_at_the_peer_gather_into_few_work_requests() {
         writes.push(WriteOp { src_key: key, src_offset, dst_key: dst.rkey, dst_offset: at, len });
         at += len;
     }
-    let total = at - 4096;
-    let tag = Tag { slot: 3, layer: 1 };
-    dst_ep.placement().expect(tag, total).expect("expect");
-    conn.post(Batch { tag, writes: writes.clone() }).expect("post");
-    let c = wait_completions(conn.as_mut(), 1);
-    ok(&c[0]);
-    assert_eq!(c[0].bytes, total);
-    dst_ep.placement().wait(tag, WAIT).expect("layer flag");
-    assert_eq!(dst_ep.placement().placed_bytes(tag), total);
+    batch_lands(conn.as_mut(), &dst_ep, Tag { slot: 3, layer: 1 }, &writes);
     for w in &writes {
         dst.apply(if w.src_key == a.key { &abytes } else { &bbytes }, w);
     }
