@@ -134,11 +134,13 @@ fn parse(b: &[u8]) -> Option<(Answer, usize)> {
 pub(crate) fn ready(s: impl AsFd, write: bool, timeout: Option<Duration>) -> bool {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let flags = if write { PollFlags::POLLIN | PollFlags::POLLOUT } else { PollFlags::POLLIN };
-    let t = match timeout {
-        None => PollTimeout::NONE,
-        // Rounded up: a wait of under a millisecond is a wait, not a spin.
-        Some(t) => PollTimeout::try_from(t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX),
-    };
+    let t = timeout.map_or(PollTimeout::NONE, poll_timeout);
     let mut fds = [PollFd::new(s.as_fd(), flags)];
     matches!(poll(&mut fds, t), Ok(n) if n > 0)
+}
+
+/// `t` as poll(2)'s millisecond timeout, rounded up: a wait of under a
+/// millisecond is a wait, not a spin.
+pub(crate) fn poll_timeout(t: Duration) -> nix::poll::PollTimeout {
+    nix::poll::PollTimeout::try_from(t.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32).unwrap_or(nix::poll::PollTimeout::MAX)
 }

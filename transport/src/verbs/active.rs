@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One work request, validated.
-#[derive(Clone)]
 enum Wr {
     /// An `RDMA_WRITE` gathering `sges` into `len` bytes of the peer's MR.
     Write { sges: Vec<ibv_sge>, rkey: u32, raddr: u64, len: u64 },
@@ -64,8 +63,6 @@ pub struct VerbsConnection {
     /// until its work requests completed.
     ledger: Ledger<Vec<Arc<RegionMr>>>,
     outstanding_wrs: u32,
-    /// The CQ was armed and its event not taken yet (see `idle`).
-    armed: bool,
     /// Note bytes posted (the framing of RDMA writes).
     framing: u64,
     broken: Option<String>,
@@ -91,7 +88,6 @@ impl VerbsConnection {
             notes_sent: 0,
             ledger: Ledger::new(shared.placement.hops().clone(), 1),
             outstanding_wrs: 0,
-            armed: false,
             framing: 0,
             broken: None,
             remote,
@@ -314,12 +310,8 @@ impl VerbsConnection {
             std::hint::spin_loop();
         } else if idle < 300 {
             std::thread::yield_now();
-        } else if !self.armed {
-            // The caller polls once more before the next call sleeps.
-            self.qp.arm()?;
-            self.armed = true;
-        } else if self.qp.wait(None, deadline.saturating_duration_since(Instant::now()))? {
-            self.armed = false;
+        } else {
+            self.qp.rest(None, deadline.saturating_duration_since(Instant::now()))?;
         }
         Ok(())
     }

@@ -123,8 +123,6 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
     let mut last_note = Instant::now();
     let mut last_check = Instant::now();
     let mut failed = false;
-    // The CQ was armed and its event not taken yet.
-    let mut armed = false;
     // A request read so far on the handshake stream.
     let mut asked: Vec<u8> = Vec::with_capacity(HEADER_LEN);
     loop {
@@ -191,13 +189,8 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
             idle = idle.saturating_add(1);
             if idle <= 200 {
                 std::thread::yield_now();
-            } else if !armed {
-                // The CQ is polled once more before sleeping: a completion
-                // that came before arming raises no event.
-                qp.arm()?;
-                armed = true;
-            } else if qp.wait(Some(stream.as_fd()), IDLE_TICK)? {
-                armed = false;
+            } else {
+                qp.rest(Some(stream.as_fd()), IDLE_TICK)?;
             }
         } else {
             idle = 0;

@@ -28,8 +28,10 @@ pub(super) struct Qp {
     pub(super) qp: BasicQueuePair,
     pub(super) cq: Arc<BasicCompletionQueue>,
     // Raises an event on the CQ's next completion once armed: an idle
-    // side sleeps on it rather than polling (see `arm`, `wait`).
+    // side sleeps on it rather than polling (see `rest`).
     channel: Arc<CompletionChannel>,
+    // The CQ was armed and its event not taken yet.
+    armed: bool,
     pub(super) psn: u32,
 }
 
@@ -69,7 +71,7 @@ impl Qp {
                 )
             })?;
         let psn = (monotonic_ns() as u32 ^ (monotonic_ns() >> 20) as u32) & 0x00FF_FFFF;
-        let mut q = Qp { qp, cq, channel, psn };
+        let mut q = Qp { qp, cq, channel, armed: false, psn };
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -151,29 +153,34 @@ impl Qp {
         guard.post().map_err(|e| verbs_err("ibv_post_recv", format!("{n} receives: {}", chain(&e))))
     }
 
-    /// Asks for an event on the CQ's next completion. One that came before
-    /// this call raises none: drain once more before `wait`.
-    pub(super) fn arm(&self) -> Result<(), TransportError> {
-        // SAFETY: the CQ lives as long as `self`.
-        let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
-        match rc {
-            0 => Ok(()),
-            e => Err(verbs_err("ibv_req_notify_cq", std::io::Error::from_raw_os_error(e.abs()).to_string())),
+    /// One step of an idle wait, once spinning found nothing: the first
+    /// call arms the CQ for an event on its next completion and returns,
+    /// so the caller drains it once more (a completion that came before
+    /// arming raises none); later calls sleep until that event, `also`
+    /// turns readable, or `timeout` passes.
+    pub(super) fn rest(&mut self, also: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<(), TransportError> {
+        if !self.armed {
+            // SAFETY: the CQ lives as long as `self`.
+            let rc = unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+            if rc != 0 {
+                return Err(verbs_err("ibv_req_notify_cq", std::io::Error::from_raw_os_error(rc.abs()).to_string()));
+            }
+            self.armed = true;
+        } else if self.wait(also, timeout)? {
+            self.armed = false;
         }
+        Ok(())
     }
 
     /// Sleeps until the armed CQ raises its event, `also` turns readable,
-    /// or `timeout` passes; true when the CQ's event was taken (the CQ
-    /// must be armed again for the next).
-    pub(super) fn wait(&self, also: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<bool, TransportError> {
-        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    /// or `timeout` passes; true when the CQ's event was taken.
+    fn wait(&self, also: Option<BorrowedFd<'_>>, timeout: Duration) -> Result<bool, TransportError> {
+        use nix::poll::{poll, PollFd, PollFlags};
         // SAFETY: the channel's fd stays open as long as the channel.
         let ch = unsafe { BorrowedFd::borrow_raw(self.channel.as_raw_fd()) };
         let mut fds = vec![PollFd::new(ch, PollFlags::POLLIN)];
         fds.extend(also.map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
-        // Rounded up: a wait under a millisecond is a wait, not a spin.
-        let ms = PollTimeout::try_from(timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX);
-        match poll(&mut fds, ms) {
+        match poll(&mut fds, crate::answers::poll_timeout(timeout)) {
             Ok(n) if n > 0 => {}
             Ok(_) | Err(nix::errno::Errno::EINTR) => return Ok(false),
             Err(e) => return Err(verbs_err("poll", format!("completion channel: {e}"))),
