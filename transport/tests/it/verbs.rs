@@ -121,13 +121,10 @@ impl Dst {
     }
 }
 
-/// Posts `w` alone under `tag` on `conn` and checks it landed in `d`: its
-/// completion, the layer's flag, and every byte of `d` (`what` names it).
+/// Posts `w` alone under `tag` on `conn` and checks it landed in `d`
+/// ([`batch_lands`]) and every byte of `d` (`what` names it).
 fn write_lands(conn: &mut dyn Connection, dst_ep: &VerbsEndpoint, d: &mut Dst, sbytes: &[u8], tag: Tag, w: WriteOp, what: &str) {
-    dst_ep.placement().expect(tag, w.len).expect("expect");
-    conn.post(Batch { tag, writes: vec![w] }).unwrap_or_else(|e| panic!("{what}: post: {e}"));
-    ok(&wait_completions(conn, 1)[0]);
-    dst_ep.placement().wait(tag, WAIT).expect("flag");
+    batch_lands(conn, dst_ep, tag, &[w]);
     d.apply(sbytes, &w);
     d.check(what);
 }
