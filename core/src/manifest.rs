@@ -658,79 +658,125 @@ pub fn checksums_of<R: AsRef<[u8]>, W: AsRef<[u8]>>(
     plan: &Plan,
     side: Reading,
     segs: impl IntoIterator<Item = usize>,
-    mut read: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
-    mut whole: impl FnMut(usize) -> Option<W>,
+    read: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
+    whole: impl FnMut(usize) -> Option<W>,
 ) -> Result<Vec<LayerChecksum>, ManifestError> {
-    const CHUNK: usize = 64 << 10;
-    let source = side == Reading::Source;
-    let mut hashers: BTreeMap<(u32, RegionId), (XxHash3_64, u64)> = BTreeMap::new();
-    let mut chunk: Vec<u8> = Vec::with_capacity(CHUNK);
-    for i in segs {
-        let s = plan.segments.get(i).ok_or(ManifestError::NoSegment { index: i, segments: plan.segments.len() })?;
-        let (rank, region) = if source { (s.src_rank, s.src_region) } else { (s.dst_rank, s.dst_region) };
-        let (h, bytes) = hashers.entry((s.dst_rank, s.dst_region)).or_insert_with(|| (XxHash3_64::new(), 0));
-        if let Some(data) = whole(i) {
-            let data = data.as_ref();
-            if data.len() as u64 != s.bytes() {
-                let offset = if source { s.src_offset } else { s.dst_offset };
-                return Err(ManifestError::Unreadable { side: side.name(), rank, layer: region.layer, tensor: region.tensor, offset, len: s.bytes() });
-            }
-            h.write(data);
-            *bytes += s.bytes();
-            continue;
-        }
-        // Row-sized runs are gathered and hashed in large pieces: the
-        // streaming hash costs several times more fed a run at a time.
-        chunk.clear();
-        // Runs that continue one another on the read side are read and
-        // hashed as one (the digest is the same): a remap's row-sized runs
-        // are often back to back on one side.
-        let mut pending: Option<(u64, u64)> = None;
-        let runs = s.runs().map(|(so, d)| Some(if source { so } else { d })).chain(std::iter::once(None));
-        for next in runs {
-            if let Some((start, len)) = pending {
-                if next == Some(start + len) {
-                    pending = Some((start, len + s.len));
-                    continue;
-                }
-                let unreadable = || ManifestError::Unreadable {
-                    side: side.name(),
-                    rank,
-                    layer: region.layer,
-                    tensor: region.tensor,
-                    offset: start,
-                    len,
-                };
-                let data = read(rank, region, start, len).ok_or_else(unreadable)?;
-                let data = data.as_ref();
-                if data.len() as u64 != len {
-                    return Err(unreadable());
-                }
-                if chunk.len() + data.len() > CHUNK {
-                    h.write(&chunk);
-                    chunk.clear();
-                }
-                if data.len() >= CHUNK {
-                    h.write(data);
-                } else {
-                    chunk.extend_from_slice(data);
-                }
-                *bytes += len;
-            }
-            pending = next.map(|offset| (offset, s.len));
-        }
-        h.write(&chunk);
+    let mut sums = Checksums::new(plan, side);
+    sums.add(segs, read, whole)?;
+    Ok(sums.finish())
+}
+
+/// [`checksums_of`] fed in pieces: segments added in plan order, a few at
+/// a time, give the same checksums as one call over all of them. A caller
+/// that packs or unpacks as it goes hashes each piece while its bytes are
+/// still in the CPU's cache, not in a second pass over the whole transfer.
+pub struct Checksums<'p> {
+    plan: &'p Plan,
+    side: Reading,
+    hashers: BTreeMap<(u32, RegionId), (XxHash3_64, u64)>,
+    chunk: Vec<u8>,
+}
+
+impl fmt::Debug for Checksums<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Checksums").field("side", &self.side).field("regions", &self.hashers.len()).finish_non_exhaustive()
     }
-    Ok(hashers
-        .into_iter()
-        .map(|((dst_rank, region), (h, bytes))| LayerChecksum {
-            dst_rank,
-            layer: region.layer,
-            tensor: region.tensor,
-            bytes,
-            xxh3: h.finish(),
-        })
-        .collect())
+}
+
+impl<'p> Checksums<'p> {
+    /// Gathered row runs are hashed in pieces of this many bytes: the
+    /// streaming hash costs several times more fed a run at a time.
+    const CHUNK: usize = 64 << 10;
+
+    /// No segment hashed yet.
+    pub fn new(plan: &'p Plan, side: Reading) -> Self {
+        Checksums { plan, side, hashers: BTreeMap::new(), chunk: Vec::new() }
+    }
+
+    /// Hashes segments `segs`, which continue the plan order of those
+    /// added before; `read` and `whole` as in [`checksums_of`].
+    pub fn add<R: AsRef<[u8]>, W: AsRef<[u8]>>(
+        &mut self,
+        segs: impl IntoIterator<Item = usize>,
+        mut read: impl FnMut(u32, RegionId, u64, u64) -> Option<R>,
+        mut whole: impl FnMut(usize) -> Option<W>,
+    ) -> Result<(), ManifestError> {
+        let (plan, side) = (self.plan, self.side);
+        let source = side == Reading::Source;
+        let chunk = &mut self.chunk;
+        for i in segs {
+            let s = plan.segments.get(i).ok_or(ManifestError::NoSegment { index: i, segments: plan.segments.len() })?;
+            let (rank, region) = if source { (s.src_rank, s.src_region) } else { (s.dst_rank, s.dst_region) };
+            let (h, bytes) = self.hashers.entry((s.dst_rank, s.dst_region)).or_insert_with(|| (XxHash3_64::new(), 0));
+            if let Some(data) = whole(i) {
+                let data = data.as_ref();
+                if data.len() as u64 != s.bytes() {
+                    let offset = if source { s.src_offset } else { s.dst_offset };
+                    return Err(ManifestError::Unreadable { side: side.name(), rank, layer: region.layer, tensor: region.tensor, offset, len: s.bytes() });
+                }
+                h.write(data);
+                *bytes += s.bytes();
+                continue;
+            }
+            if chunk.capacity() == 0 {
+                chunk.reserve(Self::CHUNK);
+            }
+            chunk.clear();
+            // Runs that continue one another on the read side are read and
+            // hashed as one (the digest is the same): a remap's row-sized runs
+            // are often back to back on one side.
+            let mut pending: Option<(u64, u64)> = None;
+            let runs = s.runs().map(|(so, d)| Some(if source { so } else { d })).chain(std::iter::once(None));
+            for next in runs {
+                if let Some((start, len)) = pending {
+                    if next == Some(start + len) {
+                        pending = Some((start, len + s.len));
+                        continue;
+                    }
+                    let unreadable = || ManifestError::Unreadable {
+                        side: side.name(),
+                        rank,
+                        layer: region.layer,
+                        tensor: region.tensor,
+                        offset: start,
+                        len,
+                    };
+                    let data = read(rank, region, start, len).ok_or_else(unreadable)?;
+                    let data = data.as_ref();
+                    if data.len() as u64 != len {
+                        return Err(unreadable());
+                    }
+                    if chunk.len() + data.len() > Self::CHUNK {
+                        h.write(chunk);
+                        chunk.clear();
+                    }
+                    if data.len() >= Self::CHUNK {
+                        h.write(data);
+                    } else {
+                        chunk.extend_from_slice(data);
+                    }
+                    *bytes += len;
+                }
+                pending = next.map(|offset| (offset, s.len));
+            }
+            h.write(chunk);
+        }
+        Ok(())
+    }
+
+    /// One checksum per destination (rank, layer, tensor) hashed, in that order.
+    pub fn finish(self) -> Vec<LayerChecksum> {
+        self.hashers
+            .into_iter()
+            .map(|((dst_rank, region), (h, bytes))| LayerChecksum {
+                dst_rank,
+                layer: region.layer,
+                tensor: region.tensor,
+                bytes,
+                xxh3: h.finish(),
+            })
+            .collect()
+    }
 }
 
 /// Checksums of every destination region the plan writes that `keep`

@@ -10,7 +10,7 @@
 use kvwire_core::format::{CacheFormat, FORMATS};
 use kvwire_core::layout::{builtin, from_toml_spec, ModelSpec, Tensor};
 use kvwire_core::manifest::{
-    checksums_at_destination, checksums_at_source, checksums_of, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
+    checksums_at_destination, checksums_at_source, checksums_of, Checksums, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
     MapSummary, RankSummary, Reading, RopeParams, MAX_MANIFEST_JSON,
 };
 use kvwire_core::plan::{build, execute, Buffers, CostModel, Plan, PlanInput, Side};
@@ -188,6 +188,30 @@ fn segments_read_whole_from_a_gathered_copy_hash_as_their_runs_do() {
     assert!(matches!(short, ManifestError::Unreadable { side: "source", .. }), "{short}");
     let past = checksums_of(&r.plan, Reading::Source, [r.plan.segments.len()], read_buffers(&r.src_bufs), |_| None::<&[u8]>).unwrap_err();
     assert_eq!(past.to_string(), format!("segment {0} of a plan of {0}", r.plan.segments.len()));
+}
+
+#[test]
+fn checksums_fed_in_pieces_equal_one_pass_over_every_segment() {
+    let r = llama();
+    let want = llama_manifest().checksums.clone();
+    let n = r.plan.segments.len();
+    assert!(n > 7, "the plan has several segments to split");
+    // Pieces of uneven sizes, some of one segment, some cutting a region's
+    // segments in two: the digests do not depend on where the pieces end.
+    for cuts in [vec![1, n], vec![3, 4, n / 2, n - 1, n], (1..=n).collect::<Vec<_>>()] {
+        let mut sums = Checksums::new(&r.plan, Reading::Source);
+        let mut from = 0;
+        for to in cuts {
+            sums.add(from..to, read_buffers(&r.src_bufs), |_| None::<&[u8]>).unwrap();
+            from = to;
+        }
+        assert_eq!(sums.finish(), want);
+    }
+    // A piece that fails names what it could not read; nothing is finished.
+    let mut sums = Checksums::new(&r.plan, Reading::Source);
+    sums.add(0..1, read_buffers(&r.src_bufs), |_| None::<&[u8]>).unwrap();
+    let past = sums.add([n], read_buffers(&r.src_bufs), |_| None::<&[u8]>).unwrap_err();
+    assert_eq!(past.to_string(), format!("segment {n} of a plan of {n}"));
 }
 
 #[test]

@@ -12,7 +12,7 @@ use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::ring::{Ring, RingLayout};
 use super::state::{Boundary, DeviceMems, Role, SlotId};
-use super::{read_mem, region_view, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
+use super::{pieces, read_mem, region_view, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -20,7 +20,7 @@ use crate::stripe::Outcome;
 use kvwire_client::control::*;
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
-use kvwire_core::manifest::{checksums_of, LayerChecksum, Manifest, Reading};
+use kvwire_core::manifest::{Checksums, LayerChecksum, Manifest, Reading};
 use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Segment, Side};
 use kvwire_core::reuse::{check_prefix, CacheIdentity};
 use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
@@ -186,9 +186,17 @@ impl Daemon {
         // staging in one piece, not run by run from the cache again.
         let (sg, sp, sa) = (g.clone(), p.clone(), accept.clone());
         let start = move |d: &Daemon, link: &Arc<PeerLink>| -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
-            let stage = d.pack(id, &sg, &sp, codec)?;
+            // Hashed as it is packed, piece by piece, unless beside the wire.
+            let (stage, sums) = match d.cfg.verify_checksums && !beside {
+                true => d.pack_and_hash(id, &sg, &sp, codec).map(|(st, sums)| (st, Sums::Ready(sums)))?,
+                false => (d.pack(id, &sg, &sp, codec)?, if beside { Sums::Follow } else { Sums::Now(None) }),
+            };
             d.keeping_stage(stage, |st| {
-                d.expect(id, &sg, &dst_request, &sp, codec, &sa, st.map(|r| &**r), beside, link)?;
+                let sums = match sums {
+                    Sums::Now(_) => Sums::Now(st.map(|r| &**r)),
+                    other => other,
+                };
+                d.expect(id, &sg, &dst_request, &sp, codec, &sa, sums, link)?;
                 batches(&sg, &sp, &sa, codec, st)
             })
         };
@@ -231,7 +239,7 @@ impl Daemon {
         };
         let reply = self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), mover)?;
         if small {
-            let sent = self.expect(id, &g, &dst_request_here, &p, codec, &accept, stage_here.as_deref(), false, &l);
+            let sent = self.expect(id, &g, &dst_request_here, &p, codec, &accept, Sums::Now(stage_here.as_deref()), &l);
             drop(stage_here);
             let _ = manifest_out.send(sent.is_ok());
             sent?;
@@ -361,9 +369,10 @@ impl Daemon {
     /// destination waits for bytes; the heartbeat starts with the
     /// transfer thread ([`Daemon::post`]).
     #[allow(clippy::too_many_arguments)] // the phases' inputs
-    fn expect(&self, id: SlotId, g: &SourceGroup, dst_request: &str, p: &Planned, codec: Option<Codec>, accept: &Accept, stage: Option<&Region>, sums_follow: bool, l: &Arc<PeerLink>) -> Result<(), Refusal> {
-        let manifest = self.manifest(id, g, p, dst_request, codec, stage, sums_follow)?;
-        let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums: sums_follow };
+    fn expect(&self, id: SlotId, g: &SourceGroup, dst_request: &str, p: &Planned, codec: Option<Codec>, accept: &Accept, sums: Sums<'_>, l: &Arc<PeerLink>) -> Result<(), Refusal> {
+        let layer_sums = matches!(sums, Sums::Follow);
+        let manifest = self.manifest(id, g, p, dst_request, codec, sums)?;
+        let expect = Expect { slot: accept.slot, manifest: manifest.to_json(), layer_sums };
         l.send_expect(expect, p.schedule.stage_bytes)?;
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
         Ok(())
@@ -375,7 +384,7 @@ impl Daemon {
     /// per layer.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn layer_by_layer(&self, id: SlotId, g: &SourceGroup, dst_request: &str, p: &Planned, codec: Option<Codec>, accept: &Accept, l: &Arc<PeerLink>) -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
-        self.expect(id, g, dst_request, p, codec, accept, None, true, l)?;
+        self.expect(id, g, dst_request, p, codec, accept, Sums::Follow, l)?;
         let src_stage = self.stage_buffer(id, stage_needed(p, codec))?;
         self.keeping_stage(src_stage, |st| batches(g, p, accept, codec, st))
     }
@@ -477,7 +486,7 @@ impl Daemon {
         let ring = self.take_ring(layout, sources, self.cfg.device.ring_depth as usize).map_err(ring_failed)?;
         self.with_slot(id, |sl| sl.staging = ring.bytes());
         let n = g.model.layers.len();
-        let started = self.expect(id, &g, &s.dst_request, &p, codec, &accept, None, true, &l).and_then(|()| {
+        let started = self.expect(id, &g, &s.dst_request, &p, codec, &accept, Sums::Follow, &l).and_then(|()| {
             let dst_keys = dst_keys(&accept);
             (0..n).map(|layer| ring_batch(&p, &accept, &dst_keys, &ring, codec, layer)).collect::<Result<Vec<_>, _>>()
         });
@@ -553,7 +562,11 @@ impl Daemon {
                     let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len)).map(RunBytes::Mapped);
                     // Packed bytes are what the destination holds only without a codec.
                     let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments.at(i).bytes())).map(RunBytes::Mapped);
-                    d.send_sums(id, &p, layer, link, |segs| d.sums_of(&g, &p, codec, segs, read, whole)).map_err(|r| r.message)?;
+                    let sums = |segs| {
+                        let mut sums = Checksums::new(&p.plan, Reading::Source);
+                        d.sums_of(&mut sums, &g, codec, segs, read, whole).map(|()| sums.finish())
+                    };
+                    d.send_sums(id, &p, layer, link, sums).map_err(|r| r.message)?;
                     if let Some(b) = from_ring {
                         d.move_bytes(id, &rails, &prefer, vec![b], stop, link, &mut total)?;
                     }
@@ -736,12 +749,19 @@ impl Daemon {
     /// `sums_follow` (a streamed transfer, or one hashed beside the wire)
     /// they follow layer by layer instead; with checksums off there are none.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
-    fn manifest(&self, id: SlotId, g: &SourceGroup, p: &Planned, dst_request: &str, codec: Option<Codec>, stage: Option<&Region>, sums_follow: bool) -> Result<Manifest, Refusal> {
+    fn manifest(&self, id: SlotId, g: &SourceGroup, p: &Planned, dst_request: &str, codec: Option<Codec>, sums: Sums<'_>) -> Result<Manifest, Refusal> {
         let mut m = Manifest::claims(&g.identity, &g.model, &g.side, &p.dst, &p.plan, dst_request).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
-        if self.cfg.verify_checksums && !sums_follow {
-            let started = Instant::now();
-            m.checksums = self.source_sums(g, p, codec, 0..p.plan.segments.len(), stage)?;
-            self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
+        if !self.cfg.verify_checksums {
+            return Ok(m);
+        }
+        match sums {
+            Sums::Follow => {}
+            Sums::Now(stage) => {
+                let started = Instant::now();
+                m.checksums = self.source_sums(g, p, codec, 0..p.plan.segments.len(), stage)?;
+                self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
+            }
+            Sums::Ready(sums) => m.checksums = sums,
         }
         Ok(m)
     }
@@ -750,6 +770,13 @@ impl Daemon {
     /// plan order), as the destination will hold them. Segments packed
     /// into `stage` already (without a codec) are read there, in one piece.
     fn source_sums(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, segs: impl IntoIterator<Item = usize>, stage: Option<&Region>) -> Result<Vec<LayerChecksum>, Refusal> {
+        let mut sums = Checksums::new(&p.plan, Reading::Source);
+        self.add_source_sums(&mut sums, g, p, codec, segs, stage)?;
+        Ok(sums.finish())
+    }
+
+    /// [`Daemon::source_sums`], added to `sums`.
+    fn add_source_sums(&self, sums: &mut Checksums, g: &SourceGroup, p: &Planned, codec: Option<Codec>, segs: impl IntoIterator<Item = usize>, stage: Option<&Region>) -> Result<(), Refusal> {
         let runs = RunReader::new(&g.regions);
         let whole = |i: usize| -> Option<RunBytes<'_>> {
             let stage = stage.filter(|_| codec.is_none())?;
@@ -759,7 +786,33 @@ impl Daemon {
             }
             region_view(stage, st.offset, st.size).map(RunBytes::Mapped)
         };
-        self.sums_of(g, p, codec, segs, |rank, region, offset, len| runs.read(rank, region, offset, len), whole)
+        self.sums_of(sums, g, codec, segs, |rank, region, offset, len| runs.read(rank, region, offset, len), whole)
+    }
+
+    /// Packs the staged segments among `segs` (whole layers, in plan order)
+    /// into `stage` and hashes all of `segs`, piece by piece: each piece is
+    /// hashed right after it is packed, while it is in the CPU's cache.
+    /// Returns the checksums; the pack and verify hops get their own times.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>) -> Result<Vec<LayerChecksum>, Refusal> {
+        let mut sums = Checksums::new(&p.plan, Reading::Source);
+        let (mut packing, mut hashing, mut packed, mut hashed) = (Duration::ZERO, Duration::ZERO, 0, 0);
+        for piece in pieces(&p.plan, segs) {
+            if let Some(stage) = stage {
+                let started = Instant::now();
+                packed += self.pack_into(stage, g, p, codec, piece.iter().filter_map(|&i| p.schedule.staged_of(i)))?;
+                packing += started.elapsed();
+            }
+            let started = Instant::now();
+            self.add_source_sums(&mut sums, g, p, codec, piece.iter().copied(), stage)?;
+            hashing += started.elapsed();
+            hashed += piece.iter().map(|&i| p.plan.segments.at(i).bytes()).sum::<u64>();
+        }
+        if packed > 0 {
+            self.slot_hop(id, Hop::Pack, packing, packed);
+        }
+        self.slot_hop(id, Hop::Verify, hashing, hashed);
+        Ok(sums.finish())
     }
 
     /// Checksums of segments `segs` as the destination will hold them: the
@@ -767,13 +820,13 @@ impl Daemon {
     /// back, as they will land), or `whole`, a segment's bytes in one piece.
     fn sums_of<'a>(
         &self,
+        sums: &mut Checksums,
         g: &SourceGroup,
-        p: &Planned,
         codec: Option<Codec>,
         segs: impl IntoIterator<Item = usize>,
         mut raw: impl FnMut(u32, RegionId, u64, u64) -> Option<RunBytes<'a>>,
         whole: impl FnMut(usize) -> Option<RunBytes<'a>>,
-    ) -> Result<Vec<LayerChecksum>, Refusal> {
+    ) -> Result<(), Refusal> {
         let elem = codec.and_then(|c| c.element_bytes(&g.format).ok()).unwrap_or(0);
         let dim_of = |region: RegionId| {
             g.model.layers[region.layer as usize].tensors().iter().find(|t| t.tensor == region.tensor).map_or(0, |t| t.dim) as usize
@@ -789,7 +842,7 @@ impl Daemon {
                 None => Some(raw),
             }
         };
-        checksums_of(&p.plan, Reading::Source, segs, read, whole).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))
+        sums.add(segs, read, whole).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))
     }
 
     /// Layer `layer`, in host memory now: its staged segments packed, and
@@ -797,7 +850,14 @@ impl Daemon {
     #[allow(clippy::too_many_arguments)] // the transfer's parts, each used once
     fn host_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         let ls = &p.schedule.layers[layer];
-        if let (Some(stage), true) = (stage, ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec))) {
+        let packs = ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec));
+        let stage = stage.filter(|_| packs);
+        if self.cfg.verify_checksums {
+            // Hashed as it is packed, piece by piece.
+            let sums = self.pack_hashed(id, g, p, codec, stage, ls.segments())?;
+            return link.send_layer_sums(layer as u16, sums);
+        }
+        if let Some(stage) = stage {
             let started = Instant::now();
             let bytes = self.pack_into(stage, g, p, codec, ls.staged.iter())?;
             self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
@@ -826,6 +886,18 @@ impl Daemon {
             Vec::new()
         };
         link.send_layer_sums(layer as u16, sums)
+    }
+
+    /// [`Daemon::pack`], hashing every segment as it goes ([`Daemon::pack_hashed`]).
+    fn pack_and_hash(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<(Option<Arc<Region>>, Vec<LayerChecksum>), Refusal> {
+        let stage = self.stage_buffer(id, stage_needed(p, codec))?;
+        match self.pack_hashed(id, g, p, codec, stage.as_deref(), 0..p.plan.segments.len()) {
+            Ok(sums) => Ok((stage, sums)),
+            Err(r) => {
+                self.drop_stage(stage);
+                Err(r)
+            }
+        }
     }
 
     /// Packs (and encodes) the staged segments into one registered buffer.
@@ -1019,6 +1091,16 @@ impl PeerLink {
 
 /// The destination's rails (a peer of an older build names one: its data
 /// address), and which each of its ranks prefers.
+/// Where the manifest's checksums come from.
+enum Sums<'a> {
+    /// Per layer, after the manifest (streamed, or hashed beside the wire).
+    Follow,
+    /// Hashed when the manifest is made; packed segments read in this stage.
+    Now(Option<&'a Region>),
+    /// Hashed already, as they were packed.
+    Ready(Vec<LayerChecksum>),
+}
+
 fn rails_of(accept: &Accept) -> (Vec<RailAddr>, RailPreference) {
     let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
     (rails, rail_preference(accept))
