@@ -28,6 +28,7 @@ use kvwire_transport::auth::{self, Credential};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// Why authentication failed.
 #[derive(Debug, thiserror::Error)]
@@ -138,6 +139,8 @@ pub struct Sealed {
     received: u64,
     // Bytes of the sealed frames read (length, JSON, seal), for wire_bytes.
     read_bytes: u64,
+    // The read timeout set on the socket, so that setting it again costs no system call.
+    timeout: Option<Duration>,
     tx: Arc<Mutex<Tx>>,
 }
 
@@ -215,7 +218,18 @@ impl Sealed {
         let stream = Arc::new(stream);
         let tx = Arc::new(Mutex::new(Tx { stream: stream.clone(), key: send_key, sent: 0, bytes: 0, held: Vec::new() }));
         let reader = std::io::BufReader::with_capacity(READ_BUFFER, Shared(stream.clone()));
-        Sealed { stream, reader, credential: cred, recv_key, received: 0, read_bytes: 0, tx }
+        Sealed { stream, reader, credential: cred, recv_key, received: 0, read_bytes: 0, timeout: None, tx }
+    }
+
+    /// Sets the socket's read timeout (as `TcpStream::set_read_timeout`),
+    /// with no system call when it is set already: a transfer sets it
+    /// several times over, most often to what it was.
+    pub fn read_timeout(&mut self, t: Duration) -> std::io::Result<()> {
+        if self.timeout != Some(t) {
+            self.stream.set_read_timeout(Some(t))?;
+            self.timeout = Some(t);
+        }
+        Ok(())
     }
 
     /// The connection's data-plane session.

@@ -329,7 +329,7 @@ impl Daemon {
                 Ok(true) => {}
                 Err(_) => return false,
             }
-            let _ = c.stream().set_read_timeout(Some(DRAIN_TIMEOUT));
+            let _ = c.read_timeout(DRAIN_TIMEOUT);
             let before = c.frames_read();
             match c.recv() {
                 Ok(PeerMsg::Announce(announce)) => {

@@ -160,8 +160,11 @@ impl Daemon {
         // name only these, and those still running when it ends fail then.
         let mut mine: HashMap<u16, Mine> = HashMap::new();
         let ended = loop {
-            let wait = session.poll_timeout().saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-            let _ = s.stream().set_read_timeout(Some(wait));
+            // Rounded down to a power of two of milliseconds: the socket's
+            // timeout then changes a few times as a deadline nears, not at
+            // every message (a read that ends early is tried again).
+            let wait = session.poll_timeout().saturating_duration_since(Instant::now());
+            let _ = s.read_timeout(coarse(wait));
             let before = s.frames_read();
             let msg = match s.recv() {
                 Ok(m) => m,
@@ -601,6 +604,12 @@ impl Daemon {
     }
 }
 
+/// The largest power of two of milliseconds not above `d`, and at least 1 ms.
+fn coarse(d: Duration) -> Duration {
+    let ms = u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1);
+    Duration::from_millis(1 << ms.ilog2())
+}
+
 /// Layer `layer`'s recomputed checksums against the manifest's.
 fn checked_layer(manifest: &Manifest, layer: usize, recomputed: Result<Vec<LayerChecksum>, ManifestError>) -> Result<(), String> {
     let this_layer = |_, l: u32| l as usize == layer;
@@ -640,4 +649,26 @@ pub(super) fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat,
     let input = PlanInput { model, tokens: recv.tokens, prefix_tokens: recv.prefix_tokens, src: &src, dst: &dst, cost: CostModel::for_transport(transport) };
     let plan = plan::build(&input).map_err(|e| e.to_string())?;
     Ok((dst, plan))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::coarse;
+    use std::time::Duration;
+
+    #[test]
+    fn a_wait_is_rounded_down_to_a_power_of_two_of_milliseconds_never_to_zero() {
+        let ms = Duration::from_millis;
+        assert_eq!(coarse(Duration::ZERO), ms(1));
+        assert_eq!(coarse(Duration::from_micros(1500)), ms(1));
+        assert_eq!(coarse(ms(2)), ms(2));
+        assert_eq!(coarse(ms(1023)), ms(512));
+        assert_eq!(coarse(ms(1024)), ms(1024));
+        assert_eq!(coarse(Duration::from_secs(30)), ms(16384));
+        // Never later than asked, and never half as long or less.
+        for t in (1..5000).map(ms) {
+            let c = coarse(t);
+            assert!(c <= t && c * 2 > t, "{t:?} -> {c:?}");
+        }
+    }
 }

@@ -138,8 +138,8 @@ impl PeerLink {
 
     /// Sets the stream's read timeout (the reply timeout, then the peer timeout while bytes flow).
     pub fn read_timeout(&self, t: Duration) {
-        if let Some(s) = &self.conn.lock().expect("peer link lock").0 {
-            let _ = s.stream().set_read_timeout(Some(t));
+        if let Some(s) = &mut self.conn.lock().expect("peer link lock").0 {
+            let _ = s.read_timeout(t);
         }
     }
 

@@ -684,7 +684,7 @@ impl Daemon {
     /// identity) is offered instead, so the refusal comes back with its
     /// reason.
     #[allow(clippy::too_many_arguments)] // the submit's parts
-    fn claim_on(&self, c: Sealed, h: Heard, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Arc<Planned>), (Option<Sealed>, Option<(u64, u64)>)> {
+    fn claim_on(&self, mut c: Sealed, h: Heard, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Arc<Planned>), (Option<Sealed>, Option<(u64, u64)>)> {
         let (ann, heard) = (h.announce, Some((h.session, h.bytes)));
         if codec.is_some() || h.session != c.credential().session || ann.tokens != s.tokens {
             return Err((Some(c), heard));
@@ -700,7 +700,7 @@ impl Daemon {
         }
         let timeouts = self.peer_timeouts();
         let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err((Some(c), heard)) };
-        let _ = c.stream().set_read_timeout(Some(REPLY_TIMEOUT));
+        let _ = c.read_timeout(REPLY_TIMEOUT);
         let l = link.insert(Arc::new(PeerLink::new(c, session, peer, timeouts.peer, self.announcements.clone())));
         // A small transfer's manifest follows at once: the claim leaves
         // with it, in one write (one wake-up of the destination, not two).
@@ -719,8 +719,8 @@ impl Daemon {
     }
 
     /// Opens the transfer's session on `stream` and sends its offer.
-    fn offer_on(&self, stream: Sealed, peer: &PeerConfig, offer: Offer, timeouts: Timeouts, link: &mut Option<Arc<PeerLink>>) -> Result<SourceEvent, LinkError> {
-        let _ = stream.stream().set_read_timeout(Some(REPLY_TIMEOUT));
+    fn offer_on(&self, mut stream: Sealed, peer: &PeerConfig, offer: Offer, timeouts: Timeouts, link: &mut Option<Arc<PeerLink>>) -> Result<SourceEvent, LinkError> {
+        let _ = stream.read_timeout(REPLY_TIMEOUT);
         let (session, first) = SourceSession::start(Instant::now(), offer, self.ep.transport(), timeouts);
         link.insert(Arc::new(PeerLink::new(stream, session, peer, timeouts.peer, self.announcements.clone()))).exchange(&first)
     }
