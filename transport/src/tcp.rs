@@ -310,7 +310,8 @@ impl Endpoint for TcpEndpoint {
 /// An initiating TCP connection.
 pub struct TcpConnection {
     remote: Hello,
-    stream: TcpStream,
+    // Shared with the interrupter, which needs no socket of its own.
+    stream: Arc<TcpStream>,
     registry: Arc<Registry>,
     hops: Arc<Hops>,
     max_frame: u64,
@@ -341,7 +342,7 @@ impl TcpConnection {
         stream.set_nonblocking(true).map_err(TransportError::io("set nonblocking"))?;
         Ok(TcpConnection {
             remote,
-            stream,
+            stream: Arc::new(stream),
             ledger: Ledger::new(hops.clone(), 1),
             registry,
             hops,
@@ -372,7 +373,7 @@ impl TcpConnection {
     /// closes the connection here, once their batches are accounted for
     /// by the failed write.
     fn read_answers(&mut self, apply: bool) {
-        let (answers, end) = self.inbox.pump(&self.stream, self.closed.is_none(), apply);
+        let (answers, end) = self.inbox.pump(&*self.stream, self.closed.is_none(), apply);
         answers.into_iter().for_each(|a| self.apply(a));
         match end {
             Some(End::Closed) => {
@@ -439,7 +440,7 @@ impl TcpConnection {
     fn write_gathered(&mut self, mut bufs: &mut [IoSlice<'_>]) -> std::io::Result<()> {
         IoSlice::advance_slices(&mut bufs, 0);
         while !bufs.is_empty() {
-            match (&self.stream).write_vectored(bufs) {
+            match (&*self.stream).write_vectored(bufs) {
                 Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
                 Ok(n) => IoSlice::advance_slices(&mut bufs, n),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -555,7 +556,7 @@ impl Connection for TcpConnection {
     }
 
     fn interrupter(&self) -> Option<Box<dyn Fn() + Send + Sync>> {
-        let s = self.stream.try_clone().ok()?;
+        let s = self.stream.clone();
         Some(Box::new(move || {
             let _ = s.shutdown(Shutdown::Both);
         }))

@@ -159,12 +159,19 @@ impl Daemon {
         // Transfers accepted on this connection, by slot: its messages may
         // name only these, and those still running when it ends fail then.
         let mut mine: HashMap<u16, Mine> = HashMap::new();
+        let mut timeout = Duration::ZERO;
         let ended = loop {
-            // Rounded down to a power of two of milliseconds: the socket's
-            // timeout then changes a few times as a deadline nears, not at
-            // every message (a read that ends early is tried again).
-            let wait = session.poll_timeout().saturating_duration_since(Instant::now());
-            let _ = s.read_timeout(coarse(wait));
+            // The socket's timeout changes only when it must be shorter, or
+            // when it is far too short: not at every message, whose
+            // deadline moved a little (a read that ends early is tried
+            // again). Rounded down to a power of two of milliseconds, so
+            // that a deadline that nears shortens it a few times, not at
+            // every read.
+            let wait = coarse(session.poll_timeout().saturating_duration_since(Instant::now()));
+            if wait < timeout || wait > timeout * 8 {
+                timeout = wait;
+                let _ = s.read_timeout(wait);
+            }
             let before = s.frames_read();
             let msg = match s.recv() {
                 Ok(m) => m,

@@ -700,7 +700,9 @@ impl Daemon {
         }
         let timeouts = self.peer_timeouts();
         let Ok((session, claim)) = SourceSession::claim(Instant::now(), ann.accept.clone(), ann.gen, offer.clone(), transport, timeouts) else { return Err((Some(c), heard)) };
-        let _ = c.read_timeout(REPLY_TIMEOUT);
+        // No reply is due to a claim: reads on it from here (pings, until
+        // `done`) wait up to the peer timeout, as the manifest's sets it.
+        let _ = c.read_timeout(timeouts.peer);
         let l = link.insert(Arc::new(PeerLink::new(c, session, peer, timeouts.peer, self.announcements.clone())));
         // A small transfer's manifest follows at once: the claim leaves
         // with it, in one write (one wake-up of the destination, not two).
