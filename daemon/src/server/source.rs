@@ -186,15 +186,17 @@ impl Daemon {
         // staging in one piece, not run by run from the cache again.
         let (sg, sp, sa) = (g.clone(), p.clone(), accept.clone());
         let start = move |d: &Daemon, link: &Arc<PeerLink>| -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
-            // Hashed as it is packed, piece by piece, unless beside the wire.
+            // Hashed as it is packed, piece by piece, unless beside the
+            // wire (or not at all: then the manifest has no checksums).
             let (stage, sums) = match d.cfg.verify_checksums && !beside {
-                true => d.pack_and_hash(id, &sg, &sp, codec).map(|(st, sums)| (st, Sums::Ready(sums)))?,
-                false => (d.pack(id, &sg, &sp, codec)?, if beside { Sums::Follow } else { Sums::Now(None) }),
+                true => d.pack_and_hash(id, &sg, &sp, codec).map(|(st, sums)| (st, Some(sums)))?,
+                false => (d.pack(id, &sg, &sp, codec)?, None),
             };
             d.keeping_stage(stage, |st| {
-                let sums = match sums {
-                    Sums::Now(_) => Sums::Now(st.map(|r| &**r)),
-                    other => other,
+                let sums = match (sums, beside) {
+                    (Some(sums), _) => Sums::Ready(sums),
+                    (None, true) => Sums::Follow,
+                    (None, false) => Sums::Now(st.map(|r| &**r)),
                 };
                 d.expect(id, &sg, &dst_request, &sp, codec, &sa, sums, link)?;
                 batches(&sg, &sp, &sa, codec, st)
@@ -747,10 +749,9 @@ impl Daemon {
 
     /// The manifest: identity, shapes, maps, positions, and checksums of
     /// what the destination must hold — the source bytes, or with a codec
-    /// the source bytes as the destination will decode them. When
-    /// `sums_follow` (a streamed transfer, or one hashed beside the wire)
-    /// they follow layer by layer instead; with checksums off there are none.
-    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    /// the source bytes as the destination will decode them, from `sums`
+    /// (with [`Sums::Follow`] they follow layer by layer instead); with
+    /// checksums off there are none.
     fn manifest(&self, id: SlotId, g: &SourceGroup, p: &Planned, dst_request: &str, codec: Option<Codec>, sums: Sums<'_>) -> Result<Manifest, Refusal> {
         let mut m = Manifest::claims(&g.identity, &g.model, &g.side, &p.dst, &p.plan, dst_request).map_err(|e| Refusal::new(Code::BadRequest, format!("manifest: {e}")))?;
         if !self.cfg.verify_checksums {
@@ -1091,8 +1092,6 @@ impl PeerLink {
     }
 }
 
-/// The destination's rails (a peer of an older build names one: its data
-/// address), and which each of its ranks prefers.
 /// Where the manifest's checksums come from.
 enum Sums<'a> {
     /// Per layer, after the manifest (streamed, or hashed beside the wire).
@@ -1103,6 +1102,8 @@ enum Sums<'a> {
     Ready(Vec<LayerChecksum>),
 }
 
+/// The destination's rails (a peer of an older build names one: its data
+/// address), and which each of its ranks prefers.
 fn rails_of(accept: &Accept) -> (Vec<RailAddr>, RailPreference) {
     let rails = if accept.rails.is_empty() { vec![RailAddr { name: "rail0".into(), addr: accept.data_addr.clone() }] } else { accept.rails.clone() };
     (rails, rail_preference(accept))
