@@ -232,6 +232,11 @@ impl Sealed {
         Ok(())
     }
 
+    /// The read timeout this connection set on its socket, if it set one.
+    pub fn read_timeout_set(&self) -> Option<Duration> {
+        self.timeout
+    }
+
     /// The connection's data-plane session.
     pub fn credential(&self) -> &Credential {
         &self.credential

@@ -159,7 +159,6 @@ impl Daemon {
         // Transfers accepted on this connection, by slot: its messages may
         // name only these, and those still running when it ends fail then.
         let mut mine: HashMap<u16, Mine> = HashMap::new();
-        let mut timeout = Duration::ZERO;
         let ended = loop {
             // The socket's timeout changes only when it must be shorter, or
             // when it is far too short: not at every message, whose
@@ -168,8 +167,8 @@ impl Daemon {
             // that a deadline that nears shortens it a few times, not at
             // every read.
             let wait = coarse(session.poll_timeout().saturating_duration_since(Instant::now()));
-            if wait < timeout || wait > timeout * 8 {
-                timeout = wait;
+            let set = s.read_timeout_set().unwrap_or(Duration::ZERO);
+            if wait < set || wait > set * 8 {
                 let _ = s.read_timeout(wait);
             }
             let before = s.frames_read();
