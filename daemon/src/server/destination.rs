@@ -15,7 +15,7 @@ use kvwire_client::control::*;
 use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
-use kvwire_core::manifest::{checksums_of, Checksums, Expected, LayerChecksum, Manifest, ManifestError, Reading};
+use kvwire_core::manifest::{Checksums, Expected, Manifest, ManifestError, Reading};
 use std::sync::mpsc::{self, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::protocol::TransportKind;
@@ -497,25 +497,7 @@ impl Daemon {
     /// One layer whose bytes are all placed: unpack (and decode) its staged
     /// segments, verify it, and copy it to the device where it lives there.
     pub(super) fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
-        let ls = &r.p.schedule.layers[layer];
-        // Without a codec a staged segment's bytes sit in staging exactly
-        // as its runs will hold them: hashed there, in one piece, and
-        // scattered right after, piece by piece, while they are in the
-        // CPU's cache. With a codec the checksums cover the decoded runs:
-        // unpacked first, then verified where they landed.
-        if r.codec.is_none() {
-            self.verify_and_unpack(r, manifest, layer)?;
-        } else {
-            let t = Instant::now();
-            for st in ls.staged.iter() {
-                let seg = &r.p.plan.segments.at(st.seg);
-                unpack_segment(r, seg, &st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
-            }
-            if !ls.staged.is_empty() {
-                self.slot_hop(r.id, Hop::Unpack, t.elapsed(), ls.staged.iter().map(|st| r.p.plan.segments.at(st.seg).bytes()).sum());
-            }
-            self.verify_layer(r, manifest, layer)?;
-        }
+        self.verify_and_unpack(r, manifest, layer)?;
         // A device-resident cache is usable only once this layer's
         // host → device copies completed (their event, not their enqueue).
         if !r.devices.is_empty() {
@@ -526,38 +508,26 @@ impl Daemon {
         Ok(())
     }
 
-    /// Checks layer `layer`'s bytes against the manifest (when this daemon
-    /// verifies), every segment where it landed or was unpacked to.
-    fn verify_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
-        let ls = &r.p.schedule.layers[layer];
-        if !self.cfg.verify_checksums || ls.wire_bytes == 0 {
-            return Ok(());
-        }
-        let t = Instant::now();
-        let runs = RunReader::new(&r.regions);
-        let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
-        // The layer's own segments, in plan order: not a pass over the whole plan per layer.
-        let checked = checksums_of(&r.p.plan, Reading::Destination, ls.segments(), read, |_| None::<&[u8]>);
-        self.slot_hop(r.id, Hop::Verify, t.elapsed(), ls.wire_bytes);
-        checked_layer(manifest, layer, checked)
-    }
-
-    /// Layer `layer` without a codec: its staged segments unpacked, and
-    /// (when this daemon verifies) every segment checked against the
-    /// manifest: its direct ones where they landed, its staged ones in
-    /// staging, in one piece each. Piece by piece, each piece hashed and
-    /// then unpacked while it is in the CPU's cache. A piece is unpacked
-    /// before the layer's checksums compare, as its direct segments landed
-    /// before: a layer that fails gets no flag, and the transfer fails.
+    /// Layer `layer`: its staged segments unpacked, and (when this daemon
+    /// verifies) every segment checked against the manifest, its direct
+    /// ones where they landed. Piece by piece, each piece hashed and
+    /// unpacked while it is in the CPU's cache. Without a codec a staged
+    /// segment's bytes sit in staging exactly as its runs will hold them:
+    /// hashed there, in one piece, then scattered. With a codec the
+    /// checksums cover the decoded runs: unpacked first, then hashed where
+    /// they landed. A piece is unpacked before the layer's checksums
+    /// compare, as its direct segments landed before: a layer that fails
+    /// gets no flag, and the transfer fails.
     fn verify_and_unpack(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
         let ls = &r.p.schedule.layers[layer];
         let verifying = self.cfg.verify_checksums && ls.wire_bytes > 0;
+        let in_staging = r.codec.is_none();
         let runs = RunReader::new(&r.regions);
-        let stage = r.stage.as_deref();
+        let stage = r.stage.as_deref().filter(|_| in_staging);
         let mut sums = Checksums::new(&r.p.plan, Reading::Destination);
         let (mut hashing, mut unpacking, mut unpacked) = (Duration::ZERO, Duration::ZERO, 0);
-        for piece in pieces(&r.p.plan, ls.segments()) {
-            if verifying {
+        for (piece, _) in pieces(&r.p.plan, ls.segments()) {
+            let mut hash = |sums: &mut Checksums| {
                 let t = Instant::now();
                 let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
                 let whole = |i: usize| {
@@ -566,9 +536,10 @@ impl Daemon {
                 };
                 let added = sums.add(piece.iter().copied(), read, whole);
                 hashing += t.elapsed();
-                if let Err(err) = added {
-                    return checked_layer(manifest, layer, Err(err));
-                }
+                added.map_err(|err| refused(layer, err))
+            };
+            if verifying && in_staging {
+                hash(&mut sums)?;
             }
             let t = Instant::now();
             for &i in &piece {
@@ -579,6 +550,9 @@ impl Daemon {
                 }
             }
             unpacking += t.elapsed();
+            if verifying && !in_staging {
+                hash(&mut sums)?;
+            }
         }
         if unpacked > 0 {
             self.slot_hop(r.id, Hop::Unpack, unpacking, unpacked);
@@ -587,7 +561,8 @@ impl Daemon {
             return Ok(());
         }
         self.slot_hop(r.id, Hop::Verify, hashing, ls.wire_bytes);
-        checked_layer(manifest, layer, Ok(sums.finish()))
+        let this_layer = |_, l: u32| l as usize == layer;
+        manifest.verify_checksums_of(&sums.finish(), this_layer).map_err(|err| refused(layer, err))
     }
 
     /// A registered staging buffer of `len` bytes from the pool (none for
@@ -616,13 +591,10 @@ fn coarse(d: Duration) -> Duration {
     Duration::from_millis(1 << ms.ilog2())
 }
 
-/// Layer `layer`'s recomputed checksums against the manifest's.
-fn checked_layer(manifest: &Manifest, layer: usize, recomputed: Result<Vec<LayerChecksum>, ManifestError>) -> Result<(), String> {
-    let this_layer = |_, l: u32| l as usize == layer;
-    recomputed.and_then(|rec| manifest.verify_checksums_of(&rec, this_layer)).map_err(|err| {
-        tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
-        err.to_string()
-    })
+/// Why layer `layer` gets no flag, logged.
+fn refused(layer: usize, err: ManifestError) -> String {
+    tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
+    err.to_string()
 }
 
 /// Moves one staged segment from the staging buffer into its runs in the

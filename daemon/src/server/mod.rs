@@ -217,10 +217,11 @@ impl<'a> RunReader<'a> {
 }
 
 /// Segments `segs` (plan order) in consecutive pieces of about
-/// [`PIECE_BYTES`] (at least one segment each). Packing or unpacking a piece
-/// and hashing it next reads it while it is in the CPU's cache; one pass
-/// over a whole transfer, then the other, reads it from memory twice.
-fn pieces<'p, S: IntoIterator<Item = usize>>(plan: &'p Plan, segs: S) -> impl Iterator<Item = Vec<usize>> + 'p
+/// [`PIECE_BYTES`] (at least one segment each), with the bytes each piece
+/// covers. Packing or unpacking a piece and hashing it next reads it while
+/// it is in the CPU's cache; one pass over a whole transfer, then the
+/// other, reads it from memory twice.
+fn pieces<'p, S: IntoIterator<Item = usize>>(plan: &'p Plan, segs: S) -> impl Iterator<Item = (Vec<usize>, u64)> + 'p
 where
     S::IntoIter: 'p,
 {
@@ -234,7 +235,7 @@ where
             (bytes, _) = (bytes + b, segs.next());
             piece.push(i);
         }
-        (!piece.is_empty()).then_some(piece)
+        (!piece.is_empty()).then_some((piece, bytes))
     })
 }
 

@@ -186,18 +186,12 @@ impl Daemon {
         // staging in one piece, not run by run from the cache again.
         let (sg, sp, sa) = (g.clone(), p.clone(), accept.clone());
         let start = move |d: &Daemon, link: &Arc<PeerLink>| -> Result<(Option<Arc<Region>>, Vec<Batch>), Refusal> {
-            // Hashed as it is packed, piece by piece, unless beside the
-            // wire (or not at all: then the manifest has no checksums).
-            let (stage, sums) = match d.cfg.verify_checksums && !beside {
-                true => d.pack_and_hash(id, &sg, &sp, codec).map(|(st, sums)| (st, Some(sums)))?,
-                false => (d.pack(id, &sg, &sp, codec)?, None),
+            // Hashed as it is packed, piece by piece, unless beside the wire.
+            let (stage, sums) = match beside {
+                true => (d.pack(id, &sg, &sp, codec)?, Sums::Follow),
+                false => d.pack_and_hash(id, &sg, &sp, codec).map(|(st, sums)| (st, Sums::Ready(sums)))?,
             };
             d.keeping_stage(stage, |st| {
-                let sums = match (sums, beside) {
-                    (Some(sums), _) => Sums::Ready(sums),
-                    (None, true) => Sums::Follow,
-                    (None, false) => Sums::Now(st.map(|r| &**r)),
-                };
                 d.expect(id, &sg, &dst_request, &sp, codec, &sa, sums, link)?;
                 batches(&sg, &sp, &sa, codec, st)
             })
@@ -793,28 +787,34 @@ impl Daemon {
     }
 
     /// Packs the staged segments among `segs` (whole layers, in plan order)
-    /// into `stage` and hashes all of `segs`, piece by piece: each piece is
-    /// hashed right after it is packed, while it is in the CPU's cache.
-    /// Returns the checksums; the pack and verify hops get their own times.
+    /// into `stage` and, when this daemon hashes, hashes all of `segs`,
+    /// piece by piece: each piece right after it is packed, while it is in
+    /// the CPU's cache. Returns the checksums (none with checksums off);
+    /// the pack and verify hops get their own times.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>) -> Result<Vec<LayerChecksum>, Refusal> {
         let mut sums = Checksums::new(&p.plan, Reading::Source);
+        let hashes = self.cfg.verify_checksums;
         let (mut packing, mut hashing, mut packed, mut hashed) = (Duration::ZERO, Duration::ZERO, 0, 0);
-        for piece in pieces(&p.plan, segs) {
+        for (piece, bytes) in pieces(&p.plan, segs) {
             if let Some(stage) = stage {
                 let started = Instant::now();
                 packed += self.pack_into(stage, g, p, codec, piece.iter().filter_map(|&i| p.schedule.staged_of(i)))?;
                 packing += started.elapsed();
             }
-            let started = Instant::now();
-            self.add_source_sums(&mut sums, g, p, codec, piece.iter().copied(), stage)?;
-            hashing += started.elapsed();
-            hashed += piece.iter().map(|&i| p.plan.segments.at(i).bytes()).sum::<u64>();
+            if hashes {
+                let started = Instant::now();
+                self.add_source_sums(&mut sums, g, p, codec, piece.iter().copied(), stage)?;
+                hashing += started.elapsed();
+                hashed += bytes;
+            }
         }
         if packed > 0 {
             self.slot_hop(id, Hop::Pack, packing, packed);
         }
-        self.slot_hop(id, Hop::Verify, hashing, hashed);
+        if hashes {
+            self.slot_hop(id, Hop::Verify, hashing, hashed);
+        }
         Ok(sums.finish())
     }
 
@@ -854,18 +854,9 @@ impl Daemon {
     fn host_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         let ls = &p.schedule.layers[layer];
         let packs = ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec));
-        let stage = stage.filter(|_| packs);
-        if self.cfg.verify_checksums {
-            // Hashed as it is packed, piece by piece.
-            let sums = self.pack_hashed(id, g, p, codec, stage, ls.segments())?;
-            return link.send_layer_sums(layer as u16, sums);
-        }
-        if let Some(stage) = stage {
-            let started = Instant::now();
-            let bytes = self.pack_into(stage, g, p, codec, ls.staged.iter())?;
-            self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
-        }
-        self.send_layer_checksums(id, g, p, codec, layer, stage, link)
+        // Hashed as it is packed, piece by piece (an empty list with checksums off).
+        let sums = self.pack_hashed(id, g, p, codec, stage.filter(|_| packs), ls.segments())?;
+        link.send_layer_sums(layer as u16, sums)
     }
 
     /// Hashes layer `layer` (its own segments, in plan order) and sends its
