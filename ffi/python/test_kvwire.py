@@ -722,6 +722,16 @@ def test_vllm_tensors_map_to_presets_and_device_tensors_group_by_allocation(d):
     mems, where = kvwire.device_memories([(0, h1, 0, 4096, 0), (0, h1, 4096, 4096, 256), (0, h2, 512, 1024, 0)])
     assert [(m.ordinal, m.length, m.ipc) for m in mems] == [(0, 8192, h1), (0, 1536, h2)], mems
     assert where == [(0, 0), (0, 4352), (1, 512)], where
+    # torch shares a storage by a version byte, a type byte and the raw handle.
+    assert kvwire.cuda_ipc_handle(bytes([2]) + b"c" + h1) == h1
+    assert kvwire.cuda_ipc_handle(bytes([3]) + b"c" + h2) == h2
+    assert kvwire.cuda_ipc_handle(h1) == h1
+    for bad, says in [(bytes([2]) + b"e" + bytes(40), "expandable_segments:False"), (bytes([2]) + b"x" + h1, "66 bytes"), (h1[:10], "10 bytes")]:
+        try:
+            kvwire.cuda_ipc_handle(bad)
+            raise AssertionError("%r was read as a handle" % (bad,))
+        except ValueError as e:
+            assert says in str(e), e
 
 
 TESTS = [

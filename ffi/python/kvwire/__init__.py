@@ -37,6 +37,8 @@ __all__ = [
     "preset_shape",
     "layout_pad",
     "vllm_layout",
+    "cuda_ipc_handle",
+    "cuda_share",
     "device_memories",
     "PRESETS",
     "cache_size",
@@ -527,4 +529,4 @@ class Client(_Handle):
 
 
 from . import _views  # noqa: E402  (after the ABI: the views use nothing of it)
-from ._views import PRESETS, DeviceMemory, SharedMemory, TensorSpec, device_memories, layout_pad, preset_shape, vllm_layout  # noqa: E402
+from ._views import PRESETS, DeviceMemory, SharedMemory, TensorSpec, cuda_ipc_handle, cuda_share, device_memories, layout_pad, preset_shape, vllm_layout  # noqa: E402

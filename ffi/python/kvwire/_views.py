@@ -129,11 +129,42 @@ def vllm_layout(shape: Sequence[int], strides: Sequence[int], block_size: int, h
     return preset, layout_pad(preset, shape, strides, nb, block_size, heads, head_size, role=role), role, nb
 
 
+CUDA_IPC_HANDLE_SIZE = 64
+
+
+def cuda_ipc_handle(shared: bytes) -> bytes:
+    """The 64-byte cudaIpcMemHandle_t inside the handle torch shares a CUDA
+    storage by. torch's caching allocator writes a version byte, a type byte
+    (``c``: a cudaMalloc segment; ``e``: an expandable segment, which has no
+    such handle) and then the raw handle; torch before versioned handles
+    gave the raw 64 bytes."""
+    shared = bytes(shared)
+    if len(shared) == CUDA_IPC_HANDLE_SIZE:
+        return shared
+    if len(shared) == CUDA_IPC_HANDLE_SIZE + 2 and shared[1:2] == b"c":
+        return shared[2:]
+    if len(shared) >= 2 and shared[1:2] == b"e":
+        raise ValueError(
+            "the CUDA tensor is in an expandable segment, which has no CUDA IPC handle: "
+            "run the engine with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False"
+        )
+    raise ValueError("a CUDA storage handle of %d bytes (type byte %r) is not one kvwire reads" % (len(shared), shared[1:2]))
+
+
+def cuda_share(tensor: Any) -> Tuple[int, bytes, int, int, int]:
+    """What :func:`device_memories` takes for one torch CUDA tensor: its
+    device, its allocation's IPC handle, its storage's byte offset in that
+    allocation and size, and the tensor's byte offset in its storage."""
+    # torch's order: device, handle, storage bytes, storage offset in the allocation, ...
+    device, handle, size, base = tensor.untyped_storage()._share_cuda_()[:4]
+    return int(device), cuda_ipc_handle(handle), int(base), int(size), tensor.storage_offset() * tensor.element_size()
+
+
 def device_memories(shared: Sequence[Tuple[int, bytes, int, int, int]]) -> Tuple[list, list]:
     """Groups device tensors by the allocation their CUDA IPC handle names.
     ``shared`` holds per tensor ``(device, ipc handle, storage offset in the
-    allocation, storage bytes, tensor offset in the storage)``, as torch's
-    ``untyped_storage()._share_cuda_()`` and ``storage_offset()`` give them.
+    allocation, storage bytes, tensor offset in the storage)``, as
+    :func:`cuda_share` gives them.
     Returns the allocations (:class:`DeviceMemory`, each reaching the end of
     the last storage in it: a handle is opened once however many tensors it
     holds) and per tensor ``(allocation index, byte offset in it)``."""

@@ -134,7 +134,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import DECODER_USABLE, LAYER_READY, Client, KvwireError, SharedMemory, TensorSpec
 from . import KVW_PEER_REFUSED, KVW_TIMEOUT  # type: ignore[attr-defined]  # set from RESULTS
-from ._views import device_memories, dtype_name, vllm_layout
+from ._views import cuda_share, device_memories, dtype_name, vllm_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -402,11 +402,7 @@ class KvwireConnector(KVConnectorBase_V1):
         self._cuda = device == "cuda"
         if self._cuda:
             # Each tensor by the CUDA IPC handle of the allocation it is in; the daemon opens each once.
-            shared = []
-            for _, t in ordered:
-                device_index, handle, base, size = t.untyped_storage()._share_cuda_()[:4]
-                shared.append((device_index, handle, base, size, t.storage_offset() * t.element_size()))
-            memories, where = device_memories(shared)
+            memories, where = device_memories([cuda_share(t) for _, t in ordered])
             specs = [TensorSpec(memories[m], off, fmt, tuple(t.shape), tuple(t.stride()), role, (layers[n], layers[n] + 1)) for (n, t), (m, off) in zip(ordered, where)]
         elif device == "cpu":
             # The pages under the tensors (vLLM backs every layer with one allocation) move into memfds in place.
