@@ -168,6 +168,12 @@ pub trait Event: Debug + Send {
     fn completed_at(&self) -> Option<std::time::Instant> {
         None
     }
+    /// How long the stream took from reaching `start` (an earlier event on
+    /// the same stream) to reaching this one, where the backend times it
+    /// (CUDA); `None` before both completed.
+    fn elapsed_since(&self, _start: &Self) -> Option<Duration> {
+        None
+    }
 }
 
 /// An in-order queue of copies on one device.

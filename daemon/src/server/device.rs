@@ -128,7 +128,9 @@ impl Copies {
     /// previous copies' end (`free_at`, per rank, kept across calls),
     /// whichever is later, to their end. Returns when the last ended. An
     /// end is when the stream reached it where the backend says so (the
-    /// stand-in), else when it was seen.
+    /// stand-in), else that start plus how long the backend timed the
+    /// copies (CUDA's events), else when it was seen: a ring's copies are
+    /// awaited only after the previous layer's writes, long after they ended.
     pub fn finish(self, d: &Daemon, id: SlotId, free_at: &mut HashMap<u32, Instant>) -> Result<Instant, CopyError> {
         let Copies { dir, pending } = self;
         let timeout = Duration::from_secs(d.cfg.device.copy_timeout_secs);
@@ -145,8 +147,9 @@ impl Copies {
                 drain(pending, timeout);
                 return Err(CopyError { rank, layer, why: e.to_string() });
             }
-            let done = ev.completed_at().unwrap_or_else(Instant::now);
-            let from = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued)).min(done);
+            let start = free_at.get(&rank).map_or(enqueued, |&t| t.max(enqueued));
+            let done = ev.completed_at().or_else(|| ev.busy().map(|b| start + b)).unwrap_or_else(Instant::now);
+            let from = start.min(done);
             spans.push(RankSpan { rank, from, done, bytes });
             free_at.insert(rank, done);
             last = Some(last.map_or(done, |l| l.max(done)));

@@ -57,6 +57,10 @@ pub trait EventWait: Send + Sync + std::fmt::Debug {
     /// When the stream reached the event, where the backend knows it
     /// ([`super::Event::completed_at`]).
     fn completed_at(&self) -> Option<std::time::Instant>;
+    /// How long the copies held the stream, from the stream reaching them
+    /// to their end, where the backend times it
+    /// ([`super::Event::elapsed_since`]); `None` before they completed.
+    fn busy(&self) -> Option<Duration>;
 }
 
 /// An imported allocation bound to one stream of its device: object-safe.
@@ -90,19 +94,24 @@ pub trait BoundMem: Send + Sync + std::fmt::Debug {
     fn write(&self, off: u64, data: &[u8]) -> Result<(), DeviceError>;
 }
 
-/// An event of any backend. `Event` is not `Sync`, hence the mutex.
+/// The events recorded before and after a batch of copies, of any
+/// backend. `Event` is not `Sync`, hence the mutex.
 #[derive(Debug)]
-struct Waiter<E>(Mutex<E>);
+struct Waiter<E>(Mutex<(E, E)>);
 
 impl<E: Event> EventWait for Waiter<E> {
     fn query(&self) -> Result<bool, DeviceError> {
-        self.0.lock().expect("event lock").query()
+        self.0.lock().expect("event lock").1.query()
     }
     fn wait(&self, timeout: Duration) -> Result<(), DeviceError> {
-        self.0.lock().expect("event lock").synchronize(timeout)
+        self.0.lock().expect("event lock").1.synchronize(timeout)
     }
     fn completed_at(&self) -> Option<std::time::Instant> {
-        self.0.lock().expect("event lock").completed_at()
+        self.0.lock().expect("event lock").1.completed_at()
+    }
+    fn busy(&self) -> Option<Duration> {
+        let events = self.0.lock().expect("event lock");
+        events.1.elapsed_since(&events.0)
     }
 }
 
@@ -128,8 +137,9 @@ impl<D: Device> Bound<D> {
         Ok(Bound { stream: Mutex::new(dev.stream()?), mem, dev, dmabuf: None })
     }
 
-    /// Checks every run, then enqueues them all and records an event.
-    fn copies(&self, dir: Dir, runs: &[(u64, u64, u64)], host: &Arc<HostMem>) -> Result<<D::Stream as Stream>::Event, DeviceError> {
+    /// Checks every run, then enqueues them all between two events: the
+    /// first says when the stream reached them, the last when they ended.
+    fn copies(&self, dir: Dir, runs: &[(u64, u64, u64)], host: &Arc<HostMem>) -> Result<Waiter<<D::Stream as Stream>::Event>, DeviceError> {
         for &(dev_off, host_off, len) in runs {
             self.mem.check(dev_off, len)?;
             host.check(host_off, len)?;
@@ -139,13 +149,14 @@ impl<D: Device> Bound<D> {
         }
         // Held until the event is recorded, so no other caller's copies fall between.
         let stream = self.stream.lock().expect("bound stream lock");
+        let start = stream.record()?;
         for &(dev_off, host_off, len) in runs {
             match dir {
                 Dir::D2h => stream.copy_d2h(&self.mem, dev_off, host, host_off, len)?,
                 Dir::H2d => stream.copy_h2d(host, host_off, &self.mem, dev_off, len)?,
             }
         }
-        stream.record()
+        Ok(Waiter(Mutex::new((start, stream.record()?))))
     }
 }
 
@@ -164,10 +175,10 @@ where
         self.mem.pci_bus_id().map(str::to_owned)
     }
     fn d2h(&self, runs: &[(u64, u64, u64)], host: &Arc<HostMem>) -> Result<Box<dyn EventWait>, DeviceError> {
-        Ok(Box::new(Waiter(Mutex::new(self.copies(Dir::D2h, runs, host)?))))
+        Ok(Box::new(self.copies(Dir::D2h, runs, host)?))
     }
     fn h2d(&self, runs: &[(u64, u64, u64)], host: &Arc<HostMem>) -> Result<Box<dyn EventWait>, DeviceError> {
-        Ok(Box::new(Waiter(Mutex::new(self.copies(Dir::H2d, runs, host)?))))
+        Ok(Box::new(self.copies(Dir::H2d, runs, host)?))
     }
     fn nic(&self) -> Result<NicMemory, String> {
         if let Some(host) = self.mem.host_mem() {

@@ -46,6 +46,7 @@ const SYMBOLS: &[&str] = &[
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
+    "cuEventElapsedTime",
     "cuEventDestroy_v2",
     "cuGetErrorName",
     "cuGetErrorString",
@@ -388,7 +389,8 @@ impl Stream for CudaStream {
 
     fn record(&self) -> Result<CudaEvent, DeviceError> {
         self.0.ctx.bind()?;
-        let raw = cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING).map_err(call("cuEventCreate"))?;
+        // Timed: the hops report how long copies held the stream (elapsed_since).
+        let raw = cudarc::driver::result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT).map_err(call("cuEventCreate"))?;
         // Destroys `raw` should recording fail.
         let mut event = CudaEvent { raw, stream: self.0.clone(), seq: 0 };
         let mut seq = self.0.seq.lock().expect("stream seq lock");
@@ -447,6 +449,14 @@ impl Event for CudaEvent {
                 std::thread::sleep(Duration::from_micros(20));
             }
         }
+    }
+
+    fn elapsed_since(&self, start: &CudaEvent) -> Option<Duration> {
+        self.stream.ctx.bind().ok()?;
+        let mut ms = 0f32;
+        // SAFETY: both are live timed events; NOT_READY (either still pending) is an Err here.
+        unsafe { sys::cuEventElapsedTime(&mut ms, start.raw, self.raw) }.result().ok()?;
+        Some(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1e3))
     }
 }
 
