@@ -79,7 +79,7 @@ fn time_writes(src: &dyn Endpoint, dst: &dyn Endpoint, cred: &Credential, conn: 
         dst.placement().reset_slot(0);
         dst.placement().expect(tag, size)?;
         let start = Instant::now();
-        conn.post(Batch { tag, writes: vec![WriteOp { src_key: s.key, src_offset: 0, dst_key: d.key, dst_offset: 0, len: size }] })?;
+        conn.post(Batch { tag, writes: vec![WriteOp { src_key: s.key, src_offset: 0, dst_key: d.key, dst_offset: 0, len: size, stride: None }] })?;
         dst.placement().wait(tag, Duration::from_secs(60))?;
         let took = start.elapsed();
         // Drain the local completion before the next post reuses the source.

@@ -53,6 +53,9 @@ pub struct LayoutsArgs {
     /// Print the JSONL lines instead of a table.
     #[arg(long)]
     json: bool,
+    /// Both daemons with `verify_checksums = false`: what the checksums cost.
+    #[arg(long)]
+    no_verify: bool,
 }
 
 /// One measured layout point (a line of layouts.jsonl).
@@ -74,6 +77,8 @@ pub struct LayoutPoint {
     pub transport: String,
     /// Timed transfers.
     pub iterations: u32,
+    /// Whether the daemons checksummed each transfer.
+    pub verify_checksums: bool,
     /// Payload bytes per transfer (plan total).
     pub payload_bytes: u64,
     /// Bytes written on the data plane per transfer.
@@ -133,10 +138,10 @@ struct Pair {
     _dir: TempDir,
 }
 
-fn daemons(transport: TransportKind) -> anyhow::Result<Pair> {
+fn daemons(transport: TransportKind, verify: bool) -> anyhow::Result<Pair> {
     let dir = TempDir::try_new("layouts").map_err(|e| anyhow!(e))?;
     let secret = random_secret()?;
-    let extra = format!("[transport]\nkind = \"{transport}\"\n");
+    let extra = format!("verify_checksums = {verify}\n[transport]\nkind = \"{transport}\"\n");
     let start = |node: &str, peers: &[(&str, &str)]| {
         try_start_daemon_in(None, "127.0.0.1", dir.path(), node, &secret, peers, &extra).map_err(|e| anyhow!(e))
     };
@@ -203,10 +208,11 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
     }
     let _ = writeln!(
         out,
-        "kvwire bench layouts: {} {} over {}, {} timed transfers per point; latency = submit -> decoder_usable seen; base = {} of the payload, same run",
+        "kvwire bench layouts: {} {} over {}{}, {} timed transfers per point; latency = submit -> decoder_usable seen; base = {} of the payload, same run",
         a.model,
         format.id(),
         a.transport,
+        if a.no_verify { " without checksums" } else { "" },
         a.iterations,
         baseline_of(a.transport).0
     );
@@ -241,7 +247,7 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
 }
 
 fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: TransportKind, pairs: &[(String, String)]) -> anyhow::Result<Vec<LayoutPoint>> {
-    let d = daemons(kind).context("starting two daemons")?;
+    let d = daemons(kind, !a.no_verify).context("starting two daemons")?;
     let ca = Client::connect(&d.a.socket, "bench-prefill")?;
     let cb = Client::connect(&d.b.socket, "bench-decode")?;
     let mut points = Vec::new();
@@ -317,6 +323,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 dst_layout: dst_l.clone(),
                 transport: a.transport.as_str().into(),
                 iterations: a.iterations,
+                verify_checksums: !a.no_verify,
                 payload_bytes: payload,
                 wire_bytes: s.wire_bytes,
                 segments: s.segments,

@@ -30,7 +30,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// Cuts each layer's batch into slices of at most `slice_bytes`, splitting
-/// writes where needed. Layers without writes give no slice.
+/// writes where needed (never a strided one: a slice may then hold more). Layers without writes give no slice.
 /// A new slice starts wherever `group` (e.g. the destination rank of a
 /// write's key) changes, so each slice can prefer the rails of one group.
 pub fn cut(batches: Vec<Batch>, slice_bytes: u64, group: impl Fn(&WriteOp) -> u32) -> Vec<Batch> {
@@ -47,6 +47,16 @@ pub fn cut(batches: Vec<Batch>, slice_bytes: u64, group: impl Fn(&WriteOp) -> u3
             if w.len == 0 {
                 // Goes out as is: the destination refuses it by name.
                 cur.writes.push(w);
+                continue;
+            }
+            if w.stride.is_some() {
+                // Whole: the destination counts it only as the one write its plan declared.
+                cur.writes.push(w);
+                size += w.bytes();
+                if size >= slice_bytes {
+                    out.push(std::mem::replace(&mut cur, Batch { tag: b.tag, writes: Vec::new() }));
+                    size = 0;
+                }
                 continue;
             }
             let mut off = 0;
@@ -588,7 +598,7 @@ mod tests {
     use kvwire_transport::Tag;
 
     fn w(src: u64, dst: u64, len: u64) -> WriteOp {
-        WriteOp { src_key: 1, src_offset: src, dst_key: 2, dst_offset: dst, len }
+        WriteOp { src_key: 1, src_offset: src, dst_key: 2, dst_offset: dst, len, stride: None }
     }
 
     #[test]

@@ -48,10 +48,19 @@ pub struct Incoming {
     pub tag: Tag,
     /// Destination region key.
     pub key: u32,
-    /// Offset in the destination region.
+    /// Offset in the destination region (of the first run).
     pub offset: u64,
-    /// Bytes.
+    /// Bytes (per run).
     pub len: u64,
+    /// (runs, distance between them) of a strided write (shm); None: one run.
+    pub stride: Option<(u64, u64)>,
+}
+
+impl Incoming {
+    /// Bytes it moves.
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.stride.map_or(1, |s| s.0))
+    }
 }
 
 /// Why a destination refused a write. Its text is what a `Nack` carries.
@@ -135,6 +144,10 @@ pub enum Refusal {
     /// the layer overran it meanwhile, or its flag cannot be published).
     #[error("bytes placed, but not counted: {0}")]
     Uncounted(PlacementError),
+    /// A strided write the destination's plan does not hold, or a write
+    /// among a planned strided write's runs: its bytes could count twice.
+    #[error("not in the destination's plan: {0}")]
+    Unplanned(PlacementError),
 }
 
 impl Refusal {
@@ -162,7 +175,8 @@ fn before_placing(e: PlacementError) -> Refusal {
     match e {
         PlacementError::Overrun { slot, layer, placed, expected } => Refusal::Overrun { slot, layer, placed, expected },
         PlacementError::NoFlag { slot, layer } | PlacementError::Undeclared { slot, layer } => Refusal::UnknownTag { slot, layer },
-        e @ PlacementError::Redeclared { .. } => Refusal::Uncounted(e),
+        e @ (PlacementError::UnplannedStride { .. } | PlacementError::IntoStride { .. }) => Refusal::Unplanned(e),
+        e @ (PlacementError::Redeclared { .. } | PlacementError::StrideRedeclared { .. }) => Refusal::Uncounted(e),
     }
 }
 
@@ -187,7 +201,7 @@ impl Admitted {
     }
 
     /// Where its first byte goes in the region's memory
-    /// (`region.offset + offset`); `len` bytes from there are inside it.
+    /// (`region.offset + offset`); its span from there is inside it.
     pub fn mem_offset(&self) -> u64 {
         self.region.offset + self.write.offset
     }
@@ -205,11 +219,20 @@ pub fn admit(registry: &Registry, placement: &Placement, session: u64, w: Incomi
         }
         _ => return Err(Refusal::NotGranted(w.key)),
     }
-    check_write(w.key, Some(region.len), w.offset, w.len)?;
+    // A strided write's span, first run to last, lies in the region.
+    let span = match w.stride {
+        Some((count, stride)) => crate::Stride::span(count, stride, w.len).filter(|_| w.len > 0).ok_or(Refusal::OutOfBounds { key: w.key, offset: w.offset, len: u64::MAX, region_len: region.len })?,
+        None => w.len,
+    };
+    check_write(w.key, Some(region.len), w.offset, span)?;
     if !placement.flags().contains(w.tag) {
         return Err(Refusal::UnknownTag { slot: w.tag.slot, layer: w.tag.layer });
     }
-    placement.check_room_range(w.tag, w.key, w.offset, w.len).map_err(before_placing)?;
+    match w.stride {
+        Some((count, stride)) => placement.check_room_strided(w.tag, w.key, w.offset, w.len, count, stride),
+        None => placement.check_room_range(w.tag, w.key, w.offset, w.len),
+    }
+    .map_err(before_placing)?;
     Ok(Admitted { write: w, region })
 }
 
@@ -226,7 +249,11 @@ pub fn count(registry: &Registry, placement: &Placement, a: Admitted, seen_at: I
     // landing then gives its staging buffer back, whole only when no one
     // else holds it.
     drop(a);
-    placement.placed_range(w.tag, w.key, w.offset, w.len, seen_at).map_err(Refusal::Uncounted)
+    match w.stride {
+        Some((count, stride)) => placement.placed_strided(w.tag, w.key, w.offset, w.len, count, stride, seen_at),
+        None => placement.placed_range(w.tag, w.key, w.offset, w.len, seen_at),
+    }
+    .map_err(Refusal::Uncounted)
 }
 
 /// The whole path: [`admit`], then `place` (the backend's step 5, which
@@ -247,5 +274,5 @@ pub fn accept<E: From<Refusal>>(
 
 /// Logs a refusal the same way on every backend.
 pub(crate) fn log_refusal(transport: &'static str, peer: &str, w: Incoming, why: &Refusal) {
-    tracing::warn!(transport, peer, slot = w.tag.slot, layer = w.tag.layer, key = w.key, offset = w.offset, len = w.len, %why, "write refused");
+    tracing::warn!(transport, peer, slot = w.tag.slot, layer = w.tag.layer, key = w.key, offset = w.offset, len = w.len, runs = w.stride.map_or(1, |s| s.0), %why, "write refused");
 }

@@ -51,19 +51,64 @@ pub use registry::{Grant, Region, Registry};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// One one-sided write: `len` bytes from a local region into a peer's region.
+/// One one-sided write: `len` bytes from a local region into a peer's
+/// region, or with a [`Stride`], `count` such runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct WriteOp {
     /// Key of the local (source) region, in this endpoint's registry.
     pub src_key: u32,
-    /// Offset in the source region.
+    /// Offset in the source region (of the first run).
     pub src_offset: u64,
     /// Remote key of the destination region.
     pub dst_key: u32,
-    /// Offset in the destination region.
+    /// Offset in the destination region (of the first run).
     pub dst_offset: u64,
-    /// Bytes.
+    /// Bytes (per run).
     pub len: u64,
+    /// None: one run.
+    pub stride: Option<Stride>,
+}
+
+/// The runs of a strided write: `count` runs of the write's `len` bytes,
+/// `src` bytes apart at the source and `dst` bytes apart at the
+/// destination (a remap's rows of one head in a block). shm carries one
+/// as one request; tcp and verbs refuse it
+/// ([`TransportError::Unsupported`]). The destination counts one only as
+/// a write its plan declared ([`placement::Placement::expect_strided`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Stride {
+    /// Runs (≥ 1).
+    pub count: u64,
+    /// Distance between runs at the source.
+    pub src: u64,
+    /// Distance between runs at the destination.
+    pub dst: u64,
+}
+
+impl Stride {
+    /// Bytes from the first run's start to the last run's end, for runs of
+    /// `len` bytes `step` apart; None on overflow.
+    pub fn span(count: u64, step: u64, len: u64) -> Option<u64> {
+        count.checked_sub(1)?.checked_mul(step)?.checked_add(len)
+    }
+}
+
+impl WriteOp {
+    /// Runs.
+    pub fn count(&self) -> u64 {
+        self.stride.map_or(1, |s| s.count)
+    }
+
+    /// Bytes it moves.
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.count())
+    }
+
+    /// Bytes from its first run's start to its last run's end at the
+    /// source; None on overflow.
+    pub fn src_span(&self) -> Option<u64> {
+        self.stride.map_or(Some(self.len), |s| Stride::span(s.count, s.src, self.len))
+    }
 }
 
 /// Writes posted together under one tag.
@@ -78,7 +123,15 @@ pub struct Batch {
 impl Batch {
     /// Bytes in the batch.
     pub fn bytes(&self) -> u64 {
-        self.writes.iter().map(|w| w.len).sum()
+        self.writes.iter().map(WriteOp::bytes).sum()
+    }
+
+    /// Refuses a strided write on a transport that carries none.
+    pub fn unstrided(&self, transport: &str) -> Result<(), TransportError> {
+        match self.writes.iter().any(|w| w.stride.is_some()) {
+            true => Err(TransportError::Unsupported(format!("strided writes over {transport}: only shm carries them"))),
+            false => Ok(()),
+        }
     }
 }
 

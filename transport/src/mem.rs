@@ -182,6 +182,27 @@ impl HostMem {
         Ok(())
     }
 
+    /// Copies `count` runs of `len` bytes, `stride` apart here and
+    /// `dst_stride` apart in `dst`: a strided write's rows in one call.
+    #[allow(clippy::too_many_arguments)] // both sides' offsets and strides
+    pub fn copy_runs_to(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64) -> Result<(), MemError> {
+        if count == 0 {
+            return Ok(());
+        }
+        let span = |step: u64| crate::Stride::span(count, step, len).ok_or(MemError::OutOfBounds { offset, len: u64::MAX, size: self.len() });
+        self.check(offset, span(stride)?)?;
+        dst.check(dst_offset, span(dst_stride)?)?;
+        if !dst.writable {
+            return Err(MemError::ReadOnly);
+        }
+        for i in 0..count {
+            // SAFETY: every run lies inside its span, which was checked to
+            // be inside a live mapping; `copy` tolerates overlap.
+            unsafe { std::ptr::copy(self.as_ptr().add((offset + i * stride) as usize), dst.as_ptr().add((dst_offset + i * dst_stride) as usize), len as usize) };
+        }
+        Ok(())
+    }
+
     /// Copies `len` bytes within or between mappings.
     pub fn copy_to(&self, offset: u64, dst: &HostMem, dst_offset: u64, len: u64) -> Result<(), MemError> {
         self.check(offset, len)?;

@@ -53,6 +53,84 @@ pub enum PlacementError {
         /// Bytes declared now.
         asked: u64,
     },
+    /// A strided write the plan did not declare, in this shape at this
+    /// place ([`Placement::expect_strided`]).
+    #[error("slot {slot} layer {layer}: no strided write of {count} x {len} bytes every {stride} at offset {offset} of region {key:#010x} was planned")]
+    UnplannedStride {
+        /// Slot.
+        slot: u16,
+        /// Layer.
+        layer: u16,
+        /// Region key.
+        key: u32,
+        /// Offset of its first run.
+        offset: u64,
+        /// Bytes per run.
+        len: u64,
+        /// Runs.
+        count: u64,
+        /// Distance between runs.
+        stride: u64,
+    },
+    /// A plain write into the span of a planned strided write: its bytes
+    /// would count twice.
+    #[error("slot {slot} layer {layer}: a write at offset {offset} of region {key:#010x} falls among the runs of a planned strided write")]
+    IntoStride {
+        /// Slot.
+        slot: u16,
+        /// Layer.
+        layer: u16,
+        /// Region key.
+        key: u32,
+        /// Offset of the write.
+        offset: u64,
+    },
+    /// The plan declared a strided write twice, in two shapes.
+    #[error("slot {slot} layer {layer}: a strided write at offset {offset} of region {key:#010x} was already planned in another shape")]
+    StrideRedeclared {
+        /// Slot.
+        slot: u16,
+        /// Layer.
+        layer: u16,
+        /// Region key.
+        key: u32,
+        /// Offset of its first run.
+        offset: u64,
+    },
+}
+
+/// What was placed in one region for one (slot, layer).
+#[derive(Debug, Default)]
+struct Placed {
+    /// Disjoint byte ranges (start → end).
+    ranges: BTreeMap<u64, u64>,
+    /// Strided writes the plan declared: first run's offset → shape. A
+    /// strided write counts only as one of these, and once; its runs
+    /// interleave with other strided writes', so they are not ranges.
+    strided: BTreeMap<u64, Planned>,
+    /// The longest declared strided span.
+    max_span: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Planned {
+    len: u64,
+    count: u64,
+    stride: u64,
+    placed: bool,
+}
+
+impl Planned {
+    fn span(&self) -> u64 {
+        crate::Stride::span(self.count, self.stride, self.len).unwrap_or(u64::MAX)
+    }
+}
+
+impl Placed {
+    /// Whether `start..end` reaches into a declared strided span.
+    fn into_stride(&self, start: u64, end: u64) -> bool {
+        !self.strided.is_empty() && self.strided.range(start.saturating_sub(self.max_span)..end).any(|(&o, p)| o.saturating_add(p.span()) > start)
+    }
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -71,7 +149,8 @@ pub struct Placement {
     // Byte ranges placed per (tag, region key), for transports that may
     // deliver a write twice (a slice re-sent on another rail after its
     // first rail failed): a range is counted once, however often it lands.
-    ranges: Mutex<BTreeMap<(Tag, u32), BTreeMap<u64, u64>>>,
+    // With them, the strided writes the plan declared there.
+    ranges: Mutex<BTreeMap<(Tag, u32), Placed>>,
     // Bytes that crossed the link per slot, as this end saw them: each
     // write's framing, its payload and its answer. A fixed row per slot
     // of the flag table, so nothing an outsider sends can grow it.
@@ -200,16 +279,22 @@ impl Placement {
         }
     }
 
-    /// Bytes of `key[offset..offset+len]` not yet placed for `tag`.
-    pub fn new_bytes(&self, tag: Tag, key: u32, offset: u64, len: u64) -> u64 {
+    /// Bytes of `key[offset..offset+len]` not yet placed for `tag`; an
+    /// error when they fall among a planned strided write's runs.
+    pub fn new_bytes(&self, tag: Tag, key: u32, offset: u64, len: u64) -> Result<u64, PlacementError> {
         let ranges = self.ranges.lock().expect("placement lock");
-        len - ranges.get(&(tag, key)).map_or(0, |m| overlap(m, offset, offset.saturating_add(len)))
+        let end = offset.saturating_add(len);
+        match ranges.get(&(tag, key)) {
+            Some(p) if p.into_stride(offset, end) => Err(PlacementError::IntoStride { slot: tag.slot, layer: tag.layer, key, offset }),
+            Some(p) => Ok(len - overlap(&p.ranges, offset, end)),
+            None => Ok(len),
+        }
     }
 
     /// [`Placement::check_room`] for a write of `key[offset..offset+len]`
     /// that may repeat bytes already placed: only its new bytes count.
     pub fn check_room_range(&self, tag: Tag, key: u32, offset: u64, len: u64) -> Result<(), PlacementError> {
-        self.check_room(tag, self.new_bytes(tag, key, offset, len))
+        self.check_room(tag, self.new_bytes(tag, key, offset, len)?)
     }
 
     /// [`Placement::placed`] for a write of `key[offset..offset+len]`:
@@ -217,8 +302,62 @@ impl Placement {
     pub fn placed_range(&self, tag: Tag, key: u32, offset: u64, len: u64, seen_at: std::time::Instant) -> Result<u64, PlacementError> {
         let fresh = {
             let mut ranges = self.ranges.lock().expect("placement lock");
-            cover(ranges.entry((tag, key)).or_default(), offset, offset.saturating_add(len))
+            let end = offset.saturating_add(len);
+            let p = ranges.entry((tag, key)).or_default();
+            if p.into_stride(offset, end) {
+                return Err(PlacementError::IntoStride { slot: tag.slot, layer: tag.layer, key, offset });
+            }
+            cover(&mut p.ranges, offset, end)
         };
+        self.placed(tag, fresh, seen_at).map(|()| fresh)
+    }
+
+    /// Declares a strided write the plan sends for `tag`: `count` runs of
+    /// `len` bytes, `stride` apart, from `offset` in region `key`. Declare
+    /// them before [`Placement::expect`] of `tag`, so no write is counted
+    /// before they are known. Declaring one twice in one shape is a no-op.
+    pub fn expect_strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64) -> Result<(), PlacementError> {
+        if !self.flags.contains(tag) {
+            return Err(PlacementError::NoFlag { slot: tag.slot, layer: tag.layer });
+        }
+        let planned = Planned { len, count, stride, placed: false };
+        let mut ranges = self.ranges.lock().expect("placement lock");
+        let p = ranges.entry((tag, key)).or_default();
+        match p.strided.get(&offset) {
+            Some(had) if (had.len, had.count, had.stride) == (len, count, stride) => Ok(()),
+            Some(_) => Err(PlacementError::StrideRedeclared { slot: tag.slot, layer: tag.layer, key, offset }),
+            None => {
+                p.max_span = p.max_span.max(planned.span());
+                p.strided.insert(offset, planned);
+                Ok(())
+            }
+        }
+    }
+
+    /// The bytes a strided write adds (0 when its planned twin was placed
+    /// before), or why it is not one the plan declared.
+    fn strided_bytes(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64, place: bool) -> Result<u64, PlacementError> {
+        let mut ranges = self.ranges.lock().expect("placement lock");
+        let unplanned = PlacementError::UnplannedStride { slot: tag.slot, layer: tag.layer, key, offset, len, count, stride };
+        let planned = ranges.get_mut(&(tag, key)).and_then(|p| p.strided.get_mut(&offset)).ok_or(unplanned.clone())?;
+        if (planned.len, planned.count, planned.stride) != (len, count, stride) {
+            return Err(unplanned);
+        }
+        let fresh = if planned.placed { 0 } else { len * count };
+        planned.placed |= place;
+        Ok(fresh)
+    }
+
+    /// [`Placement::check_room`] for a strided write: refused unless the
+    /// plan declared it; nothing to count when it was placed before.
+    pub fn check_room_strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64) -> Result<(), PlacementError> {
+        self.check_room(tag, self.strided_bytes(tag, key, offset, len, count, stride, false)?)
+    }
+
+    /// [`Placement::placed`] for a strided write the plan declared: counts
+    /// its bytes the first time it lands. Returns them.
+    pub fn placed_strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64, seen_at: std::time::Instant) -> Result<u64, PlacementError> {
+        let fresh = self.strided_bytes(tag, key, offset, len, count, stride, true)?;
         self.placed(tag, fresh, seen_at).map(|()| fresh)
     }
 

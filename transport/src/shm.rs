@@ -36,7 +36,7 @@
 //! | key    | destination region key |
 //! | seq    | the initiator's write sequence number, echoed by the answer |
 //! | offset | offset in the destination region |
-//! | len    | [`TRAILER_LEN`] (40) |
+//! | len    | [`TRAILER_LEN`] (64) |
 //!
 //! | trailer offset | field | type | meaning |
 //! |---|---|---|---|
@@ -44,8 +44,17 @@
 //! | 4  | share      | u32 | 1: this message carries the region's memfd (SCM_RIGHTS) and defines its window; 0: the key was shared before on this connection; 2: a forget (below) |
 //! | 8  | win_offset | u64 | window start in the memfd (share = 1) |
 //! | 16 | win_len    | u64 | window length (share = 1) |
-//! | 24 | src_offset | u64 | offset of the write in the source window |
-//! | 32 | write_len  | u64 | bytes to copy |
+//! | 24 | src_offset | u64 | offset of the write (its first run) in the source window |
+//! | 32 | write_len  | u64 | bytes to copy (per run) |
+//! | 40 | runs       | u64 | 0: one run; n ≥ 1: a strided write of n runs (below) |
+//! | 48 | src_stride | u64 | distance between runs in the source window (runs ≥ 1) |
+//! | 56 | dst_stride | u64 | distance between runs in the destination region (runs ≥ 1) |
+//!
+//! A strided write ([`crate::Stride`]) copies `runs` runs of `write_len`
+//! bytes in one request: a remap's rows, never packed or unpacked. Both
+//! its spans (first run to last) must lie in the source window and the
+//! destination region, and the destination counts it only as one its
+//! plan declared ([`crate::placement::Placement::expect_strided`]).
 //!
 //! A forget (`share` = 2, header key, offset and tag 0, every other
 //! trailer field 0, no descriptor) says the initiator no longer writes
@@ -80,7 +89,7 @@ use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::answers::{self, Answer, End, Inbox};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
-use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
+use crate::{Batch, BatchId, Completion, Connection, Endpoint, Stride, TransportError};
 use kvwire_core::protocol::{FrameError, Header, Hello, Kind, Tag, HEADER_LEN};
 use nix::sys::socket::{recvmsg, sendmsg, ControlMessage, ControlMessageOwned, MsgFlags};
 use std::collections::{HashMap, VecDeque};
@@ -98,7 +107,7 @@ use std::time::{Duration, Instant};
 /// Transport name in hellos.
 pub const TRANSPORT: &str = crate::TransportKind::Shm.as_str();
 /// Bytes of the trailer that follows a `Write` header (see the module docs).
-pub const TRAILER_LEN: u64 = 40;
+pub const TRAILER_LEN: u64 = 64;
 /// Most file descriptors one `sendmsg` may carry (Linux `SCM_MAX_FD`).
 const SCM_MAX_FD: usize = 253;
 /// Read buffer of a destination connection.
@@ -513,9 +522,10 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
         let u32_at = |i: usize| u32::from_le_bytes(t[i..i + 4].try_into().expect("4 bytes"));
         let u64_at = |i: usize| u64::from_le_bytes(t[i..i + 8].try_into().expect("8 bytes"));
         let (src_key, share, win_offset, win_len, src_offset, len) = (u32_at(0), u32_at(4), u64_at(8), u64_at(16), u64_at(24), u64_at(32));
+        let (runs, src_stride, dst_stride) = (u64_at(40), u64_at(48), u64_at(56));
 
         if share == 2 {
-            if h.key != 0 || h.offset != 0 || h.tag != (Tag { slot: 0, layer: 0 }) || (win_offset, win_len, src_offset, len) != (0, 0, 0, 0) {
+            if h.key != 0 || h.offset != 0 || h.tag != (Tag { slot: 0, layer: 0 }) || (win_offset, win_len, src_offset, len, runs, src_stride, dst_stride) != (0, 0, 0, 0, 0, 0, 0) {
                 return Err(closing(&node, format!("forget of source {src_key:#010x} carries write fields")));
             }
             if sources.remove(&src_key).is_none() {
@@ -546,27 +556,28 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
             s => return Err(closing(&node, format!("write {}: share field {s} is neither 0, 1 nor 2", h.seq))),
         }
 
-        let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len };
+        let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len, stride: (runs > 0).then_some((runs, dst_stride)) };
+        let bytes = w.bytes();
         // The request, the payload and an Ack, counted before the write can
         // complete a flag; a refusal takes back what did not move, and a
         // foreign write all of it.
-        serve.placement.crossed(h.tag.slot, 2 * HEADER_LEN as u64 + TRAILER_LEN + len);
+        serve.placement.crossed(h.tag.slot, 2 * HEADER_LEN as u64 + TRAILER_LEN + bytes);
         let mut copied = false;
         let result = match refused {
             Some(r) => Err(r),
-            None => place(serve, session, &sources, w, src_key, src_offset, &mut copied),
+            None => place(serve, session, &sources, w, src_key, src_offset, src_stride, &mut copied),
         };
         if let Err(why) = &result {
             accept::log_refusal(TRANSPORT, &node, w, why);
         }
-        let answer = hello::answer(h.tag, h.key, h.seq, result.as_ref().map(|_| len));
+        let answer = hello::answer(h.tag, h.key, h.seq, result.as_ref().map(|_| bytes));
         match result {
             // Payload counts once: a range placed before adds only its request and answer.
-            Ok(fresh) => serve.placement.uncrossed(h.tag.slot, len - fresh.min(len)),
-            Err(why) if why.foreign() => serve.placement.uncrossed(h.tag.slot, 2 * HEADER_LEN as u64 + TRAILER_LEN + len),
+            Ok(fresh) => serve.placement.uncrossed(h.tag.slot, bytes - fresh.min(bytes)),
+            Err(why) if why.foreign() => serve.placement.uncrossed(h.tag.slot, 2 * HEADER_LEN as u64 + TRAILER_LEN + bytes),
             Err(_) => {
                 serve.placement.crossed(h.tag.slot, answer.len() as u64);
-                serve.placement.uncrossed(h.tag.slot, HEADER_LEN as u64 + if copied { 0 } else { len });
+                serve.placement.uncrossed(h.tag.slot, HEADER_LEN as u64 + if copied { 0 } else { bytes });
             }
         }
         out.write_all(&answer).map_err(|e| closing(&node, format!("send answer: {e}")))?;
@@ -576,15 +587,18 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
 /// Accepts one write: the shared checks, then a copy from the shared
 /// source (step 5 of [`accept`]), then the count.
 /// `copied` says whether the payload was copied, even if then refused.
-fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64, copied: &mut bool) -> Result<u64, Refusal> {
+#[allow(clippy::too_many_arguments)] // the write, and where its bytes come from
+fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64, src_stride: u64, copied: &mut bool) -> Result<u64, Refusal> {
     accept::accept(&serve.registry, &serve.placement, session, w, |a: &Admitted| {
         let src = sources.get(&src_key).ok_or(Refusal::SourceNotShared(src_key))?;
-        match src_offset.checked_add(w.len) {
+        let (runs, dst_stride) = w.stride.unwrap_or((1, 0));
+        let span = Stride::span(runs, src_stride, w.len);
+        match span.and_then(|s| src_offset.checked_add(s)) {
             Some(end) if end <= src.len => {}
-            _ => return Err(Refusal::SourceOutOfBounds { key: src_key, offset: src_offset, len: w.len, region_len: src.len }),
+            _ => return Err(Refusal::SourceOutOfBounds { key: src_key, offset: src_offset, len: span.unwrap_or(u64::MAX), region_len: src.len }),
         }
         src.mem
-            .copy_to(src.offset + src_offset, &a.region().mem, a.mem_offset(), w.len)
+            .copy_runs_to(src.offset + src_offset, src_stride, &a.region().mem, a.mem_offset(), dst_stride, w.len, runs)
             .map_err(|e| Refusal::SourceUnusable { key: src_key, reason: format!("copy: {e}") })?;
         *copied = true;
         Ok(Instant::now())
@@ -622,14 +636,14 @@ fn read_header(rd: &mut FdReader, max_write: u64) -> Result<Header, Either> {
 
 /// Appends one request, a header and its trailer as the module docs lay
 /// them out: a write (`share` 0 or 1) or a forget (2).
-fn push_request(buf: &mut Vec<u8>, h: Header, src_key: u32, share: u32, (win_offset, win_len): (u64, u64), src_offset: u64, len: u64) {
+fn push_request(buf: &mut Vec<u8>, h: Header, src_key: u32, share: u32, (win_offset, win_len): (u64, u64), src_offset: u64, len: u64, stride: Option<Stride>) {
     buf.extend_from_slice(&h.encode());
     buf.extend_from_slice(&src_key.to_le_bytes());
     buf.extend_from_slice(&share.to_le_bytes());
-    buf.extend_from_slice(&win_offset.to_le_bytes());
-    buf.extend_from_slice(&win_len.to_le_bytes());
-    buf.extend_from_slice(&src_offset.to_le_bytes());
-    buf.extend_from_slice(&len.to_le_bytes());
+    let s = stride.unwrap_or(Stride { count: 0, src: 0, dst: 0 });
+    for v in [win_offset, win_len, src_offset, len, s.count, s.src, s.dst] {
+        buf.extend_from_slice(&v.to_le_bytes());
+    }
 }
 
 /// Write requests and the memfds one `sendmsg` carries with them.
@@ -729,12 +743,16 @@ impl ShmConnection {
         let mut srcs = Vec::with_capacity(batch.writes.len());
         for w in &batch.writes {
             let region = self.registry.get(w.src_key).ok_or_else(|| TransportError::Source(format!("no local region has key {:#010x}", w.src_key)))?;
-            match w.src_offset.checked_add(w.len) {
-                Some(end) if end <= region.len => {}
+            match w.src_span().and_then(|s| w.src_offset.checked_add(s)) {
+                Some(end) if end <= region.len && w.count() > 0 => {}
                 _ => {
                     return Err(TransportError::Source(format!(
-                        "read of {} bytes at offset {} exceeds local region {:#010x} of {} bytes",
-                        w.len, w.src_offset, w.src_key, region.len
+                        "read of {} x {} bytes from offset {} exceeds local region {:#010x} of {} bytes",
+                        w.count(),
+                        w.len,
+                        w.src_offset,
+                        w.src_key,
+                        region.len
                     )))
                 }
             }
@@ -758,7 +776,7 @@ impl ShmConnection {
             self.next_seq += 1;
             let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset, len: TRAILER_LEN };
             let window = if share { (region.offset, region.len) } else { (0, 0) };
-            push_request(&mut piece.0, h, w.src_key, u32::from(share), window, w.src_offset, w.len);
+            push_request(&mut piece.0, h, w.src_key, u32::from(share), window, w.src_offset, w.len, w.stride);
             if share {
                 piece.1.push(region.mem.fd().as_raw_fd());
             }
@@ -773,7 +791,7 @@ impl ShmConnection {
         let mut buf = Vec::with_capacity(keys.len() * (HEADER_LEN + TRAILER_LEN as usize));
         let h = Header { kind: Kind::Write, tag: Tag { slot: 0, layer: 0 }, key: 0, seq: 0, offset: 0, len: TRAILER_LEN };
         for &k in keys {
-            push_request(&mut buf, h, k, 2, (0, 0), 0, 0);
+            push_request(&mut buf, h, k, 2, (0, 0), 0, 0, None);
         }
         if let Err(e) = self.send(&buf, &[]) {
             self.close(e.to_string());

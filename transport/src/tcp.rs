@@ -192,7 +192,7 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
         if h.kind != Kind::Write {
             return Err(TransportError::Refused(format!("unexpected {:?} frame from initiator", h.kind)));
         }
-        let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len };
+        let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len, stride: None };
         // The frame and its payload cross whatever becomes of them, and an
         // accepted write's answer is a bare header: counted before the
         // write can complete a flag. A foreign write is taken back whole.
@@ -502,6 +502,7 @@ impl Connection for TcpConnection {
             return Err((Vec::new(), e.clone()));
         }
         let start = Instant::now();
+        batches.iter().try_for_each(|b| b.unstrided("tcp")).map_err(|e| (Vec::new(), e))?;
         let sources = batches.iter().map(|b| self.sources(b)).collect::<Result<Vec<_>, _>>().map_err(|e| (Vec::new(), e))?;
         let posts: Vec<_> = batches.iter().zip(sources).map(|(b, s)| (self.ledger.begin(b.tag, b.bytes(), start, ()), b, s)).collect();
         if let Err(e) = self.send_frames(&posts) {

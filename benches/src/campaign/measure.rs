@@ -91,7 +91,7 @@ fn transfer(lane: &mut Lane, dst: &Placement, size: u64, chunk: u64, depth: u32,
         while outstanding >= depth as usize {
             outstanding -= reap(&mut *lane.conn, &mut posted, None, wire, &mut spans)?.min(outstanding);
         }
-        let w = WriteOp { src_key: lane.src_key, src_offset: off, dst_key: lane.dst_key, dst_offset: off, len };
+        let w = WriteOp { src_key: lane.src_key, src_offset: off, dst_key: lane.dst_key, dst_offset: off, len, stride: None };
         let id = lane.conn.post(Batch { tag: lane.tag, writes: vec![w] }).context("post")?;
         posted.insert(id.0, Instant::now());
         outstanding += 1;

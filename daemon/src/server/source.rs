@@ -1251,13 +1251,13 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
         match in_place(s) {
             Some((src_key, base)) => {
                 for (src_offset, dst_offset) in s.runs() {
-                    push_write(&mut device, WriteOp { src_key, src_offset: base + src_offset, dst_key, dst_offset, len: s.len });
+                    push_write(&mut device, WriteOp { src_key, src_offset: base + src_offset, dst_key, dst_offset, len: s.len, stride: None });
                 }
             }
             None => {
                 for (from, (_, dst_offset)) in ring.runs(layer, s).zip(s.runs()) {
                     let src_offset = from.ok_or_else(|| missing(i))?;
-                    push_write(&mut slot, WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset, len: s.len });
+                    push_write(&mut slot, WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset, len: s.len, stride: None });
                 }
             }
         }
@@ -1269,7 +1269,7 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
             (false, Some((key, base))) => (&mut device, key, Some(base + s.src_offset)),
             (false, None) => (&mut slot, ring.region.key, ring.find(layer, s.src_rank, s.src_region, s.src_offset, s.bytes())),
         };
-        push_write(writes, WriteOp { src_key, src_offset: src_offset.ok_or_else(|| missing(st.seg))?, dst_key: a.stage_key, dst_offset: st.offset, len: st.size });
+        push_write(writes, WriteOp { src_key, src_offset: src_offset.ok_or_else(|| missing(st.seg))?, dst_key: a.stage_key, dst_offset: st.offset, len: st.size, stride: None });
     }
     let tag = Tag { slot: a.slot, layer: layer as u16 };
     Ok((Batch { tag, writes: device }, Batch { tag, writes: slot }))
@@ -1288,16 +1288,16 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, codec: Option<Codec>, src_s
             let op = match w {
                 WriteTarget::Direct { src, src_offset, dst, dst_offset, len } => {
                     let (Some(sr), Some(&dk)) = (g.regions.get(&src), dst_keys.get(&dst)) else { return Err(missing(src, dst)) };
-                    WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len }
+                    WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len, stride: None }
                 }
                 WriteTarget::Staged { seg, offset, len } => {
                     let s = &p.plan.segments.at(seg);
                     if gathers(s, codec) {
                         let stage = src_stage.ok_or_else(|| Refusal::new(Code::TransferFailed, "staged writes without a staging buffer"))?;
-                        WriteOp { src_key: stage.key, src_offset: offset, dst_key: a.stage_key, dst_offset: offset, len }
+                        WriteOp { src_key: stage.key, src_offset: offset, dst_key: a.stage_key, dst_offset: offset, len, stride: None }
                     } else {
                         let sr = g.regions.get(&(s.src_rank, s.src_region)).ok_or_else(|| missing((s.src_rank, s.src_region), (s.dst_rank, s.dst_region)))?;
-                        WriteOp { src_key: sr.key, src_offset: s.src_offset, dst_key: a.stage_key, dst_offset: offset, len }
+                        WriteOp { src_key: sr.key, src_offset: s.src_offset, dst_key: a.stage_key, dst_offset: offset, len, stride: None }
                     }
                 }
             };

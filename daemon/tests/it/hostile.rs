@@ -516,7 +516,7 @@ fn a_secret_holder_gets_a_session_and_nothing_it_was_not_granted() {
     // Guessed keys, every slot: all refused, nothing placed.
     for i in 0..64u32 {
         let key = u32::from_le_bytes(kvwire_transport::auth::random_bytes());
-        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: 0, len: 64 };
+        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: 0, len: 64, stride: None };
         conn.post(Batch { tag: Tag { slot: i as u16, layer: 0 }, writes: vec![w] }).unwrap();
     }
     let mut refused = 0;
@@ -716,7 +716,7 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
     let mut data = ep.connect(&d.data, &cred).unwrap();
     // One 64-byte write into the staging buffer: its answer, refused or not.
     let mut write_stage = |slot: u16, key: u32| -> Result<(), String> {
-        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: 0, len: 64 };
+        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: 0, len: 64, stride: None };
         data.post(Batch { tag: Tag { slot, layer: 0 }, writes: vec![w] }).unwrap();
         let done = data.poll(Duration::from_secs(5)).unwrap();
         done.into_iter().next().expect("an answer").result.map_err(|e| e.to_string())

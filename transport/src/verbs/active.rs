@@ -346,6 +346,7 @@ impl Connection for VerbsConnection {
     }
 
     fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
+        batch.unstrided("verbs")?;
         if let Some(why) = &self.broken {
             return Err(verbs_err(
                 "ibv_post_send",

@@ -68,7 +68,7 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 /// as a malformed frame does on every backend.
 fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
     for n in ring.read(wc.wr_id, wc.byte_len)? {
-        let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len };
+        let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len, stride: None };
         // The NIC placed the payload before the note came, accepted or not;
         // a range placed before (a re-sent slice) counts its payload once.
         shared.placement.crossed(n.tag.slot, NOTE_LEN as u64 + n.len);

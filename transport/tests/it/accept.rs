@@ -19,7 +19,7 @@ const S: u64 = 7;
 const GRANT: Grant = Grant { session: S, slot: 1 };
 
 fn at(tag: Tag, key: u32, offset: u64, len: u64) -> Incoming {
-    Incoming { tag, key, offset, len }
+    Incoming { tag, key, offset, len, stride: None }
 }
 
 /// Places nothing (the bytes are taken as already there, as for verbs).

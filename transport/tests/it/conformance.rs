@@ -96,7 +96,7 @@ pub fn tag(slot: u16, layer: u16) -> Tag {
 }
 
 pub fn w(src: &Region, src_offset: u64, dst: &Region, dst_offset: u64, len: u64) -> WriteOp {
-    WriteOp { src_key: src.key, src_offset, dst_key: dst.key, dst_offset, len }
+    WriteOp { src_key: src.key, src_offset, dst_key: dst.key, dst_offset, len, stride: None }
 }
 
 /// Polls until `n` completions arrived.
@@ -379,6 +379,11 @@ fn post_one(p: &mut Pair, op: WriteOp, t: Tag) -> Result<(), TransportError> {
     c[0].result.clone()
 }
 
+/// Writes `op` under `t`, which the destination refuses: the refusal.
+pub fn post_one_err(p: &mut Pair, op: WriteOp, t: Tag) -> TransportError {
+    post_one(p, op, t).expect_err("the write was accepted")
+}
+
 /// The one counting rule: a range that lands twice (a slice re-sent on
 /// another rail) counts once, whether repeated whole or overlapping, and
 /// repeating it after the layer published changes nothing.
@@ -411,7 +416,7 @@ pub fn a_range_written_twice_counts_once(p: &mut Pair) {
     // write's framing and answer: 6 writes, 8192 + 16 distinct bytes.
     let per_write = match p.dst.transport() {
         kvwire_transport::TransportKind::Tcp => 40 + 40,
-        kvwire_transport::TransportKind::Shm => 80 + 40,
+        kvwire_transport::TransportKind::Shm => 104 + 40,
         kvwire_transport::TransportKind::Verbs => 24,
     };
     assert_eq!(pl.crossed_bytes(8), 8192 + 16 + 6 * per_write);
@@ -506,7 +511,7 @@ pub fn framing_bytes_are_what_the_connection_sent(p: &mut Pair) {
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     let (framing, per_answer) = match p.dst.transport() {
         TransportKind::Tcp => (3 * 40, 40),
-        TransportKind::Shm => (3 * (40 + 40), 40),
+        TransportKind::Shm => (3 * (40 + 64), 40),
         TransportKind::Verbs => (24, 0),
     };
     assert_eq!(p.conn().framing_bytes() - framing0, framing);

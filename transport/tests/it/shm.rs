@@ -91,6 +91,8 @@ fn write_request(t: Tag, dst_key: u32, seq: u64, dst_offset: u64, src_key: u32, 
     v.extend_from_slice(&[0u8; 16]);
     v.extend_from_slice(&0u64.to_le_bytes());
     v.extend_from_slice(&len.to_le_bytes());
+    // One run: no stride.
+    v.extend_from_slice(&[0u8; 24]);
     v
 }
 
@@ -450,7 +452,7 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     assert_eq!(conn.remote().node, "fake");
     let (region, _) = source(&*src, 1 << 16, 1);
     for layer in 0..3 {
-        let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 << 16 };
+        let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 << 16, stride: None };
         conn.post(Batch { tag: Tag { slot: 1, layer }, writes: vec![write] }).unwrap();
     }
     assert_eq!(conn.pending(), 3);
@@ -461,7 +463,7 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
         assert_eq!(c.result, Err(TransportError::PeerClosed { pending: 3 }));
     }
     assert_eq!(conn.pending(), 0);
-    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 16 };
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 16, stride: None };
     assert!(conn.post(Batch { tag: Tag { slot: 1, layer: 4 }, writes: vec![write] }).is_err(), "a closed connection takes no more batches");
 }
 
@@ -485,7 +487,7 @@ fn answers_are_read_while_a_large_batch_is_still_being_requested() {
     });
     let conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = source(&*src, 64, 1);
-    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 };
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1, stride: None };
     let (result, pending) = conformance::within(conn, Duration::from_secs(60), "the batch stalled: its answers were not read while it was requested", move |conn| {
         conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write; WRITES] }).unwrap();
         let c = complete(conn, 1);
@@ -509,7 +511,7 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
     });
     let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = source(&*src, 64, 1);
-    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 };
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64, stride: None };
     conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).unwrap();
     let c = complete(&mut *conn, 1);
     assert_eq!(c[0].result, Err(TransportError::PeerClosed { pending: 1 }));
@@ -568,7 +570,7 @@ fn dropping_the_destination_fails_the_initiators_batches() {
     let mut conn = connect(&src_ep, &dst_ep);
     drop(dst_ep);
     let (src, _) = source(&*src_ep, 64, 1);
-    let op = WriteOp { src_key: src.key, src_offset: 0, dst_key: 1, dst_offset: 0, len: 64 };
+    let op = WriteOp { src_key: src.key, src_offset: 0, dst_key: 1, dst_offset: 0, len: 64, stride: None };
     match conn.post(Batch { tag: tag(1, 0), writes: vec![op] }) {
         Ok(_) => {
             let c = complete(&mut *conn, 1);
@@ -641,4 +643,65 @@ fn a_kept_shm_connection_moves_from_new_stages_past_the_peers_source_limit() {
         assert!(src_ep.revoke(stage.key));
         assert!(p.conn().reusable(), "transfer {i}: its stage forgotten");
     }
+}
+
+/// A strided write: a remap's rows, `count` runs read `src` apart and
+/// written `dst` apart in one request, counted only as the write the
+/// destination's plan declared, and once. Undeclared shapes and plain
+/// writes among its runs are refused by name; nothing else of the layer
+/// is disturbed.
+#[test]
+fn strided_writes_land_run_by_run_and_count_only_as_planned() {
+    use kvwire_transport::Stride;
+    let mut p = pair();
+    // Two interleaved strided writes fill 16 rows of 64 bytes: even rows
+    // from the first half of the source, odd rows from the second.
+    let (rows, row) = (16u64, 64u64);
+    let dst = Window::new(&*p.dst, 9, rows * row);
+    let (src, data) = source(&*p.src, rows * row, 21);
+    let pl = p.dst.placement().clone();
+    let t = tag(9, 0);
+    let half = rows / 2 * row;
+    let strided = |src_at: u64, dst_at: u64| WriteOp { stride: Some(Stride { count: rows / 2, src: row, dst: 2 * row }), ..w(&src, src_at, &dst.region, dst_at, row) };
+    for at in [0, row] {
+        pl.expect_strided(t, dst.region.key, at, row, rows / 2, 2 * row).unwrap();
+    }
+    pl.expect(t, rows * row).unwrap();
+
+    // Not as planned: another stride, another offset, a plain write among the runs.
+    for (bad, says) in [
+        (WriteOp { stride: Some(Stride { count: rows / 4, src: row, dst: 3 * row }), ..w(&src, 0, &dst.region, 0, row) }, "no strided write"),
+        (WriteOp { stride: Some(Stride { count: rows, src: row, dst: 2 * row }), ..w(&src, 0, &dst.region, 0, row) }, "exceeds region"),
+        (strided(0, row / 2), "no strided write"),
+        (w(&src, 0, &dst.region, 5 * row, row), "among the runs"),
+    ] {
+        let err = conformance::post_one_err(&mut p, bad, t);
+        assert!(matches!(&err, TransportError::Refused(m) if m.contains(says)), "{err}");
+    }
+    assert_eq!(pl.placed_bytes(t), 0);
+    let before = dst.bytes();
+    assert!(before.iter().all(|&b| b == before[0]), "a refused write moved bytes");
+
+    p.conn().post(Batch { tag: t, writes: vec![strided(0, 0)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    conformance::wait_placed(&pl, t, half);
+    assert!(pl.flags().ready(t).is_none(), "half the rows must not publish");
+    // The same write again adds nothing.
+    p.conn().post(Batch { tag: t, writes: vec![strided(0, 0)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    p.conn().post(Batch { tag: t, writes: vec![strided(half, row)] }).unwrap();
+    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    pl.wait(t, WAIT).unwrap();
+    assert_eq!(pl.placed_bytes(t), rows * row);
+    let mut want = before;
+    for r in 0..rows {
+        let from = if r % 2 == 0 { r / 2 * row } else { half + r / 2 * row };
+        want[(r * row) as usize..((r + 1) * row) as usize].copy_from_slice(&data[from as usize..(from + row) as usize]);
+    }
+    assert!(dst.bytes() == want, "rows landed out of place");
+    dst.assert_guards();
+
+    // A source span past the region is refused before anything is sent.
+    let far = WriteOp { stride: Some(Stride { count: rows, src: 2 * row, dst: row }), ..w(&src, 0, &dst.region, 0, row) };
+    assert!(matches!(p.conn().post(Batch { tag: t, writes: vec![far] }), Err(TransportError::Source(_))));
 }

@@ -4,7 +4,7 @@ use crate::conformance::{self, Pair};
 use kvwire_core::protocol::{Header, Kind, Tag, HEADER_LEN, NONCE_LEN, PROTOCOL_VERSION as V};
 use kvwire_transport::auth::{self, ConnectionCaps, Credential};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
-use kvwire_transport::{Endpoint, FlagTable, Hops, Placement, Registry};
+use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, Placement, Registry, TransportError, WriteOp};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::Arc;
@@ -133,7 +133,7 @@ fn peer_closing_mid_batch_fails_outstanding_batches() {
     });
     let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 1 << 16, 1);
-    let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 << 16 };
+    let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 << 16, stride: None };
     // The post may itself fail if the peer is already gone; either way nothing completes OK.
     let posted = conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] });
     fake.join().unwrap();
@@ -168,7 +168,7 @@ fn answers_are_read_while_a_large_batch_is_still_being_written() {
     });
     let conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64, 1);
-    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1 };
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 1, stride: None };
     let (result, pending) = conformance::within(conn, Duration::from_secs(60), "the batch stalled: its answers were not read while it was written", move |conn| {
         conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write; WRITES] }).unwrap();
         let c = conformance::complete(conn, 1);
@@ -195,7 +195,7 @@ fn a_destination_that_hangs_up_its_answers_fails_a_waiting_post() {
     });
     let conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64 << 20, 1);
-    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 << 20 };
+    let write = WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 << 20, stride: None };
     let posted = conformance::within(conn, Duration::from_secs(30), "the post still waits on a connection whose answers ended", move |conn| {
         conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).map(|_| ())
     });
@@ -220,7 +220,7 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
     });
     let mut conn = src.connect(&addr, conformance::cred()).unwrap();
     let (region, _) = conformance::source(&*src, 64, 1);
-    let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64 };
+    let write = kvwire_transport::WriteOp { src_key: region.key, src_offset: 0, dst_key: 42, dst_offset: 0, len: 64, stride: None };
     conn.post(Batch { tag: Tag { slot: 1, layer: 0 }, writes: vec![write] }).unwrap();
     let c = conformance::complete(&mut *conn, 1);
     assert_eq!(c[0].result, Err(TransportError::PeerClosed { pending: 1 }));
@@ -410,4 +410,16 @@ fn device_memory_through_a_dmabuf_is_refused_by_a_transport_that_reads_host_mapp
     let e = ep.register_dmabuf(mem.fd(), 4096, 0x1000, None).unwrap_err().to_string();
     assert!(e.contains("the tcp transport") && e.contains("GPUDirect needs verbs"), "{e}");
     assert!(ep.registry().descs().is_empty());
+}
+
+/// tcp carries no strided write: refused at post, naming it, nothing sent.
+#[test]
+fn a_strided_write_is_refused_at_post() {
+    let mut p = pair();
+    let dst = conformance::Window::new(&*p.dst, 3, 1024);
+    let (src, _) = conformance::source(&*p.src, 1024, 5);
+    let op = WriteOp { stride: Some(kvwire_transport::Stride { count: 4, src: 64, dst: 128 }), ..conformance::w(&src, 0, &dst.region, 0, 64) };
+    let err = p.conn().post(Batch { tag: conformance::tag(3, 0), writes: vec![op] }).expect_err("tcp took a strided write");
+    assert!(matches!(&err, TransportError::Unsupported(m) if m.contains("strided")), "{err}");
+    assert_eq!(p.conn().framing_bytes(), 0);
 }

@@ -231,7 +231,7 @@ fn verbs_one_segment_write() {
     assert!(conn.remote().regions.iter().any(|d| d.key == dst.rkey), "peer hello lists the region by rkey");
 
     let tag = Tag { slot: 1, layer: 0 };
-    let w = WriteOp { src_key: sreg.key, src_offset: 100, dst_key: dst.rkey, dst_offset: 300, len: 4096 };
+    let w = WriteOp { src_key: sreg.key, src_offset: 100, dst_key: dst.rkey, dst_offset: 300, len: 4096, stride: None };
     dst_ep.placement().expect(tag, w.len).expect("expect");
     let id = conn.post(Batch { tag, writes: vec![w] }).expect("post");
     let c = wait_completions(conn.as_mut(), 1);
@@ -266,7 +266,7 @@ fn verbs_scatter_write_of_many_segments() {
         let len = 1 + next(3000);
         let src_offset = next((1 << 20) - len);
         dst_at += next(64); // gaps stay canary
-        writes.push(WriteOp { src_key: sreg.key, src_offset, dst_key: dst.rkey, dst_offset: dst_at, len });
+        writes.push(WriteOp { src_key: sreg.key, src_offset, dst_key: dst.rkey, dst_offset: dst_at, len, stride: None });
         dst_at += len;
     }
     assert!(dst_at <= 2 << 20);
@@ -313,7 +313,7 @@ fn verbs_writes_that_continue_at_the_peer_gather_into_few_work_requests() {
     for i in 0..n {
         let len = 512 + 97 * i;
         let (key, src_offset) = if i % 2 == 0 { (a.key, (i * 7919) % ((1 << 20) - len)) } else { (b.key, (i * 104_729) % ((1 << 20) - len)) };
-        writes.push(WriteOp { src_key: key, src_offset, dst_key: dst.rkey, dst_offset: at, len });
+        writes.push(WriteOp { src_key: key, src_offset, dst_key: dst.rkey, dst_offset: at, len, stride: None });
         at += len;
     }
     batch_lands(conn.as_mut(), &dst_ep, Tag { slot: 3, layer: 1 }, &writes);
@@ -355,6 +355,7 @@ fn verbs_layer_flags_only_after_the_last_byte() {
                     dst_key: dst.rkey,
                     dst_offset: base + from,
                     len: to - from,
+                    stride: None,
                 };
                 Batch { tag, writes: vec![w(mid, b), w(a, mid)] }
             })
@@ -410,7 +411,7 @@ fn verbs_source_released_only_after_local_completion() {
     let wire_bytes0 = hops.summary(Hop::Wire).bytes;
 
     let tag = Tag { slot: 4, layer: 0 };
-    let w = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: dst.rkey, dst_offset: 0, len: 1 << 20 };
+    let w = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: dst.rkey, dst_offset: 0, len: 1 << 20, stride: None };
     dst_ep.placement().expect(tag, w.len).expect("expect");
     let id = conn.post(Batch { tag, writes: vec![w] }).expect("post");
     // Posted is not complete: the batch is pending until poll reports it.
@@ -442,7 +443,7 @@ fn verbs_bad_writes_are_refused_locally_before_posting() {
     let mut dst = Dst::new(&dst_ep, 5, 8192);
     let mut conn = connect(&src, &dst_ep).expect("connect");
     let tag = Tag { slot: 5, layer: 1 };
-    let good = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: dst.rkey, dst_offset: 0, len: 1024 };
+    let good = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: dst.rkey, dst_offset: 0, len: 1024, stride: None };
     let unknown_rkey = dst.rkey.wrapping_add(0x1234_5678);
     type Case = (&'static str, WriteOp, fn(&TransportError) -> bool);
     let cases: Vec<Case> = vec![
@@ -493,7 +494,7 @@ fn verbs_write_after_revoke_fails_and_leaves_the_destination_untouched() {
     assert!(dst_ep.revoke(revoked.key));
     assert!(dst_ep.desc(revoked.key).is_none());
     let tag = Tag { slot: 6, layer: 0 };
-    let w = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: revoked.rkey, dst_offset: 0, len: 8192 };
+    let w = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: revoked.rkey, dst_offset: 0, len: 8192, stride: None };
     conn.post(Batch { tag, writes: vec![w] }).expect("post (the key was valid at handshake time)");
     let c = wait_completions(conn.as_mut(), 1);
     match &c[0].result {
@@ -519,7 +520,7 @@ fn verbs_write_after_revoke_fails_and_leaves_the_destination_untouched() {
     let err = conn2.post(Batch { tag, writes: vec![w] }).expect_err("revoked key refused locally on a new connection");
     assert!(matches!(err, TransportError::Refused(_)), "{err:?}");
     let tag2 = Tag { slot: 6, layer: 1 };
-    let w2 = WriteOp { src_key: sreg.key, src_offset: 500, dst_key: other.rkey, dst_offset: 1000, len: 8192 };
+    let w2 = WriteOp { src_key: sreg.key, src_offset: 500, dst_key: other.rkey, dst_offset: 1000, len: 8192, stride: None };
     write_lands(conn2.as_mut(), &dst_ep, &mut other, &sbytes, tag2, w2, "other region");
     revoked.check("revoked region, at the end");
 }
@@ -651,7 +652,7 @@ fn verbs_rails_share_keys_and_count_a_range_written_twice_once() {
     assert!(c1.remote().regions.iter().any(|d| d.key == dst.key && d.rkey == d1.rkey), "rail 1's hello: shared key, own rkey");
     // Rail 0 carries the first half; then rail 1 carries everything, as
     // when a slice is sent again after its first rail failed midway.
-    let w = |from: u64, n: u64| WriteOp { src_key: sreg.key, src_offset: from, dst_key: dst.key, dst_offset: from, len: n };
+    let w = |from: u64, n: u64| WriteOp { src_key: sreg.key, src_offset: from, dst_key: dst.key, dst_offset: from, len: n, stride: None };
     c0.post(Batch { tag, writes: vec![w(0, len / 2)] }).expect("post on rail 0");
     ok(&wait_completions(c0.as_mut(), 1)[0]);
     let start = Instant::now();
@@ -686,14 +687,14 @@ fn verbs_a_kept_connection_asks_for_the_regions_granted_after_its_hello() {
         let mut d = Dst::new(&dst_ep, slot, 16 * 1024);
         assert!(!conn.remote().regions.iter().any(|r| r.key == d.rkey), "transfer {i}: granted after the hello");
         let tag = Tag { slot, layer: 0 };
-        let w = WriteOp { src_key: sreg.key, src_offset: 100 * i as u64, dst_key: d.rkey, dst_offset: 64, len: 8192 };
+        let w = WriteOp { src_key: sreg.key, src_offset: 100 * i as u64, dst_key: d.rkey, dst_offset: 64, len: 8192, stride: None };
         write_lands(conn.as_mut(), &dst_ep, &mut d, &sbytes, tag, w, "window granted after the hello");
         assert!(conn.reusable(), "transfer {i}: open, nothing outstanding");
         // The transfer ends: its window is revoked, the connection kept.
         assert!(dst_ep.revoke(d.key));
     }
     // A key the peer never granted is still refused here, by name, after asking.
-    let w = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: 0x5eed, dst_offset: 0, len: 64 };
+    let w = WriteOp { src_key: sreg.key, src_offset: 0, dst_key: 0x5eed, dst_offset: 0, len: 64, stride: None };
     let err = conn.post(Batch { tag: Tag { slot: 7, layer: 1 }, writes: vec![w] }).expect_err("a key never granted");
     assert!(matches!(&err, TransportError::Refused(m) if m.contains("0x00005eed")), "{err:?}");
     assert!(conn.reusable(), "a refusal before posting leaves the connection usable");
@@ -756,6 +757,6 @@ fn verbs_after_the_handshake_only_a_request_for_regions_is_answered() {
     let sreg = src.register_all(smem, None).expect("register source");
     let tag = Tag { slot: 3, layer: 0 };
     dst_ep.placement().expect(tag, 256).expect("expect");
-    conn.post(Batch { tag, writes: vec![WriteOp { src_key: sreg.key, src_offset: 0, dst_key: d.rkey, dst_offset: 0, len: 256 }] }).expect("post");
+    conn.post(Batch { tag, writes: vec![WriteOp { src_key: sreg.key, src_offset: 0, dst_key: d.rkey, dst_offset: 0, len: 256, stride: None }] }).expect("post");
     ok(&wait_completions(conn.as_mut(), 1)[0]);
 }
