@@ -278,6 +278,10 @@ pub enum Mode {
     Direct,
     /// Gather → one write into staging → scatter.
     Packed,
+    /// One strided write straight into place, run by run (shm: the
+    /// destination copies the rows from the source's mapping, no pack and
+    /// no unpack).
+    Strided,
 }
 
 /// One run of bytes, repeated `count` times at fixed strides.
@@ -317,7 +321,7 @@ impl Segment {
     pub fn writes(&self) -> u64 {
         match self.mode {
             Mode::Direct => self.count,
-            Mode::Packed => 1,
+            Mode::Packed | Mode::Strided => 1,
         }
     }
 
@@ -561,18 +565,22 @@ impl Serialize for Segments {
 /// as one packed write when the writes it saves cost more than the copies
 /// it adds. The copies are the destination's unpack, and the source's
 /// gather unless its runs already lie back to back there (then it writes
-/// them from the cache as they are).
+/// them from the cache as they are). Where the transport carries strided
+/// writes, a segment of several runs is one of those: one write, and no
+/// copy beyond the one that moves it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CostModel {
     /// Fixed cost of one write: posting, NIC work-request processing, completion (default 500 ns).
     pub per_write_ns: f64,
     /// Local copy bandwidth for pack and unpack, in bytes per ns (= GB/s) (default 8).
     pub copy_bytes_per_ns: f64,
+    /// The transport carries strided writes (shm).
+    pub strided: bool,
 }
 
 impl Default for CostModel {
     fn default() -> Self {
-        CostModel { per_write_ns: 500.0, copy_bytes_per_ns: 8.0 }
+        CostModel { per_write_ns: 500.0, copy_bytes_per_ns: 8.0, strided: false }
     }
 }
 
@@ -589,12 +597,15 @@ impl CostModel {
     /// unpacking there measured no faster than writing.
     pub fn for_transport(transport: crate::protocol::TransportKind) -> CostModel {
         match transport {
-            crate::protocol::TransportKind::Shm => CostModel { per_write_ns: 2000.0, ..CostModel::default() },
+            crate::protocol::TransportKind::Shm => CostModel { per_write_ns: 2000.0, strided: true, ..CostModel::default() },
             crate::protocol::TransportKind::Tcp | crate::protocol::TransportKind::Verbs => CostModel::default(),
         }
     }
 
     fn mode(&self, len: u64, count: u64, src_contiguous: bool) -> Mode {
+        if self.strided {
+            return Mode::Strided;
+        }
         let saved = (count.saturating_sub(1)) as f64 * self.per_write_ns;
         let copies = if src_contiguous { 1.0 } else { 2.0 };
         let extra = copies * (len * count) as f64 / self.copy_bytes_per_ns;
@@ -904,7 +915,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
     fn add_template(segments: &mut Segments, sums: &mut Vec<(u64, u64, u64)>, shaped: Vec<Shaped>) -> u32 {
         let bytes = shaped.iter().map(|t| t.shape.len * t.shape.count).sum();
         let packed = shaped.iter().filter(|t| t.mode == Mode::Packed).map(|t| t.shape.len * t.shape.count).sum();
-        let writes = shaped.iter().map(|t| if t.mode == Mode::Packed { 1 } else { t.shape.count }).sum();
+        let writes = shaped.iter().map(|t| if t.mode == Mode::Direct { t.shape.count } else { 1 }).sum();
         sums.push((bytes, packed, writes));
         segments.templates.push(Arc::from(shaped));
         (segments.templates.len() - 1) as u32

@@ -216,6 +216,26 @@ pub enum WriteTarget {
         /// Bytes.
         len: u64,
     },
+    /// A strided segment whole: its first run, and `count` runs `src_stride`
+    /// and `dst_stride` apart.
+    Strided {
+        /// Source rank and region.
+        src: (u32, RegionId),
+        /// Offset of the first run in the source region.
+        src_offset: u64,
+        /// Destination rank and region.
+        dst: (u32, RegionId),
+        /// Offset of the first run in the destination region.
+        dst_offset: u64,
+        /// Bytes per run.
+        len: u64,
+        /// Runs.
+        count: u64,
+        /// Distance between runs at the source.
+        src_stride: u64,
+        /// Distance between runs at the destination.
+        dst_stride: u64,
+    },
     /// A staged segment: the same offset in both staging buffers.
     Staged {
         /// Index into `plan.segments`.
@@ -310,13 +330,19 @@ impl Schedule {
         let ls = &self.layers[layer];
         let direct = ls.direct.iter().flat_map(move |i| {
             let s = plan.segments.at(i);
-            s.runs().map(move |(so, dof)| WriteTarget::Direct {
-                src: (s.src_rank, s.src_region),
-                src_offset: so,
-                dst: (s.dst_rank, s.dst_region),
-                dst_offset: dof,
+            let (src, dst) = ((s.src_rank, s.src_region), (s.dst_rank, s.dst_region));
+            let strided = (s.mode == Mode::Strided).then_some(WriteTarget::Strided {
+                src,
+                src_offset: s.src_offset,
+                dst,
+                dst_offset: s.dst_offset,
                 len: s.len,
-            })
+                count: s.count,
+                src_stride: s.src_stride,
+                dst_stride: s.dst_stride,
+            });
+            let runs = s.runs().filter(move |_| s.mode != Mode::Strided);
+            strided.into_iter().chain(runs.map(move |(so, dof)| WriteTarget::Direct { src, src_offset: so, dst, dst_offset: dof, len: s.len }))
         });
         direct.chain(ls.staged.iter().map(|st| WriteTarget::Staged { seg: st.seg, offset: st.offset, len: st.size }))
     }

@@ -144,10 +144,11 @@ pub enum Refusal {
     /// the layer overran it meanwhile, or its flag cannot be published).
     #[error("bytes placed, but not counted: {0}")]
     Uncounted(PlacementError),
-    /// A strided write the destination's plan does not hold, or a write
-    /// among a planned strided write's runs: its bytes could count twice.
-    #[error("not in the destination's plan: {0}")]
-    Unplanned(PlacementError),
+    /// A write that overlaps a strided write's runs, or a strided write
+    /// that overlaps bytes placed before (not an exact repeat): its bytes
+    /// could count twice.
+    #[error("{0}")]
+    Overlap(PlacementError),
 }
 
 impl Refusal {
@@ -175,8 +176,8 @@ fn before_placing(e: PlacementError) -> Refusal {
     match e {
         PlacementError::Overrun { slot, layer, placed, expected } => Refusal::Overrun { slot, layer, placed, expected },
         PlacementError::NoFlag { slot, layer } | PlacementError::Undeclared { slot, layer } => Refusal::UnknownTag { slot, layer },
-        e @ (PlacementError::UnplannedStride { .. } | PlacementError::IntoStride { .. }) => Refusal::Unplanned(e),
-        e @ (PlacementError::Redeclared { .. } | PlacementError::StrideRedeclared { .. }) => Refusal::Uncounted(e),
+        e @ PlacementError::StrideOverlap { .. } => Refusal::Overlap(e),
+        e @ PlacementError::Redeclared { .. } => Refusal::Uncounted(e),
     }
 }
 

@@ -73,8 +73,9 @@ pub struct WriteOp {
 /// `src` bytes apart at the source and `dst` bytes apart at the
 /// destination (a remap's rows of one head in a block). shm carries one
 /// as one request; tcp and verbs refuse it
-/// ([`TransportError::Unsupported`]). The destination counts one only as
-/// a write its plan declared ([`placement::Placement::expect_strided`]).
+/// ([`TransportError::Unsupported`]). The destination counts its bytes
+/// once, and refuses one whose runs overlap other bytes placed
+/// ([`placement::Placement::placed_strided`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Stride {
     /// Runs (≥ 1).

@@ -53,48 +53,18 @@ pub enum PlacementError {
         /// Bytes declared now.
         asked: u64,
     },
-    /// A strided write the plan did not declare, in this shape at this
-    /// place ([`Placement::expect_strided`]).
-    #[error("slot {slot} layer {layer}: no strided write of {count} x {len} bytes every {stride} at offset {offset} of region {key:#010x} was planned")]
-    UnplannedStride {
+    /// A write whose bytes overlap a strided write's runs, or a strided
+    /// write whose runs overlap bytes placed before, other than an exact
+    /// repeat: they would count twice.
+    #[error("slot {slot} layer {layer}: a write at offset {offset} of region {key:#010x} overlaps the runs of a strided write placed there")]
+    StrideOverlap {
         /// Slot.
         slot: u16,
         /// Layer.
         layer: u16,
         /// Region key.
         key: u32,
-        /// Offset of its first run.
-        offset: u64,
-        /// Bytes per run.
-        len: u64,
-        /// Runs.
-        count: u64,
-        /// Distance between runs.
-        stride: u64,
-    },
-    /// A plain write into the span of a planned strided write: its bytes
-    /// would count twice.
-    #[error("slot {slot} layer {layer}: a write at offset {offset} of region {key:#010x} falls among the runs of a planned strided write")]
-    IntoStride {
-        /// Slot.
-        slot: u16,
-        /// Layer.
-        layer: u16,
-        /// Region key.
-        key: u32,
-        /// Offset of the write.
-        offset: u64,
-    },
-    /// The plan declared a strided write twice, in two shapes.
-    #[error("slot {slot} layer {layer}: a strided write at offset {offset} of region {key:#010x} was already planned in another shape")]
-    StrideRedeclared {
-        /// Slot.
-        slot: u16,
-        /// Layer.
-        layer: u16,
-        /// Region key.
-        key: u32,
-        /// Offset of its first run.
+        /// Offset of the write (its first run).
         offset: u64,
     },
 }
@@ -102,34 +72,73 @@ pub enum PlacementError {
 /// What was placed in one region for one (slot, layer).
 #[derive(Debug, Default)]
 struct Placed {
-    /// Disjoint byte ranges (start → end).
+    /// Disjoint byte ranges of plain writes (start → end).
     ranges: BTreeMap<u64, u64>,
-    /// Strided writes the plan declared: first run's offset → shape. A
-    /// strided write counts only as one of these, and once; its runs
-    /// interleave with other strided writes', so they are not ranges.
-    strided: BTreeMap<u64, Planned>,
-    /// The longest declared strided span.
+    /// Strided writes placed, by their first run's offset. Their runs
+    /// interleave with other strided writes' (a remap's heads), so they
+    /// are not kept as ranges: none overlaps another's runs or a range.
+    strided: BTreeMap<u64, Runs>,
+    /// The longest strided span.
     max_span: u64,
 }
 
+/// `count` runs of `len` bytes, `stride` apart, from `at`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Planned {
+struct Runs {
+    at: u64,
     len: u64,
     count: u64,
     stride: u64,
-    placed: bool,
 }
 
-impl Planned {
-    fn span(&self) -> u64 {
-        crate::Stride::span(self.count, self.stride, self.len).unwrap_or(u64::MAX)
+impl Runs {
+    fn end(&self) -> u64 {
+        self.at.saturating_add(crate::Stride::span(self.count, self.stride, self.len).unwrap_or(u64::MAX))
+    }
+
+    /// Whether a run reaches into `start..end` (an O(1) test: the runs
+    /// that can are the indices between two bounds).
+    fn hits(&self, start: u64, end: u64) -> bool {
+        if self.len == 0 || start >= end || end <= self.at || start >= self.end() {
+            return false;
+        }
+        if self.count == 1 || self.stride == 0 {
+            return true;
+        }
+        // Run i covers at + i*stride .. + len: the first that ends after `start`,
+        // and whether it starts before `end`.
+        let first = (start.saturating_sub(self.at) + 1).saturating_sub(self.len).div_ceil(self.stride);
+        first < self.count && self.at + first * self.stride < end
+    }
+
+    /// Whether any of its runs overlaps one of `o`'s: run by run over the
+    /// one with fewer runs inside the other's span.
+    fn meets(&self, o: &Runs) -> bool {
+        let (few, many) = if self.count <= o.count { (self, o) } else { (o, self) };
+        (0..few.count).map(|i| few.at + i * few.stride).take_while(|&s| s < many.end()).any(|s| many.hits(s, s + few.len))
     }
 }
 
 impl Placed {
-    /// Whether `start..end` reaches into a declared strided span.
-    fn into_stride(&self, start: u64, end: u64) -> bool {
-        !self.strided.is_empty() && self.strided.range(start.saturating_sub(self.max_span)..end).any(|(&o, p)| o.saturating_add(p.span()) > start)
+    /// Strided writes whose span may reach into `start..end`.
+    fn near(&self, start: u64, end: u64) -> impl Iterator<Item = &Runs> {
+        self.strided.range(start.saturating_sub(self.max_span)..end).map(|(_, r)| r).filter(move |r| r.end() > start)
+    }
+
+    /// Whether a plain write of `start..end` would overlap a strided write's runs.
+    fn plain_meets_strided(&self, start: u64, end: u64) -> bool {
+        self.near(start, end).any(|r| r.hits(start, end))
+    }
+
+    /// The bytes strided write `w` adds: 0 when it repeats one placed
+    /// before exactly; None when it overlaps anything else placed.
+    fn strided_fresh(&self, w: &Runs) -> Option<u64> {
+        if let Some(had) = self.strided.get(&w.at) {
+            return (had == w).then_some(0);
+        }
+        let ranges_hit = self.ranges.range(..w.end()).rev().take_while(|(_, &e)| e > w.at).any(|(&s, &e)| w.hits(s, e));
+        let strided_hit = self.near(w.at, w.end()).any(|r| r.meets(w));
+        (!ranges_hit && !strided_hit).then(|| w.len.saturating_mul(w.count))
     }
 }
 
@@ -149,7 +158,7 @@ pub struct Placement {
     // Byte ranges placed per (tag, region key), for transports that may
     // deliver a write twice (a slice re-sent on another rail after its
     // first rail failed): a range is counted once, however often it lands.
-    // With them, the strided writes the plan declared there.
+    // With them, the strided writes placed there (shm).
     ranges: Mutex<BTreeMap<(Tag, u32), Placed>>,
     // Bytes that crossed the link per slot, as this end saw them: each
     // write's framing, its payload and its answer. A fixed row per slot
@@ -280,12 +289,12 @@ impl Placement {
     }
 
     /// Bytes of `key[offset..offset+len]` not yet placed for `tag`; an
-    /// error when they fall among a planned strided write's runs.
+    /// error when they overlap a strided write's runs.
     pub fn new_bytes(&self, tag: Tag, key: u32, offset: u64, len: u64) -> Result<u64, PlacementError> {
         let ranges = self.ranges.lock().expect("placement lock");
         let end = offset.saturating_add(len);
         match ranges.get(&(tag, key)) {
-            Some(p) if p.into_stride(offset, end) => Err(PlacementError::IntoStride { slot: tag.slot, layer: tag.layer, key, offset }),
+            Some(p) if p.plain_meets_strided(offset, end) => Err(PlacementError::StrideOverlap { slot: tag.slot, layer: tag.layer, key, offset }),
             Some(p) => Ok(len - overlap(&p.ranges, offset, end)),
             None => Ok(len),
         }
@@ -304,60 +313,48 @@ impl Placement {
             let mut ranges = self.ranges.lock().expect("placement lock");
             let end = offset.saturating_add(len);
             let p = ranges.entry((tag, key)).or_default();
-            if p.into_stride(offset, end) {
-                return Err(PlacementError::IntoStride { slot: tag.slot, layer: tag.layer, key, offset });
+            if p.plain_meets_strided(offset, end) {
+                return Err(PlacementError::StrideOverlap { slot: tag.slot, layer: tag.layer, key, offset });
             }
             cover(&mut p.ranges, offset, end)
         };
         self.placed(tag, fresh, seen_at).map(|()| fresh)
     }
 
-    /// Declares a strided write the plan sends for `tag`: `count` runs of
-    /// `len` bytes, `stride` apart, from `offset` in region `key`. Declare
-    /// them before [`Placement::expect`] of `tag`, so no write is counted
-    /// before they are known. Declaring one twice in one shape is a no-op.
-    pub fn expect_strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64) -> Result<(), PlacementError> {
-        if !self.flags.contains(tag) {
-            return Err(PlacementError::NoFlag { slot: tag.slot, layer: tag.layer });
-        }
-        let planned = Planned { len, count, stride, placed: false };
+    /// The bytes a strided write of `count` runs of `len` bytes, `stride`
+    /// apart, from `key[offset]`, adds to `tag`; with `place`, it is
+    /// recorded as placed. An exact repeat adds nothing; one that overlaps
+    /// anything else placed is refused.
+    #[allow(clippy::too_many_arguments)] // the tag, the region and the runs
+    fn strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64, place: bool) -> Result<u64, PlacementError> {
+        let w = Runs { at: offset, len, count, stride };
         let mut ranges = self.ranges.lock().expect("placement lock");
-        let p = ranges.entry((tag, key)).or_default();
-        match p.strided.get(&offset) {
-            Some(had) if (had.len, had.count, had.stride) == (len, count, stride) => Ok(()),
-            Some(_) => Err(PlacementError::StrideRedeclared { slot: tag.slot, layer: tag.layer, key, offset }),
-            None => {
-                p.max_span = p.max_span.max(planned.span());
-                p.strided.insert(offset, planned);
-                Ok(())
-            }
+        let overlap = PlacementError::StrideOverlap { slot: tag.slot, layer: tag.layer, key, offset };
+        let fresh = match ranges.get(&(tag, key)) {
+            Some(p) => p.strided_fresh(&w).ok_or(overlap)?,
+            None => len.saturating_mul(count),
+        };
+        if place && fresh > 0 {
+            let p = ranges.entry((tag, key)).or_default();
+            p.max_span = p.max_span.max(w.end() - w.at);
+            p.strided.insert(offset, w);
         }
-    }
-
-    /// The bytes a strided write adds (0 when its planned twin was placed
-    /// before), or why it is not one the plan declared.
-    fn strided_bytes(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64, place: bool) -> Result<u64, PlacementError> {
-        let mut ranges = self.ranges.lock().expect("placement lock");
-        let unplanned = PlacementError::UnplannedStride { slot: tag.slot, layer: tag.layer, key, offset, len, count, stride };
-        let planned = ranges.get_mut(&(tag, key)).and_then(|p| p.strided.get_mut(&offset)).ok_or(unplanned.clone())?;
-        if (planned.len, planned.count, planned.stride) != (len, count, stride) {
-            return Err(unplanned);
-        }
-        let fresh = if planned.placed { 0 } else { len * count };
-        planned.placed |= place;
         Ok(fresh)
     }
 
-    /// [`Placement::check_room`] for a strided write: refused unless the
-    /// plan declared it; nothing to count when it was placed before.
+    /// [`Placement::check_room`] for a strided write (shm's
+    /// [`crate::Stride`]): only a write that overlaps nothing placed, or
+    /// repeats one exactly, and its new bytes count.
+    #[allow(clippy::too_many_arguments)] // the tag, the region and the runs
     pub fn check_room_strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64) -> Result<(), PlacementError> {
-        self.check_room(tag, self.strided_bytes(tag, key, offset, len, count, stride, false)?)
+        self.check_room(tag, self.strided(tag, key, offset, len, count, stride, false)?)
     }
 
-    /// [`Placement::placed`] for a strided write the plan declared: counts
-    /// its bytes the first time it lands. Returns them.
+    /// [`Placement::placed`] for a strided write: counts its bytes the
+    /// first time it lands. Returns them.
+    #[allow(clippy::too_many_arguments)] // the tag, the region, the runs and when
     pub fn placed_strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64, seen_at: std::time::Instant) -> Result<u64, PlacementError> {
-        let fresh = self.strided_bytes(tag, key, offset, len, count, stride, true)?;
+        let fresh = self.strided(tag, key, offset, len, count, stride, true)?;
         self.placed(tag, fresh, seen_at).map(|()| fresh)
     }
 
@@ -461,6 +458,21 @@ fn cover(m: &mut BTreeMap<u64, u64>, start: u64, end: u64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn strided_runs_meet_exactly_where_their_bytes_do() {
+        // Rows 0, 2, 4, 6 of 64 bytes (0..64, 128..192, ...).
+        let even = Runs { at: 0, len: 64, count: 4, stride: 128 };
+        assert!(even.hits(0, 1) && even.hits(63, 64) && even.hits(383, 500));
+        assert!(!even.hits(64, 128) && !even.hits(448, 1000) && !even.hits(192, 256));
+        assert!(even.hits(100, 200), "spans a gap into the next run");
+        let odd = Runs { at: 64, ..even };
+        assert!(!even.meets(&odd) && !odd.meets(&even));
+        assert!(even.meets(&Runs { at: 256, len: 64, count: 1, stride: 0 }));
+        assert!(even.meets(&Runs { at: 32, len: 64, count: 2, stride: 1000 }), "straddles rows 0 and 1");
+        assert!(!even.meets(&Runs { at: 64, len: 32, count: 8, stride: 128 }));
+        assert!(even.meets(&Runs { at: 64, len: 32, count: 3, stride: 96 }), "its third run is row 4");
+    }
 
     #[test]
     fn the_complete_hook_runs_once_per_layer_outside_the_lock() {

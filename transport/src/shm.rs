@@ -53,8 +53,9 @@
 //! A strided write ([`crate::Stride`]) copies `runs` runs of `write_len`
 //! bytes in one request: a remap's rows, never packed or unpacked. Both
 //! its spans (first run to last) must lie in the source window and the
-//! destination region, and the destination counts it only as one its
-//! plan declared ([`crate::placement::Placement::expect_strided`]).
+//! destination region; the destination counts it once, and refuses one
+//! whose runs overlap bytes placed before other than by repeating it
+//! exactly ([`crate::placement::Placement::placed_strided`]).
 //!
 //! A forget (`share` = 2, header key, offset and tag 0, every other
 //! trailer field 0, no descriptor) says the initiator no longer writes

@@ -111,16 +111,22 @@ fn the_transport_prices_a_write_and_a_contiguous_source_saves_a_copy() {
         let p = with(CostModel::for_transport(t));
         assert_eq!((p.counters.segments, p.counters.writes, p.counters.packed_bytes), (512, 512 * 64, 0), "{t}");
     }
-    // shm (2000 ns a write): 126 us saved against 65.5: packed, one write a segment.
-    let p = with(CostModel::for_transport(TransportKind::Shm));
+    // Packing at 2000 ns a write (shm's price): 126 us saved against 65.5:
+    // packed, one write a segment.
+    let p = with(CostModel { strided: false, ..CostModel::for_transport(TransportKind::Shm) });
     assert_eq!((p.counters.writes, p.counters.packed_bytes), (512, 2048 * L8B_PER_TOKEN));
     assert!(p.segments.iter().all(|seg| seg.mode == Mode::Packed && seg.src_contiguous()));
+    verify(&m, &s, &d, &p, VERIFY_LIMIT).unwrap();
+    // shm carries strided writes: one write a segment, nothing packed.
+    let p = with(CostModel::for_transport(TransportKind::Shm));
+    assert_eq!((p.counters.writes, p.counters.packed_bytes), (512, 0));
+    assert!(p.segments.iter().all(|seg| seg.mode == Mode::Strided));
     verify(&m, &s, &d, &p, VERIFY_LIMIT).unwrap();
     // A shuffled source table leaves segments of one or two 4 KiB runs,
     // apart at the source: a pair saves one write, 2 us, against a gather
     // and an unpack of 8 KiB, 2.05 us: every byte direct again.
     let shuffled = side(&m, "tp=8,block=16,table=shuffle:3", 2048);
-    let p = build(&PlanInput { model: &m, tokens: 2048, prefix_tokens: 0, src: &shuffled, dst: &d, cost: CostModel::for_transport(TransportKind::Shm) }).unwrap();
+    let p = build(&PlanInput { model: &m, tokens: 2048, prefix_tokens: 0, src: &shuffled, dst: &d, cost: CostModel { strided: false, ..CostModel::for_transport(TransportKind::Shm) } }).unwrap();
     assert!(p.segments.iter().all(|seg| seg.count <= 2 && (seg.count == 1 || !seg.src_contiguous())));
     assert_eq!(p.counters.packed_bytes, 0);
     verify(&m, &shuffled, &d, &p, VERIFY_LIMIT).unwrap();

@@ -21,6 +21,7 @@ fn planned(model: &ModelSpec, format: CacheFormat, src: &str, dst: &str, tokens:
 fn write_len(w: &WriteTarget) -> u64 {
     match *w {
         WriteTarget::Direct { len, .. } | WriteTarget::Staged { len, .. } => len,
+        WriteTarget::Strided { len, count, .. } => len * count,
     }
 }
 

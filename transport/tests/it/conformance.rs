@@ -372,7 +372,7 @@ pub fn wait_placed(pl: &Placement, t: Tag, bytes: u64) {
 }
 
 /// Writes `op` under `t` and waits for its batch; Ok when it was placed.
-fn post_one(p: &mut Pair, op: WriteOp, t: Tag) -> Result<(), TransportError> {
+pub fn post_one(p: &mut Pair, op: WriteOp, t: Tag) -> Result<(), TransportError> {
     let id = p.conn().post(Batch { tag: t, writes: vec![op] })?;
     let c = complete(p.conn(), 1);
     assert_eq!(c[0].batch, id);

@@ -646,12 +646,12 @@ fn a_kept_shm_connection_moves_from_new_stages_past_the_peers_source_limit() {
 }
 
 /// A strided write: a remap's rows, `count` runs read `src` apart and
-/// written `dst` apart in one request, counted only as the write the
-/// destination's plan declared, and once. Undeclared shapes and plain
-/// writes among its runs are refused by name; nothing else of the layer
-/// is disturbed.
+/// written `dst` apart in one request, counted once. A write whose runs
+/// overlap bytes placed before (other than an exact repeat), and a plain
+/// write into a strided write's runs, are refused by name; the rows
+/// between its runs stay free for the other strided writes.
 #[test]
-fn strided_writes_land_run_by_run_and_count_only_as_planned() {
+fn strided_writes_land_run_by_run_and_count_once() {
     use kvwire_transport::Stride;
     let mut p = pair();
     // Two interleaved strided writes fill 16 rows of 64 bytes: even rows
@@ -662,25 +662,10 @@ fn strided_writes_land_run_by_run_and_count_only_as_planned() {
     let pl = p.dst.placement().clone();
     let t = tag(9, 0);
     let half = rows / 2 * row;
-    let strided = |src_at: u64, dst_at: u64| WriteOp { stride: Some(Stride { count: rows / 2, src: row, dst: 2 * row }), ..w(&src, src_at, &dst.region, dst_at, row) };
-    for at in [0, row] {
-        pl.expect_strided(t, dst.region.key, at, row, rows / 2, 2 * row).unwrap();
-    }
+    let runs = |count: u64, every: u64, src_at: u64, dst_at: u64| WriteOp { stride: Some(Stride { count, src: row, dst: every }), ..w(&src, src_at, &dst.region, dst_at, row) };
+    let strided = |src_at: u64, dst_at: u64| runs(rows / 2, 2 * row, src_at, dst_at);
     pl.expect(t, rows * row).unwrap();
-
-    // Not as planned: another stride, another offset, a plain write among the runs.
-    for (bad, says) in [
-        (WriteOp { stride: Some(Stride { count: rows / 4, src: row, dst: 3 * row }), ..w(&src, 0, &dst.region, 0, row) }, "no strided write"),
-        (WriteOp { stride: Some(Stride { count: rows, src: row, dst: 2 * row }), ..w(&src, 0, &dst.region, 0, row) }, "exceeds region"),
-        (strided(0, row / 2), "no strided write"),
-        (w(&src, 0, &dst.region, 5 * row, row), "among the runs"),
-    ] {
-        let err = conformance::post_one_err(&mut p, bad, t);
-        assert!(matches!(&err, TransportError::Refused(m) if m.contains(says)), "{err}");
-    }
-    assert_eq!(pl.placed_bytes(t), 0);
     let before = dst.bytes();
-    assert!(before.iter().all(|&b| b == before[0]), "a refused write moved bytes");
 
     p.conn().post(Batch { tag: t, writes: vec![strided(0, 0)] }).unwrap();
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
@@ -689,6 +674,19 @@ fn strided_writes_land_run_by_run_and_count_only_as_planned() {
     // The same write again adds nothing.
     p.conn().post(Batch { tag: t, writes: vec![strided(0, 0)] }).unwrap();
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
+    // Overlapping what landed: another shape at its offset, the same shape
+    // shifted one run, a plain write over one of its runs or across two rows.
+    for (bad, says) in [
+        (runs(rows / 4, 3 * row, 0, 0), "overlaps the runs"),
+        (strided(0, 2 * row), "exceeds region"),
+        (runs(rows / 2 - 1, 2 * row, 0, 2 * row), "overlaps the runs"),
+        (w(&src, 0, &dst.region, 4 * row, row), "overlaps the runs"),
+        (w(&src, 0, &dst.region, row / 2, row), "overlaps the runs"),
+    ] {
+        let err = conformance::post_one_err(&mut p, bad, t);
+        assert!(matches!(&err, TransportError::Refused(m) if m.contains(says)), "{err}");
+    }
+    assert_eq!(pl.placed_bytes(t), half);
     p.conn().post(Batch { tag: t, writes: vec![strided(half, row)] }).unwrap();
     assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
     pl.wait(t, WAIT).unwrap();
@@ -700,6 +698,14 @@ fn strided_writes_land_run_by_run_and_count_only_as_planned() {
     }
     assert!(dst.bytes() == want, "rows landed out of place");
     dst.assert_guards();
+
+    // A plain row placed first: a strided write over it is refused.
+    let t2 = tag(9, 1);
+    pl.expect(t2, rows * row).unwrap();
+    conformance::post_one(&mut p, w(&src, 0, &dst.region, 3 * row, row), t2).unwrap();
+    let err = conformance::post_one_err(&mut p, strided(half, row), t2);
+    assert!(matches!(&err, TransportError::Refused(m) if m.contains("overlaps the runs")), "{err}");
+    assert_eq!(pl.placed_bytes(t2), row);
 
     // A source span past the region is refused before anything is sent.
     let far = WriteOp { stride: Some(Stride { count: rows, src: 2 * row, dst: row }), ..w(&src, 0, &dst.region, 0, row) };
