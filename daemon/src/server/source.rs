@@ -21,14 +21,14 @@ use kvwire_client::control::*;
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
 use kvwire_core::manifest::{Checksums, LayerChecksum, Manifest, Reading};
-use kvwire_core::plan::{self, CostModel, Plan, PlanCounters, PlanInput, Segment, Side};
+use kvwire_core::plan::{self, CostModel, Mode, Plan, PlanCounters, PlanInput, Segment, Side};
 use kvwire_core::reuse::{check_prefix, CacheIdentity};
 use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
 use kvwire_core::session::msg::{Accept, Expect, Offer, RailAddr};
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
-use kvwire_transport::{Batch, Hop, Region, Tag, WriteOp};
+use kvwire_transport::{Batch, Hop, Region, Stride, Tag, WriteOp};
 use std::collections::HashMap;
 use crate::peer::Sealed;
 use kvwire_transport::auth::Deadline;
@@ -1228,7 +1228,16 @@ fn dst_keys(a: &Accept) -> HashMap<(u32, RegionId), u32> {
 /// segment (each a frame and an answer on tcp, a work request on verbs).
 fn push_write(writes: &mut Vec<WriteOp>, op: WriteOp) {
     match writes.last_mut() {
-        Some(last) if last.src_key == op.src_key && last.dst_key == op.dst_key && last.src_offset + last.len == op.src_offset && last.dst_offset + last.len == op.dst_offset => last.len += op.len,
+        Some(last)
+            if last.stride.is_none()
+                && op.stride.is_none()
+                && last.src_key == op.src_key
+                && last.dst_key == op.dst_key
+                && last.src_offset + last.len == op.src_offset
+                && last.dst_offset + last.len == op.dst_offset =>
+        {
+            last.len += op.len
+        }
         _ => writes.push(op),
     }
 }
@@ -1248,7 +1257,17 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
     for i in ls.direct.iter() {
         let s = &p.plan.segments.at(i);
         let &dst_key = dst_keys.get(&(s.dst_rank, s.dst_region)).ok_or_else(|| Refusal::new(Code::PeerRefused, format!("no region for dst rank {} {:?}", s.dst_rank, s.dst_region)))?;
+        let stride = (s.mode == Mode::Strided).then_some(Stride { count: s.count, src: s.src_stride, dst: s.dst_stride });
         match in_place(s) {
+            Some((src_key, base)) if stride.is_some() => {
+                device.push(WriteOp { src_key, src_offset: base + s.src_offset, dst_key, dst_offset: s.dst_offset, len: s.len, stride });
+            }
+            // The slot holds a strided segment's whole span (RingLayout::build): its runs keep their stride.
+            None if stride.is_some() => {
+                let span = s.src_stride * (s.count - 1) + s.len;
+                let src_offset = ring.find(layer, s.src_rank, s.src_region, s.src_offset, span).ok_or_else(|| missing(i))?;
+                slot.push(WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset: s.dst_offset, len: s.len, stride });
+            }
             Some((src_key, base)) => {
                 for (src_offset, dst_offset) in s.runs() {
                     push_write(&mut device, WriteOp { src_key, src_offset: base + src_offset, dst_key, dst_offset, len: s.len, stride: None });
@@ -1289,6 +1308,10 @@ fn batches(g: &SourceGroup, p: &Planned, a: &Accept, codec: Option<Codec>, src_s
                 WriteTarget::Direct { src, src_offset, dst, dst_offset, len } => {
                     let (Some(sr), Some(&dk)) = (g.regions.get(&src), dst_keys.get(&dst)) else { return Err(missing(src, dst)) };
                     WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len, stride: None }
+                }
+                WriteTarget::Strided { src, src_offset, dst, dst_offset, len, count, src_stride, dst_stride } => {
+                    let (Some(sr), Some(&dk)) = (g.regions.get(&src), dst_keys.get(&dst)) else { return Err(missing(src, dst)) };
+                    WriteOp { src_key: sr.key, src_offset, dst_key: dk, dst_offset, len, stride: Some(Stride { count, src: src_stride, dst: dst_stride }) }
                 }
                 WriteTarget::Staged { seg, offset, len } => {
                     let s = &p.plan.segments.at(seg);

@@ -459,10 +459,10 @@ fn wire_bytes_by_hand(kind: &str) {
     };
     assert_bitwise(&transfer(&format!("wirebytes-{kind}-1"), None).0);
     // Per write: tcp, a 40-byte header and a 40-byte answer; shm, a 40-byte
-    // header and 40-byte trailer, and a 40-byte answer.
+    // header and 64-byte trailer, and a 40-byte answer.
     let frame = match kind {
         "tcp" => 2 * HEADER_LEN as u64,
-        _ => 3 * HEADER_LEN as u64,
+        _ => 2 * HEADER_LEN as u64 + kvwire_transport::shm::TRAILER_LEN,
     };
     // By hand: same layout and contiguous tables, so each layer's K and V
     // each go as one write of 100 tokens x 4 heads x 32 fp32: 8 writes.
@@ -696,13 +696,14 @@ fn packed_segments_travel_through_staging_and_decode_bitwise() {
 }
 
 #[test]
-fn the_data_plane_prices_a_write_shm_packs_what_tcp_writes_in_place() {
+fn the_data_plane_prices_a_write_shm_sends_strided_what_tcp_writes_run_by_run() {
     let _shared = crate::shared();
     // TP4 NHD/16 -> TP1 HND/32: a source rank's head is 32 rows x 128 B =
     // 4 KiB per destination block, back to back at the source and a block
     // apart at the destination. Over tcp (500 ns a write) each goes as a
-    // write of its own; over shm (2000 ns a write) writing them costs more
-    // than one unpack at the destination, so each segment goes whole.
+    // write of its own; shm carries strided writes, so each segment goes
+    // whole as one, straight into place: nothing packed or unpacked.
+    let mut framing = Vec::new();
     for kind in ["tcp", "shm"] {
         let cfg = format!("[transport]\nkind = \"{kind}\"\n");
         let p = pair_with(&format!("priced-{kind}"), &cfg, &cfg);
@@ -718,14 +719,14 @@ fn the_data_plane_prices_a_write_shm_packs_what_tcp_writes_in_place() {
         // Per (layer, K/V, head): a segment of the 34 whole destination
         // blocks, and the last block's 12 rows (1100 = 34 x 32 + 12), one
         // run, which goes as a write of its own either way.
-        let last_blocks = 4 * 2 * 4 * 12 * 128;
-        match kind {
-            "tcp" => assert_eq!(unpacked, None, "{kind}: {:?}", o.destination.hops),
-            _ => assert_eq!(unpacked, Some(o.destination.bytes - last_blocks), "{kind}: {:?}", o.destination.hops),
-        }
-        // The runs are back to back at the source: nothing is gathered there.
+        assert_eq!(unpacked, None, "{kind}: {:?}", o.destination.hops);
+        assert_eq!(o.destination.staging_bytes, 0, "{kind}");
         assert_eq!(packed, None, "{kind}: {:?}", o.source.hops);
+        framing.push(o.destination.wire_bytes - o.destination.bytes);
     }
+    // tcp: a write (its header and answer) per run, 35 per segment; shm:
+    // one per segment, each 24 bytes larger (both with the control messages).
+    assert!(framing[1] * 5 < framing[0], "framing and control, tcp {} shm {}", framing[0], framing[1]);
 }
 
 /// Top-1 agreement and max abs logit error of `codec` over `prompts` prompts.
