@@ -1432,3 +1432,27 @@ fn a_failing_device_copy_fails_the_transfer_by_name_and_publishes_no_layer() {
         assert!(!p.cb.ready(dslot, FlagName::DecoderUsable));
     }
 }
+
+#[test]
+fn device_resident_caches_remap_over_shm_as_strided_writes() {
+    let _shared = crate::shared();
+    // Over shm a remap's segments go as strided writes, straight into
+    // place: from the source's ring slot (which holds each one's whole
+    // span, so its runs keep their stride) or, read in place, from the
+    // stand-in's device memory; mixed with host ranks too.
+    let dev = "[device]\nbackend = \"host\"\n";
+    for gpudirect in ["off", "on"] {
+        let name = format!("shm-strided-{gpudirect}");
+        let p = pair_with(&name, &format!("[transport]\nkind = \"shm\"\n{dev}gpudirect = \"{gpudirect}\"\n"), &format!("[transport]\nkind = \"shm\"\n{dev}"));
+        for (what, memory) in [("device", scenario::Memory::StandIn), ("mixed", scenario::Memory::Mixed)] {
+            let mut sc = Scenario::new(&format!("{name}-{what}"));
+            sc.memory = memory;
+            let o = run(&p, &sc).unwrap();
+            assert_bitwise(&o);
+            assert_eq!(hop(&o.destination, "unpack"), None, "{name} {what}: {:?}", o.destination.hops);
+            if gpudirect == "on" {
+                assert!(o.source.in_place_bytes > 0, "{name} {what}: {:?}", o.source);
+            }
+        }
+    }
+}
