@@ -111,9 +111,21 @@ impl Runs {
         first < self.count && self.at + first * self.stride < end
     }
 
-    /// Whether any of its runs overlaps one of `o`'s: run by run over the
-    /// one with fewer runs inside the other's span.
+    /// Whether any of its runs overlaps one of `o`'s: in O(1) at one
+    /// stride (a remap's heads of a block), else run by run over the one
+    /// with fewer runs inside the other's span.
     fn meets(&self, o: &Runs) -> bool {
+        if self.len == 0 || o.len == 0 {
+            return false;
+        }
+        if self.stride == o.stride && self.stride > 0 && self.count > 1 && o.count > 1 {
+            // Run i here and run j there overlap iff, with k = j - i,
+            // at - o.at - o.len < k * stride < at - o.at + len.
+            let (d, s) = (i128::from(self.at) - i128::from(o.at), i128::from(self.stride));
+            let lo = (d - i128::from(o.len)).div_euclid(s) + 1;
+            let hi = (d + i128::from(self.len) - 1).div_euclid(s);
+            return lo.max(1 - i128::from(self.count)) <= hi.min(i128::from(o.count) - 1);
+        }
         let (few, many) = if self.count <= o.count { (self, o) } else { (o, self) };
         (0..few.count).map(|i| few.at + i * few.stride).take_while(|&s| s < many.end()).any(|s| many.hits(s, s + few.len))
     }
@@ -472,6 +484,15 @@ mod tests {
         assert!(even.meets(&Runs { at: 32, len: 64, count: 2, stride: 1000 }), "straddles rows 0 and 1");
         assert!(!even.meets(&Runs { at: 64, len: 32, count: 8, stride: 128 }));
         assert!(even.meets(&Runs { at: 64, len: 32, count: 3, stride: 96 }), "its third run is row 4");
+        // One stride: the O(1) test against the run-by-run one.
+        for at in 0..600 {
+            for (len, count) in [(1, 2), (64, 4), (65, 3), (128, 2), (10, 9)] {
+                let o = Runs { at, len, count, stride: 128 };
+                let slow = (0..o.count).any(|j| even.hits(o.at + j * 128, o.at + j * 128 + len));
+                assert_eq!(even.meets(&o), slow, "{o:?}");
+                assert_eq!(o.meets(&even), slow, "{o:?}");
+            }
+        }
     }
 
     #[test]

@@ -72,13 +72,16 @@
 //!
 //! # Limits
 //!
-//! The destination keeps each shared source mapping for the life of the
+//! The destination keeps each shared source window for the life of the
 //! connection, or until a forget (keys are never reused, so a cached key
-//! always names the same window). An initiator reuses a connection for a
-//! later transfer after forgetting every region it shared and released
-//! since (a transfer's staging buffer is registered under a key of its
-//! own), while it shares at most [`MAX_KEPT_SHARES`], so a kept connection
-//! pins no released memory and stays well under the peer's `max_sources`. [`HostMem::from_file`] insists the memfd is sealed
+//! always names the same window). Windows of one file (a rank's cache
+//! memfd holds a region per layer and tensor) share one mapping of it:
+//! `max_sources` caps the files a connection maps, and
+//! [`KEYS_PER_SOURCE`] times it the keys. An initiator reuses a connection
+//! for a later transfer after forgetting every region it shared and
+//! released since (a transfer's staging buffer is registered under a key
+//! of its own), while it shares at most [`MAX_KEPT_SHARES`], so a kept
+//! connection pins no released memory and stays under the peer's limits. [`HostMem::from_file`] insists the memfd is sealed
 //! against shrinking, so a peer cannot turn a copy into SIGBUS.
 
 use crate::auth::{ConnectionCaps, Credential, Gate, Pass};
@@ -97,7 +100,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::io::{IoSlice, IoSliceMut, Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -117,7 +120,9 @@ const READ_BUF: usize = 64 * 1024;
 /// Limits of a [`ShmEndpoint`].
 #[derive(Debug, Clone)]
 pub struct ShmLimits {
-    /// Most source regions one peer connection may share with this endpoint.
+    /// Most source files (memfds) one peer connection may have mapped at
+    /// this endpoint; its regions (windows of them) share their mapping,
+    /// up to [`KEYS_PER_SOURCE`] times as many.
     pub max_sources: usize,
     /// How long a whole handshake may take.
     pub handshake_timeout: Duration,
@@ -359,7 +364,7 @@ struct Closing {
 /// A source window a peer shared on one connection.
 #[derive(Debug)]
 struct Source {
-    mem: HostMem,
+    mem: Arc<HostMem>,
     offset: u64,
     len: u64,
 }
@@ -502,6 +507,8 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
     let mut out = std::io::BufWriter::new(writer);
 
     let mut sources: HashMap<u32, Source> = HashMap::new();
+    // Mappings by file (device, inode), while a window of it is shared.
+    let mut files: HashMap<(u64, u64), Weak<HostMem>> = HashMap::new();
     loop {
         // Answer everything processed so far before blocking for more.
         if rd.buffered() < HEADER_LEN + TRAILER_LEN as usize {
@@ -541,10 +548,24 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
                 let Some(fd) = rd.fds.pop_front() else {
                     return Err(closing(&node, format!("write {} shares source {src_key:#010x} but no file descriptor came with it", h.seq)));
                 };
-                if !sources.contains_key(&src_key) && sources.len() >= serve.limits.max_sources {
-                    return Err(closing(&node, format!("more than {} source regions shared on one connection", serve.limits.max_sources)));
+                if !sources.contains_key(&src_key) && sources.len() >= serve.limits.max_sources.saturating_mul(KEYS_PER_SOURCE) {
+                    return Err(closing(&node, format!("more than {} source regions shared on one connection", serve.limits.max_sources * KEYS_PER_SOURCE)));
                 }
-                match HostMem::from_file(File::from(fd)) {
+                let file = File::from(fd);
+                let id = file.metadata().map(|m| (m.dev(), m.ino())).ok();
+                files.retain(|_, m| m.strong_count() > 0);
+                let mapped = match id.and_then(|id| files.get(&id)).and_then(Weak::upgrade) {
+                    Some(mem) => Ok(mem),
+                    None if files.len() >= serve.limits.max_sources => {
+                        return Err(closing(&node, format!("more than {} source files mapped on one connection", serve.limits.max_sources)));
+                    }
+                    None => HostMem::from_file(file).map(Arc::new).inspect(|mem| {
+                        if let Some(id) = id {
+                            files.insert(id, Arc::downgrade(mem));
+                        }
+                    }),
+                };
+                match mapped {
                     Ok(mem) => match mem.check(win_offset, win_len) {
                         Ok(()) => {
                             sources.insert(src_key, Source { mem, offset: win_offset, len: win_len });
@@ -651,8 +672,13 @@ fn push_request(buf: &mut Vec<u8>, h: Header, src_key: u32, share: u32, (win_off
 type Piece = (Vec<u8>, Vec<RawFd>);
 
 /// Most source regions a connection may have shared and still be kept
-/// for another transfer (a quarter of the default `max_sources`).
-pub const MAX_KEPT_SHARES: usize = 256;
+/// for another transfer: a tp8 llama-70B's caches are 8 x 80 x 2 regions,
+/// written from in place by strided writes, and well under the keys a
+/// peer with the default `max_sources` accepts.
+pub const MAX_KEPT_SHARES: usize = 4096;
+
+/// Keys a destination accepts per mapped source file (`max_sources`).
+pub const KEYS_PER_SOURCE: usize = 64;
 
 /// The initiating side of an shm connection.
 #[derive(Debug)]
