@@ -566,8 +566,9 @@ impl Serialize for Segments {
 /// it adds. The copies are the destination's unpack, and the source's
 /// gather unless its runs already lie back to back there (then it writes
 /// them from the cache as they are). Where the transport carries strided
-/// writes, a segment of several runs is one of those: one write, and no
-/// copy beyond the one that moves it.
+/// writes, a segment of several runs whose destination runs are long
+/// ([`STRIDED_MIN_RUN`]) or back to back is one of those: one write, and
+/// no copy beyond the one that moves it.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct CostModel {
     /// Fixed cost of one write: posting, NIC work-request processing, completion (default 500 ns).
@@ -583,6 +584,13 @@ impl Default for CostModel {
         CostModel { per_write_ns: 500.0, copy_bytes_per_ns: 8.0, strided: false }
     }
 }
+
+/// The shortest destination run a strided write carries. Measured on
+/// loopback shm through two daemons (llama-3.1-8b, 2048 tokens, checksums
+/// on): tp8 NHD/16 -> HND/32 (8 KiB runs) strided took 52 ms against 63
+/// packed; tp8 -> tp2 NHD (256-byte rows 1 KiB apart) 93 against 62, its
+/// destination checksums reading the rows at a quarter of a stage's speed.
+pub const STRIDED_MIN_RUN: u64 = 2048;
 
 impl CostModel {
     /// The model for writes over `transport`. Both ends of a transfer plan
@@ -602,8 +610,12 @@ impl CostModel {
         }
     }
 
-    fn mode(&self, len: u64, count: u64, src_contiguous: bool) -> Mode {
-        if self.strided {
+    fn mode(&self, len: u64, count: u64, src_contiguous: bool, dst_contiguous: bool) -> Mode {
+        // Strided when the destination reads its runs back (its checksums)
+        // in pieces long enough to stream: row-sized runs a head apart
+        // (a tp8 -> tp2 NHD remap) read 4x slower than a packed stage, so
+        // those are packed, as without strided writes.
+        if self.strided && (len >= STRIDED_MIN_RUN || dst_contiguous) {
             return Mode::Strided;
         }
         let saved = (count.saturating_sub(1)) as f64 * self.per_write_ns;
@@ -976,7 +988,7 @@ pub fn build(input: &PlanInput<'_>) -> Result<Plan, PlanError> {
                             None => {
                                 let shaped = template(&key, src, dst)
                                     .into_iter()
-                                    .map(|s| Shaped { shape: s, mode: if s.count > 1 { cost.mode(s.len, s.count, s.src_stride == s.len) } else { Mode::Direct } })
+                                    .map(|s| Shaped { shape: s, mode: if s.count > 1 { cost.mode(s.len, s.count, s.src_stride == s.len, s.dst_stride == s.len) } else { Mode::Direct } })
                                     .collect();
                                 let t = add_template(&mut segments, &mut sums, shaped);
                                 templates.insert(key, t);

@@ -122,6 +122,12 @@ fn the_transport_prices_a_write_and_a_contiguous_source_saves_a_copy() {
     assert_eq!((p.counters.writes, p.counters.packed_bytes), (512, 0));
     assert!(p.segments.iter().all(|seg| seg.mode == Mode::Strided));
     verify(&m, &s, &d, &p, VERIFY_LIMIT).unwrap();
+    // But not rows a head apart at the destination (tp8 -> tp2 NHD): those
+    // would be read back row by row for their checksums, so they are packed.
+    let nhd = side(&m, "tp=2,block=16", 2048);
+    let p = build(&PlanInput { model: &m, tokens: 2048, prefix_tokens: 0, src: &s, dst: &nhd, cost: CostModel::for_transport(TransportKind::Shm) }).unwrap();
+    assert!(p.segments.iter().all(|seg| seg.len < kvwire_core::plan::STRIDED_MIN_RUN && seg.mode == Mode::Packed));
+    verify(&m, &s, &nhd, &p, VERIFY_LIMIT).unwrap();
     // A shuffled source table leaves segments of one or two 4 KiB runs,
     // apart at the source: a pair saves one write, 2 us, against a gather
     // and an unpack of 8 KiB, 2.05 us: every byte direct again.
