@@ -585,7 +585,8 @@ impl Default for CostModel {
     }
 }
 
-/// The shortest destination run a strided write carries. Measured on
+/// The shortest destination run a strided write carries (unless its runs
+/// are back to back there). Measured on
 /// loopback shm through two daemons (llama-3.1-8b, 2048 tokens, checksums
 /// on): tp8 NHD/16 -> HND/32 (8 KiB runs) strided took 52 ms against 63
 /// packed; tp8 -> tp2 NHD (256-byte rows 1 KiB apart) 93 against 62, its
@@ -615,7 +616,11 @@ impl CostModel {
         // in pieces long enough to stream: row-sized runs a head apart
         // (a tp8 -> tp2 NHD remap) read 4x slower than a packed stage, so
         // those are packed, as without strided writes.
-        if self.strided && (len >= STRIDED_MIN_RUN || dst_contiguous) {
+        // And when its one request costs less than the copies packing
+        // adds: packed segments share one write, strided ones take one each.
+        let copies = if src_contiguous { 1.0 } else { 2.0 };
+        let packing = copies * (len * count) as f64 / self.copy_bytes_per_ns;
+        if self.strided && (len >= STRIDED_MIN_RUN || dst_contiguous) && packing > self.per_write_ns {
             return Mode::Strided;
         }
         let saved = (count.saturating_sub(1)) as f64 * self.per_write_ns;

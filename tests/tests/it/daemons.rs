@@ -1445,8 +1445,12 @@ fn device_resident_caches_remap_over_shm_as_strided_writes() {
         let name = format!("shm-strided-{gpudirect}");
         let p = pair_with(&name, &format!("[transport]\nkind = \"shm\"\n{dev}gpudirect = \"{gpudirect}\"\n"), &format!("[transport]\nkind = \"shm\"\n{dev}"));
         for (what, memory) in [("device", scenario::Memory::StandIn), ("mixed", scenario::Memory::Mixed)] {
+            // As in the pricing test: 136 KiB segments, 4 KiB runs back to back at the destination.
             let mut sc = Scenario::new(&format!("{name}-{what}"));
             sc.memory = memory;
+            sc.tokens = 1088;
+            sc.src_layout = "tp=4,block=16,layout=nhd".into();
+            sc.dst_layout = "tp=2,block=32,layout=hnd".into();
             let o = run(&p, &sc).unwrap();
             assert_bitwise(&o);
             assert_eq!(hop(&o.destination, "unpack"), None, "{name} {what}: {:?}", o.destination.hops);
