@@ -19,16 +19,13 @@ bitwise, bytes outside the request's rows included.
 """
 
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import kvwire  # noqa: E402
+from test_kvwire import Daemons, run  # noqa: E402  (the same two-daemon harness)
 
 try:
     import torch
@@ -47,63 +44,6 @@ SRC = dict(tp=2, block=16, blocks=96)
 DST = dict(tp=1, block=8, blocks=160)
 SRC["table"] = [(i * 37 + 5) % SRC["blocks"] for i in range(-(-TOKENS // SRC["block"]))]
 DST["table"] = [(i * 61 + 11) % DST["blocks"] for i in range(-(-TOKENS // DST["block"]))]
-
-
-class Daemons:
-    """Two kvwired (b first, then a with peer b), both serving CUDA memory."""
-
-    def __init__(self):
-        exe = os.environ.get("KVWIRED", os.path.join(HERE, "..", "..", "target", "release", "kvwired"))
-        if not os.access(exe, os.X_OK):
-            raise RuntimeError("%s not found: scripts/gpu-check --prepare builds it (or set KVWIRED)" % exe)
-        self.procs = []
-        self.dir = tempfile.mkdtemp(prefix="kvwire-cuda.")
-        try:
-            self.sock_b, addr_b = self._start(exe, "b", None)
-            self.sock_a, _ = self._start(exe, "a", addr_b)
-        except BaseException:
-            self.stop()
-            raise
-
-    def _start(self, exe, node, peer_addr):
-        secret = os.path.join(self.dir, node + ".secret")
-        with open(secret, "w") as f:
-            f.write("kvwire-cuda-test-shared-secret\n")
-        os.chmod(secret, 0o600)
-        sock = os.path.join(self.dir, node + ".sock")
-        cfg = (
-            'node = "%s"\ncontrol_socket = "%s"\npeer_listen = "127.0.0.1:0"\nsecret_file = "%s"\n'
-            '[transport]\nkind = "tcp"\ntcp_listen = "127.0.0.1:0"\n[device]\nbackend = "cuda"\n' % (node, sock, secret)
-        )
-        if peer_addr:
-            cfg += '[[peers]]\nname = "b"\naddress = "%s"\n' % peer_addr
-        path = os.path.join(self.dir, node + ".toml")
-        with open(path, "w") as f:
-            f.write(cfg)
-        self.err = os.path.join(self.dir, node + ".err")
-        p = subprocess.Popen([exe, "--config", path], stdout=subprocess.PIPE, stderr=open(self.err, "w"), text=True)
-        self.procs.append(p)
-        line = p.stdout.readline()
-        if not line.startswith("kvwired ready"):
-            with open(self.err) as f:
-                raise RuntimeError("daemon %s did not start: %r\n%s" % (node, line, f.read()))
-        return sock, next(w[len("peer="):] for w in line.split() if w.startswith("peer="))
-
-    def stop(self):
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for p in self.procs:
-            # A daemon that died on its own (a CUDA fault, a panic) fails the run.
-            if p.returncode not in (0, -15):
-                raise RuntimeError("a kvwired exited with %s" % p.returncode)
-        self.procs = []
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def register(client, group, side, rank, tensors):
@@ -228,24 +168,18 @@ def test_a_forged_ipc_handle_is_refused_and_the_daemon_serves_on(d):
         buf, views = dest_tensors()
         shape, strides = tuple(views[0].shape), tuple(views[0].stride())
         per = buf.numel() * 2 // LAYERS
-        forged = kvwire.DeviceMemory(0, buf.numel() * 2, ipc=bytes(range(7, 71)))
-        specs = [kvwire.TensorSpec(forged, l * per, "bf16", shape, strides, "kv", (l, l + 1)) for l in range(LAYERS)]
-        try:
-            b.register_device_tensors("cuda-forged", MODEL, "bf16", "tp=1,block=%d,kv=flashinfer_hnd" % DST["block"], 0, DST["blocks"], IDENTITY, specs)
-        except kvwire.KvwireError as e:
-            print("     refused: %s" % e)
-        else:
-            raise AssertionError("a forged IPC handle was accepted")
-        # A real handle whose allocation is claimed 1 GiB longer than it is.
         device, handle, base, size, _ = kvwire.cuda_share(buf)
-        too_long = kvwire.DeviceMemory(device, base + size + (1 << 30), ipc=handle)
-        specs = [kvwire.TensorSpec(too_long, base + l * per, "bf16", shape, strides, "kv", (l, l + 1)) for l in range(LAYERS)]
-        try:
-            b.register_device_tensors("cuda-forged", MODEL, "bf16", "tp=1,block=%d,kv=flashinfer_hnd" % DST["block"], 0, DST["blocks"], IDENTITY, specs)
-        except kvwire.KvwireError as e:
-            print("     refused: %s" % e)
-        else:
-            raise AssertionError("an allocation claimed 1 GiB longer than it is was accepted")
+        for what, memory, at in [
+            ("a forged IPC handle", kvwire.DeviceMemory(0, buf.numel() * 2, ipc=bytes(range(7, 71))), 0),
+            ("a real handle whose allocation is claimed 1 GiB longer than it is", kvwire.DeviceMemory(device, base + size + (1 << 30), ipc=handle), base),
+        ]:
+            specs = [kvwire.TensorSpec(memory, at + l * per, "bf16", shape, strides, "kv", (l, l + 1)) for l in range(LAYERS)]
+            try:
+                b.register_device_tensors("cuda-forged", MODEL, "bf16", "tp=1,block=%d,kv=flashinfer_hnd" % DST["block"], 0, DST["blocks"], IDENTITY, specs)
+            except kvwire.KvwireError as e:
+                print("     refused: %s" % e)
+            else:
+                raise AssertionError("%s was accepted" % what)
     finally:
         b.close()
 
@@ -263,23 +197,7 @@ def main():
         print("SKIPPED python_cuda: %s" % ("torch is not installed" if torch is None else "torch sees no CUDA device"))
         return 0
     print("torch %s on %s" % (torch.__version__, torch.cuda.get_device_name(0)))
-    passed = failed = 0
-    d = Daemons()
-    try:
-        for t in TESTS:
-            try:
-                t(d)
-            except Exception:
-                failed += 1
-                print("FAIL %s" % t.__name__)
-                traceback.print_exc()
-            else:
-                passed += 1
-                print("ok   %s" % t.__name__)
-    finally:
-        d.stop()
-    print("%d passed, %d failed" % (passed, failed))
-    return 1 if failed else 0
+    return run(TESTS, Daemons(devices=("cuda", "cuda")))
 
 
 if __name__ == "__main__":

@@ -115,9 +115,13 @@ def rows():
 
 
 class Daemons:
-    def __init__(self):
+    """Two kvwired: `b`, then `a` with peer `b`. ``devices`` is each one's
+    ``[device] backend`` (a, b), None for none."""
+
+    def __init__(self, devices=(None, "host")):
         self.procs = []
         self.dir = None
+        self.devices = devices
         env = os.environ
         if env.get("KVWIRE_TEST_SOCK_A") and env.get("KVWIRE_TEST_SOCK_B"):
             self.sock_a, self.sock_b = env["KVWIRE_TEST_SOCK_A"], env["KVWIRE_TEST_SOCK_B"]
@@ -128,14 +132,14 @@ class Daemons:
             raise RuntimeError("%s not found: cargo build -p kvwired (or set KVWIRED)" % exe)
         self.dir = tempfile.mkdtemp(prefix="kvwire-py.")
         try:
-            self.sock_b, addr_b = self._start(exe, "b", None)
-            self.sock_a, _ = self._start(exe, "a", ("b", addr_b))
+            self.sock_b, addr_b = self._start(exe, "b", None, devices[1])
+            self.sock_a, _ = self._start(exe, "a", ("b", addr_b), devices[0])
         except BaseException:
-            self.stop()
+            self.stop(check=False)
             raise
         self.peer_b = "b"
 
-    def _start(self, exe, node, peer):
+    def _start(self, exe, node, peer, device):
         secret = os.path.join(self.dir, node + ".secret")
         with open(secret, "w") as f:
             f.write("kvwire-python-test-shared-secret\n")
@@ -147,23 +151,23 @@ class Daemons:
         )
         if peer:
             cfg += '[[peers]]\nname = "%s"\naddress = "%s"\n' % peer
-        else:
-            # The decode side serves device memory through the stand-in
-            # backend (memfds play the engine's GPU allocations).
-            cfg += '[device]\nbackend = "host"\n'
+        if device:
+            # "host": the stand-in backend, whose memfds play an engine's GPU allocations.
+            cfg += '[device]\nbackend = "%s"\n' % device
         path = os.path.join(self.dir, node + ".toml")
         with open(path, "w") as f:
             f.write(cfg)
-        err = open(os.path.join(self.dir, node + ".err"), "w")
-        p = subprocess.Popen([exe, "--config", path], stdout=subprocess.PIPE, stderr=err, text=True)
+        err = os.path.join(self.dir, node + ".err")
+        p = subprocess.Popen([exe, "--config", path], stdout=subprocess.PIPE, stderr=open(err, "w"), text=True)
         self.procs.append(p)
         line = p.stdout.readline()
         if not line.startswith("kvwired ready"):
-            raise RuntimeError("daemon %s did not start: %r" % (node, line))
+            with open(err) as f:
+                raise RuntimeError("daemon %s did not start: %r\n%s" % (node, line, f.read()[-2000:]))
         addr = next(w[len("peer="):] for w in line.split() if w.startswith("peer="))
         return sock, addr
 
-    def stop(self):
+    def stop(self, check=True):
         for p in self.procs:
             p.terminate()
         for p in self.procs:
@@ -172,9 +176,13 @@ class Daemons:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        died = [p.returncode for p in self.procs if p.returncode not in (0, -15)]
         self.procs = []
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
+        # A daemon that died on its own (a panic, a device fault) fails the run.
+        if died and check:
+            raise RuntimeError("a kvwired exited with %s" % died[0])
 
 
 # --------------------------------------------------------------------------
@@ -752,11 +760,11 @@ TESTS = [
 ]
 
 
-def main():
+def run(tests, d):
+    """Runs ``tests`` against daemons ``d`` and stops them; the exit code."""
     passed = failed = 0
-    d = Daemons()
     try:
-        for t in TESTS:
+        for t in tests:
             try:
                 t(d)
             except Exception:
@@ -770,6 +778,10 @@ def main():
         d.stop()
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
+
+
+def main():
+    return run(TESTS, Daemons())
 
 
 if __name__ == "__main__":
