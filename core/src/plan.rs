@@ -613,11 +613,10 @@ impl CostModel {
 
     fn mode(&self, len: u64, count: u64, src_contiguous: bool, dst_contiguous: bool) -> Mode {
         // Strided when the destination reads its runs back (its checksums)
-        // in pieces long enough to stream: row-sized runs a head apart
-        // (a tp8 -> tp2 NHD remap) read 4x slower than a packed stage, so
-        // those are packed, as without strided writes.
-        // And when its one request costs less than the copies packing
-        // adds: packed segments share one write, strided ones take one each.
+        // in pieces long enough to stream (row-sized runs a head apart, a
+        // tp8 -> tp2 NHD remap's, read 4x slower than a packed stage), and
+        // when its one request costs less than the copies packing adds
+        // (packed segments share one write, strided ones take one each).
         let copies = if src_contiguous { 1.0 } else { 2.0 };
         let packing = copies * (len * count) as f64 / self.copy_bytes_per_ns;
         if self.strided && (len >= STRIDED_MIN_RUN || dst_contiguous) && packing > self.per_write_ns {

@@ -50,7 +50,7 @@ pub fn cut(batches: Vec<Batch>, slice_bytes: u64, group: impl Fn(&WriteOp) -> u3
                 continue;
             }
             if w.stride.is_some() {
-                // Whole: the destination counts it only as the one write its plan declared.
+                // Whole: one request, which a re-sent slice repeats exactly (counted once).
                 cur.writes.push(w);
                 size += w.bytes();
                 if size >= slice_bytes {

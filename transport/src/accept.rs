@@ -176,7 +176,7 @@ fn before_placing(e: PlacementError) -> Refusal {
     match e {
         PlacementError::Overrun { slot, layer, placed, expected } => Refusal::Overrun { slot, layer, placed, expected },
         PlacementError::NoFlag { slot, layer } | PlacementError::Undeclared { slot, layer } => Refusal::UnknownTag { slot, layer },
-        e @ PlacementError::StrideOverlap { .. } => Refusal::Overlap(e),
+        e @ (PlacementError::StrideOverlap { .. } | PlacementError::StrideShape { .. }) => Refusal::Overlap(e),
         e @ PlacementError::Redeclared { .. } => Refusal::Uncounted(e),
     }
 }

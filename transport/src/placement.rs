@@ -53,6 +53,25 @@ pub enum PlacementError {
         /// Bytes declared now.
         asked: u64,
     },
+    /// A strided write whose runs overlap one another (a distance shorter
+    /// than a run), or of more than [`MAX_STRIDED_RUNS`] runs.
+    #[error("slot {slot} layer {layer}: a strided write of {count} runs of {len} bytes every {stride} at offset {offset} of region {key:#010x}: its runs overlap one another, or they are more than 2^24")]
+    StrideShape {
+        /// Slot.
+        slot: u16,
+        /// Layer.
+        layer: u16,
+        /// Region key.
+        key: u32,
+        /// Offset of its first run.
+        offset: u64,
+        /// Bytes per run.
+        len: u64,
+        /// Runs.
+        count: u64,
+        /// Distance between runs.
+        stride: u64,
+    },
     /// A write whose bytes overlap a strided write's runs, or a strided
     /// write whose runs overlap bytes placed before, other than an exact
     /// repeat: they would count twice.
@@ -153,6 +172,9 @@ impl Placed {
         (!ranges_hit && !strided_hit).then(|| w.len.saturating_mul(w.count))
     }
 }
+
+/// Most runs one strided write may have (a 16M-row segment).
+pub const MAX_STRIDED_RUNS: u64 = 1 << 24;
 
 #[derive(Debug, Default, Clone, Copy)]
 struct Count {
@@ -340,8 +362,13 @@ impl Placement {
     #[allow(clippy::too_many_arguments)] // the tag, the region and the runs
     fn strided(&self, tag: Tag, key: u32, offset: u64, len: u64, count: u64, stride: u64, place: bool) -> Result<u64, PlacementError> {
         let w = Runs { at: offset, len, count, stride };
-        let mut ranges = self.ranges.lock().expect("placement lock");
         let overlap = PlacementError::StrideOverlap { slot: tag.slot, layer: tag.layer, key, offset };
+        // Runs that overlap one another would count their bytes twice; the
+        // overlap tests' cost is bounded by the runs.
+        if count > 1 && stride < len || count > MAX_STRIDED_RUNS {
+            return Err(PlacementError::StrideShape { slot: tag.slot, layer: tag.layer, key, offset, len, count, stride });
+        }
+        let mut ranges = self.ranges.lock().expect("placement lock");
         let fresh = match ranges.get(&(tag, key)) {
             Some(p) => p.strided_fresh(&w).ok_or(overlap)?,
             None => len.saturating_mul(count),

@@ -682,6 +682,8 @@ fn strided_writes_land_run_by_run_and_count_once() {
         (runs(rows / 2 - 1, 2 * row, 0, 2 * row), "overlaps the runs"),
         (w(&src, 0, &dst.region, 4 * row, row), "overlaps the runs"),
         (w(&src, 0, &dst.region, row / 2, row), "overlaps the runs"),
+        // Runs that overlap one another.
+        (runs(4, row / 2, 0, 0), "overlap one another"),
     ] {
         let err = conformance::post_one_err(&mut p, bad, t);
         assert!(matches!(&err, TransportError::Refused(m) if m.contains(says)), "{err}");
