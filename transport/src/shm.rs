@@ -541,6 +541,9 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
             }
             continue;
         }
+        if runs == 0 && (src_stride, dst_stride) != (0, 0) {
+            return Err(closing(&node, format!("write {} carries strides but no runs", h.seq)));
+        }
         let mut refused: Option<Refusal> = None;
         match share {
             0 => {}
