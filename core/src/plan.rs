@@ -603,11 +603,14 @@ impl CostModel {
     /// direct 8 KiB writes against 64 whole-region writes of the same
     /// bytes), each write added about 2.2 us over shm and about 1 us over
     /// tcp, whose frames the socket coalesces; tcp keeps the default, as
-    /// unpacking there measured no faster than writing.
+    /// unpacking there measured no faster than writing. shm and tcp carry
+    /// strided writes (shm as one request, tcp as frames of whole runs);
+    /// verbs does not.
     pub fn for_transport(transport: crate::protocol::TransportKind) -> CostModel {
         match transport {
             crate::protocol::TransportKind::Shm => CostModel { per_write_ns: 2000.0, strided: true, ..CostModel::default() },
-            crate::protocol::TransportKind::Tcp | crate::protocol::TransportKind::Verbs => CostModel::default(),
+            crate::protocol::TransportKind::Tcp => CostModel { strided: true, ..CostModel::default() },
+            crate::protocol::TransportKind::Verbs => CostModel::default(),
         }
     }
 

@@ -122,7 +122,14 @@ pub enum Kind {
     Nack = 4,
     /// The destination's first frame: payload is its [`NONCE_LEN`]-byte nonce.
     Challenge = 5,
+    /// A strided write (tcp): `offset` is its first run's; the payload is
+    /// [`STRIDE_PREFIX`] bytes (runs and their distance at the
+    /// destination, u64 little-endian each), then the runs back to back.
+    StridedWrite = 6,
 }
+
+/// Bytes before a [`Kind::StridedWrite`]'s runs: their count and distance.
+pub const STRIDE_PREFIX: usize = 16;
 
 /// A decoded frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,6 +211,7 @@ impl Header {
             3 => Kind::Ack,
             4 => Kind::Nack,
             5 => Kind::Challenge,
+            6 => Kind::StridedWrite,
             k => return Err(FrameError::Kind(k)),
         };
         let flags = u16_at(6);
@@ -214,6 +222,7 @@ impl Header {
         let limit = match kind {
             Kind::Hello => MAX_HELLO,
             Kind::Write => max_write,
+            Kind::StridedWrite => max_write.saturating_add(STRIDE_PREFIX as u64),
             Kind::Ack => 0,
             Kind::Nack => 4096,
             Kind::Challenge => NONCE_LEN as u64,

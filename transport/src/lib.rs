@@ -72,7 +72,8 @@ pub struct WriteOp {
 /// The runs of a strided write: `count` runs of the write's `len` bytes,
 /// `src` bytes apart at the source and `dst` bytes apart at the
 /// destination (a remap's rows of one head in a block). shm carries one
-/// as one request; tcp and verbs refuse it
+/// as one request, tcp as frames of whole runs gathered from the source
+/// and scattered into place; verbs refuses it
 /// ([`TransportError::Unsupported`]). The destination counts its bytes
 /// once, and refuses one whose runs overlap other bytes placed
 /// ([`placement::Placement::placed_strided`]).

@@ -24,7 +24,7 @@ use crate::answers::{self, Answer, End, Inbox};
 use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
-use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN};
+use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN, STRIDE_PREFIX};
 use std::io::{BufRead, BufReader, BufWriter, IoSlice, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -189,10 +189,20 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
             Err(TransportError::Io { kind: std::io::ErrorKind::UnexpectedEof, .. }) => return Ok(()),
             Err(e) => return Err(e),
         };
-        if h.kind != Kind::Write {
-            return Err(TransportError::Refused(format!("unexpected {:?} frame from initiator", h.kind)));
-        }
-        let w = Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len, stride: None };
+        // A strided write's runs: their count and distance, then their bytes.
+        let (w, payload) = match h.kind {
+            Kind::Write => (Incoming { tag: h.tag, key: h.key, offset: h.offset, len: h.len, stride: None }, h.len),
+            Kind::StridedWrite => {
+                let mut prefix = [0u8; STRIDE_PREFIX];
+                reader.read_exact(&mut prefix).map_err(TransportError::io("receive strided write"))?;
+                let (runs, stride) = (u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes")), u64::from_le_bytes(prefix[8..].try_into().expect("8 bytes")));
+                let payload = h.len.checked_sub(STRIDE_PREFIX as u64).filter(|p| runs > 0 && p % runs == 0).ok_or_else(|| {
+                    TransportError::Refused(format!("strided write {} of {} bytes cannot hold {runs} equal runs after its prefix", h.seq, h.len))
+                })?;
+                (Incoming { tag: h.tag, key: h.key, offset: h.offset, len: payload / runs, stride: Some((runs, stride)) }, payload)
+            }
+            k => return Err(TransportError::Refused(format!("unexpected {k:?} frame from initiator"))),
+        };
         // The frame and its payload cross whatever becomes of them, and an
         // accepted write's answer is a bare header: counted before the
         // write can complete a flag. A foreign write is taken back whole.
@@ -200,29 +210,33 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
         let mut payload_read = false;
         let result = accept::accept(registry, placement, session, w, |a: &Admitted| {
             payload_read = true;
-            // SAFETY: `mem_offset()..+len` lies inside the region's live
-            // mapping (admit checked it against the registry; the region
-            // Arc keeps the mapping alive). The bytes are not counted as
-            // placed yet, so no reader may look at them (flags are the
-            // only licence to read); a plan sends two writes to one byte
-            // only when a slice is re-sent after a rail failed, and then
-            // with the same bytes. The slice lives only for this read.
-            let dst = unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add(a.mem_offset() as usize), h.len as usize) };
-            read_payload(&mut reader, dst).map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
+            let (runs, stride) = w.stride.unwrap_or((1, 0));
+            for i in 0..runs {
+                // SAFETY: each run lies inside the write's span, which lies
+                // inside the region's live mapping (admit checked it against
+                // the registry; the region Arc keeps the mapping alive). The
+                // bytes are not counted as placed yet, so no reader may look
+                // at them (flags are the only licence to read); a plan sends
+                // two writes to one byte only when a slice is re-sent after a
+                // rail failed, and then with the same bytes. The slice lives
+                // only for this read.
+                let dst = unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add((a.mem_offset() + i * stride) as usize), w.len as usize) };
+                read_payload(&mut reader, dst).map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
+            }
             Ok(Instant::now())
         });
         let answer = match result {
             Ok(placed) => {
                 // A range that landed before (a slice re-sent on another
                 // rail) crossed again, but wire_bytes counts payload once.
-                placement.uncrossed(h.tag.slot, h.len - placed.min(h.len));
+                placement.uncrossed(h.tag.slot, payload - placed.min(payload));
                 hello::answer(h.tag, h.key, h.seq, Ok(placed))
             }
             Err(Served::Closed(e)) => return Err(e),
             Err(Served::Refused(why)) => {
                 accept::log_refusal(TRANSPORT, &peer.node, w, &why);
                 if !payload_read {
-                    drain(&mut reader, h.len, &mut discard)?;
+                    drain(&mut reader, payload, &mut discard)?;
                 }
                 let nack = hello::answer(h.tag, h.key, h.seq, Err(&why));
                 match why.foreign() {
@@ -405,14 +419,21 @@ impl TcpConnection {
             let region = self.registry.get(w.src_key).ok_or_else(|| {
                 TransportError::Source(format!("source key {:#010x} is not registered here", w.src_key))
             })?;
-            match w.src_offset.checked_add(w.len) {
-                Some(end) if end <= region.len => {}
+            match w.src_span().and_then(|s| w.src_offset.checked_add(s)) {
+                Some(end) if end <= region.len && w.count() > 0 => {}
                 _ => {
                     return Err(TransportError::Source(format!(
-                        "source window of {} bytes at {} exceeds region {:#010x} of {} bytes",
-                        w.len, w.src_offset, w.src_key, region.len
+                        "source window of {} x {} bytes at {} exceeds region {:#010x} of {} bytes",
+                        w.count(),
+                        w.len,
+                        w.src_offset,
+                        w.src_key,
+                        region.len
                     )))
                 }
+            }
+            if w.stride.is_some() && (w.len == 0 || w.len > self.max_frame) {
+                return Err(TransportError::Unsupported(format!("a strided write's runs of {} bytes: each must be 1 to {} (a frame)", w.len, self.max_frame)));
             }
             sources.push(region);
         }
@@ -423,12 +444,22 @@ impl TcpConnection {
     /// id, headers and payloads gathered straight from the regions: one
     /// system call for many frames, and no copy into a send buffer.
     fn send_frames(&mut self, posts: &[(BatchId, &Batch, Vec<Arc<crate::Region>>)]) -> std::io::Result<()> {
-        let mut frames: Vec<([u8; HEADER_LEN], &[u8])> = Vec::with_capacity(posts.iter().map(|p| p.1.writes.len()).sum());
+        let mut heads: Vec<Head> = Vec::with_capacity(posts.iter().map(|p| p.1.writes.len()).sum());
+        let mut data: Vec<Vec<&[u8]>> = Vec::with_capacity(heads.capacity());
         for (id, batch, sources) in posts {
-            self.frames_of(*id, batch, sources, &mut frames);
+            self.frames_of(*id, batch, sources, &mut heads, &mut data);
         }
-        for group in frames.chunks(GATHER_FRAMES) {
-            let mut slices: Vec<IoSlice<'_>> = group.iter().flat_map(|(h, d)| [IoSlice::new(h), IoSlice::new(d)]).collect();
+        // Each gathered write carries whole frames and at most GATHER_SLICES slices.
+        let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(GATHER_SLICES);
+        for (head, runs) in heads.iter().zip(&data) {
+            if !slices.is_empty() && slices.len() + 1 + runs.len() > GATHER_SLICES {
+                self.write_gathered(&mut slices)?;
+                slices.clear();
+            }
+            slices.push(IoSlice::new(&head.0[..head.1]));
+            slices.extend(runs.iter().map(|d| IoSlice::new(d)));
+        }
+        if !slices.is_empty() {
             self.write_gathered(&mut slices)?;
         }
         Ok(())
@@ -454,9 +485,38 @@ impl TcpConnection {
         Ok(())
     }
 
-    /// Appends the frames of `batch`, as parts of `id`, to `frames`.
-    fn frames_of<'a>(&mut self, id: BatchId, batch: &Batch, sources: &'a [Arc<crate::Region>], frames: &mut Vec<([u8; HEADER_LEN], &'a [u8])>) {
+    /// Appends the frames of `batch`, as parts of `id`: each one's header
+    /// (and a strided write's prefix) to `heads`, its payload's slices to
+    /// `data`.
+    fn frames_of<'a>(&mut self, id: BatchId, batch: &Batch, sources: &'a [Arc<crate::Region>], heads: &mut Vec<Head>, data: &mut Vec<Vec<&'a [u8]>>) {
         for (w, region) in batch.writes.iter().zip(sources) {
+            // SAFETY (both slices below): the range is inside the source
+            // region's live mapping (checked by `sources`; the caller holds
+            // the regions until this returns), and the caller must not
+            // modify a posted source range before its completion (the
+            // `source_released` contract).
+            let at = |off: u64, n: u64| unsafe { std::slice::from_raw_parts(region.mem.as_ptr().add((region.offset + w.src_offset + off) as usize), n as usize) };
+            if let Some(s) = w.stride {
+                // As many whole runs per frame as fit (`sources` checked one does).
+                let per = (self.max_frame / w.len).clamp(1, GATHER_SLICES as u64 - 1);
+                let mut first = 0;
+                while first < s.count {
+                    let n = (s.count - first).min(per);
+                    let seq = self.next_seq;
+                    self.next_seq += 1;
+                    let h = Header { kind: Kind::StridedWrite, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset + first * s.dst, len: STRIDE_PREFIX as u64 + n * w.len };
+                    let mut head = [0u8; HEAD_MAX];
+                    head[..HEADER_LEN].copy_from_slice(&h.encode());
+                    head[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&n.to_le_bytes());
+                    head[HEADER_LEN + 8..HEAD_MAX].copy_from_slice(&s.dst.to_le_bytes());
+                    heads.push((head, HEAD_MAX));
+                    data.push((first..first + n).map(|i| at(i * s.src, w.len)).collect());
+                    self.framing += HEAD_MAX as u64;
+                    self.ledger.part(id, seq);
+                    first += n;
+                }
+                continue;
+            }
             // Zero-length writes still go out: the destination refuses them by name.
             let mut done = 0;
             loop {
@@ -464,14 +524,10 @@ impl TcpConnection {
                 let seq = self.next_seq;
                 self.next_seq += 1;
                 let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset + done, len: n };
-                let at = region.offset + w.src_offset + done;
-                // SAFETY: `at..at+n` is inside the source region's live
-                // mapping (checked by `sources`; the caller holds the
-                // regions until this returns), and the caller must not
-                // modify a posted source range before its completion (the
-                // `source_released` contract).
-                let data = unsafe { std::slice::from_raw_parts(region.mem.as_ptr().add(at as usize), n as usize) };
-                frames.push((h.encode(), data));
+                let mut head = [0u8; HEAD_MAX];
+                head[..HEADER_LEN].copy_from_slice(&h.encode());
+                heads.push((head, HEADER_LEN));
+                data.push(vec![at(done, n)]);
                 self.framing += HEADER_LEN as u64;
                 self.ledger.part(id, seq);
                 done += n;
@@ -483,8 +539,15 @@ impl TcpConnection {
     }
 }
 
-/// Frames per gathered write: two slices each, well under `IOV_MAX` (1024).
-const GATHER_FRAMES: usize = 256;
+/// Slices per gathered write: a frame's header and its payload's (a
+/// strided write's runs each), well under `IOV_MAX` (1024).
+const GATHER_SLICES: usize = 512;
+
+/// A frame's header, and a strided write's prefix after it.
+const HEAD_MAX: usize = HEADER_LEN + STRIDE_PREFIX;
+
+/// A frame's head bytes and how many of them are used.
+type Head = ([u8; HEAD_MAX], usize);
 
 impl Connection for TcpConnection {
     fn remote(&self) -> &Hello {
@@ -502,7 +565,6 @@ impl Connection for TcpConnection {
             return Err((Vec::new(), e.clone()));
         }
         let start = Instant::now();
-        batches.iter().try_for_each(|b| b.unstrided("tcp")).map_err(|e| (Vec::new(), e))?;
         let sources = batches.iter().map(|b| self.sources(b)).collect::<Result<Vec<_>, _>>().map_err(|e| (Vec::new(), e))?;
         let posts: Vec<_> = batches.iter().zip(sources).map(|(b, s)| (self.ledger.begin(b.tag, b.bytes(), start, ()), b, s)).collect();
         if let Err(e) = self.send_frames(&posts) {

@@ -9,7 +9,7 @@
 
 use super::state::{DeviceMems, Pin};
 use super::Daemon;
-use kvwire_core::plan::{Mode, Plan, Segment};
+use kvwire_core::plan::{Plan, Segment};
 use kvwire_core::schedule::Schedule;
 use kvwire_core::shard::RegionId;
 use kvwire_transport::device::bound::BoundMem;
@@ -128,12 +128,7 @@ impl RingLayout {
                 let s = &plan.segments.at(i);
                 let (src, base) = source_of(s.src_rank, s.src_region)?;
                 if (is_staged && packs(s)) || copied(s) {
-                    if !is_staged && s.mode == Mode::Strided {
-                        // One strided write reads its runs at their stride: the slot holds its whole span.
-                        runs.push((src, base + s.src_offset, s.src_stride * (s.count - 1) + s.len));
-                    } else {
-                        runs.extend(s.runs().map(|(so, _)| (src, base + so, s.len)));
-                    }
+                    runs.extend(s.runs().map(|(so, _)| (src, base + so, s.len)));
                 }
             }
             runs.sort_unstable();
@@ -338,7 +333,7 @@ impl Daemon {
 mod tests {
     use super::*;
     use kvwire_core::layout::Tensor;
-    use kvwire_core::plan::PlanCounters;
+    use kvwire_core::plan::{Mode, PlanCounters};
     use kvwire_core::schedule::{LayerSchedule, SegList, Staged, StagedList};
     use kvwire_transport::Registry;
 

@@ -1258,14 +1258,16 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
         let s = &p.plan.segments.at(i);
         let &dst_key = dst_keys.get(&(s.dst_rank, s.dst_region)).ok_or_else(|| Refusal::new(Code::PeerRefused, format!("no region for dst rank {} {:?}", s.dst_rank, s.dst_region)))?;
         let stride = (s.mode == Mode::Strided).then_some(Stride { count: s.count, src: s.src_stride, dst: s.dst_stride });
+        // From the slot, one strided write where its runs kept their
+        // distance there (they lie in one footprint extent); else a write a
+        // run, which the destination counts as exactly.
+        let in_slot = stride.and_then(|_| strided_in_slot(ring, layer, s));
         match in_place(s) {
             Some((src_key, base)) if stride.is_some() => {
                 device.push(WriteOp { src_key, src_offset: base + s.src_offset, dst_key, dst_offset: s.dst_offset, len: s.len, stride });
             }
-            // The slot holds a strided segment's whole span (RingLayout::build): its runs keep their stride.
-            None if stride.is_some() => {
-                let span = s.src_stride * (s.count - 1) + s.len;
-                let src_offset = ring.find(layer, s.src_rank, s.src_region, s.src_offset, span).ok_or_else(|| missing(i))?;
+            None if in_slot.is_some() => {
+                let src_offset = in_slot.ok_or_else(|| missing(i))?;
                 slot.push(WriteOp { src_key: ring.region.key, src_offset, dst_key, dst_offset: s.dst_offset, len: s.len, stride });
             }
             Some((src_key, base)) => {
@@ -1292,6 +1294,21 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
     }
     let tag = Tag { slot: a.slot, layer: layer as u16 };
     Ok((Batch { tag, writes: device }, Batch { tag, writes: slot }))
+}
+
+/// Where strided segment `s`'s first run lies in layer `layer`'s slot of
+/// `ring`, when all its runs lie there at their source distance.
+fn strided_in_slot(ring: &Ring, layer: usize, s: &Segment) -> Option<u64> {
+    let mut at = ring.runs(layer, s);
+    let first = at.next()??;
+    let mut next = first;
+    for run in at {
+        next += s.src_stride;
+        if run? != next {
+            return None;
+        }
+    }
+    Some(first)
 }
 
 /// The schedule's writes per layer, with both sides' keys.

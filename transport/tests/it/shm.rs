@@ -645,71 +645,8 @@ fn a_kept_shm_connection_moves_from_new_stages_past_the_peers_source_limit() {
     }
 }
 
-/// A strided write: a remap's rows, `count` runs read `src` apart and
-/// written `dst` apart in one request, counted once. A write whose runs
-/// overlap bytes placed before (other than an exact repeat), and a plain
-/// write into a strided write's runs, are refused by name; the rows
-/// between its runs stay free for the other strided writes.
+/// Strided writes: one request each (see conformance::strided_writes).
 #[test]
 fn strided_writes_land_run_by_run_and_count_once() {
-    use kvwire_transport::Stride;
-    let mut p = pair();
-    // Two interleaved strided writes fill 16 rows of 64 bytes: even rows
-    // from the first half of the source, odd rows from the second.
-    let (rows, row) = (16u64, 64u64);
-    let dst = Window::new(&*p.dst, 9, rows * row);
-    let (src, data) = source(&*p.src, rows * row, 21);
-    let pl = p.dst.placement().clone();
-    let t = tag(9, 0);
-    let half = rows / 2 * row;
-    let runs = |count: u64, every: u64, src_at: u64, dst_at: u64| WriteOp { stride: Some(Stride { count, src: row, dst: every }), ..w(&src, src_at, &dst.region, dst_at, row) };
-    let strided = |src_at: u64, dst_at: u64| runs(rows / 2, 2 * row, src_at, dst_at);
-    pl.expect(t, rows * row).unwrap();
-    let before = dst.bytes();
-
-    p.conn().post(Batch { tag: t, writes: vec![strided(0, 0)] }).unwrap();
-    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
-    conformance::wait_placed(&pl, t, half);
-    assert!(pl.flags().ready(t).is_none(), "half the rows must not publish");
-    // The same write again adds nothing.
-    p.conn().post(Batch { tag: t, writes: vec![strided(0, 0)] }).unwrap();
-    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
-    // Overlapping what landed: another shape at its offset, the same shape
-    // shifted one run, a plain write over one of its runs or across two rows.
-    for (bad, says) in [
-        (runs(rows / 4, 3 * row, 0, 0), "overlaps the runs"),
-        (strided(0, 2 * row), "exceeds region"),
-        (runs(rows / 2 - 1, 2 * row, 0, 2 * row), "overlaps the runs"),
-        (w(&src, 0, &dst.region, 4 * row, row), "overlaps the runs"),
-        (w(&src, 0, &dst.region, row / 2, row), "overlaps the runs"),
-        // Runs that overlap one another.
-        (runs(4, row / 2, 0, 0), "overlap one another"),
-    ] {
-        let err = conformance::post_one_err(&mut p, bad, t);
-        assert!(matches!(&err, TransportError::Refused(m) if m.contains(says)), "{err}");
-    }
-    assert_eq!(pl.placed_bytes(t), half);
-    p.conn().post(Batch { tag: t, writes: vec![strided(half, row)] }).unwrap();
-    assert_eq!(complete(p.conn(), 1)[0].result, Ok(()));
-    pl.wait(t, WAIT).unwrap();
-    assert_eq!(pl.placed_bytes(t), rows * row);
-    let mut want = before;
-    for r in 0..rows {
-        let from = if r % 2 == 0 { r / 2 * row } else { half + r / 2 * row };
-        want[(r * row) as usize..((r + 1) * row) as usize].copy_from_slice(&data[from as usize..(from + row) as usize]);
-    }
-    assert!(dst.bytes() == want, "rows landed out of place");
-    dst.assert_guards();
-
-    // A plain row placed first: a strided write over it is refused.
-    let t2 = tag(9, 1);
-    pl.expect(t2, rows * row).unwrap();
-    conformance::post_one(&mut p, w(&src, 0, &dst.region, 3 * row, row), t2).unwrap();
-    let err = conformance::post_one_err(&mut p, strided(half, row), t2);
-    assert!(matches!(&err, TransportError::Refused(m) if m.contains("overlaps the runs")), "{err}");
-    assert_eq!(pl.placed_bytes(t2), row);
-
-    // A source span past the region is refused before anything is sent.
-    let far = WriteOp { stride: Some(Stride { count: rows, src: 2 * row, dst: row }), ..w(&src, 0, &dst.region, 0, row) };
-    assert!(matches!(p.conn().post(Batch { tag: t, writes: vec![far] }), Err(TransportError::Source(_))));
+    conformance::strided_writes(&mut pair());
 }

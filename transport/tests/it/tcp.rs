@@ -412,14 +412,49 @@ fn device_memory_through_a_dmabuf_is_refused_by_a_transport_that_reads_host_mapp
     assert!(ep.registry().descs().is_empty());
 }
 
-/// tcp carries no strided write: refused at post, naming it, nothing sent.
+/// Strided writes: frames of whole runs, gathered at the source and
+/// scattered into place (see conformance::strided_writes).
 #[test]
-fn a_strided_write_is_refused_at_post() {
+fn strided_writes_land_run_by_run_and_count_once() {
+    conformance::strided_writes(&mut pair());
+}
+
+/// A strided write whose runs exceed a frame is refused at post, naming it, nothing sent.
+#[test]
+fn a_strided_write_with_runs_past_a_frame_is_refused_at_post() {
     let mut p = pair();
-    let dst = conformance::Window::new(&*p.dst, 3, 1024);
-    let (src, _) = conformance::source(&*p.src, 1024, 5);
-    let op = WriteOp { stride: Some(kvwire_transport::Stride { count: 4, src: 64, dst: 128 }), ..conformance::w(&src, 0, &dst.region, 0, 64) };
-    let err = p.conn().post(Batch { tag: conformance::tag(3, 0), writes: vec![op] }).expect_err("tcp took a strided write");
+    // Runs one byte past the default 16 MiB frame.
+    let run = (16 << 20) + 1;
+    let dst = conformance::Window::new(&*p.dst, 3, 2 * run);
+    let (src, _) = conformance::source(&*p.src, 2 * run, 5);
+    let op = WriteOp { stride: Some(kvwire_transport::Stride { count: 2, src: run, dst: run }), ..conformance::w(&src, 0, &dst.region, 0, run) };
+    let err = p.conn().post(Batch { tag: conformance::tag(3, 0), writes: vec![op] }).expect_err("a run past a frame was taken");
     assert!(matches!(&err, TransportError::Unsupported(m) if m.contains("strided")), "{err}");
     assert_eq!(p.conn().framing_bytes(), 0);
+}
+
+/// A strided write of more runs than one gathered write carries goes as
+/// several frames of whole runs; each counts once, and the rows land.
+#[test]
+fn a_long_strided_write_goes_as_frames_of_whole_runs() {
+    let mut p = pair();
+    let (runs, row) = (1200u64, 64u64);
+    let dst = conformance::Window::new(&*p.dst, 4, 2 * runs * row);
+    let (src, data) = conformance::source(&*p.src, runs * row, 9);
+    let t = conformance::tag(4, 0);
+    p.dst.placement().expect(t, runs * row).unwrap();
+    let before = dst.bytes();
+    let op = WriteOp { stride: Some(kvwire_transport::Stride { count: runs, src: row, dst: 2 * row }), ..conformance::w(&src, 0, &dst.region, 0, row) };
+    p.conn().post(Batch { tag: t, writes: vec![op] }).unwrap();
+    assert_eq!(conformance::complete(p.conn(), 1)[0].result, Ok(()));
+    p.dst.placement().wait(t, Duration::from_secs(5)).unwrap();
+    assert_eq!(p.dst.placement().placed_bytes(t), runs * row);
+    let mut want = before;
+    for r in 0..runs as usize {
+        let (from, to) = (r * row as usize, 2 * r * row as usize);
+        want[to..to + row as usize].copy_from_slice(&data[from..from + row as usize]);
+    }
+    assert!(dst.bytes() == want, "rows landed out of place");
+    // More than one frame: a header and prefix each.
+    assert!(p.conn().framing_bytes() >= 3 * 56, "{}", p.conn().framing_bytes());
 }
