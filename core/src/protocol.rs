@@ -70,8 +70,9 @@ impl std::str::FromStr for TransportKind {
 
 /// Version of this protocol; peers speaking another are refused.
 /// 3: the destination challenges first and the source proves its session
-/// (see [`Hello::session`]).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// (see [`Hello::session`]). 4: strided writes (tcp's [`Kind::StridedWrite`],
+/// shm's 64-byte write trailer).
+pub const PROTOCOL_VERSION: u32 = 4;
 /// `KVW1` in wire order.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVW1");
 /// Size of a frame header.

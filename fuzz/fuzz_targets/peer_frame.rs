@@ -7,7 +7,7 @@
 //! as the region length), then the frame as it arrives: 40-byte header, payload.
 #![no_main]
 
-use kvwire_core::protocol::{check_write, Header, Hello, Kind, Tag, WriteNote, HEADER_LEN, MAX_HELLO, NOTE_LEN};
+use kvwire_core::protocol::{check_write, Header, Hello, Kind, Tag, WriteNote, HEADER_LEN, MAX_HELLO, NOTE_LEN, STRIDE_PREFIX};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -31,6 +31,7 @@ fuzz_target!(|data: &[u8]| {
     let kind_limit = match header.kind {
         Kind::Hello => MAX_HELLO,
         Kind::Write => limit,
+        Kind::StridedWrite => limit.saturating_add(STRIDE_PREFIX as u64),
         Kind::Ack => 0,
         Kind::Nack => 4096,
         Kind::Challenge => 32,
@@ -57,6 +58,23 @@ fuzz_target!(|data: &[u8]| {
                     assert!(header.len > 0, "zero-length write accepted");
                     assert_eq!((r.start, r.end - r.start), (header.offset, header.len));
                     assert!(r.end <= region_len, "write range {r:?} past region of {region_len}");
+                }
+            }
+        }
+        Kind::StridedWrite => {
+            // The prefix (runs, distance), then equal runs: the span from the
+            // first run to the last is what the destination checks.
+            if payload.len() >= STRIDE_PREFIX {
+                let runs = u64::from_le_bytes(payload[..8].try_into().expect("8 bytes"));
+                let stride = u64::from_le_bytes(payload[8..16].try_into().expect("8 bytes"));
+                let bytes = header.len - STRIDE_PREFIX as u64;
+                if runs > 0 && bytes % runs == 0 {
+                    let run = bytes / runs;
+                    if let Some(span) = (runs - 1).checked_mul(stride).and_then(|s| s.checked_add(run)) {
+                        if let Ok(r) = check_write(header.key, Some(limit), header.offset, span) {
+                            assert!(span > 0 && r.end <= limit, "strided span {r:?} past region of {limit}");
+                        }
+                    }
                 }
             }
         }
