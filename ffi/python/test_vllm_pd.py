@@ -221,9 +221,10 @@ def pair(consumer, producer, prompts, names, max_tokens=MAX_TOKENS):
 
 class Proxy:
     """Forwards TCP connections to `upstream`; when armed, flips the first
-    payload byte of the next write frame (kind 2) from the source. Frames:
-    a 40-byte header (kind u16 at 4, payload length u64 at 32), then the
-    payload (core/src/protocol.rs)."""
+    data byte of the next write frame from the source (kind 2, or a strided
+    write, kind 6, after its 16-byte prefix). Frames: a 40-byte header
+    (kind u16 at 4, payload length u64 at 32), then the payload
+    (core/src/protocol.rs)."""
 
     def __init__(self, upstream):
         self.upstream = upstream
@@ -278,9 +279,12 @@ class Proxy:
                 (kind,) = struct.unpack_from("<H", h, 4)
                 (n,) = struct.unpack_from("<Q", h, 32)
                 payload = self._read(down, n) if n else bytearray()
-                if kind == 2 and n and self.armed.is_set():
+                # A write's first data byte: a plain write's payload starts
+                # with it, a strided write's (kind 6) after its 16-byte prefix.
+                at = {2: 0, 6: 16}.get(kind)
+                if at is not None and n > at and self.armed.is_set():
                     self.armed.clear()
-                    payload[0] ^= 0x40
+                    payload[at] ^= 0x40
                     self.flipped += 1
                 up.sendall(bytes(h) + bytes(payload))
         except (OSError, EOFError):
