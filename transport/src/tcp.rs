@@ -445,18 +445,21 @@ impl TcpConnection {
     /// system call for many frames, and no copy into a send buffer.
     fn send_frames(&mut self, posts: &[(BatchId, &Batch, Vec<Arc<crate::Region>>)]) -> std::io::Result<()> {
         let mut heads: Vec<Head> = Vec::with_capacity(posts.iter().map(|p| p.1.writes.len()).sum());
-        let mut data: Vec<Vec<&[u8]>> = Vec::with_capacity(heads.capacity());
+        let mut data: Vec<&[u8]> = Vec::with_capacity(heads.capacity());
         for (id, batch, sources) in posts {
             self.frames_of(*id, batch, sources, &mut heads, &mut data);
         }
         // Each gathered write carries whole frames and at most GATHER_SLICES slices.
         let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(GATHER_SLICES);
-        for (head, runs) in heads.iter().zip(&data) {
-            if !slices.is_empty() && slices.len() + 1 + runs.len() > GATHER_SLICES {
+        let mut rest = &data[..];
+        for (head, used, n) in &heads {
+            let (runs, after) = rest.split_at(*n);
+            rest = after;
+            if !slices.is_empty() && slices.len() + 1 + n > GATHER_SLICES {
                 self.write_gathered(&mut slices)?;
                 slices.clear();
             }
-            slices.push(IoSlice::new(&head.0[..head.1]));
+            slices.push(IoSlice::new(&head[..*used]));
             slices.extend(runs.iter().map(|d| IoSlice::new(d)));
         }
         if !slices.is_empty() {
@@ -487,8 +490,8 @@ impl TcpConnection {
 
     /// Appends the frames of `batch`, as parts of `id`: each one's header
     /// (and a strided write's prefix) to `heads`, its payload's slices to
-    /// `data`.
-    fn frames_of<'a>(&mut self, id: BatchId, batch: &Batch, sources: &'a [Arc<crate::Region>], heads: &mut Vec<Head>, data: &mut Vec<Vec<&'a [u8]>>) {
+    /// `data`, in frame order.
+    fn frames_of<'a>(&mut self, id: BatchId, batch: &Batch, sources: &'a [Arc<crate::Region>], heads: &mut Vec<Head>, data: &mut Vec<&'a [u8]>) {
         for (w, region) in batch.writes.iter().zip(sources) {
             // SAFETY (both slices below): the range is inside the source
             // region's live mapping (checked by `sources`; the caller holds
@@ -509,8 +512,8 @@ impl TcpConnection {
                     head[..HEADER_LEN].copy_from_slice(&h.encode());
                     head[HEADER_LEN..HEADER_LEN + 8].copy_from_slice(&n.to_le_bytes());
                     head[HEADER_LEN + 8..HEAD_MAX].copy_from_slice(&s.dst.to_le_bytes());
-                    heads.push((head, HEAD_MAX));
-                    data.push((first..first + n).map(|i| at(i * s.src, w.len)).collect());
+                    heads.push((head, HEAD_MAX, n as usize));
+                    data.extend((first..first + n).map(|i| at(i * s.src, w.len)));
                     self.framing += HEAD_MAX as u64;
                     self.ledger.part(id, seq);
                     first += n;
@@ -526,8 +529,8 @@ impl TcpConnection {
                 let h = Header { kind: Kind::Write, tag: batch.tag, key: w.dst_key, seq, offset: w.dst_offset + done, len: n };
                 let mut head = [0u8; HEAD_MAX];
                 head[..HEADER_LEN].copy_from_slice(&h.encode());
-                heads.push((head, HEADER_LEN));
-                data.push(vec![at(done, n)]);
+                heads.push((head, HEADER_LEN, 1));
+                data.push(at(done, n));
                 self.framing += HEADER_LEN as u64;
                 self.ledger.part(id, seq);
                 done += n;
@@ -546,8 +549,9 @@ const GATHER_SLICES: usize = 512;
 /// A frame's header, and a strided write's prefix after it.
 const HEAD_MAX: usize = HEADER_LEN + STRIDE_PREFIX;
 
-/// A frame's head bytes and how many of them are used.
-type Head = ([u8; HEAD_MAX], usize);
+/// A frame's head bytes, how many of them are used, and how many payload
+/// slices follow it (one, or a strided write's runs): no allocation per frame.
+type Head = ([u8; HEAD_MAX], usize, usize);
 
 impl Connection for TcpConnection {
     fn remote(&self) -> &Hello {

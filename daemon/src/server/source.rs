@@ -1261,8 +1261,9 @@ fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>,
         // From the slot, one strided write where its runs kept their
         // distance there (they lie in one footprint extent); else a write a
         // run, which the destination counts as exactly.
-        let in_slot = stride.and_then(|_| strided_in_slot(ring, layer, s));
-        match in_place(s) {
+        let place = in_place(s);
+        let in_slot = stride.filter(|_| place.is_none()).and_then(|_| strided_in_slot(ring, layer, s));
+        match place {
             Some((src_key, base)) if stride.is_some() => {
                 device.push(WriteOp { src_key, src_offset: base + s.src_offset, dst_key, dst_offset: s.dst_offset, len: s.len, stride });
             }
