@@ -578,7 +578,8 @@ impl Daemon {
     /// Revokes a staging buffer (either side's; late writes to it fail) and
     /// hands its memory back to the pool.
     pub(super) fn drop_stage(&self, stage: Option<Arc<Region>>) {
-        if let Some(r) = stage {
+        // A source's stays registered for its peer's next transfer.
+        if let Some(r) = stage.and_then(|r| self.stage_pool.give_source(r, || self.keeping())) {
             self.revoke_key(r.key);
             self.stage_pool.give(r, || self.keeping());
         }

@@ -406,7 +406,9 @@ impl Daemon {
     fn drop_kept(&self) {
         self.peer_conns.clear();
         self.data_conns.clear();
-        self.stage_pool.clear();
+        for r in self.stage_pool.clear() {
+            self.revoke_key(r.key);
+        }
         self.ring_pool.clear();
         self.workers.shrink();
     }

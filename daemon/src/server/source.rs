@@ -913,9 +913,18 @@ impl Daemon {
     /// A registered staging buffer of `total` bytes from the pool (none
     /// when nothing is staged).
     fn stage_buffer(&self, id: SlotId, total: u64) -> Result<Option<Arc<Region>>, Refusal> {
-        let stage = self.stage_for(total, None).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))?;
-        self.with_slot(id, |s| s.staging = stage.as_ref().map_or(0, |r| r.len));
-        Ok(stage)
+        if total == 0 {
+            return Ok(None);
+        }
+        let mut peer = String::new();
+        self.with_slot(id, |s| peer = s.peer.clone());
+        let register = |mem: Arc<kvwire_transport::HostMem>| {
+            let len = mem.len();
+            self.register_region(mem, 0, len, None).map_err(|e| e.to_string())
+        };
+        let stage = self.stage_pool.take_source(&peer, total, register).map_err(|e| Refusal::new(Code::TransferFailed, format!("pack: {e}")))?;
+        self.with_slot(id, |s| s.staging = total);
+        Ok(Some(stage))
     }
 
     /// Packs (and encodes) the segments of `staged` that need it
