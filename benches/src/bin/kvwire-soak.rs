@@ -18,8 +18,11 @@
 //!
 //! Judgement (exit 1, naming what failed): any transfer error or byte
 //! mismatch; a daemon that died; fds or threads after the clients left not
-//! equal to before they connected; RSS growth: max RSS in the last third of
-//! the run above the middle third's max by more than max(16 MiB, 10%).
+//! equal to before they connected; fds during the run past
+//! [`FDS_PER_CLIENT`] per client over before (connections kept idle must
+//! stay bounded while transfers come and go); RSS growth: max RSS in the
+//! last third of the run above the middle third's max by more than
+//! max(16 MiB, 10%).
 //! Exit 2 on bad arguments.
 
 use kvwire_core::layout::{from_toml_spec, ModelSpec};
@@ -48,6 +51,12 @@ const DST_LAYOUT: &str = "tp=1,block=32,layout=hnd,table=shuffle:7";
 const WAIT: Duration = Duration::from_secs(30);
 const SAMPLE_EVERY: Duration = Duration::from_millis(500);
 const SETTLE: Duration = Duration::from_secs(1);
+/// Open fds a client may account for in a daemon at its peak, beyond a
+/// fixed [`FDS_SLACK`]: its control socket and registered memfds, the
+/// peer and data connections of its transfer in flight, and its share of
+/// those kept idle between transfers.
+const FDS_PER_CLIENT: u64 = 24;
+const FDS_SLACK: u64 = 32;
 /// Errors kept verbatim per client (the rest are only counted).
 const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
@@ -724,6 +733,8 @@ fn judge(r: &Report) -> Vec<Verdict> {
         // socket, memfds, peer and data connections) must be closed once
         // the clients have gone and the transfers have finished.
         say(d.after.fds == d.before.fds, format!("{} fds: {} before clients connected, {} after they left", d.name, d.before.fds, d.after.fds));
+        let allowed = d.before.fds + FDS_PER_CLIENT * r.settings.clients as u64 + FDS_SLACK;
+        say(d.peak_fds <= allowed, format!("{} fds during the run: peak {}, allowed up to {allowed}", d.name, d.peak_fds));
         say(
             d.after.threads == d.before.threads,
             format!("{} threads: {} before clients connected, {} after they left", d.name, d.before.threads, d.after.threads),
