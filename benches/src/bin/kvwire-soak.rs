@@ -55,7 +55,7 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// fixed [`FDS_SLACK`]: its control socket and registered memfds, the
 /// peer and data connections of its transfer in flight, and its share of
 /// those kept idle between transfers.
-const FDS_PER_CLIENT: u64 = 24;
+const FDS_PER_CLIENT: u64 = 16;
 const FDS_SLACK: u64 = 32;
 /// Errors kept verbatim per client (the rest are only counted).
 const KEEP_ERRORS: usize = 3;
