@@ -1,10 +1,12 @@
 //! Striping a transfer across the destination's rails, with failover.
 //!
 //! The layer batches are cut into slices of at most `slice_bytes`, in layer
-//! order; a slice never mixes destination ranks. Each rail has its own
-//! connection and its own thread, which keeps up to `window` slices in
-//! flight and takes the next slice whenever one completes — so a faster rail
-//! simply takes more slices, and early layers still finish first.
+//! order; a slice never mixes destination ranks that prefer different
+//! rails. Each rail has its own connection and its own thread, which keeps
+//! up to `window` slices in flight, or more while they hold fewer than
+//! `window_bytes` (small slices: a layer's few writes each), and takes the
+//! next slice whenever one completes — so a faster rail simply takes more
+//! slices, and early layers still finish first.
 //!
 //! Locality: a slice may name the rails it prefers (the destination's rails
 //! closest to its rank's memory, by NUMA node or PCIe switch). Only those
@@ -31,9 +33,9 @@ use std::time::{Duration, Instant};
 
 /// Cuts each layer's batch into slices of at most `slice_bytes`, splitting
 /// writes where needed (never a strided one: a slice may then hold more). Layers without writes give no slice.
-/// A new slice starts wherever `group` (e.g. the destination rank of a
-/// write's key) changes, so each slice can prefer the rails of one group.
-pub fn cut(batches: Vec<Batch>, slice_bytes: u64, group: impl Fn(&WriteOp) -> u32) -> Vec<Batch> {
+/// A new slice starts wherever `group` (the rails a write's destination
+/// prefers) changes, so each slice can prefer the rails of one group.
+pub fn cut(batches: Vec<Batch>, slice_bytes: u64, group: impl Fn(&WriteOp) -> u64) -> Vec<Batch> {
     let slice_bytes = slice_bytes.max(1);
     let mut out = Vec::new();
     for b in batches {
@@ -99,11 +101,17 @@ pub type Connect<'a> = dyn Fn(usize, &RailAddr) -> Result<Box<dyn Connection>, T
 /// another transfer ([`Connection::reusable`]).
 pub type Park<'a> = dyn Fn(usize, &RailAddr, Box<dyn Connection>) + Sync + 'a;
 
+/// The most slices one rail keeps in flight, however small.
+pub const MAX_WINDOW: usize = 64;
+
 /// How to run the slices.
 #[derive(Debug, Clone)]
 pub struct Settings {
-    /// Slices in flight per rail.
+    /// Slices in flight per rail, at least.
     pub window: usize,
+    /// More slices go in flight while those in flight hold fewer bytes
+    /// than this (up to [`MAX_WINDOW`]).
+    pub window_bytes: u64,
     /// No completion for this long with slices outstanding fails a rail.
     pub stall: Duration,
     /// The transfer fails after this.
@@ -480,8 +488,14 @@ impl Lane<'_> {
         let taken: Vec<usize> = {
             let mut sh = self.lock();
             let mut taken = Vec::new();
-            while self.inflight.len() + taken.len() < self.settings.window {
+            let mut bytes: u64 = self.inflight.values().map(|&i| self.slices[i].bytes()).sum();
+            loop {
+                let n = self.inflight.len() + taken.len();
+                if n >= MAX_WINDOW || (n >= self.settings.window && bytes >= self.settings.window_bytes) {
+                    break;
+                }
                 let Some(i) = sh.take(self.me) else { break };
+                bytes += self.slices[i].bytes();
                 taken.push(i);
             }
             let l = &mut sh.lanes[self.me];
@@ -624,5 +638,17 @@ mod tests {
             ]
         );
         assert!(slices.iter().all(|b| b.bytes() <= 16));
+    }
+
+    #[test]
+    fn a_slice_breaks_where_the_preferred_rails_change_not_the_rank() {
+        // Writes to keys 10 and 11 (two ranks on the same rails) and 12
+        // (a rank on other rails), alternating.
+        let to = |key: u32, dst: u64| WriteOp { dst_key: key, ..w(dst, dst, 4) };
+        let writes = vec![to(10, 0), to(11, 0), to(10, 4), to(12, 0), to(11, 4)];
+        let prefers = |w: &WriteOp| if w.dst_key == 12 { 0b10 } else { 0b01 };
+        let slices = cut(vec![Batch { tag: Tag { slot: 1, layer: 0 }, writes }], 1 << 20, prefers);
+        let keys: Vec<Vec<u32>> = slices.iter().map(|b| b.writes.iter().map(|w| w.dst_key).collect()).collect();
+        assert_eq!(keys, vec![vec![10, 11, 10], vec![12], vec![11]]);
     }
 }

@@ -98,12 +98,17 @@ impl Daemon {
     ) -> Result<stripe::Outcome, String> {
         let t = &self.cfg.transport;
         let (rank_mask, key_rank) = prefer;
-        // Staging buffers and unknown keys group as u32::MAX: no preference.
-        let rank_of = |w: &WriteOp| key_rank.get(&w.dst_key).copied().unwrap_or(u32::MAX);
-        let slices = stripe::cut(batches, t.slice_bytes, rank_of);
-        let masks: Vec<u64> = slices.iter().map(|b| b.writes.first().and_then(|w| rank_mask.get(&rank_of(w))).copied().unwrap_or(0)).collect();
+        // The rails a write's destination rank prefers (0: none, as for
+        // staging buffers and unknown keys). Ranks that prefer the same
+        // rails share slices: cut by rank, a remap's layer of writes
+        // alternating between ranks went as one slice a write, four in
+        // flight at a time.
+        let prefers = |w: &WriteOp| key_rank.get(&w.dst_key).and_then(|r| rank_mask.get(r)).copied().unwrap_or(0);
+        let slices = stripe::cut(batches, t.slice_bytes, prefers);
+        let masks: Vec<u64> = slices.iter().map(|b| b.writes.first().map_or(0, prefers)).collect();
         let settings = stripe::Settings {
             window: 4,
+            window_bytes: 4 * t.slice_bytes,
             stall: Duration::from_millis(t.rail_stall_ms),
             deadline: Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs),
         };
