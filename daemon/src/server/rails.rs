@@ -101,8 +101,8 @@ impl Daemon {
         // The rails a write's destination rank prefers (0: none, as for
         // staging buffers and unknown keys). Ranks that prefer the same
         // rails share slices: cut by rank, a remap's layer of writes
-        // alternating between ranks went as one slice a write, four in
-        // flight at a time.
+        // alternating between ranks went as a slice every few writes,
+        // four in flight at a time.
         let prefers = |w: &WriteOp| key_rank.get(&w.dst_key).and_then(|r| rank_mask.get(r)).copied().unwrap_or(0);
         let slices = stripe::cut(batches, t.slice_bytes, prefers);
         let masks: Vec<u64> = slices.iter().map(|b| b.writes.first().map_or(0, prefers)).collect();
