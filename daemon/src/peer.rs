@@ -142,6 +142,26 @@ pub struct Sealed {
     // The read timeout set on the socket, so that setting it again costs no system call.
     timeout: Option<Duration>,
     tx: Arc<Mutex<Tx>>,
+    // Runs when the connection is let go: the session it proved ends with it.
+    ended: Ended,
+}
+
+/// What to run once when a connection is dropped (not when it moves).
+#[derive(Default)]
+struct Ended(Option<Box<dyn FnOnce() + Send + Sync>>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        if let Some(f) = self.0.take() {
+            f();
+        }
+    }
+}
+
+impl std::fmt::Debug for Ended {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() { "Ended(set)" } else { "Ended" })
+    }
 }
 
 #[derive(Debug)]
@@ -218,7 +238,13 @@ impl Sealed {
         let stream = Arc::new(stream);
         let tx = Arc::new(Mutex::new(Tx { stream: stream.clone(), key: send_key, sent: 0, bytes: 0, held: Vec::new() }));
         let reader = std::io::BufReader::with_capacity(READ_BUFFER, Shared(stream.clone()));
-        Sealed { stream, reader, credential: cred, recv_key, received: 0, read_bytes: 0, timeout: None, tx }
+        Sealed { stream, reader, credential: cred, recv_key, received: 0, read_bytes: 0, timeout: None, tx, ended: Ended::default() }
+    }
+
+    /// Runs `f` once, when this connection is dropped wherever that happens
+    /// (not kept, lost, refused): what was kept for its session goes then.
+    pub fn on_end(&mut self, f: impl FnOnce() + Send + Sync + 'static) {
+        self.ended = Ended(Some(Box::new(f)));
     }
 
     /// Sets the socket's read timeout (as `TcpStream::set_read_timeout`),
@@ -379,6 +405,21 @@ mod tests {
         let raw = c.try_clone().unwrap();
         let cred = Credential::derive(b"secret", b"ns", b"nc", "a", "b");
         (Sealed::new(c, cred.clone(), true), Sealed::new(s, cred, false), raw)
+    }
+
+    #[test]
+    fn the_end_hook_runs_once_when_the_connection_is_dropped_not_when_it_moves() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let (mut a, _b, _raw) = pair();
+        let ran = Arc::new(AtomicU32::new(0));
+        let r = ran.clone();
+        a.on_end(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        });
+        let moved = vec![a];
+        assert_eq!(ran.load(Ordering::SeqCst), 0, "moved, still open");
+        drop(moved);
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -90,21 +90,18 @@ impl<K: Eq + Hash + Clone, V> Kept<K, V> {
 
     /// Keeps `x` for the next transfer, unless enough are kept or `wanted`
     /// says no (asked under the lock [`Kept::clear`] takes, so nothing is
-    /// kept after a clear that `wanted` already knew about); then it is
-    /// handed back, for the caller to let go. Ends an [`Kept::expect`] for
-    /// `key`, if one is open.
-    pub fn keep(&self, key: K, x: V, wanted: impl Fn() -> bool) -> Option<V> {
+    /// kept after a clear that `wanted` already knew about). Ends an
+    /// [`Kept::expect`] for `key`, if one is open.
+    pub fn keep(&self, key: K, x: V, wanted: impl Fn() -> bool) {
         let mut inner = self.inner.lock().expect("kept lock");
         Self::arrived(&mut inner, &key);
-        let mut unkept = Some(x);
         if wanted() {
             let v = inner.idle.entry(key).or_default();
             if v.len() < self.per_key {
-                v.extend(unkept.take());
+                v.push(x);
             }
         }
         self.returned.notify_all();
-        unkept
     }
 
     /// Lets go of every idle one whose key `gone` picks.
@@ -133,13 +130,11 @@ mod tests {
     use std::sync::Arc;
 
     #[test]
-    fn one_not_kept_is_handed_back_and_a_key_can_be_let_go() {
+    fn the_idle_ones_of_a_key_can_be_let_go() {
         let k: Kept<(u32, u64), u32> = Kept::new(2);
-        assert_eq!(k.keep((0, 7), 1, || true), None);
-        assert_eq!(k.keep((0, 7), 2, || true), None);
-        assert_eq!(k.keep((0, 7), 3, || true), Some(3), "two per key");
-        assert_eq!(k.keep((0, 8), 4, || false), Some(4), "unwanted");
-        assert_eq!(k.keep((1, 8), 5, || true), None);
+        k.keep((0, 7), 1, || true);
+        k.keep((0, 7), 2, || true);
+        k.keep((1, 8), 5, || true);
         // Session 7 ended: its connections on every rail go, 8's stay.
         k.drop_where(|&(_, s)| s == 7);
         assert_eq!(k.take(&(0, 7), |_| true, Duration::ZERO), None);

@@ -114,7 +114,7 @@ pub struct Daemon {
     // Data-plane connections kept between transfers, by (local rail, peer's
     // rail address, data-plane session), where the transport says they are
     // reusable (tcp).
-    data_conns: kept::Kept<(usize, String, u64), Box<dyn kvwire_transport::Connection>>,
+    data_conns: Arc<kept::Kept<(usize, String, u64), Box<dyn kvwire_transport::Connection>>>,
     // Threads kept for transfers' work.
     workers: workers::Workers,
     // The transfers' periodic checks (stripe watchdogs, heartbeats), on one thread.
@@ -301,7 +301,7 @@ impl Daemon {
             ring_pool,
             control_id,
             peer_conns: kept::Kept::new(KEEP_PER_KEY),
-            data_conns: kept::Kept::new(KEEP_PER_KEY),
+            data_conns: Arc::new(kept::Kept::new(KEEP_PER_KEY)),
             workers: workers::Workers::default(),
             ticker: ticker::Ticker::start("kvwired-tick")?,
             landings: Default::default(),

@@ -31,14 +31,6 @@ impl Daemon {
         Ok(region)
     }
 
-    /// Peer session `session` ended here (its connection was let go): the
-    /// data connections proved in it are let go too. Only its transfers
-    /// could take them, and kept they would pile up against the peer's cap
-    /// on connections while sessions come and go.
-    pub(super) fn session_gone(&self, session: u64) {
-        self.data_conns.drop_where(|&(_, _, s)| s == session);
-    }
-
     /// Revokes `key` on the data plane and on every rail, so no rail can
     /// still place a late write into it. Returns whether it was registered.
     pub(super) fn revoke_key(&self, key: u32) -> bool {
@@ -134,7 +126,7 @@ impl Daemon {
             Metrics::add(&self.metrics.data_conns_opened, 1);
             Ok(c)
         };
-        let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| drop(self.data_conns.keep((i, rail.addr.clone(), cred.session), c, || self.keeping()));
+        let park = |i: usize, rail: &RailAddr, c: Box<dyn Connection>| self.data_conns.keep((i, rail.addr.clone(), cred.session), c, || self.keeping());
         let total_posted = total.writes + total.bytes;
         // Setup ends at the first post, on whichever rail: handshake,
         // planning, manifest, packing, data-plane connect.

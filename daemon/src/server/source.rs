@@ -101,7 +101,6 @@ impl Daemon {
                 if let Some(l) = link {
                     l.abort(&r.message);
                     self.count_wire(id, l.control_bytes());
-                    self.session_gone(l.credential.session);
                 }
                 self.fail(id, &r.message);
                 r.reply()
@@ -138,18 +137,7 @@ impl Daemon {
         self.with_slot(id, |sl| sl.peer = peer.name.clone());
         let key = (peer.name.clone(), peer.address.clone());
         let announced_on = |c: &Sealed| self.announcements.session_of(&peer.name, &s.dst_group, &s.dst_request) == Some(c.credential().session);
-        // A kept connection the peer closed is let go, and with it the data
-        // connections proved in its session: none can be taken again.
-        let mut gone = Vec::new();
-        let usable = |c: &mut Sealed| {
-            let ok = self.drain_announcements(&peer.name, c);
-            if !ok {
-                gone.push(c.credential().session);
-            }
-            ok
-        };
-        let kept = self.peer_conns.take_preferring(&key, usable, announced_on, PEER_CONN_WAIT);
-        gone.into_iter().for_each(|s| self.session_gone(s));
+        let kept = self.peer_conns.take_preferring(&key, |c| self.drain_announcements(&peer.name, c), announced_on, PEER_CONN_WAIT);
         let heard = self.announcements.take(&peer.name, &s.dst_group, &s.dst_request);
         let claimed = match (kept, heard) {
             (Some(c), Some(h)) => self.claim_on(c, h, peer, &s, &g, codec, &offer, link),
@@ -747,7 +735,16 @@ impl Daemon {
         let authed = peer::connect_auth(&mut Deadline::new(&pc, REPLY_TIMEOUT), &self.secret, &self.cfg.node);
         let _ = pc.set_write_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
         match authed {
-            Ok((name, cred)) if name == peer.name => Ok(Sealed::new(pc, cred, true)),
+            Ok((name, cred)) if name == peer.name => {
+                let mut sealed = Sealed::new(pc, cred, true);
+                // The data connections proved in its session go with it,
+                // wherever it is let go (not kept, lost, failed): only that
+                // session's transfers may take them, and kept they would
+                // pile up against the peer's cap on connections.
+                let (conns, session) = (self.data_conns.clone(), sealed.credential().session);
+                sealed.on_end(move || conns.drop_where(|&(_, _, s)| s == session));
+                Ok(sealed)
+            }
             Ok((name, _)) => Err(Refusal::new(Code::AuthFailed, format!("peer at {} is `{name}`, not `{}`", peer.address, peer.name))),
             Err(e) => Err(Refusal::new(Code::AuthFailed, e)),
         }
@@ -1029,21 +1026,13 @@ impl Daemon {
                             // The source's own decoder_usable: the destination's
                             // verdict, published as the transfer ends here.
                             d.complete(id, DECODER_USABLE, Boundary::DecoderUsable);
-                            let kept = match conn {
-                                Some(conn) => d.peer_conns.keep(key, conn, || d.keeping()).is_none(),
-                                None => {
-                                    d.peer_conns.lost(&key);
-                                    false
-                                }
-                            };
-                            // Not kept (enough are, or it broke): its data connections go with it.
-                            if !kept {
-                                d.session_gone(thread_link.credential.session);
+                            match conn {
+                                Some(conn) => d.peer_conns.keep(key, conn, || d.keeping()),
+                                None => d.peer_conns.lost(&key),
                             }
                         }
                         Err(why) => {
                             d.peer_conns.lost(&key);
-                            d.session_gone(thread_link.credential.session);
                             tracing::warn!(why, "transfer failed after the source was released");
                             d.fail(id, why);
                         }
@@ -1056,7 +1045,6 @@ impl Daemon {
                         None => e,
                     };
                     count(&d);
-                    d.session_gone(thread_link.credential.session);
                     d.fail(id, e);
                 }
             }
