@@ -221,6 +221,17 @@ pub struct DeviceMemoryRow<'a> {
     pub detail: &'a str,
 }
 
+/// `kvwire_writes_refused_total`: writes the data plane refused, by reason
+/// (every reason, zeros too, so a rate of any of them can be graphed).
+pub fn writes_refused(node: &str, by_reason: impl Iterator<Item = (&'static str, u64)>) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "# HELP kvwire_writes_refused_total Writes the data plane refused before counting them, by reason (unknown or revoked key, out of bounds, overrun...).\n# TYPE kvwire_writes_refused_total counter");
+    for (reason, n) in by_reason {
+        let _ = writeln!(out, "kvwire_writes_refused_total{{node=\"{}\",reason=\"{reason}\"}} {n}", label(node));
+    }
+    out
+}
+
 /// `kvwire_device_memory`: one series per registered device allocation,
 /// `path="direct"` (read in place by the NIC, `how` the registration) or
 /// `path="staged"` (through the ring, `why` the NIC does not).

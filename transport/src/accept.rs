@@ -37,8 +37,9 @@
 use crate::placement::{Placement, PlacementError};
 use crate::registry::{Region, Registry};
 use kvwire_core::protocol::{check_write, Tag, WriteError};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A write as the destination sees it: where its bytes go and what they
 /// count toward.
@@ -152,6 +153,28 @@ pub enum Refusal {
 }
 
 impl Refusal {
+    /// What kind of refusal it is, as a metric label ([`REASONS`]).
+    pub fn reason(&self) -> &'static str {
+        REASONS[self.index()]
+    }
+
+    fn index(&self) -> usize {
+        match self {
+            Refusal::UnknownKey(_) => 0,
+            Refusal::NotGranted(_) => 1,
+            Refusal::OtherSlot { .. } => 2,
+            Refusal::OutOfBounds { .. } => 3,
+            Refusal::ZeroLength => 4,
+            Refusal::UnknownTag { .. } => 5,
+            Refusal::Overrun { .. } => 6,
+            Refusal::SourceNotShared(_) => 7,
+            Refusal::SourceOutOfBounds { .. } => 8,
+            Refusal::SourceUnusable { .. } => 9,
+            Refusal::Uncounted(_) => 10,
+            Refusal::Overlap(_) => 11,
+        }
+    }
+
     /// Whether the write is not its slot's to make: its key is unknown,
     /// not this session's, or another slot's, or no transfer declared the
     /// slot. What it carried counts toward no transfer's `wire_bytes`, so a
@@ -273,7 +296,103 @@ pub fn accept<E: From<Refusal>>(
     Ok(count(registry, placement, a, seen_at)?)
 }
 
-/// Logs a refusal the same way on every backend.
-pub(crate) fn log_refusal(transport: &'static str, peer: &str, w: Incoming, why: &Refusal) {
-    tracing::warn!(transport, peer, slot = w.tag.slot, layer = w.tag.layer, key = w.key, offset = w.offset, len = w.len, runs = w.stride.map_or(1, |s| s.0), %why, "write refused");
+/// Every kind of [`Refusal`], as [`Refusal::reason`] names it.
+pub const REASONS: [&str; 12] = [
+    "unknown_key",
+    "not_granted",
+    "other_slot",
+    "out_of_bounds",
+    "zero_length",
+    "unknown_tag",
+    "overrun",
+    "source_not_shared",
+    "source_out_of_bounds",
+    "source_unusable",
+    "uncounted",
+    "overlap",
+];
+
+/// Writes an endpoint refused, by reason, over all its connections.
+#[derive(Debug, Default)]
+pub struct RefusalCounts([AtomicU64; REASONS.len()]);
+
+impl RefusalCounts {
+    fn note(&self, why: &Refusal) {
+        self.0[why.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// (reason, writes refused for it), for every reason.
+    pub fn by_reason(&self) -> impl Iterator<Item = (&'static str, u64)> + '_ {
+        REASONS.iter().zip(&self.0).map(|(r, n)| (*r, n.load(Ordering::Relaxed)))
+    }
+}
+
+/// Refusals logged in full per connection and window; the rest are counted.
+const LOGGED_PER_WINDOW: u32 = 4;
+/// How often a connection that goes on being refused says how many more were.
+const LOG_WINDOW: Duration = Duration::from_secs(1);
+
+/// One connection's refusals, logged the same way on every backend, and
+/// counted by reason in the endpoint's [`RefusalCounts`]. A peer cannot
+/// flood the log: the first few of each second are logged whole, the rest
+/// summed up in one line, at the first refusal or accepted write after the
+/// second is over, or when the connection ends. (A transfer that failed
+/// here has a whole window of writes refused as its keys go.)
+pub(crate) struct RefusalLog {
+    transport: &'static str,
+    peer: String,
+    since: Instant,
+    logged: u32,
+    more: u64,
+    last: Option<String>,
+}
+
+impl RefusalLog {
+    pub(crate) fn new(transport: &'static str, peer: &str) -> RefusalLog {
+        RefusalLog { transport, peer: peer.to_string(), since: Instant::now(), logged: 0, more: 0, last: None }
+    }
+
+    /// Counts and logs a refused write.
+    pub(crate) fn refused(&mut self, placement: &Placement, w: Incoming, why: &Refusal) {
+        placement.refusals().note(why);
+        self.roll();
+        if self.logged < LOGGED_PER_WINDOW {
+            self.logged += 1;
+            let (transport, peer) = (self.transport, self.peer.as_str());
+            tracing::warn!(transport, peer, slot = w.tag.slot, layer = w.tag.layer, key = w.key, offset = w.offset, len = w.len, runs = w.stride.map_or(1, |s| s.0), %why, "write refused");
+        } else {
+            self.more += 1;
+            self.last = Some(format!("slot {} layer {}: {why}", w.tag.slot, w.tag.layer));
+        }
+    }
+
+    /// A write was accepted: a window that is over says what it held back.
+    pub(crate) fn accepted(&mut self) {
+        if self.logged > 0 {
+            self.roll();
+        }
+    }
+
+    /// Starts a new window once this one is over.
+    fn roll(&mut self) {
+        if self.since.elapsed() >= LOG_WINDOW {
+            self.summary();
+            self.since = Instant::now();
+            self.logged = 0;
+        }
+    }
+
+    fn summary(&mut self) {
+        if self.more > 0 {
+            let (transport, peer, refused, last) = (self.transport, self.peer.as_str(), self.more, self.last.take().unwrap_or_default());
+            tracing::warn!(transport, peer, refused, last, "more writes refused than logged");
+            self.more = 0;
+        }
+    }
+}
+
+impl Drop for RefusalLog {
+    fn drop(&mut self) {
+        self.summary();
+    }
 }

@@ -2,6 +2,7 @@
 //! counted — never inferred from ordering — and the flag published only when
 //! the count reaches what the plan sends for that layer.
 
+use crate::accept::RefusalCounts;
 use crate::flags::FlagTable;
 use crate::metrics::{Hop, Hops};
 use kvwire_core::protocol::Tag;
@@ -207,6 +208,7 @@ pub struct Placement {
     // Told of each (slot, layer) whose bytes are all placed, on the thread
     // that placed the last of them (see [`Placement::on_complete`]).
     complete: OnceLock<Hook>,
+    refusals: RefusalCounts,
 }
 
 /// What [`Placement::on_complete`] runs.
@@ -224,7 +226,8 @@ impl Placement {
     /// Accounting publishing into `flags`, timing into `hops`.
     pub fn new(flags: FlagTable, hops: Arc<Hops>) -> Placement {
         let crossed = (0..flags.slots()).map(|_| AtomicU64::new(0)).collect();
-        Placement { counts: Mutex::new(BTreeMap::new()), ranges: Mutex::new(BTreeMap::new()), crossed, flags, hops, declared_only: false, complete: OnceLock::new() }
+        let (counts, ranges, refusals) = (Mutex::new(BTreeMap::new()), Mutex::new(BTreeMap::new()), RefusalCounts::default());
+        Placement { counts, ranges, crossed, flags, hops, declared_only: false, complete: OnceLock::new(), refusals }
     }
 
     /// This accounting, refusing bytes for any (slot, layer) no
@@ -251,6 +254,11 @@ impl Placement {
     /// The hop histograms.
     pub fn hops(&self) -> &Arc<Hops> {
         &self.hops
+    }
+
+    /// Writes refused on any connection of this accounting, by reason.
+    pub fn refusals(&self) -> &RefusalCounts {
+        &self.refusals
     }
 
     /// Declares that the plan sends `bytes` for `tag`. Bytes may already

@@ -505,6 +505,7 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
     let _ = rd.sock.set_read_timeout(idle);
     let _ = writer.set_write_timeout(idle);
     let mut out = std::io::BufWriter::new(writer);
+    let mut refusals = accept::RefusalLog::new(TRANSPORT, &node);
 
     let mut sources: HashMap<u32, Source> = HashMap::new();
     // Mappings by file (device, inode), while a window of it is shared.
@@ -592,8 +593,9 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
             Some(r) => Err(r),
             None => place(serve, session, &sources, w, src_key, src_offset, src_stride, &mut copied),
         };
-        if let Err(why) = &result {
-            accept::log_refusal(TRANSPORT, &node, w, why);
+        match &result {
+            Ok(_) => refusals.accepted(),
+            Err(why) => refusals.refused(&serve.placement, w, why),
         }
         let answer = hello::answer(h.tag, h.key, h.seq, result.as_ref().map(|_| bytes));
         match result {

@@ -171,6 +171,7 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
     pass.authenticated();
     hello::send_hello(&mut hs, &hello::prove(TRANSPORT, &proven, hello(node)))?;
     let (peer, session) = (proven.hello, proven.session.credential.session);
+    let mut refusals = accept::RefusalLog::new(TRANSPORT, &peer.node);
     stream.set_read_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
     stream.set_write_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
     tracing::debug!(peer = peer.node, session = format_args!("{session:016x}"), "tcp peer connected");
@@ -230,11 +231,12 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
                 // A range that landed before (a slice re-sent on another
                 // rail) crossed again, but wire_bytes counts payload once.
                 placement.uncrossed(h.tag.slot, payload - placed.min(payload));
+                refusals.accepted();
                 hello::answer(h.tag, h.key, h.seq, Ok(placed))
             }
             Err(Served::Closed(e)) => return Err(e),
             Err(Served::Refused(why)) => {
-                accept::log_refusal(TRANSPORT, &peer.node, w, &why);
+                refusals.refused(placement, w, &why);
                 if !payload_read {
                     drain(&mut reader, payload, &mut discard)?;
                 }

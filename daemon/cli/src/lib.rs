@@ -594,6 +594,10 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
     for r in &st.refused {
         let _ = writeln!(out, "{:<44} {:>26}", format!("refused {}", r.who), r.count);
     }
+    // Only the reasons that happened: most never do.
+    for r in st.writes_refused.iter().filter(|r| r.count > 0) {
+        let _ = writeln!(out, "{:<44} {:>26}", format!("writes refused {}", r.who), r.count);
+    }
     let _ = writeln!(out);
     let _ = writeln!(
         out,

@@ -311,6 +311,10 @@ pub struct Stats {
     pub starts: Vec<StartCount>,
     /// Refusals, in the order the daemon lists them.
     pub refused: Vec<RefusalCount>,
+    /// Writes the data plane refused, by reason (`who` is the reason), in
+    /// the order the daemon lists them (empty from a daemon that does not
+    /// count them).
+    pub writes_refused: Vec<RefusalCount>,
     /// Hop table, in the order the daemon lists the hops.
     pub hops: Vec<HopStats>,
     /// Registered device allocations and their source paths (empty from a
@@ -375,6 +379,7 @@ impl Stats {
         let node = samples.iter().find_map(|s| s.label("node")).map(str::to_string);
         let mut transfers = Vec::new();
         let mut refused = Vec::new();
+        let mut writes_refused = Vec::new();
         let mut starts = Vec::new();
         let mut device_memory = Vec::new();
         let mut hops: Vec<HopStats> = Vec::new();
@@ -413,6 +418,7 @@ impl Stats {
                     count: count(s)?,
                 }),
                 "kvwire_refused_total" => refused.push(RefusalCount { who: need(s, "who")?.to_string(), count: count(s)? }),
+                "kvwire_writes_refused_total" => writes_refused.push(RefusalCount { who: need(s, "reason")?.to_string(), count: count(s)? }),
                 "kvwire_starts_total" => starts.push(StartCount { how: need(s, "how")?.to_string(), count: count(s)? }),
                 "kvwire_device_memory" => {
                     let number = |label: &str| -> Result<u32, ParseError> {
@@ -504,7 +510,7 @@ impl Stats {
                 h.bandwidth_bytes_per_second = Some(h.bytes as f64 / h.sum_seconds);
             }
         }
-        Ok(Stats { node, counters, transfers, starts, refused, hops, device_memory })
+        Ok(Stats { node, counters, transfers, starts, refused, writes_refused, hops, device_memory })
     }
 }
 

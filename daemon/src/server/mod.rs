@@ -378,6 +378,7 @@ impl Daemon {
         let per_peer: Vec<(String, Arc<Hops>)> =
             self.peer_hops.lock().expect("peer hops lock").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
         let mut text = self.metrics.render(&self.cfg.node, self.hops(), &per_peer);
+        text.push_str(&crate::metrics::writes_refused(&self.cfg.node, self.ep.placement().refusals().by_reason()));
         let groups = self.groups.lock().expect("groups lock");
         let mut rows = Vec::new();
         for (name, g) in &groups.map {

@@ -492,7 +492,7 @@ fn a_secret_holder_gets_a_session_and_nothing_it_was_not_granted() {
     use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
     use std::sync::Arc;
     let dir = TempDir::new("hostile-holder");
-    let d = start_daemon(dir.path(), "h", SECRET, &[], "");
+    let d = kvwire_testkit::start_daemon_logged(dir.path(), "h", SECRET, &[], "");
     let c = Client::connect(&d.socket, "victim").unwrap();
     let s = side(crate::daemons::DST, 20);
     let victim = register(&c, "g", crate::daemons::DST, &s, None, identity_of("toy-digest", "t1"));
@@ -525,6 +525,30 @@ fn a_secret_holder_gets_a_session_and_nothing_it_was_not_granted() {
     }
     assert_eq!(refused, 64);
     assert_eq!(snapshot(&victim), before_bytes);
+    // Counted by reason; logged a few whole, the rest summed up in a line
+    // once the connection ends, not a line each.
+    let stats = c.stats().unwrap();
+    let by = |reason: &str| kvwire_testkit::counter(&stats, "kvwire_writes_refused_total", "h", &format!("reason=\"{reason}\""));
+    assert_eq!(by("unknown_key") + by("not_granted"), 64, "{stats}");
+    assert_eq!(by("out_of_bounds"), 0);
+    let parsed = kvwire_client::promtext::Stats::from_text(&stats).unwrap();
+    assert_eq!(parsed.writes_refused.iter().map(|r| r.count).sum::<u64>(), 64);
+    drop(conn);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !d.log_text().contains("more writes refused than logged") {
+        assert!(std::time::Instant::now() < deadline, "no summary of the refusals: {}", d.log_text());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = d.log_text();
+    assert!(!log.contains('\u{1b}'), "colour codes in a log that is not a terminal: {log}");
+    let whole = log.lines().filter(|l| l.contains("write refused")).count() as u64;
+    let summed: u64 = log
+        .lines()
+        .filter(|l| l.contains("more writes refused than logged"))
+        .map(|l| l.split_whitespace().find_map(|w| w.strip_prefix("refused=")).and_then(|n| n.parse::<u64>().ok()).expect("refused=N"))
+        .sum();
+    assert_eq!(whole + summed, 64, "{log}");
+    assert!(whole <= 16, "{whole} refusals logged whole: {log}");
     // A message after the handshake with a seal that is not one: the
     // daemon hangs up without answering.
     let mut forged = kvwire_client::wire::frame(&PeerMsg::Ping);

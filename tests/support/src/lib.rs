@@ -150,6 +150,8 @@ pub struct DaemonProc {
     pub peer: String,
     /// Data-plane address.
     pub data: String,
+    /// Where its log goes, when not to the test's stderr.
+    pub log: Option<PathBuf>,
 }
 
 impl DaemonProc {
@@ -161,6 +163,11 @@ impl DaemonProc {
     /// The process itself (to signal it or wait for its exit).
     pub fn child(&mut self) -> &mut Child {
         &mut self.child
+    }
+
+    /// What it logged so far ([`start_daemon_logged`]; empty otherwise).
+    pub fn log_text(&self) -> String {
+        self.log.as_ref().and_then(|p| std::fs::read_to_string(p).ok()).unwrap_or_default()
     }
 }
 
@@ -191,6 +198,12 @@ pub fn start_daemon_in(
     try_start_daemon_in(netns, ip, dir, node, secret, peers, extra).unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// [`start_daemon`], logging into `dir/<node>.log` ([`DaemonProc::log_text`]).
+pub fn start_daemon_logged(dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], extra: &str) -> DaemonProc {
+    let log = dir.join(format!("{node}.log"));
+    spawn_daemon(None, "127.0.0.1", dir, node, secret, peers, extra, Some(log)).unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// [`start_daemon_in`], with the failure as text instead of a panic.
 pub fn try_start_daemon_in(
     netns: Option<&str>,
@@ -200,6 +213,20 @@ pub fn try_start_daemon_in(
     secret: &str,
     peers: &[(&str, &str)],
     extra: &str,
+) -> Result<DaemonProc, String> {
+    spawn_daemon(netns, ip, dir, node, secret, peers, extra, None)
+}
+
+#[allow(clippy::too_many_arguments)] // try_start_daemon_in's, and where the log goes
+fn spawn_daemon(
+    netns: Option<&str>,
+    ip: &str,
+    dir: &Path,
+    node: &str,
+    secret: &str,
+    peers: &[(&str, &str)],
+    extra: &str,
+    log: Option<PathBuf>,
 ) -> Result<DaemonProc, String> {
     let secret_file = dir.join(format!("{node}.secret"));
     write_private(&secret_file, secret)?;
@@ -233,6 +260,10 @@ pub fn try_start_daemon_in(
         }
         None => Command::new(kvwired),
     };
+    if let Some(log) = &log {
+        let f = std::fs::File::create(log).map_err(|e| format!("create {}: {e}", log.display()))?;
+        cmd.stderr(f);
+    }
     let mut child = cmd.arg("--config").arg(&path).stdout(Stdio::piped()).spawn().map_err(|e| format!("spawn kvwired: {e}"))?;
     let mut line = String::new();
     let mut out = BufReader::new(child.stdout.take().expect("stdout is piped"));
@@ -244,5 +275,5 @@ pub fn try_start_daemon_in(
         return Err(format!("kvwired {node} did not start: {line:?}"));
     }
     let field = |k: &str| line.split_whitespace().find_map(|w| w.strip_prefix(k)).unwrap_or_default().to_string();
-    Ok(DaemonProc { peer: field("peer="), data: field("data="), node: node.into(), child, socket })
+    Ok(DaemonProc { peer: field("peer="), data: field("data="), node: node.into(), child, socket, log })
 }

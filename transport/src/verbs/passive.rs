@@ -8,7 +8,7 @@ use super::handshake;
 use super::notes::NoteRing;
 use super::qp::{wc_error, Qp, Wc, WC_RECV, WC_SUCCESS};
 use super::TRANSPORT;
-use crate::accept::{self, Admitted, Incoming, Refusal};
+use crate::accept::{self, Admitted, Incoming, Refusal, RefusalLog};
 use crate::auth::{Gate, Pass};
 use crate::hello;
 use crate::TransportError;
@@ -66,19 +66,22 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 /// shared acceptance path (the NIC placed the bytes already). A refused
 /// note counts nothing. A malformed note message ends the connection,
 /// as a malformed frame does on every backend.
-fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
+fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, refusals: &mut RefusalLog) -> Result<(), TransportError> {
     for n in ring.read(wc.wr_id, wc.byte_len)? {
         let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len, stride: None };
         // The NIC placed the payload before the note came, accepted or not;
         // a range placed before (a re-sent slice) counts its payload once.
         shared.placement.crossed(n.tag.slot, NOTE_LEN as u64 + n.len);
         match accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
-            Ok(fresh) => shared.placement.uncrossed(n.tag.slot, n.len - fresh.min(n.len)),
+            Ok(fresh) => {
+                shared.placement.uncrossed(n.tag.slot, n.len - fresh.min(n.len));
+                refusals.accepted();
+            }
             Err(why) => {
                 if why.foreign() {
                     shared.placement.uncrossed(n.tag.slot, NOTE_LEN as u64 + n.len);
                 }
-                accept::log_refusal(TRANSPORT, peer, w, &why)
+                refusals.refused(&shared.placement, w, &why)
             }
         }
     }
@@ -118,6 +121,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
     };
     let (peer, mut qp, session) = handshake::answer(shared, &stream, &ring)?;
     pass.authenticated();
+    let mut refusals = RefusalLog::new(TRANSPORT, &peer.node);
     stream.set_nonblocking(true).map_err(TransportError::io("connection socket"))?;
     let mut idle = 0u32;
     let mut last_note = Instant::now();
@@ -138,7 +142,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                 continue;
             }
             if wc.opcode == WC_RECV {
-                count_notes(shared, session, &ring, wc, seen_at, &peer.node)?;
+                count_notes(shared, session, &ring, wc, seen_at, &mut refusals)?;
                 last_note = seen_at;
             } else {
                 tracing::warn!(peer = %peer.node, opcode = wc.opcode, "unexpected receive completion (not a write note); ignored");
@@ -166,7 +170,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                     // its side; take what is left in the CQ, then go.
                     for wc in qp.drain()? {
                         if wc.status == WC_SUCCESS && wc.opcode == WC_RECV {
-                            count_notes(shared, session, &ring, &wc, Instant::now(), &peer.node)?;
+                            count_notes(shared, session, &ring, &wc, Instant::now(), &mut refusals)?;
                         }
                     }
                     return Ok(());

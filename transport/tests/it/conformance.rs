@@ -449,12 +449,16 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
         (w(&src, 0, &local, 0, 16), tag(10, 3), if verbs { Refusal::UnknownKey(local.key) } else { Refusal::NotGranted(local.key) }),
         (w(&src, 0, &slot9.region, 0, 16), tag(10, 4), Refusal::OtherSlot { key: slot9.region.key, slot: 10, granted: 9 }),
     ];
+    let refusals = |reason: &str| pl.refusals().by_reason().find(|(r, _)| *r == reason).map(|(_, n)| n).expect("a reason");
     for (i, (op, t, want)) in cases.into_iter().enumerate() {
         let before = dst.bytes();
         let before9 = slot9.bytes();
+        let counted_before = refusals(want.reason());
+        let mut sent = true;
         let answered = match p.conn().post(Batch { tag: t, writes: vec![op] }) {
             Err(TransportError::Refused(text)) => {
                 assert!(text.contains(&want.to_string()), "refused before sending, not as {want:?}: {text}");
+                sent = false;
                 true
             }
             Err(e) => panic!("{want:?}: {e}"),
@@ -482,6 +486,8 @@ pub fn refusals_are_the_shared_ones(p: &mut Pair) {
         post_one(p, w(&src, 0, &dst.region, 1024, 64), fence).unwrap();
         pl.wait(fence, WAIT).unwrap();
         assert_eq!(pl.placed_bytes(t), 0, "{want:?}: counted");
+        // The destination counts each refusal it made under its reason.
+        assert_eq!(refusals(want.reason()), counted_before + u64::from(sent), "{want:?}");
     }
     let mut b = vec![0u8; 4096];
     local.mem.read(0, &mut b).unwrap();

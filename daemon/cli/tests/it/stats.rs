@@ -170,6 +170,13 @@ fn stats_reads_a_chunked_answer() {
     h.join().unwrap();
     assert_eq!(v["node"], "a");
     assert_eq!(v["counters"]["payload_bytes"], 4096);
+    // The table lists the reasons writes were refused for, and only those.
+    let (addr, h) = serve_once(resp);
+    let out = kvwire(&["stats", "--metrics", &addr]);
+    h.join().unwrap();
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.lines().any(|l| l.starts_with("writes refused unknown_key") && l.ends_with(" 60")), "{table}");
+    assert!(!table.contains("out_of_bounds"), "{table}");
 }
 
 // ------------------------------------------------------------ promtext
@@ -188,6 +195,8 @@ kvwire_transfers_total{node="a",role="source",outcome="failed"} 1
 kvwire_transfers_total{node="a",role="any",outcome="cancelled"} 2
 kvwire_refused_total{node="a",who="peer"} 5
 kvwire_refused_total{node="a",who="client"} 0
+kvwire_writes_refused_total{node="a",reason="unknown_key"} 60
+kvwire_writes_refused_total{node="a",reason="out_of_bounds"} 0
 kvwire_starts_total{node="a",how="announced"} 0
 kvwire_starts_total{node="a",how="claimed"} 2
 kvwire_starts_total{node="a",how="offered"} 1
@@ -224,6 +233,8 @@ fn promtext_reads_counters_and_hops_from_a_sample() {
     assert_eq!(t, [("source", "done", 3), ("source", "failed", 1), ("any", "cancelled", 2)]);
     let r: Vec<_> = s.refused.iter().map(|r| (r.who.as_str(), r.count)).collect();
     assert_eq!(r, [("peer", 5), ("client", 0)]);
+    let r: Vec<_> = s.writes_refused.iter().map(|r| (r.who.as_str(), r.count)).collect();
+    assert_eq!(r, [("unknown_key", 60), ("out_of_bounds", 0)]);
     let h: Vec<_> = s.starts.iter().map(|h| (h.how.as_str(), h.count)).collect();
     assert_eq!(h, [("announced", 0), ("claimed", 2), ("offered", 1)]);
     assert_eq!(s.hops.len(), 2);
