@@ -171,6 +171,36 @@ pub struct ShmEndpoint {
 
 static NEXT_SOCKET: AtomicU64 = AtomicU64::new(0);
 
+/// Removes the socket directories endpoints of dead processes left in `tmp`
+/// (a daemon that was killed, not stopped, removes nothing): only
+/// directories of this uid, named as [`ShmEndpoint::new`] names them, whose
+/// process is gone, holding at most their socket. One whose process id was
+/// taken again is left alone.
+fn sweep_stale_dirs(tmp: &Path) {
+    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+    let uid = nix::unistd::geteuid().as_raw();
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some((pid, n)) = name.to_str().and_then(stale_name) else { continue };
+        // Not followed: a link is no directory of ours.
+        let ours = e.path().symlink_metadata().is_ok_and(|m| m.is_dir() && m.uid() == uid);
+        let gone = matches!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH));
+        if ours && gone {
+            let _ = std::fs::remove_file(e.path().join(format!("kvwire-shm-{pid}-{n}.sock")));
+            // Fails, and keeps it, if anything else is in it.
+            let _ = std::fs::remove_dir(e.path());
+        }
+    }
+}
+
+/// (process id, endpoint number) of a directory named
+/// `kvwire-shm-<pid>-<n>-<8 hex digits>`.
+fn stale_name(name: &str) -> Option<(i32, u64)> {
+    let mut parts = name.strip_prefix("kvwire-shm-")?.split('-');
+    let (pid, n, nanos) = (parts.next()?.parse::<i32>().ok()?, parts.next()?.parse::<u64>().ok()?, parts.next()?);
+    (pid > 0 && nanos.len() == 8 && nanos.bytes().all(|b| b.is_ascii_hexdigit()) && parts.next().is_none()).then_some((pid, n))
+}
+
 fn hello_of(node: &str) -> Hello {
     hello::ours(TRANSPORT, node, Vec::new(), None)
 }
@@ -193,6 +223,7 @@ impl ShmEndpoint {
         let (dir, own_dir) = match dir {
             Some(d) => (d.to_path_buf(), None),
             None => {
+                sweep_stale_dirs(&std::env::temp_dir());
                 let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
                 let d = std::env::temp_dir().join(format!("kvwire-shm-{pid}-{n}-{nanos:08x}"));
                 std::fs::DirBuilder::new().mode(0o700).create(&d).map_err(TransportError::io("create shm socket directory"))?;

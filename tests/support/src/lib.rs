@@ -138,7 +138,8 @@ pub fn counter(stats: &str, metric: &str, node: &str, label: &str) -> u64 {
     stats.lines().find_map(|l| l.strip_prefix(&key)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {key} in {stats}"))
 }
 
-/// A kvwired process started for a test, a bench or the demo; killed on drop.
+/// A kvwired process started for a test, a bench or the demo; stopped on
+/// drop (SIGTERM, so it removes its sockets), killed if it does not stop.
 #[derive(Debug)]
 pub struct DaemonProc {
     child: Child,
@@ -173,6 +174,16 @@ impl DaemonProc {
 
 impl Drop for DaemonProc {
     fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        if nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).is_ok() {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            while std::time::Instant::now() < deadline {
+                if !matches!(self.child.try_wait(), Ok(None)) {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

@@ -650,3 +650,35 @@ fn a_kept_shm_connection_moves_from_new_stages_past_the_peers_source_limit() {
 fn strided_writes_land_run_by_run_and_count_once() {
     conformance::strided_writes(&mut pair());
 }
+
+/// An endpoint making its own socket directory removes those that killed
+/// processes left behind (named as an endpoint names them, of this uid,
+/// holding only their socket), and no other.
+#[test]
+fn socket_directories_of_dead_processes_are_swept() {
+    let tmp = std::env::temp_dir();
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead = child.id();
+    child.wait().unwrap();
+    let make = |name: &str, files: &[&str]| {
+        let d = tmp.join(name);
+        std::fs::create_dir(&d).unwrap();
+        for f in files {
+            std::fs::write(d.join(f), b"").unwrap();
+        }
+        d
+    };
+    let stale = make(&format!("kvwire-shm-{dead}-7-0000abcd"), &[&format!("kvwire-shm-{dead}-7.sock")]);
+    let crowded = make(&format!("kvwire-shm-{dead}-8-0000abcd"), &[&format!("kvwire-shm-{dead}-8.sock"), "other"]);
+    let live = make(&format!("kvwire-shm-{}-9-0000abcd", std::process::id()), &[&format!("kvwire-shm-{}-9.sock", std::process::id())]);
+    let unlike = make(&format!("kvwire-shm-{dead}-7-notahexx"), &[]);
+    let ep = endpoint_with("sweeper", 4, ShmLimits::default());
+    assert!(!stale.exists(), "the dead process's directory is still there");
+    assert!(crowded.join("other").exists(), "a directory holding more than its socket was emptied");
+    assert!(live.exists(), "a live process's directory was removed");
+    assert!(unlike.exists(), "a directory not named as an endpoint names it was removed");
+    assert!(ep.path().exists());
+    for d in [&crowded, &live, &unlike] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
