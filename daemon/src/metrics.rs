@@ -51,6 +51,9 @@ pub struct Metrics {
     pub peers_refused: AtomicU64,
     /// Control clients refused (uid).
     pub clients_refused: AtomicU64,
+    /// Data-plane connections refused before or in their handshake, as
+    /// the data plane counted them when the metrics were last read.
+    pub data_refused: AtomicU64,
     /// Host memory pinned for device copies now: sources' staging rings
     /// (in use or kept for the next transfer), and destinations' mirrors.
     pub pinned_ring_bytes: std::sync::Arc<AtomicU64>,
@@ -126,8 +129,8 @@ impl Metrics {
             ),
             (
                 "kvwire_refused_total",
-                "Peers and clients refused.",
-                &[("who=\"peer\"", g(&self.peers_refused)), ("who=\"client\"", g(&self.clients_refused))],
+                "Peers, clients and data-plane connections refused (in or before their handshake, or for their uid).",
+                &[("who=\"peer\"", g(&self.peers_refused)), ("who=\"client\"", g(&self.clients_refused)), ("who=\"data\"", g(&self.data_refused))],
             ),
         ];
         for (name, help, series) in counters {

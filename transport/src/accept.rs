@@ -39,7 +39,7 @@ use crate::registry::{Region, Registry};
 use kvwire_core::protocol::{check_write, Tag, WriteError};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 /// A write as the destination sees it: where its bytes go and what they
 /// count toward.
@@ -327,72 +327,13 @@ impl RefusalCounts {
     }
 }
 
-/// Refusals logged in full per connection and window; the rest are counted.
-const LOGGED_PER_WINDOW: u32 = 4;
-/// How often a connection that goes on being refused says how many more were.
-const LOG_WINDOW: Duration = Duration::from_secs(1);
-
-/// One connection's refusals, logged the same way on every backend, and
-/// counted by reason in the endpoint's [`RefusalCounts`]. A peer cannot
-/// flood the log: the first few of each second are logged whole, the rest
-/// summed up in one line, at the first refusal or accepted write after the
-/// second is over, or when the connection ends. (A transfer that failed
-/// here has a whole window of writes refused as its keys go.)
-pub(crate) struct RefusalLog {
-    transport: &'static str,
-    peer: String,
-    since: Instant,
-    logged: u32,
-    more: u64,
-    last: Option<String>,
-}
-
-impl RefusalLog {
-    pub(crate) fn new(transport: &'static str, peer: &str) -> RefusalLog {
-        RefusalLog { transport, peer: peer.to_string(), since: Instant::now(), logged: 0, more: 0, last: None }
-    }
-
-    /// Counts and logs a refused write.
-    pub(crate) fn refused(&mut self, placement: &Placement, w: Incoming, why: &Refusal) {
-        placement.refusals().note(why);
-        self.roll();
-        if self.logged < LOGGED_PER_WINDOW {
-            self.logged += 1;
-            let (transport, peer) = (self.transport, self.peer.as_str());
-            tracing::warn!(transport, peer, slot = w.tag.slot, layer = w.tag.layer, key = w.key, offset = w.offset, len = w.len, runs = w.stride.map_or(1, |s| s.0), %why, "write refused");
-        } else {
-            self.more += 1;
-            self.last = Some(format!("slot {} layer {}: {why}", w.tag.slot, w.tag.layer));
-        }
-    }
-
-    /// A write was accepted: a window that is over says what it held back.
-    pub(crate) fn accepted(&mut self) {
-        if self.logged > 0 {
-            self.roll();
-        }
-    }
-
-    /// Starts a new window once this one is over.
-    fn roll(&mut self) {
-        if self.since.elapsed() >= LOG_WINDOW {
-            self.summary();
-            self.since = Instant::now();
-            self.logged = 0;
-        }
-    }
-
-    fn summary(&mut self) {
-        if self.more > 0 {
-            let (transport, peer, refused, last) = (self.transport, self.peer.as_str(), self.more, self.last.take().unwrap_or_default());
-            tracing::warn!(transport, peer, refused, last, "more writes refused than logged");
-            self.more = 0;
-        }
-    }
-}
-
-impl Drop for RefusalLog {
-    fn drop(&mut self) {
-        self.summary();
+/// Counts a refused write under its reason, and logs it within the budget
+/// every connection shares ([`crate::logbudget`]): a peer cannot flood the
+/// log, nor can a failed transfer, whose writes in flight are all refused
+/// as its keys are revoked.
+pub(crate) fn refused(placement: &Placement, transport: &'static str, peer: &str, w: Incoming, why: &Refusal) {
+    placement.refusals().note(why);
+    if let Some(held_back) = crate::logbudget::WRITES.admit() {
+        tracing::warn!(transport, peer, slot = w.tag.slot, layer = w.tag.layer, key = w.key, offset = w.offset, len = w.len, runs = w.stride.map_or(1, |s| s.0), %why, held_back, "write refused");
     }
 }

@@ -80,8 +80,11 @@ pub struct Proven {
 /// the cause; the caller then closes the connection.
 pub fn challenge(r: &mut impl Read, w: &mut impl Write, transport: &str, registry: &Registry) -> Result<Proven, TransportError> {
     let proven = check_source(r, w, transport, registry);
-    if let Err(e @ (TransportError::Hello(_) | TransportError::Refused(_) | TransportError::Frame(_))) = &proven {
-        let _ = send_refusal(w, &e.to_string());
+    if let Err(e) = &proven {
+        registry.handshake_refused();
+        if let TransportError::Hello(_) | TransportError::Refused(_) | TransportError::Frame(_) = e {
+            let _ = send_refusal(w, &e.to_string());
+        }
     }
     proven
 }

@@ -30,6 +30,7 @@ pub mod device;
 pub mod flags;
 pub mod hello;
 mod ledger;
+pub mod logbudget;
 pub mod mem;
 pub mod metrics;
 pub mod placement;

@@ -110,12 +110,31 @@ pub struct Registry {
     /// (device memory through a dmabuf): never handed to a region.
     reserved: Mutex<std::collections::HashSet<u32>>,
     limit: usize,
+    handshakes_refused: std::sync::atomic::AtomicU64,
 }
 
 impl Registry {
     /// An empty registry holding at most `limit` regions.
     pub fn new(limit: usize) -> Registry {
-        Registry { regions: Mutex::new(HashMap::new()), next: Mutex::new(0), permute: random_round_keys(), sessions: Mutex::new(HashMap::new()), reserved: Mutex::new(Default::default()), limit }
+        Registry {
+            regions: Mutex::new(HashMap::new()),
+            next: Mutex::new(0),
+            permute: random_round_keys(),
+            sessions: Mutex::new(HashMap::new()),
+            reserved: Mutex::new(Default::default()),
+            limit,
+            handshakes_refused: Default::default(),
+        }
+    }
+
+    /// Data-plane connections that failed their handshake here (proved no
+    /// open session, sent no valid hello, or went away), on every backend.
+    pub fn handshakes_refused(&self) -> u64 {
+        self.handshakes_refused.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn handshake_refused(&self) {
+        self.handshakes_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Registers `mem[offset..offset+len]`, open to remote writes as

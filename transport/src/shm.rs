@@ -341,6 +341,7 @@ fn accept_loop(listener: UnixListener, serve: Arc<Serve>) {
         let pass = match serve.gate.enter() {
             Ok(p) => p,
             Err(why) => {
+                serve.registry.handshake_refused();
                 tracing::debug!(why, "shm connection refused");
                 continue;
             }
@@ -367,7 +368,9 @@ fn accept_loop(listener: UnixListener, serve: Arc<Serve>) {
                     node
                 }
                 Err(Closing { node, reason }) => {
-                    tracing::warn!(peer = %node, %reason, "shm connection closed");
+                    if let Some(held_back) = crate::logbudget::CONNECTIONS.admit() {
+                        tracing::warn!(peer = %node, %reason, held_back, "shm connection closed");
+                    }
                     node
                 }
             };
@@ -536,7 +539,6 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
     let _ = rd.sock.set_read_timeout(idle);
     let _ = writer.set_write_timeout(idle);
     let mut out = std::io::BufWriter::new(writer);
-    let mut refusals = accept::RefusalLog::new(TRANSPORT, &node);
 
     let mut sources: HashMap<u32, Source> = HashMap::new();
     // Mappings by file (device, inode), while a window of it is shared.
@@ -624,9 +626,8 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
             Some(r) => Err(r),
             None => place(serve, session, &sources, w, src_key, src_offset, src_stride, &mut copied),
         };
-        match &result {
-            Ok(_) => refusals.accepted(),
-            Err(why) => refusals.refused(&serve.placement, w, why),
+        if let Err(why) = &result {
+            accept::refused(&serve.placement, TRANSPORT, &node, w, why);
         }
         let answer = hello::answer(h.tag, h.key, h.seq, result.as_ref().map(|_| bytes));
         match result {

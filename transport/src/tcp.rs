@@ -139,6 +139,7 @@ fn accept_loop(
         let pass = match gate.enter() {
             Ok(p) => p,
             Err(why) => {
+                registry.handshake_refused();
                 tracing::debug!(peer = ?stream.peer_addr().ok(), why, "tcp connection refused");
                 continue;
             }
@@ -151,7 +152,11 @@ fn accept_loop(
                 Err(TransportError::Io { kind: std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut, .. }) => {
                     tracing::debug!(peer, "tcp peer connection closed: idle")
                 }
-                Err(e) => tracing::warn!(peer, error = %e, "tcp peer connection closed"),
+                Err(e) => {
+                    if let Some(held_back) = crate::logbudget::CONNECTIONS.admit() {
+                        tracing::warn!(peer, error = %e, held_back, "tcp peer connection closed")
+                    }
+                }
             }
         });
         if let Err(e) = spawned {
@@ -171,7 +176,6 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
     pass.authenticated();
     hello::send_hello(&mut hs, &hello::prove(TRANSPORT, &proven, hello(node)))?;
     let (peer, session) = (proven.hello, proven.session.credential.session);
-    let mut refusals = accept::RefusalLog::new(TRANSPORT, &peer.node);
     stream.set_read_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
     stream.set_write_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
     tracing::debug!(peer = peer.node, session = format_args!("{session:016x}"), "tcp peer connected");
@@ -231,12 +235,11 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
                 // A range that landed before (a slice re-sent on another
                 // rail) crossed again, but wire_bytes counts payload once.
                 placement.uncrossed(h.tag.slot, payload - placed.min(payload));
-                refusals.accepted();
                 hello::answer(h.tag, h.key, h.seq, Ok(placed))
             }
             Err(Served::Closed(e)) => return Err(e),
             Err(Served::Refused(why)) => {
-                refusals.refused(placement, w, &why);
+                accept::refused(placement, TRANSPORT, &peer.node, w, &why);
                 if !payload_read {
                     drain(&mut reader, payload, &mut discard)?;
                 }

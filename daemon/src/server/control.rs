@@ -30,6 +30,9 @@ const MAX_SHARES: usize = 4096;
 /// Takes a client thread off the live count when it ends.
 struct Leave<'a>(&'a AtomicU64);
 
+/// Other uids may connect at will: their refusals are logged within a budget.
+static REFUSED_CLIENTS: kvwire_transport::logbudget::LogBudget = kvwire_transport::logbudget::LogBudget::new();
+
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
@@ -102,7 +105,9 @@ impl Daemon {
             Ok(c) if c.uid() == me => true,
             Ok(c) => {
                 Metrics::add(&self.metrics.clients_refused, 1);
-                tracing::warn!(uid = c.uid(), pid = c.pid(), "control client of another uid refused");
+                if let Some(held_back) = REFUSED_CLIENTS.admit() {
+                    tracing::warn!(uid = c.uid(), pid = c.pid(), held_back, "control client of another uid refused");
+                }
                 let r = Refusal::new(Code::PermissionDenied, format!("uid {} may not use this daemon (runs as uid {me})", c.uid()));
                 let _ = wire::send_unix(s, &r.reply(), &[]);
                 // Take the client's first message before closing, so its
@@ -112,7 +117,10 @@ impl Daemon {
                 false
             }
             Err(e) => {
-                tracing::warn!(error = %e, "SO_PEERCRED failed; client refused");
+                Metrics::add(&self.metrics.clients_refused, 1);
+                if let Some(held_back) = REFUSED_CLIENTS.admit() {
+                    tracing::warn!(error = %e, held_back, "SO_PEERCRED failed; client refused");
+                }
                 false
             }
         }

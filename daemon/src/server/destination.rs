@@ -35,6 +35,10 @@ use std::time::{Duration, Instant};
 /// How long a peer may take over its whole handshake.
 const PEER_HANDSHAKE: Duration = Duration::from_secs(10);
 
+/// Anyone may connect to the peer port at will: refusals there are logged
+/// within a budget ([`kvwire_transport::logbudget`]), and all counted.
+static REFUSED_PEERS: kvwire_transport::logbudget::LogBudget = kvwire_transport::logbudget::LogBudget::new();
+
 /// A transfer accepted on a peer connection: its slot, and where its
 /// manifest and per-layer checksums go.
 pub(super) struct Mine {
@@ -140,7 +144,9 @@ impl Daemon {
             Ok(p) => p,
             Err(e) => {
                 Metrics::add(&self.metrics.peers_refused, 1);
-                tracing::warn!(from, error = %e, "peer refused");
+                if let Some(held_back) = REFUSED_PEERS.admit() {
+                    tracing::warn!(from, error = %e, held_back, "peer refused");
+                }
                 let _ = write_msg(&mut s, &PeerMsg::Refused { reason: "authentication failed: wrong shared secret or protocol".into() });
                 return;
             }

@@ -377,6 +377,8 @@ impl Daemon {
     pub fn metrics_text(&self) -> String {
         let per_peer: Vec<(String, Arc<Hops>)> =
             self.peer_hops.lock().expect("peer hops lock").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        // Every rail's endpoint shares the first one's registry.
+        self.metrics.data_refused.store(self.ep.registry().handshakes_refused(), std::sync::atomic::Ordering::Relaxed);
         let mut text = self.metrics.render(&self.cfg.node, self.hops(), &per_peer);
         text.push_str(&crate::metrics::writes_refused(&self.cfg.node, self.ep.placement().refusals().by_reason()));
         let groups = self.groups.lock().expect("groups lock");

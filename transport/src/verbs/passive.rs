@@ -8,7 +8,7 @@ use super::handshake;
 use super::notes::NoteRing;
 use super::qp::{wc_error, Qp, Wc, WC_RECV, WC_SUCCESS};
 use super::TRANSPORT;
-use crate::accept::{self, Admitted, Incoming, Refusal, RefusalLog};
+use crate::accept::{self, Admitted, Incoming, Refusal};
 use crate::auth::{Gate, Pass};
 use crate::hello;
 use crate::TransportError;
@@ -31,6 +31,7 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 let pass = match gate.enter() {
                     Ok(p) => p,
                     Err(why) => {
+                        shared.registry.handshake_refused();
                         tracing::debug!(peer = %from, why, "verbs connection refused");
                         continue;
                     }
@@ -38,7 +39,9 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 let s = shared.clone();
                 match std::thread::Builder::new().name("kvwire-verbs-recv".into()).spawn(move || {
                     if let Err(e) = serve(&s, stream, pass) {
-                        tracing::warn!(peer = %from, error = %e, "verbs connection ended with an error");
+                        if let Some(held_back) = crate::logbudget::CONNECTIONS.admit() {
+                            tracing::warn!(peer = %from, error = %e, held_back, "verbs connection ended with an error");
+                        }
                     }
                 }) {
                     Ok(t) => children.push(t),
@@ -66,22 +69,19 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 /// shared acceptance path (the NIC placed the bytes already). A refused
 /// note counts nothing. A malformed note message ends the connection,
 /// as a malformed frame does on every backend.
-fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, refusals: &mut RefusalLog) -> Result<(), TransportError> {
+fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
     for n in ring.read(wc.wr_id, wc.byte_len)? {
         let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len, stride: None };
         // The NIC placed the payload before the note came, accepted or not;
         // a range placed before (a re-sent slice) counts its payload once.
         shared.placement.crossed(n.tag.slot, NOTE_LEN as u64 + n.len);
         match accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
-            Ok(fresh) => {
-                shared.placement.uncrossed(n.tag.slot, n.len - fresh.min(n.len));
-                refusals.accepted();
-            }
+            Ok(fresh) => shared.placement.uncrossed(n.tag.slot, n.len - fresh.min(n.len)),
             Err(why) => {
                 if why.foreign() {
                     shared.placement.uncrossed(n.tag.slot, NOTE_LEN as u64 + n.len);
                 }
-                refusals.refused(&shared.placement, w, &why)
+                accept::refused(&shared.placement, TRANSPORT, peer, w, &why)
             }
         }
     }
@@ -121,7 +121,6 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
     };
     let (peer, mut qp, session) = handshake::answer(shared, &stream, &ring)?;
     pass.authenticated();
-    let mut refusals = RefusalLog::new(TRANSPORT, &peer.node);
     stream.set_nonblocking(true).map_err(TransportError::io("connection socket"))?;
     let mut idle = 0u32;
     let mut last_note = Instant::now();
@@ -142,7 +141,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                 continue;
             }
             if wc.opcode == WC_RECV {
-                count_notes(shared, session, &ring, wc, seen_at, &mut refusals)?;
+                count_notes(shared, session, &ring, wc, seen_at, &peer.node)?;
                 last_note = seen_at;
             } else {
                 tracing::warn!(peer = %peer.node, opcode = wc.opcode, "unexpected receive completion (not a write note); ignored");
@@ -170,7 +169,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                     // its side; take what is left in the CQ, then go.
                     for wc in qp.drain()? {
                         if wc.status == WC_SUCCESS && wc.opcode == WC_RECV {
-                            count_notes(shared, session, &ring, &wc, Instant::now(), &mut refusals)?;
+                            count_notes(shared, session, &ring, &wc, Instant::now(), &peer.node)?;
                         }
                     }
                     return Ok(());
