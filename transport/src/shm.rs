@@ -171,34 +171,53 @@ pub struct ShmEndpoint {
 
 static NEXT_SOCKET: AtomicU64 = AtomicU64::new(0);
 
-/// Removes the socket directories endpoints of dead processes left in `tmp`
-/// (a daemon that was killed, not stopped, removes nothing): only
-/// directories of this uid, named as [`ShmEndpoint::new`] names them, whose
-/// process is gone, holding at most their socket. One whose process id was
-/// taken again is left alone.
-fn sweep_stale_dirs(tmp: &Path) {
-    let Ok(entries) = std::fs::read_dir(tmp) else { return };
+/// Removes what endpoints of dead processes left in `dir` (a daemon that
+/// was killed, not stopped, removes nothing): in the temp directory their
+/// socket directories, in a configured one their sockets. Only entries of
+/// this uid, named as [`ShmEndpoint::new`] names them, whose process is
+/// gone; a directory only when it holds nothing but its socket. One whose
+/// process id was taken again is left alone.
+fn sweep_stale(dir: &Path) {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
     let uid = nix::unistd::geteuid().as_raw();
     for e in entries.flatten() {
         let name = e.file_name();
-        let Some((pid, n)) = name.to_str().and_then(stale_name) else { continue };
-        // Not followed: a link is no directory of ours.
-        let ours = e.path().symlink_metadata().is_ok_and(|m| m.is_dir() && m.uid() == uid);
+        let Some((pid, n, is_dir)) = name.to_str().and_then(stale_name) else { continue };
+        // Not followed: a link is nothing of ours.
+        let Ok(m) = e.path().symlink_metadata() else { continue };
+        let ours = m.uid() == uid && if is_dir { m.is_dir() } else { m.file_type().is_socket() };
         let gone = matches!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH));
-        if ours && gone {
+        if !(ours && gone) {
+            continue;
+        }
+        if is_dir {
             let _ = std::fs::remove_file(e.path().join(format!("kvwire-shm-{pid}-{n}.sock")));
             // Fails, and keeps it, if anything else is in it.
             let _ = std::fs::remove_dir(e.path());
+        } else {
+            let _ = std::fs::remove_file(e.path());
         }
     }
 }
 
-/// (process id, endpoint number) of a directory named
-/// `kvwire-shm-<pid>-<n>-<8 hex digits>`.
-fn stale_name(name: &str) -> Option<(i32, u64)> {
-    let mut parts = name.strip_prefix("kvwire-shm-")?.split('-');
-    let (pid, n, nanos) = (parts.next()?.parse::<i32>().ok()?, parts.next()?.parse::<u64>().ok()?, parts.next()?);
-    (pid > 0 && nanos.len() == 8 && nanos.bytes().all(|b| b.is_ascii_hexdigit()) && parts.next().is_none()).then_some((pid, n))
+/// (process id, endpoint number, whether a directory) of an entry named
+/// `kvwire-shm-<pid>-<n>-<8 hex digits>` (a socket directory) or
+/// `kvwire-shm-<pid>-<n>.sock` (a socket).
+fn stale_name(name: &str) -> Option<(i32, u64, bool)> {
+    let rest = name.strip_prefix("kvwire-shm-")?;
+    let (rest, is_dir) = match rest.strip_suffix(".sock") {
+        Some(r) => (r, false),
+        None => (rest, true),
+    };
+    let mut parts = rest.split('-');
+    let (pid, n) = (parts.next()?.parse::<i32>().ok()?, parts.next()?.parse::<u64>().ok()?);
+    let nanos_ok = match (is_dir, parts.next()) {
+        (true, Some(x)) => x.len() == 8 && x.bytes().all(|b| b.is_ascii_hexdigit()),
+        (false, None) => true,
+        _ => false,
+    };
+    (pid > 0 && nanos_ok && parts.next().is_none()).then_some((pid, n, is_dir))
 }
 
 fn hello_of(node: &str) -> Hello {
@@ -221,9 +240,12 @@ impl ShmEndpoint {
         let pid = std::process::id();
         let n = NEXT_SOCKET.fetch_add(1, Ordering::Relaxed);
         let (dir, own_dir) = match dir {
-            Some(d) => (d.to_path_buf(), None),
+            Some(d) => {
+                sweep_stale(d);
+                (d.to_path_buf(), None)
+            }
             None => {
-                sweep_stale_dirs(&std::env::temp_dir());
+                sweep_stale(&std::env::temp_dir());
                 let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.subsec_nanos()).unwrap_or(0);
                 let d = std::env::temp_dir().join(format!("kvwire-shm-{pid}-{n}-{nanos:08x}"));
                 std::fs::DirBuilder::new().mode(0o700).create(&d).map_err(TransportError::io("create shm socket directory"))?;

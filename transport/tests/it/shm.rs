@@ -651,11 +651,12 @@ fn strided_writes_land_run_by_run_and_count_once() {
     conformance::strided_writes(&mut pair());
 }
 
-/// An endpoint making its own socket directory removes those that killed
-/// processes left behind (named as an endpoint names them, of this uid,
-/// holding only their socket), and no other.
+/// An endpoint removes what killed processes left where it binds: in the
+/// temp directory their socket directories (named as an endpoint names
+/// them, of this uid, holding only their socket), in a configured one their
+/// sockets; nothing else.
 #[test]
-fn socket_directories_of_dead_processes_are_swept() {
+fn sockets_and_socket_directories_of_dead_processes_are_swept() {
     let tmp = std::env::temp_dir();
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead = child.id();
@@ -681,4 +682,16 @@ fn socket_directories_of_dead_processes_are_swept() {
     for d in [&crowded, &live, &unlike] {
         let _ = std::fs::remove_dir_all(d);
     }
+    // A configured directory: the dead process's socket goes; a live
+    // one's, and a file named like a socket that is none, stay.
+    let dir = kvwire_testkit::TempDir::new("shm-sweep");
+    let sock = |pid: u32, n: u32| dir.path().join(format!("kvwire-shm-{pid}-{n}.sock"));
+    drop(UnixListener::bind(sock(dead, 3)).unwrap());
+    drop(UnixListener::bind(sock(std::process::id(), 4)).unwrap());
+    std::fs::write(sock(dead, 5), b"").unwrap();
+    let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
+    let ep = ShmEndpoint::new("sweeper", Some(dir.path()), Arc::new(Registry::new(4)), placement, ShmLimits::default()).unwrap();
+    assert!(!sock(dead, 3).exists(), "the dead process's socket is still there");
+    assert!(sock(std::process::id(), 4).exists() && sock(dead, 5).exists());
+    drop(ep);
 }
