@@ -175,8 +175,10 @@ static NEXT_SOCKET: AtomicU64 = AtomicU64::new(0);
 /// was killed, not stopped, removes nothing): in the temp directory their
 /// socket directories, in a configured one their sockets. Only entries of
 /// this uid, named as [`ShmEndpoint::new`] names them, whose process is
-/// gone; a directory only when it holds nothing but its socket. One whose
-/// process id was taken again is left alone.
+/// gone and whose socket refuses a connection (a process of another pid
+/// namespace may share the directory); a directory only when it holds
+/// nothing but its socket. One whose process id was taken again is left
+/// alone.
 fn sweep_stale(dir: &Path) {
     use std::os::unix::fs::FileTypeExt;
     let Ok(entries) = std::fs::read_dir(dir) else { return };
@@ -188,11 +190,13 @@ fn sweep_stale(dir: &Path) {
         let Ok(m) = e.path().symlink_metadata() else { continue };
         let ours = m.uid() == uid && if is_dir { m.is_dir() } else { m.file_type().is_socket() };
         let gone = matches!(nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None), Err(nix::errno::Errno::ESRCH));
-        if !(ours && gone) {
+        let sock = if is_dir { e.path().join(format!("kvwire-shm-{pid}-{n}.sock")) } else { e.path() };
+        let unserved = || matches!(UnixStream::connect(&sock).map_err(|e| e.kind()), Err(std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound));
+        if !(ours && gone && unserved()) {
             continue;
         }
         if is_dir {
-            let _ = std::fs::remove_file(e.path().join(format!("kvwire-shm-{pid}-{n}.sock")));
+            let _ = std::fs::remove_file(&sock);
             // Fails, and keeps it, if anything else is in it.
             let _ = std::fs::remove_dir(e.path());
         } else {

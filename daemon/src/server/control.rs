@@ -27,11 +27,11 @@ use std::time::Duration;
 /// could make them without end).
 const MAX_SHARES: usize = 4096;
 
-/// Takes a client thread off the live count when it ends.
-struct Leave<'a>(&'a AtomicU64);
-
 /// Other uids may connect at will: their refusals are logged within a budget.
 static REFUSED_CLIENTS: kvwire_transport::logbudget::LogBudget = kvwire_transport::logbudget::LogBudget::new();
+
+/// Takes a client thread off the live count when it ends.
+struct Leave<'a>(&'a AtomicU64);
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {

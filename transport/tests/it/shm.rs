@@ -683,15 +683,17 @@ fn sockets_and_socket_directories_of_dead_processes_are_swept() {
         let _ = std::fs::remove_dir_all(d);
     }
     // A configured directory: the dead process's socket goes; a live
-    // one's, and a file named like a socket that is none, stay.
+    // one's, one still served (a process of another pid namespace), and a
+    // file named like a socket that is none, stay.
     let dir = kvwire_testkit::TempDir::new("shm-sweep");
     let sock = |pid: u32, n: u32| dir.path().join(format!("kvwire-shm-{pid}-{n}.sock"));
     drop(UnixListener::bind(sock(dead, 3)).unwrap());
     drop(UnixListener::bind(sock(std::process::id(), 4)).unwrap());
     std::fs::write(sock(dead, 5), b"").unwrap();
+    let served = UnixListener::bind(sock(dead, 6)).unwrap();
     let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
     let ep = ShmEndpoint::new("sweeper", Some(dir.path()), Arc::new(Registry::new(4)), placement, ShmLimits::default()).unwrap();
     assert!(!sock(dead, 3).exists(), "the dead process's socket is still there");
-    assert!(sock(std::process::id(), 4).exists() && sock(dead, 5).exists());
-    drop(ep);
+    assert!(sock(std::process::id(), 4).exists() && sock(dead, 5).exists() && sock(dead, 6).exists());
+    drop((ep, served));
 }
