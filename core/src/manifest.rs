@@ -666,6 +666,16 @@ pub fn checksums_of<R: AsRef<[u8]>, W: AsRef<[u8]>>(
     Ok(sums.finish())
 }
 
+/// Feeds `data` to `h`: not generic and never inlined, so the streaming
+/// hash's hot loop is compiled here, once. Instantiated in each crate that
+/// instantiates [`Checksums::add`] instead, its code followed unrelated
+/// changes to that crate, and some daemon builds hashed at half speed
+/// (the loop kept its accumulators in memory, not in registers).
+#[inline(never)]
+fn feed(h: &mut XxHash3_64, data: &[u8]) {
+    h.write(data);
+}
+
 /// [`checksums_of`] fed in pieces: segments added in plan order, a few at
 /// a time, give the same checksums as one call over all of them. A caller
 /// that packs or unpacks as it goes hashes each piece while its bytes are
@@ -714,7 +724,7 @@ impl<'p> Checksums<'p> {
                     let offset = if source { s.src_offset } else { s.dst_offset };
                     return Err(ManifestError::Unreadable { side: side.name(), rank, layer: region.layer, tensor: region.tensor, offset, len: s.bytes() });
                 }
-                h.write(data);
+                feed(h, data);
                 *bytes += s.bytes();
                 continue;
             }
@@ -747,11 +757,11 @@ impl<'p> Checksums<'p> {
                         return Err(unreadable());
                     }
                     if chunk.len() + data.len() > Self::CHUNK {
-                        h.write(chunk);
+                        feed(h, chunk);
                         chunk.clear();
                     }
                     if data.len() >= Self::CHUNK {
-                        h.write(data);
+                        feed(h, data);
                     } else {
                         chunk.extend_from_slice(data);
                     }
@@ -759,7 +769,7 @@ impl<'p> Checksums<'p> {
                 }
                 pending = next.map(|offset| (offset, s.len));
             }
-            h.write(chunk);
+            feed(h, chunk);
         }
         Ok(())
     }
