@@ -2,8 +2,8 @@
 //! handshake, a write refused) are budgeted, so no peer can flood the log:
 //! per kind of event and process, the first [`WHOLE_PER_WINDOW`] of each
 //! second are logged whole, the rest only counted, and the next line logged
-//! says how many were held back before it (`held_back`). The daemon's
-//! counters have every event.
+//! says how many were held back before it (`held_back`, a field only such a
+//! line has). The daemon's counters have every event.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -29,9 +29,10 @@ impl LogBudget {
         LogBudget(Mutex::new(Window { start: None, logged: 0, held: 0 }))
     }
 
-    /// One event: `Some(events held back since the last one logged)` when
-    /// this one is to be logged whole, None when it is only counted.
-    pub fn admit(&self) -> Option<u64> {
+    /// One event: Some when it is to be logged whole, with how many were
+    /// held back since the last one logged (None when none were: a field
+    /// that records nothing); None when it is only counted.
+    pub fn admit(&self) -> Option<Option<u64>> {
         let mut w = self.0.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
         if w.start.is_none_or(|s| now.duration_since(s) >= WINDOW) {
@@ -40,7 +41,7 @@ impl LogBudget {
         }
         if w.logged < WHOLE_PER_WINDOW {
             w.logged += 1;
-            Some(std::mem::take(&mut w.held))
+            Some(Some(std::mem::take(&mut w.held)).filter(|&n| n > 0))
         } else {
             w.held += 1;
             None
@@ -72,9 +73,9 @@ mod tests {
         let whole = got.iter().filter(|g| g.is_some()).count();
         // Unless the window ended meanwhile (a slow machine), 4 whole, 6 held.
         assert!(whole >= WHOLE_PER_WINDOW as usize && whole < 10, "{got:?}");
-        assert_eq!(got[0], Some(0));
+        assert_eq!(got[0], Some(None));
         std::thread::sleep(WINDOW);
-        let held: u64 = got.iter().flatten().sum::<u64>() + b.admit().expect("a new window logs whole");
+        let held: u64 = got.iter().flatten().flatten().sum::<u64>() + b.admit().expect("a new window logs whole").expect("it says what was held back");
         assert_eq!(held as usize + whole, 10, "{got:?}");
     }
 }
