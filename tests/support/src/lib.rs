@@ -229,16 +229,7 @@ pub fn try_start_daemon_in(
 }
 
 #[allow(clippy::too_many_arguments)] // try_start_daemon_in's, and where the log goes
-fn spawn_daemon(
-    netns: Option<&str>,
-    ip: &str,
-    dir: &Path,
-    node: &str,
-    secret: &str,
-    peers: &[(&str, &str)],
-    extra: &str,
-    log: Option<PathBuf>,
-) -> Result<DaemonProc, String> {
+fn spawn_daemon(netns: Option<&str>, ip: &str, dir: &Path, node: &str, secret: &str, peers: &[(&str, &str)], extra: &str, log: Option<PathBuf>) -> Result<DaemonProc, String> {
     let secret_file = dir.join(format!("{node}.secret"));
     write_private(&secret_file, secret)?;
     let socket = dir.join(format!("{node}.sock"));
