@@ -174,6 +174,11 @@ impl DaemonProc {
 
 impl Drop for DaemonProc {
     fn drop(&mut self) {
+        // Reaped already (a test that stopped it itself): its pid may be
+        // another process's now. Unreaped, it stays this one's.
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
+        }
         let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
         if nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).is_ok() {
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
