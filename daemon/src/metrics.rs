@@ -51,9 +51,9 @@ pub struct Metrics {
     pub peers_refused: AtomicU64,
     /// Control clients refused (uid).
     pub clients_refused: AtomicU64,
-    /// Data-plane connections refused before or in their handshake, as
-    /// the data plane counted them when the metrics were last read.
-    pub data_refused: AtomicU64,
+    /// Data-plane connections refused before or in their handshake: the
+    /// data plane's own counter ([`kvwire_transport::Registry::handshakes_refused`]).
+    pub data_refused: std::sync::Arc<AtomicU64>,
     /// Host memory pinned for device copies now: sources' staging rings
     /// (in use or kept for the next transfer), and destinations' mirrors.
     pub pinned_ring_bytes: std::sync::Arc<AtomicU64>,

@@ -110,7 +110,7 @@ pub struct Registry {
     /// (device memory through a dmabuf): never handed to a region.
     reserved: Mutex<std::collections::HashSet<u32>>,
     limit: usize,
-    handshakes_refused: std::sync::atomic::AtomicU64,
+    handshakes_refused: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Registry {
@@ -128,9 +128,10 @@ impl Registry {
     }
 
     /// Data-plane connections that failed their handshake here (proved no
-    /// open session, sent no valid hello, or went away), on every backend.
-    pub fn handshakes_refused(&self) -> u64 {
-        self.handshakes_refused.load(std::sync::atomic::Ordering::Relaxed)
+    /// open session, sent no valid hello, or went away), on every backend:
+    /// the counter itself, for a daemon's metrics to share.
+    pub fn handshakes_refused(&self) -> &Arc<std::sync::atomic::AtomicU64> {
+        &self.handshakes_refused
     }
 
     pub(crate) fn handshake_refused(&self) {

@@ -281,6 +281,8 @@ impl Daemon {
         };
         let stage_pool = staging::StagePool::new(cfg.limits.staging_pool_bytes);
         let ring_pool = ring::RingPool::new(cfg.limits.staging_pool_bytes);
+        // Every rail's endpoint shares the first one's registry.
+        let metrics = Metrics { data_refused: ep.registry().handshakes_refused().clone(), ..Metrics::default() };
         let d = Arc::new(Daemon {
             cfg,
             secret,
@@ -288,7 +290,7 @@ impl Daemon {
             page: FlagTable::new(FLAG_SLOTS, FLAG_COLUMNS)?,
             groups: Mutex::new(Groups::default()),
             slots: Mutex::new(Slots::default()),
-            metrics: Metrics::default(),
+            metrics,
             stop: AtomicBool::new(false),
             next_client: AtomicU64::new(1),
             clients: AtomicU64::new(0),
@@ -377,8 +379,6 @@ impl Daemon {
     pub fn metrics_text(&self) -> String {
         let per_peer: Vec<(String, Arc<Hops>)> =
             self.peer_hops.lock().expect("peer hops lock").iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-        // Every rail's endpoint shares the first one's registry.
-        self.metrics.data_refused.store(self.ep.registry().handshakes_refused(), std::sync::atomic::Ordering::Relaxed);
         let mut text = self.metrics.render(&self.cfg.node, self.hops(), &per_peer);
         text.push_str(&crate::metrics::writes_refused(&self.cfg.node, self.ep.placement().refusals().by_reason()));
         let groups = self.groups.lock().expect("groups lock");
