@@ -129,6 +129,14 @@ def test_cuda_tensors_remap_through_two_daemons(d):
             print("     transfer %d: %.1f MiB remapped TP2 FlashAttention NHD/16 -> TP1 FlashInfer HND/8 in %.2f ms, bitwise" % (i, moved / 2**20, ms))
             buf.view(torch.int16).fill_(CANARY)
             torch.cuda.synchronize()
+        # The last (warm) transfer's busy time per hop on each side: where a
+        # GPU remap's time goes, without running anything else.
+        for side, c, s in (("source", a, sslot), ("destination", b, slot)):
+            st = c.transfer_status(s)
+            hops = ", ".join("%s %.1f ms" % (h["hop"], h["ns"] / 1e6) for h in st["hops"])
+            print("     warm hops, %s: %s" % (side, hops))
+            if os.environ.get("KVWIRE_MARKS"):
+                print("     marks, %s: %s" % (side, " ".join("%s@%.2f" % (m["name"], m["at_ns"] / 1e6) for m in st["marks"])))
         # Streamed: each layer is written on the GPU after the submit, and the
         # daemon is told only once an event recorded behind the writes completed.
         for r in range(SRC["tp"]):

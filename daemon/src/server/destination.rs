@@ -5,9 +5,10 @@
 //! layer unpacked, verified and published.
 
 use super::announce::mismatch;
+use super::device::Copies;
 use super::error::Refusal;
 use super::landing::{Landing, LAND_ON_ARRIVAL_MAX};
-use super::state::{Boundary, DeviceMems, Role, SlotId};
+use super::state::{DeviceMems, Role, SlotId};
 use super::{pieces, read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
 use crate::peer::{self, Sealed};
@@ -501,17 +502,17 @@ impl Daemon {
     }
 
     /// One layer whose bytes are all placed: unpack (and decode) its staged
-    /// segments, verify it, and copy it to the device where it lives there.
-    pub(super) fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
+    /// segments, verify it, and start its copies to the device where it
+    /// lives there. A device-resident layer is usable only once those
+    /// completed (their event, not their enqueue): the caller awaits them,
+    /// landing the next layer meanwhile.
+    pub(super) fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<Option<Copies>, String> {
         self.verify_and_unpack(r, manifest, layer)?;
-        // A device-resident cache is usable only once this layer's
-        // host → device copies completed (their event, not their enqueue).
-        if !r.devices.is_empty() {
-            self.device_copies(r.id, &r.p.plan, &r.regions, &r.devices, layer..layer + 1)
-                .map_err(|err| format!("host → device copy: {err}"))?;
-            self.slot_mark(r.id, Boundary::DeviceComplete(layer));
+        if r.devices.is_empty() {
+            return Ok(None);
         }
-        Ok(())
+        let segs = r.p.schedule.layers[layer].segments();
+        self.start_device_copies(&r.p.plan, &segs, layer, &r.regions, &r.devices).map(Some).map_err(|err| format!("host → device copy: {err}"))
     }
 
     /// Layer `layer`: its staged segments unpacked, and (when this daemon

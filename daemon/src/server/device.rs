@@ -15,44 +15,42 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 impl Daemon {
-    /// Copies what `plan` writes of `layers` from the destination's host
-    /// mirrors to its device-resident ranks (`device_complete`). Each
-    /// rank's layers are enqueued in order on its stream, then awaited by
-    /// event; a layer's hop time is the time its copies held the stream
-    /// (from its enqueue or the previous layer's completion, whichever is
-    /// later, to its own completion). A source stages through its ring
-    /// instead ([`Daemon::start_ring_copies`]).
-    pub(super) fn device_copies(
+    /// Enqueues the host → device copies of what `plan` writes of one
+    /// layer (its segments `segs`), from the destination's host mirrors to
+    /// its device-resident ranks; [`Copies::finish`] awaits them by event
+    /// (`device_complete`). The caller goes on with the next layer
+    /// meanwhile. A source stages through its ring instead
+    /// ([`Daemon::start_ring_copies`]).
+    pub(super) fn start_device_copies(
         &self,
-        id: SlotId,
         plan: &Plan,
+        segs: &[usize],
+        layer: usize,
         regions: &HashMap<(u32, RegionId), Arc<Region>>,
         devices: &DeviceMems,
-        layers: std::ops::Range<usize>,
-    ) -> Result<(), CopyError> {
-        // The segments of each layer asked for, in one pass over the plan.
-        let mut of_layer: Vec<Vec<usize>> = vec![Vec::new(); layers.len()];
-        for (i, seg) in plan.segments.iter().enumerate() {
-            let layer = seg.dst_region.layer as usize;
-            if layers.contains(&layer) {
-                of_layer[layer - layers.start].push(i);
-            }
-        }
+    ) -> Result<Copies, CopyError> {
         let mut pending = Vec::new();
-        for (layer, segs) in layers.clone().zip(&of_layer) {
+        let enqueued = (|| {
             for (&rank, devs) in devices {
                 // Per allocation of the rank: its copy runs.
                 let mut runs: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); devs.len()];
                 for &i in segs {
-                    let seg = &plan.segments.at(i);
+                    let seg = plan.segments.at(i);
                     if seg.dst_rank != rank {
                         continue;
                     }
                     let region = seg.dst_region;
                     let r = regions.get(&(rank, region)).ok_or_else(|| CopyError { rank, layer, why: format!("no region {region:?}") })?;
                     let m = devs.iter().position(|d| Arc::ptr_eq(&d.mirror, &r.mem)).ok_or_else(|| CopyError { rank, layer, why: format!("region {region:?} lies in no mirrored allocation") })?;
-                    // The mirror holds the allocation's bytes at the same offsets.
-                    runs[m].extend(seg.runs().map(|(_, dof)| (r.offset + dof, r.offset + dof, seg.len)));
+                    // The mirror holds the allocation's bytes at the same
+                    // offsets. A segment whose runs follow one another at
+                    // the destination (a head's rows in an HND block) is
+                    // one copy: the sort below then orders copies, not rows.
+                    let at = r.offset + seg.dst_offset;
+                    match seg.count == 1 || seg.dst_stride == seg.len {
+                        true => runs[m].push((at, at, seg.bytes())),
+                        false => runs[m].extend(seg.runs().map(|(_, dof)| (r.offset + dof, r.offset + dof, seg.len))),
+                    }
                 }
                 for (Mirrored { mirror, dev, .. }, runs) in devs.iter().zip(runs) {
                     if runs.is_empty() {
@@ -65,8 +63,14 @@ impl Daemon {
                     pending.push((rank, layer, enqueued, bytes, ev));
                 }
             }
+            Ok(())
+        })();
+        if let Err(e) = enqueued {
+            // Copies already enqueued still write into device memory: they end first.
+            drain(pending, Duration::from_secs(self.cfg.device.copy_timeout_secs));
+            return Err(e);
         }
-        Copies { dir: Direction::ToDevice, pending }.finish(self, id, &mut HashMap::new()).map(|_| ())
+        Ok(Copies { dir: Direction::ToDevice, pending })
     }
 }
 
@@ -123,6 +127,18 @@ pub(super) struct Copies {
 }
 
 impl Copies {
+    /// Whether every copy ended (or failed: [`Copies::finish`] says how),
+    /// without waiting.
+    pub fn ended(&self) -> bool {
+        self.pending.iter().all(|(.., ev)| ev.query().unwrap_or(true))
+    }
+
+    /// Waits for every copy, their outcome unread: a transfer that failed
+    /// leaves nothing writing into memory the engine gets back.
+    pub fn drain(self, d: &Daemon) {
+        drain(self.pending, Duration::from_secs(d.cfg.device.copy_timeout_secs));
+    }
+
     /// Waits for every copy's event, then records the hop: the time the
     /// copies held each rank's stream, from their enqueue or the stream's
     /// previous copies' end (`free_at`, per rank, kept across calls),

@@ -12,12 +12,13 @@
 //! a scheduling delay between its last byte and its flag.
 
 use super::destination::{Inbound, Receive};
+use super::device::Copies;
 use super::state::{Boundary, SlotId};
 use super::Daemon;
 use kvwire_client::control::DECODER_USABLE;
 use kvwire_core::manifest::Manifest;
 use kvwire_transport::Tag;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, TryLockError};
 use std::time::{Duration, Instant};
@@ -44,6 +45,10 @@ pub(super) struct Landing {
     // Layers marked received (all bytes placed), and landed.
     received: usize,
     landed: usize,
+    // Landed layers whose host → device copies were started and not yet
+    // seen to end, in layer order; when each rank's stream ended its last.
+    copying: VecDeque<(usize, Copies)>,
+    free_at: HashMap<u32, Instant>,
     // Landed or failed, and its staging buffer given back.
     over: bool,
 }
@@ -63,7 +68,7 @@ pub(super) type Landings = Mutex<HashMap<u16, Arc<Mutex<Landing>>>>;
 impl Landing {
     pub fn new(r: Receive, timeout: Duration) -> Landing {
         let layers = r.p.schedule.layers.len();
-        Landing { r, deadline: Instant::now() + timeout, manifest: None, streamed: false, sums: vec![false; layers], received: 0, landed: 0, over: false }
+        Landing { r, deadline: Instant::now() + timeout, manifest: None, streamed: false, sums: vec![false; layers], received: 0, landed: 0, copying: VecDeque::new(), free_at: HashMap::new(), over: false }
     }
 
     fn id(&self) -> SlotId {
@@ -85,25 +90,61 @@ impl Daemon {
             let tag = Tag { slot: id.slot, layer: layer as u16 };
             if l.received == layer {
                 if self.ep.placement().flags().ready(tag).is_none() {
-                    return Next::Bytes(tag);
+                    // Nothing else to do before the bytes come: the layers
+                    // copying to the device are published as they end.
+                    return match self.device_landed(id, &mut l.copying, &mut l.free_at, true) {
+                        Ok(()) => Next::Bytes(tag),
+                        Err(why) => self.end_landing(l, Some(why)),
+                    };
                 }
                 self.slot_mark(id, Boundary::HostReceived(layer));
                 l.received += 1;
             }
             // A streamed layer's checksums came just before its bytes.
             if l.streamed && self.cfg.verify_checksums && !l.sums[layer] {
-                return Next::Sums(layer);
+                return match self.device_landed(id, &mut l.copying, &mut l.free_at, true) {
+                    Ok(()) => Next::Sums(layer),
+                    Err(why) => self.end_landing(l, Some(why)),
+                };
             }
-            if let Err(why) = self.land_layer(&l.r, manifest, layer) {
+            match self.land_layer(&l.r, manifest, layer) {
+                Err(why) => return self.end_landing(l, Some(why)),
+                // Its copies run while the next layer is unpacked and verified.
+                Ok(Some(copies)) => l.copying.push_back((layer, copies)),
+                Ok(None) => self.layer_ready(id, layer),
+            }
+            l.landed += 1;
+            if let Err(why) = self.device_landed(id, &mut l.copying, &mut l.free_at, false) {
                 return self.end_landing(l, Some(why));
             }
-            self.publish(id, tag.layer);
-            self.slot_mark(id, Boundary::LayerReady(layer));
-            l.landed += 1;
+        }
+        if let Err(why) = self.device_landed(id, &mut l.copying, &mut l.free_at, true) {
+            return self.end_landing(l, Some(why));
         }
         self.complete(id, DECODER_USABLE, Boundary::DecoderUsable);
         tracing::info!(slot = id.slot, "decoder usable");
         self.end_landing(l, None)
+    }
+
+    /// Publishes layer `layer`: its flag, then its mark.
+    fn layer_ready(&self, id: SlotId, layer: usize) {
+        self.publish(id, layer as u16);
+        self.slot_mark(id, Boundary::LayerReady(layer));
+    }
+
+    /// Publishes the device-resident layers whose copies ended, in layer
+    /// order: all of them with `wait`, else those already ended.
+    fn device_landed(&self, id: SlotId, copying: &mut VecDeque<(usize, Copies)>, free_at: &mut HashMap<u32, Instant>, wait: bool) -> Result<(), String> {
+        while let Some((layer, copies)) = copying.pop_front() {
+            if !wait && !copies.ended() {
+                copying.push_front((layer, copies));
+                break;
+            }
+            copies.finish(self, id, free_at).map_err(|err| format!("host → device copy: {err}"))?;
+            self.slot_mark(id, Boundary::DeviceComplete(layer));
+            self.layer_ready(id, layer);
+        }
+        Ok(())
     }
 
     /// Takes what the source's connection brought: the manifest, checked
@@ -155,6 +196,11 @@ impl Daemon {
     /// transfer failed elsewhere was failed there), and gives its staging
     /// buffer back; nothing reads it after this.
     fn end_landing(&self, l: &mut Landing, failed: Option<String>) -> Next {
+        // Copies still running write into the engine's device memory: they
+        // end before the transfer is said to have failed.
+        for (_, copies) in l.copying.drain(..) {
+            copies.drain(self);
+        }
         if let Some(why) = failed {
             self.fail(l.id(), why);
         }

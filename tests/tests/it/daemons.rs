@@ -871,10 +871,15 @@ fn device_resident_caches_stage_through_host_mirrors_and_decode_bitwise() {
             let (busiest, sum) = (h.ranks.iter().map(|r| r.ns).max().unwrap(), h.ranks.iter().map(|r| r.ns).sum::<u64>());
             assert!(busiest <= h.ns && h.ns <= sum, "union {} outside [{busiest}, {sum}]: {h:?}", h.ns);
         }
-        // device_complete(L) precedes layer_ready(L) on the destination's clock.
+        // device_complete(L) precedes layer_ready(L) on the destination's
+        // clock, and the layers are published in order (the next one lands
+        // while a layer's copies run, but is not published before it).
         let at = |m: &str| mark_at(name, &o.destination, m);
         for l in 0..4 {
             assert!(at(&format!("device_complete({l})")) <= at(&format!("layer_ready({l})")), "{name}: layer {l}: {:?}", o.destination.marks);
+        }
+        for l in 1..4 {
+            assert!(at(&format!("layer_ready({})", l - 1)) <= at(&format!("layer_ready({l})")), "{name}: layer {l}: {:?}", o.destination.marks);
         }
         // The source stages layer by layer, the next layer's copies beside
         // this layer's writes: its first write goes out before the last
