@@ -33,6 +33,7 @@ use crate::tensors::{rank_tensors, Expected, KvOrder, RankTensors, Strides, Tens
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
@@ -392,26 +393,55 @@ pub struct Segments {
 
 /// Where the last lookup by index ended. Packing, unpacking and hashing
 /// look segments up by index in plan order: each one is then in the same
-/// entry as the last or the next, found without a search. Any thread may
-/// move it; a stale hint costs only the search.
+/// entry as the last or the next, found without a search. Threads that
+/// walk one plan side by side (each its own regions) keep theirs apart, a
+/// slot each by thread and a cache line each: one shared word, written at
+/// every lookup, went back and forth between their cores and cost more
+/// than the lookups. A slot is written only when it changes. A stale hint
+/// costs only the search.
 #[derive(Debug, Default)]
-pub struct Hint(AtomicUsize);
+pub struct Hint([Padded; HINT_SLOTS]);
+
+/// Threads whose hints are kept apart; more share slots (correct, slower).
+const HINT_SLOTS: usize = 4;
+
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Padded(AtomicUsize);
+
+thread_local! {
+    // This thread's slot in every hint, handed out in turn at first use.
+    static HINT_SLOT: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+fn hint_slot() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    HINT_SLOT.with(|s| {
+        if s.get() == usize::MAX {
+            s.set(NEXT.fetch_add(1, Ordering::Relaxed) % HINT_SLOTS);
+        }
+        s.get()
+    })
+}
 
 impl Hint {
-    /// The last entry found.
+    /// The last entry found (by this thread, unless it shares its slot).
     pub fn get(&self) -> usize {
-        self.0.load(Ordering::Relaxed)
+        self.0[hint_slot()].0.load(Ordering::Relaxed)
     }
 
     /// Remembers the entry found.
     pub fn set(&self, at: usize) {
-        self.0.store(at, Ordering::Relaxed);
+        let slot = &self.0[hint_slot()].0;
+        if slot.load(Ordering::Relaxed) != at {
+            slot.store(at, Ordering::Relaxed);
+        }
     }
 }
 
 impl Clone for Hint {
     fn clone(&self) -> Hint {
-        Hint(AtomicUsize::new(self.0.load(Ordering::Relaxed)))
+        Hint::default()
     }
 }
 

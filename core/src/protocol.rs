@@ -71,8 +71,10 @@ impl std::str::FromStr for TransportKind {
 /// Version of this protocol; peers speaking another are refused.
 /// 3: the destination challenges first and the source proves its session
 /// (see [`Hello::session`]). 4: strided writes (tcp's [`Kind::StridedWrite`],
-/// shm's 64-byte write trailer).
-pub const PROTOCOL_VERSION: u32 = 4;
+/// shm's 64-byte write trailer). 5: a packed segment whose destination runs
+/// lie back to back lands in place, not in staging (the schedule's
+/// `Staged::placed`): both ends must agree on where its bytes go.
+pub const PROTOCOL_VERSION: u32 = 5;
 /// `KVW1` in wire order.
 pub const MAGIC: u32 = u32::from_le_bytes(*b"KVW1");
 /// Size of a frame header.

@@ -5,7 +5,7 @@
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::builtin;
 use kvwire_core::plan::{build, CostModel, Plan, PlanInput, Side};
-use kvwire_core::schedule::{Schedule, ScheduleError, WriteTarget};
+use kvwire_core::schedule::{Schedule, ScheduleError, WriteTarget, PLACED_MIN_BYTES};
 use kvwire_core::shard::LayoutSpec;
 use kvwire_core::{CacheFormat, ModelSpec};
 
@@ -20,7 +20,7 @@ fn planned(model: &ModelSpec, format: CacheFormat, src: &str, dst: &str, tokens:
 
 fn write_len(w: &WriteTarget) -> u64 {
     match *w {
-        WriteTarget::Direct { len, .. } | WriteTarget::Staged { len, .. } => len,
+        WriteTarget::Direct { len, .. } | WriteTarget::Staged { len, .. } | WriteTarget::Placed { len, .. } => len,
         WriteTarget::Strided { len, count, .. } => len * count,
     }
 }
@@ -58,6 +58,46 @@ fn each_layer_waits_for_exactly_its_share_and_its_writes_carry_it() {
             let packed = plan.segments.at(i).mode == kvwire_core::plan::Mode::Packed;
             assert_eq!(s.staged_of(i).map(|st| st.seg), packed.then_some(i), "{src} -> {dst} segment {i}");
         }
+    }
+}
+
+#[test]
+fn a_packed_segment_lands_in_place_exactly_when_its_destination_runs_are_back_to_back() {
+    let m = builtin("llama-3.1-8b").unwrap();
+    let bf16 = CacheFormat::parse("bf16").unwrap();
+    // NHD -> HND: rows a head apart at the source, a head's rows back to
+    // back at the destination: 64 of them (16 KiB) placed, 16 (4 KiB)
+    // staged as too small for a write of their own. tp8 -> tp2 NHD: rows
+    // 1 KiB apart at both ends (staged and unpacked).
+    let cases = [("tp=2,block=64", "tp=1,layout=hnd,block=64", true), ("tp=2,block=16", "tp=1,layout=hnd,block=32", false), ("tp=8", "tp=2", false)];
+    for (src, dst, placed) in cases {
+        let plan = planned(&m, bf16, src, dst, 40);
+        let s = Schedule::new(&m, &bf16, &plan, None).unwrap();
+        assert!(s.staged.len() > 0, "{src} -> {dst}: nothing packed");
+        for st in s.staged.iter() {
+            let seg = plan.segments.at(st.seg);
+            assert_eq!(st.placed, (seg.count == 1 || seg.dst_stride == seg.len) && seg.bytes() >= PLACED_MIN_BYTES, "{src} -> {dst}: {seg:?}");
+            assert_eq!(st.placed, placed, "{src} -> {dst}: {seg:?}");
+        }
+        for l in 0..s.layers.len() {
+            for w in s.writes(&plan, l) {
+                match w {
+                    WriteTarget::Placed { seg, offset, dst, dst_offset, len } => {
+                        let (sg, st) = (plan.segments.at(seg), s.staged_of(seg).unwrap());
+                        assert!(st.placed);
+                        assert_eq!((offset, len), (st.offset, sg.bytes()));
+                        assert_eq!((dst, dst_offset), ((sg.dst_rank, sg.dst_region), sg.dst_offset));
+                    }
+                    WriteTarget::Staged { seg, .. } => assert!(!s.staged_of(seg).unwrap().placed),
+                    _ => {}
+                }
+            }
+        }
+        // Staging keeps every packed segment: the source gathers there.
+        assert_eq!(s.stage_bytes, plan.counters.packed_bytes, "{src} -> {dst}");
+        // A codec converts rows: nothing lands in place.
+        let coded = Schedule::new(&m, &bf16, &plan, Some(Codec::Fp8E4m3Row)).unwrap();
+        assert!(coded.staged.iter().all(|st| !st.placed), "{src} -> {dst}");
     }
 }
 

@@ -9,14 +9,14 @@ use super::device::Copies;
 use super::error::Refusal;
 use super::landing::{Landing, LAND_ON_ARRIVAL_MAX};
 use super::state::{DeviceMems, Role, SlotId};
-use super::{pieces, read_mem, region_view, Daemon, RunReader};
+use super::{by_region, pieces, read_mem, region_view, side_by_side, Daemon, RunReader};
 use crate::metrics::Metrics;
 use crate::peer::{self, Sealed};
 use kvwire_client::control::*;
 use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
 use kvwire_core::layout::ModelSpec;
-use kvwire_core::manifest::{Checksums, Expected, Manifest, ManifestError, Reading};
+use kvwire_core::manifest::{Checksums, Expected, LayerChecksum, Manifest, ManifestError, Reading};
 use std::sync::mpsc::{self, Sender};
 use kvwire_core::plan::{self, CostModel, Plan, PlanInput, Segment, Side};
 use kvwire_core::protocol::TransportKind;
@@ -528,38 +528,14 @@ impl Daemon {
     fn verify_and_unpack(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
         let ls = &r.p.schedule.layers[layer];
         let verifying = self.cfg.verify_checksums && ls.wire_bytes > 0;
-        let in_staging = r.codec.is_none();
-        let runs = RunReader::new(&r.regions);
-        let stage = r.stage.as_deref().filter(|_| in_staging);
-        let mut sums = Checksums::new(&r.p.plan, Reading::Destination);
-        let (mut hashing, mut unpacking, mut unpacked) = (Duration::ZERO, Duration::ZERO, 0);
-        for (piece, _) in pieces(&r.p.plan, ls.segments()) {
-            let mut hash = |sums: &mut Checksums| {
-                let t = Instant::now();
-                let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
-                let whole = |i: usize| {
-                    let st = r.p.schedule.staged_of(i)?;
-                    region_view(stage?, st.offset, st.size)
-                };
-                let added = sums.add(piece.iter().copied(), read, whole);
-                hashing += t.elapsed();
-                added.map_err(|err| refused(layer, err))
-            };
-            if verifying && in_staging {
-                hash(&mut sums)?;
-            }
-            let t = Instant::now();
-            for &i in &piece {
-                if let Some(st) = r.p.schedule.staged_of(i) {
-                    let seg = r.p.plan.segments.at(i);
-                    unpack_segment(r, &seg, &st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
-                    unpacked += seg.bytes();
-                }
-            }
-            unpacking += t.elapsed();
-            if verifying && !in_staging {
-                hash(&mut sums)?;
-            }
+        let parts = by_region(&r.p.plan, ls.segments(), ls.wire_bytes);
+        let landed = side_by_side(&parts, |segs| land_part(r, segs, verifying, layer));
+        // Parts ran side by side: a hop held the layer as long as its longest part.
+        let (mut hashing, mut unpacking, mut unpacked, mut sums) = (Duration::ZERO, Duration::ZERO, 0, Vec::new());
+        for part in landed {
+            let p = part?;
+            (hashing, unpacking, unpacked) = (hashing.max(p.hashing), unpacking.max(p.unpacking), unpacked + p.unpacked);
+            sums.extend(p.sums);
         }
         if unpacked > 0 {
             self.slot_hop(r.id, Hop::Unpack, unpacking, unpacked);
@@ -569,7 +545,7 @@ impl Daemon {
         }
         self.slot_hop(r.id, Hop::Verify, hashing, ls.wire_bytes);
         let this_layer = |_, l: u32| l as usize == layer;
-        manifest.verify_checksums_of(&sums.finish(), this_layer).map_err(|err| refused(layer, err))
+        manifest.verify_checksums_of(&sums, this_layer).map_err(|err| refused(layer, err))
     }
 
     /// A registered staging buffer of `len` bytes from the pool (none for
@@ -603,6 +579,63 @@ fn coarse(d: Duration) -> Duration {
 fn refused(layer: usize, err: ManifestError) -> String {
     tracing::warn!(layer, error = %err, "verification failed; no flag for this layer");
     err.to_string()
+}
+
+/// What one part of a layer's segments came to: its checksums (with
+/// `verifying`), and its time hashing and unpacking.
+struct Landed {
+    sums: Vec<LayerChecksum>,
+    hashing: Duration,
+    unpacking: Duration,
+    unpacked: u64,
+}
+
+/// Unpacks and hashes segments `segs` of layer `layer` (whole destination
+/// regions, plan order), piece by piece, each piece hashed and unpacked
+/// while it is in the CPU's cache ([`Daemon::verify_and_unpack`]).
+fn land_part(r: &Receive, segs: &[usize], verifying: bool, layer: usize) -> Result<Landed, String> {
+    let in_staging = r.codec.is_none();
+    let runs = RunReader::new(&r.regions);
+    let stage = r.stage.as_deref().filter(|_| in_staging);
+    let mut sums = Checksums::new(&r.p.plan, Reading::Destination);
+    let (mut hashing, mut unpacking, mut unpacked) = (Duration::ZERO, Duration::ZERO, 0);
+    for (piece, _) in pieces(&r.p.plan, segs.iter().copied()) {
+        let mut hash = |sums: &mut Checksums| {
+            let t = Instant::now();
+            let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);
+            // A staged segment in one piece: in staging, or where it landed in place.
+            let whole = |i: usize| {
+                let st = r.p.schedule.staged_of(i)?;
+                match st.placed {
+                    true => {
+                        let s = r.p.plan.segments.at(i);
+                        region_view(r.regions.get(&(s.dst_rank, s.dst_region))?, s.dst_offset, st.size)
+                    }
+                    false => region_view(stage?, st.offset, st.size),
+                }
+            };
+            let added = sums.add(piece.iter().copied(), read, whole);
+            hashing += t.elapsed();
+            added.map_err(|err| refused(layer, err))
+        };
+        if verifying && in_staging {
+            hash(&mut sums)?;
+        }
+        let t = Instant::now();
+        for &i in &piece {
+            if let Some(st) = r.p.schedule.staged_of(i).filter(|st| !st.placed) {
+                let seg = r.p.plan.segments.at(i);
+                unpack_segment(r, &seg, &st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
+                unpacked += seg.bytes();
+            }
+        }
+        unpacking += t.elapsed();
+        if verifying && !in_staging {
+            hash(&mut sums)?;
+        }
+    }
+    let sums = if verifying { sums.finish() } else { Vec::new() };
+    Ok(Landed { sums, hashing, unpacking, unpacked })
 }
 
 /// Moves one staged segment from the staging buffer into its runs in the

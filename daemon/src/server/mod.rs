@@ -239,6 +239,68 @@ where
     })
 }
 
+/// From this many bytes a layer's segments are hashed, packed or unpacked
+/// in parts side by side ([`by_region`]): below it a thread's start costs
+/// more than the part it takes.
+const PARALLEL_BYTES: u64 = 1 << 20;
+
+/// Cores this process may run on, read once.
+fn cores() -> usize {
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// A layer's segments `segs` (plan order) split by destination region, one
+/// part per region up to one per core, each part in plan order. A
+/// region's checksum is one stream over its segments in plan order, so a
+/// part hashes whole regions; the regions of a layer (its K and V, and each
+/// destination rank's) then go side by side ([`side_by_side`]). One part
+/// below [`PARALLEL_BYTES`] or on one core.
+fn by_region(plan: &Plan, segs: Vec<usize>, bytes: u64) -> Vec<Vec<usize>> {
+    let cores = cores();
+    if bytes < PARALLEL_BYTES || cores < 2 {
+        return vec![segs];
+    }
+    let mut part_of: Vec<(RegionKey, usize)> = Vec::new();
+    let mut parts: Vec<Vec<usize>> = Vec::new();
+    for i in segs {
+        let s = plan.segments.at(i);
+        let key = (s.dst_rank, s.dst_region);
+        let part = match part_of.iter().find(|(k, _)| *k == key) {
+            Some(&(_, p)) => p,
+            None => {
+                let p = part_of.len() % cores;
+                part_of.push((key, p));
+                p
+            }
+        };
+        if parts.len() <= part {
+            parts.resize_with(part + 1, Vec::new);
+        }
+        parts[part].push(i);
+    }
+    parts
+}
+
+/// `work` on each of `parts`, the first on this thread and the others on
+/// threads of their own; the results in the parts' order. A panic in a
+/// part is this thread's.
+fn side_by_side<T: Send>(parts: &[Vec<usize>], work: impl Fn(&[usize]) -> T + Sync) -> Vec<T> {
+    let Some((first, rest)) = parts.split_first() else { return Vec::new() };
+    if rest.is_empty() {
+        return vec![work(first)];
+    }
+    std::thread::scope(|s| {
+        let work = &work;
+        let others: Vec<_> = rest.iter().map(|p| s.spawn(move || work(p))).collect();
+        let mut out = vec![work(first)];
+        for h in others {
+            out.push(h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)));
+        }
+        out
+    })
+}
+
 /// A quarter of a core's L2 on the machines we measure on: the piece, the
 /// source rows it gathers and the hash's own state fit in it together.
 const PIECE_BYTES: u64 = 256 << 10;

@@ -362,7 +362,7 @@ mod tests {
         ];
         let counters = PlanCounters { segments: 5, writes: 0, total_bytes_moved: 0, packed_bytes: 0, direct_bytes: 0, reused_bytes: 0, metadata_bytes: 0, src_ranks: vec![], dst_ranks: vec![] };
         let plan = Plan { tokens: 1, prefix_tokens: 0, cost: Default::default(), counters, segments: segments.into() };
-        let packed = Staged { seg: 3, offset: 0, size: 20, dim: 1 };
+        let packed = Staged { seg: 3, offset: 0, size: 20, dim: 1, placed: false };
         let list = |segs: &[usize]| {
             let mut l = SegList::default();
             segs.iter().for_each(|&s| l.push(s));

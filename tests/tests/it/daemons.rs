@@ -725,6 +725,30 @@ fn a_remap_goes_as_strided_writes_over_tcp_and_shm_nothing_packed() {
     }
 }
 
+#[test]
+fn a_gathered_segment_whose_destination_runs_are_back_to_back_lands_in_place() {
+    let _shared = crate::shared();
+    // TP2 NHD/64 -> TP1 HND/64 over tcp: a source rank's rows of a head lie
+    // a head apart (gathered), a destination block's rows of a head back to
+    // back. A whole block is 64 rows x 128 B = 8 KiB: written straight into
+    // place, never unpacked. The last block (300 = 4 x 64 + 44) is 44 rows,
+    // 5.5 KiB, below a write of its own: staged and unpacked. The same
+    // into stand-in device memory, its host mirror copied to the device.
+    for (name, p, memory) in [("placed", pair("placed", ""), scenario::Memory::Host), ("placed-device", device_pair("placed-device"), scenario::Memory::StandIn)] {
+        let mut sc = Scenario::new(name);
+        sc.memory = memory;
+        sc.tokens = 300;
+        sc.src_layout = "tp=2,block=64,layout=nhd,table=shuffle:1".into();
+        sc.dst_layout = "tp=1,block=64,layout=hnd,table=shuffle:2".into();
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        // Layers x K/V x heads x the last block's rows x row bytes.
+        let partial = 4 * 2 * 4 * 44 * 128;
+        assert_eq!(hop(&o.destination, "unpack"), Some(partial), "{name}: {:?}", o.destination.hops);
+        assert_eq!(hop(&o.source, "pack"), Some(o.source.bytes), "{name}: {:?}", o.source.hops);
+    }
+}
+
 /// Top-1 agreement and max abs logit error of `codec` over `prompts` prompts.
 fn codec_quality(prompts: u64) -> (f64, f32) {
     use kvwire_core::codec::{decode_rows, encode_rows};
