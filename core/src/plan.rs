@@ -403,7 +403,9 @@ pub struct Segments {
 pub struct Hint([Padded; HINT_SLOTS]);
 
 /// Threads whose hints are kept apart; more share slots (correct, slower).
-const HINT_SLOTS: usize = 4;
+/// Slots go to threads in turn, so a long-lived thread and the short-lived
+/// ones working beside it share one only every this many of the latter.
+const HINT_SLOTS: usize = 16;
 
 #[derive(Debug, Default)]
 #[repr(align(64))]
