@@ -482,17 +482,15 @@ impl Daemon {
         let ring = self.take_ring(layout, sources, self.cfg.device.ring_depth as usize).map_err(ring_failed)?;
         self.with_slot(id, |sl| sl.staging = ring.bytes());
         let n = g.model.layers.len();
-        let started = self.expect(id, &g, &s.dst_request, &p, codec, &accept, Sums::Follow, &l).and_then(|()| {
-            let dst_keys = dst_keys(&accept);
-            (0..n).map(|layer| ring_batch(&p, &accept, &dst_keys, &ring, codec, layer)).collect::<Result<Vec<_>, _>>()
-        });
-        let batches = match started {
-            Ok(b) => b,
-            Err(r) => {
-                self.give_ring(ring);
-                return Err(r);
-            }
-        };
+        if let Err(r) = self.expect(id, &g, &s.dst_request, &p, codec, &accept, Sums::Follow, &l) {
+            self.give_ring(ring);
+            return Err(r);
+        }
+        // Each layer's writes are listed when its turn comes, beside the
+        // previous layer's on the wire: listed all up front (a write per
+        // staged segment) they held back the first copies.
+        let dst_keys = dst_keys(&accept);
+        let peer_slot = accept.slot;
         let size = Size::of(&g, &p);
         let (rails, prefer) = rails_of(&accept);
         let deadline = Instant::now() + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
@@ -500,7 +498,6 @@ impl Daemon {
         let in_place_any = ring.sources.iter().any(|s| s.direct.is_some());
         let mover = move |d: &Arc<Daemon>, stop: &Arc<AtomicBool>, link: &Arc<PeerLink>| {
             let mut total = Outcome::default();
-            let mut batches = batches.into_iter();
             let failed = |layer: usize| move |e: CopyError| format!("device → host staging of layer {layer}: {e}");
             // Copies started and not awaited, in layer order.
             let mut copies = std::collections::VecDeque::new();
@@ -556,7 +553,7 @@ impl Daemon {
                             landed(&mut wire, &mut total)?;
                             start(&mut copies, &mut started, produced.min(layer + ring.depth));
                         }
-                        let (in_place, from_ring) = batches.next().expect("a batch per layer");
+                        let (in_place, from_ring) = ring_batch(&p, &accept, &dst_keys, &ring, codec, layer).map_err(|r| r.message)?;
                         // Read in place by the NIC: out while this layer's copies
                         // (for its checksums and what is gathered) still run.
                         let from_ring = match in_place.writes.is_empty() {
@@ -632,7 +629,7 @@ impl Daemon {
             d.give_ring(ring);
             (total, moved)
         };
-        self.post(id, stop, s, size, codec, accept.slot, None, l, mover)
+        self.post(id, stop, s, size, codec, peer_slot, None, l, mover)
     }
 
     /// Gathers layer `layer`'s packed segments in its ring slot, from its
