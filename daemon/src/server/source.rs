@@ -60,6 +60,22 @@ pub(super) struct Planned {
     ring: std::sync::OnceLock<Arc<RingLayout>>,
 }
 
+/// Time spent packing and hashing, and the bytes each covered.
+#[derive(Debug, Default, Clone, Copy)]
+struct PackTimes {
+    packing: Duration,
+    hashing: Duration,
+    packed: u64,
+    hashed: u64,
+}
+
+impl PackTimes {
+    /// Parts that ran side by side: the longest time, all the bytes.
+    fn beside(&self, o: &PackTimes) -> PackTimes {
+        PackTimes { packing: self.packing.max(o.packing), hashing: self.hashing.max(o.hashing), packed: self.packed + o.packed, hashed: self.hashed + o.hashed }
+    }
+}
+
 /// What a transfer's status reports of its size, known before any byte moves.
 struct Size {
     layers: usize,
@@ -858,29 +874,40 @@ impl Daemon {
     /// the pack and verify hops get their own times.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>) -> Result<Vec<LayerChecksum>, Refusal> {
+        let (sums, t) = self.pack_hashed_timed(g, p, codec, stage, segs)?;
+        self.pack_hashed_hops(id, &t);
+        Ok(sums)
+    }
+
+    /// The pack and verify hops of [`Daemon::pack_hashed_timed`]'s work.
+    fn pack_hashed_hops(&self, id: SlotId, t: &PackTimes) {
+        if t.packed > 0 {
+            self.slot_hop(id, Hop::Pack, t.packing, t.packed);
+        }
+        if self.cfg.verify_checksums {
+            self.slot_hop(id, Hop::Verify, t.hashing, t.hashed);
+        }
+    }
+
+    /// [`Daemon::pack_hashed`], its times returned rather than recorded.
+    fn pack_hashed_timed(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>) -> Result<(Vec<LayerChecksum>, PackTimes), Refusal> {
         let mut sums = Checksums::new(&p.plan, Reading::Source);
         let hashes = self.cfg.verify_checksums;
-        let (mut packing, mut hashing, mut packed, mut hashed) = (Duration::ZERO, Duration::ZERO, 0, 0);
+        let mut t = PackTimes::default();
         for (piece, bytes) in pieces(&p.plan, segs) {
             if let Some(stage) = stage {
                 let started = Instant::now();
-                packed += self.pack_into(stage, g, p, codec, piece.iter().filter_map(|&i| p.schedule.staged_of(i)))?;
-                packing += started.elapsed();
+                t.packed += self.pack_into(stage, g, p, codec, piece.iter().filter_map(|&i| p.schedule.staged_of(i)))?;
+                t.packing += started.elapsed();
             }
             if hashes {
                 let started = Instant::now();
                 self.add_source_sums(&mut sums, g, p, codec, piece.iter().copied(), stage)?;
-                hashing += started.elapsed();
-                hashed += bytes;
+                t.hashing += started.elapsed();
+                t.hashed += bytes;
             }
         }
-        if packed > 0 {
-            self.slot_hop(id, Hop::Pack, packing, packed);
-        }
-        if hashes {
-            self.slot_hop(id, Hop::Verify, hashing, hashed);
-        }
-        Ok(sums.finish())
+        Ok((sums.finish(), t))
     }
 
     /// Checksums of segments `segs` as the destination will hold them: the
@@ -919,8 +946,17 @@ impl Daemon {
     fn host_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         let ls = &p.schedule.layers[layer];
         let packs = ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec));
-        // Hashed as it is packed, piece by piece (an empty list with checksums off).
-        let sums = self.pack_hashed(id, g, p, codec, stage.filter(|_| packs), ls.segments())?;
+        // Hashed as it is packed, piece by piece (an empty list with
+        // checksums off); a large layer's regions side by side, each part
+        // holding the layer for as long as the longest.
+        let parts = by_region(&p.plan, ls.segments(), ls.wire_bytes);
+        let (mut sums, mut t) = (Vec::new(), PackTimes::default());
+        for part in side_by_side(&parts, |segs| self.pack_hashed_timed(g, p, codec, stage.filter(|_| packs), segs.iter().copied())) {
+            let (s, pt) = part?;
+            sums.extend(s);
+            t = t.beside(&pt);
+        }
+        self.pack_hashed_hops(id, &t);
         link.send_layer_sums(layer as u16, sums)
     }
 
@@ -929,7 +965,13 @@ impl Daemon {
     /// off, an empty list.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn send_layer_checksums(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
-        self.send_sums(id, p, layer, link, |segs| self.source_sums(g, p, codec, segs, stage))
+        let bytes = p.schedule.layers[layer].wire_bytes;
+        self.send_sums(id, p, layer, link, |segs| {
+            // A large layer's regions side by side.
+            let parts = by_region(&p.plan, segs, bytes);
+            let hashed = side_by_side(&parts, |part| self.source_sums(g, p, codec, part.iter().copied(), stage));
+            hashed.into_iter().collect::<Result<Vec<_>, _>>().map(|v| v.concat())
+        })
     }
 
     /// Layer `layer`'s checksums, as `sums` computes them over its
