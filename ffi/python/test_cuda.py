@@ -1,6 +1,7 @@
 """The Python client's CUDA path on a real GPU, through two real kvwired.
 
 Run: KVWIRED=path/to/kvwired python3 test_cuda.py (scripts/gpu-check runs it;
+KVWIRE_MARKS=1 adds each side's marks to the hops it prints;
 kvwired must be built with --features cuda). Exits non-zero on failure and
 prints "N passed, M failed". Without torch or a CUDA device it prints a
 line starting with SKIPPED and exits 0; gpu-check fails on that line when

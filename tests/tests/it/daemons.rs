@@ -1097,6 +1097,15 @@ fn a_device_source_ring_of_any_depth_reuses_a_slot_only_after_its_writes_with_sl
             }
         }
         assert!(at("host_staged(3)") <= at("source_released"), "{:?}", o.source.marks);
+        // Layers of 300 KiB: each goes on the wire from a thread of its
+        // own while the next is packed and hashed; the slot rule holds, and
+        // with one slot the next layer waits for this one's writes.
+        let mut sc = Scenario::new(&format!("ring-{depth}-large"));
+        sc.memory = scenario::Memory::StandIn;
+        sc.tokens = 300;
+        let o = run(&p, &sc).unwrap();
+        assert_bitwise(&o);
+        assert_ring(&sc.name, &o.source, depth, 4);
     }
 }
 
