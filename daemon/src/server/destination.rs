@@ -501,13 +501,18 @@ impl Daemon {
         Ok(manifest)
     }
 
-    /// One layer whose bytes are all placed: unpack (and decode) its staged
-    /// segments, verify it, and start its copies to the device where it
-    /// lives there. A device-resident layer is usable only once those
-    /// completed (their event, not their enqueue): the caller awaits them,
-    /// landing the next layer meanwhile.
-    pub(super) fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<Option<Copies>, String> {
-        self.verify_and_unpack(r, manifest, layer)?;
+    /// One layer whose bytes are all placed and hashed
+    /// ([`Daemon::unpack_and_hash`]): its checksums compared with the
+    /// manifest's, and its copies to the device started where it lives
+    /// there. A device-resident layer is usable only once those completed
+    /// (their event, not their enqueue): the caller awaits them, landing
+    /// the next layer meanwhile. A layer that fails gets no flag, and the
+    /// transfer fails.
+    pub(super) fn land_layer(&self, r: &Receive, manifest: &Manifest, layer: usize, sums: &[LayerChecksum]) -> Result<Option<Copies>, String> {
+        if self.verifying(r, layer) {
+            let this_layer = |_, l: u32| l as usize == layer;
+            manifest.verify_checksums_of(sums, this_layer).map_err(|err| refused(layer, err))?;
+        }
         if r.devices.is_empty() {
             return Ok(None);
         }
@@ -515,19 +520,25 @@ impl Daemon {
         self.start_device_copies(&r.p.plan, &segs, layer, &r.regions, &r.devices).map(Some).map_err(|err| format!("host → device copy: {err}"))
     }
 
+    /// Whether layer `layer` is checked against the manifest here.
+    pub(super) fn verifying(&self, r: &Receive, layer: usize) -> bool {
+        self.cfg.verify_checksums && r.p.schedule.layers[layer].wire_bytes > 0
+    }
+
     /// Layer `layer`: its staged segments unpacked, and (when this daemon
-    /// verifies) every segment checked against the manifest, its direct
-    /// ones where they landed. Piece by piece, each piece hashed and
+    /// verifies) every segment hashed, its direct ones where they landed;
+    /// its checksums, to compare once the manifest's for the layer are in
+    /// ([`Daemon::land_layer`]). Piece by piece, each piece hashed and
     /// unpacked while it is in the CPU's cache. Without a codec a staged
     /// segment's bytes sit in staging exactly as its runs will hold them:
     /// hashed there, in one piece, then scattered. With a codec the
     /// checksums cover the decoded runs: unpacked first, then hashed where
     /// they landed. A piece is unpacked before the layer's checksums
-    /// compare, as its direct segments landed before: a layer that fails
-    /// gets no flag, and the transfer fails.
-    fn verify_and_unpack(&self, r: &Receive, manifest: &Manifest, layer: usize) -> Result<(), String> {
+    /// compare, as its direct segments landed before; nothing is published
+    /// before they compare.
+    pub(super) fn unpack_and_hash(&self, r: &Receive, layer: usize) -> Result<Vec<LayerChecksum>, String> {
         let ls = &r.p.schedule.layers[layer];
-        let verifying = self.cfg.verify_checksums && ls.wire_bytes > 0;
+        let verifying = self.verifying(r, layer);
         let parts = by_region(&r.p.plan, ls.segments(), ls.wire_bytes);
         let landed = side_by_side(&parts, |segs| land_part(r, segs, verifying, layer));
         // Parts ran side by side: a hop held the layer as long as its longest part.
@@ -540,12 +551,10 @@ impl Daemon {
         if unpacked > 0 {
             self.slot_hop(r.id, Hop::Unpack, unpacking, unpacked);
         }
-        if !verifying {
-            return Ok(());
+        if verifying {
+            self.slot_hop(r.id, Hop::Verify, hashing, ls.wire_bytes);
         }
-        self.slot_hop(r.id, Hop::Verify, hashing, ls.wire_bytes);
-        let this_layer = |_, l: u32| l as usize == layer;
-        manifest.verify_checksums_of(&sums, this_layer).map_err(|err| refused(layer, err))
+        Ok(sums)
     }
 
     /// A registered staging buffer of `len` bytes from the pool (none for
@@ -592,7 +601,7 @@ struct Landed {
 
 /// Unpacks and hashes segments `segs` of layer `layer` (whole destination
 /// regions, plan order), piece by piece, each piece hashed and unpacked
-/// while it is in the CPU's cache ([`Daemon::verify_and_unpack`]).
+/// while it is in the CPU's cache ([`Daemon::unpack_and_hash`]).
 fn land_part(r: &Receive, segs: &[usize], verifying: bool, layer: usize) -> Result<Landed, String> {
     let in_staging = r.codec.is_none();
     let runs = RunReader::new(&r.regions);

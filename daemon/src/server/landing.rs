@@ -1,7 +1,7 @@
 //! A transfer's landing at the destination: its manifest checked, then
-//! layer by layer, once the layer's bytes are placed (and, from a
-//! streaming source, its checksums came), unpacked, verified and
-//! published; then `decoder_usable`.
+//! layer by layer, once the layer's bytes are placed, unpacked and hashed,
+//! compared once its checksums are in (a streaming source's follow its
+//! bytes), and published; then `decoder_usable`.
 //!
 //! One state, two drivers. A large transfer has a receive thread that
 //! waits for whatever the landing waits for next. A small one has none:
@@ -16,7 +16,7 @@ use super::device::Copies;
 use super::state::{Boundary, SlotId};
 use super::Daemon;
 use kvwire_client::control::DECODER_USABLE;
-use kvwire_core::manifest::Manifest;
+use kvwire_core::manifest::{LayerChecksum, Manifest};
 use kvwire_transport::Tag;
 use std::collections::{HashMap, VecDeque};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -49,6 +49,9 @@ pub(super) struct Landing {
     // seen to end, in layer order; when each rank's stream ended its last.
     copying: VecDeque<(usize, Copies)>,
     free_at: HashMap<u32, Instant>,
+    // The next layer's checksums as it landed, once it is unpacked and
+    // hashed and until they compare.
+    hashed: Option<Vec<LayerChecksum>>,
     // Landed or failed, and its staging buffer given back.
     over: bool,
 }
@@ -68,7 +71,7 @@ pub(super) type Landings = Mutex<HashMap<u16, Arc<Mutex<Landing>>>>;
 impl Landing {
     pub fn new(r: Receive, timeout: Duration) -> Landing {
         let layers = r.p.schedule.layers.len();
-        Landing { r, deadline: Instant::now() + timeout, manifest: None, streamed: false, sums: vec![false; layers], received: 0, landed: 0, copying: VecDeque::new(), free_at: HashMap::new(), over: false }
+        Landing { r, deadline: Instant::now() + timeout, manifest: None, streamed: false, sums: vec![false; layers], received: 0, landed: 0, copying: VecDeque::new(), free_at: HashMap::new(), hashed: None, over: false }
     }
 
     fn id(&self) -> SlotId {
@@ -100,14 +103,23 @@ impl Daemon {
                 self.slot_mark(id, Boundary::HostReceived(layer));
                 l.received += 1;
             }
-            // A streamed layer's checksums came just before its bytes.
+            // Unpacked and hashed as soon as its bytes are in; compared once
+            // its checksums are too (a streamed layer's follow its bytes on
+            // the peer connection).
+            if l.hashed.is_none() {
+                match self.unpack_and_hash(&l.r, layer) {
+                    Ok(sums) => l.hashed = Some(sums),
+                    Err(why) => return self.end_landing(l, Some(why)),
+                }
+            }
             if l.streamed && self.cfg.verify_checksums && !l.sums[layer] {
                 return match self.device_landed(id, &mut l.copying, &mut l.free_at, true) {
                     Ok(()) => Next::Sums(layer),
                     Err(why) => self.end_landing(l, Some(why)),
                 };
             }
-            match self.land_layer(&l.r, manifest, layer) {
+            let sums = l.hashed.take().unwrap_or_default();
+            match self.land_layer(&l.r, manifest, layer, &sums) {
                 Err(why) => return self.end_landing(l, Some(why)),
                 // Its copies run while the next layer is unpacked and verified.
                 Ok(Some(copies)) => l.copying.push_back((layer, copies)),
