@@ -333,6 +333,12 @@ impl Segment {
         self.count <= 1 || self.src_stride == self.len
     }
 
+    /// Whether its runs lie back to back at the destination: then its bytes
+    /// in run order are one range there (one copy, one write).
+    pub fn dst_contiguous(&self) -> bool {
+        self.count <= 1 || self.dst_stride == self.len
+    }
+
     /// `(src_offset, dst_offset)` of each run.
     pub fn runs(self) -> impl Iterator<Item = (u64, u64)> {
         (0..self.count).map(move |i| (self.src_offset + i * self.src_stride, self.dst_offset + i * self.dst_stride))

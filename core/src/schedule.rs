@@ -379,7 +379,7 @@ impl Schedule {
 /// codec): its destination runs lie back to back, and it is large enough
 /// that a write of its own costs less than the unpack copy it saves.
 pub fn lands_in_place(s: &Segment) -> bool {
-    (s.count == 1 || s.dst_stride == s.len) && s.bytes() >= PLACED_MIN_BYTES
+    s.dst_contiguous() && s.bytes() >= PLACED_MIN_BYTES
 }
 
 /// The smallest segment that lands in place. Staged segments lie back to

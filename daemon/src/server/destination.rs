@@ -655,7 +655,7 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
     if r.codec.is_none() {
         // Runs go straight from staging into the cache: one copy each, or
         // one for all where they lie back to back there too.
-        if seg.count == 1 || seg.dst_stride == seg.len {
+        if seg.dst_contiguous() {
             return stage.mem.copy_to(st.offset, &dst.mem, dst.offset + seg.dst_offset, seg.bytes()).ok();
         }
         for (k, (_, dof)) in seg.runs().enumerate() {

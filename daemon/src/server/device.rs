@@ -47,7 +47,7 @@ impl Daemon {
                     // the destination (a head's rows in an HND block) is
                     // one copy: the sort below then orders copies, not rows.
                     let at = r.offset + seg.dst_offset;
-                    match seg.count == 1 || seg.dst_stride == seg.len {
+                    match seg.dst_contiguous() {
                         true => runs[m].push((at, at, seg.bytes())),
                         false => runs[m].extend(seg.runs().map(|(_, dof)| (r.offset + dof, r.offset + dof, seg.len))),
                     }
