@@ -9,7 +9,7 @@ use super::device::Copies;
 use super::error::Refusal;
 use super::landing::{Landing, LAND_ON_ARRIVAL_MAX};
 use super::state::{DeviceMems, Role, SlotId};
-use super::{by_region, pieces, read_mem, region_view, side_by_side, Daemon, RunReader};
+use super::{in_region_parts, pieces, read_mem, region_view, Daemon, RunReader};
 use crate::metrics::Metrics;
 use crate::peer::{self, Sealed};
 use kvwire_client::control::*;
@@ -539,12 +539,10 @@ impl Daemon {
     pub(super) fn unpack_and_hash(&self, r: &Receive, layer: usize) -> Result<Vec<LayerChecksum>, String> {
         let ls = &r.p.schedule.layers[layer];
         let verifying = self.verifying(r, layer);
-        let parts = by_region(&r.p.plan, ls.segments(), ls.wire_bytes);
-        let landed = side_by_side(&parts, |segs| land_part(r, segs, verifying, layer));
+        let landed = in_region_parts(&r.p.plan, ls.segments(), ls.wire_bytes, |segs| land_part(r, segs, verifying, layer))?;
         // Parts ran side by side: a hop held the layer as long as its longest part.
         let (mut hashing, mut unpacking, mut unpacked, mut sums) = (Duration::ZERO, Duration::ZERO, 0, Vec::new());
-        for part in landed {
-            let p = part?;
+        for p in landed {
             (hashing, unpacking, unpacked) = (hashing.max(p.hashing), unpacking.max(p.unpacking), unpacked + p.unpacked);
             sums.extend(p.sums);
         }

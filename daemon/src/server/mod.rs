@@ -301,6 +301,13 @@ fn side_by_side<T: Send>(parts: &[Vec<usize>], work: impl Fn(&[usize]) -> T + Sy
     })
 }
 
+/// `work` on each part of a layer's segments `segs` (plan order, `bytes`
+/// in all) split by destination region ([`by_region`]), the parts side by
+/// side ([`side_by_side`]): the parts' results in order, or the first error.
+fn in_region_parts<T: Send, E: Send>(plan: &Plan, segs: Vec<usize>, bytes: u64, work: impl Fn(&[usize]) -> Result<T, E> + Sync) -> Result<Vec<T>, E> {
+    side_by_side(&by_region(plan, segs, bytes), work).into_iter().collect()
+}
+
 /// A quarter of a core's L2 on the machines we measure on: the piece, the
 /// source rows it gathers and the hash's own state fit in it together.
 const PIECE_BYTES: u64 = 256 << 10;

@@ -12,7 +12,7 @@ use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::ring::{Ring, RingLayout};
 use super::state::{Boundary, DeviceMems, Role, SlotId};
-use super::{by_region, pieces, read_mem, region_view, side_by_side, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
+use super::{in_region_parts, pieces, read_mem, region_view, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -593,18 +593,13 @@ impl Daemon {
                             return Err("cancelled".to_string());
                         }
                         d.ring_pack(id, &g, &p, &ring, codec, layer).map_err(|r| r.message)?;
-                        // A large layer's regions are hashed side by side.
-                        let sums = |segs: Vec<usize>| {
-                            let parts = by_region(&p.plan, segs, p.schedule.layers[layer].wire_bytes);
-                            let hashed = side_by_side(&parts, |part| {
-                                let (base, mut find) = (ring.base(layer), ring.layout.finder(layer));
-                                let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len)).map(RunBytes::Mapped);
-                                // Packed bytes are what the destination holds only without a codec.
-                                let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments.at(i).bytes())).map(RunBytes::Mapped);
-                                let mut sums = Checksums::new(&p.plan, Reading::Source);
-                                d.sums_of(&mut sums, &g, codec, part.iter().copied(), read, whole).map(|()| sums.finish())
-                            });
-                            hashed.into_iter().collect::<Result<Vec<_>, _>>().map(|v| v.concat())
+                        let sums = |part: &[usize]| {
+                            let (base, mut find) = (ring.base(layer), ring.layout.finder(layer));
+                            let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len)).map(RunBytes::Mapped);
+                            // Packed bytes are what the destination holds only without a codec.
+                            let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments.at(i).bytes())).map(RunBytes::Mapped);
+                            let mut sums = Checksums::new(&p.plan, Reading::Source);
+                            d.sums_of(&mut sums, &g, codec, part.iter().copied(), read, whole).map(|()| sums.finish())
                         };
                         d.send_sums(id, &p, layer, link, sums).map_err(|r| r.message)?;
                         // The previous layer's writes are out: its slot takes
@@ -660,8 +655,7 @@ impl Daemon {
         let segs: Vec<usize> = packed.iter().map(|&(i, _)| i).collect();
         let bytes = segs.iter().map(|&i| p.plan.segments.at(i).bytes()).sum::<u64>();
         // A large layer's regions are packed side by side.
-        let parts = by_region(&p.plan, segs, bytes);
-        side_by_side(&parts, |part| self.ring_pack_part(g, p, ring, codec, layer, part)).into_iter().collect::<Result<(), _>>()?;
+        in_region_parts(&p.plan, segs, bytes, |part| self.ring_pack_part(g, p, ring, codec, layer, part))?;
         self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
         Ok(())
     }
@@ -949,10 +943,9 @@ impl Daemon {
         // Hashed as it is packed, piece by piece (an empty list with
         // checksums off); a large layer's regions side by side, each part
         // holding the layer for as long as the longest.
-        let parts = by_region(&p.plan, ls.segments(), ls.wire_bytes);
+        let parts = in_region_parts(&p.plan, ls.segments(), ls.wire_bytes, |segs| self.pack_hashed_timed(g, p, codec, stage.filter(|_| packs), segs.iter().copied()))?;
         let (mut sums, mut t) = (Vec::new(), PackTimes::default());
-        for part in side_by_side(&parts, |segs| self.pack_hashed_timed(g, p, codec, stage.filter(|_| packs), segs.iter().copied())) {
-            let (s, pt) = part?;
+        for (s, pt) in parts {
             sums.extend(s);
             t = t.beside(&pt);
         }
@@ -965,22 +958,17 @@ impl Daemon {
     /// off, an empty list.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn send_layer_checksums(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
-        let bytes = p.schedule.layers[layer].wire_bytes;
-        self.send_sums(id, p, layer, link, |segs| {
-            // A large layer's regions side by side.
-            let parts = by_region(&p.plan, segs, bytes);
-            let hashed = side_by_side(&parts, |part| self.source_sums(g, p, codec, part.iter().copied(), stage));
-            hashed.into_iter().collect::<Result<Vec<_>, _>>().map(|v| v.concat())
-        })
+        self.send_sums(id, p, layer, link, |part| self.source_sums(g, p, codec, part.iter().copied(), stage))
     }
 
-    /// Layer `layer`'s checksums, as `sums` computes them over its
-    /// segments, out unanswered; with checksums off, an empty list.
-    fn send_sums(&self, id: SlotId, p: &Planned, layer: usize, link: &PeerLink, sums: impl FnOnce(Vec<usize>) -> Result<Vec<LayerChecksum>, Refusal>) -> Result<(), Refusal> {
+    /// Layer `layer`'s checksums, as `sums` computes them over each part of
+    /// its segments (a large layer's regions side by side, [`in_region_parts`]),
+    /// out unanswered; with checksums off, an empty list.
+    fn send_sums(&self, id: SlotId, p: &Planned, layer: usize, link: &PeerLink, sums: impl Fn(&[usize]) -> Result<Vec<LayerChecksum>, Refusal> + Sync) -> Result<(), Refusal> {
         let sums = if self.cfg.verify_checksums {
             let started = Instant::now();
             let (segs, bytes) = layer_segments(p, layer);
-            let sums = sums(segs)?;
+            let sums = in_region_parts(&p.plan, segs, p.schedule.layers[layer].wire_bytes, sums)?.concat();
             self.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
             sums
         } else {
