@@ -13,13 +13,21 @@
 //! # Checksum definition
 //!
 //! `checksum_algo` is `"xxh3-64"`: XXH3 64-bit, seed 0, default secret
-//! (`twox_hash::XxHash3_64::oneshot`). There is one [`LayerChecksum`] per
-//! (destination rank, layer, tensor) that the plan writes to, listed in
-//! increasing (dst rank, layer, tensor) order, with tensors ordered
-//! `k < v < latent < state`. Its value is the XXH3-64 of the concatenation
-//! of every run of every segment whose destination is that region, taken in
-//! plan order (segments in [`Plan::segments`] order, runs in
-//! [`Segment::runs`](crate::plan::Segment::runs) order), each run being `len` bytes:
+//! (`twox_hash::XxHash3_64::oneshot`). What each (destination rank, layer,
+//! tensor) that the plan writes to receives is one stream: the
+//! concatenation of every run of every segment whose destination is that
+//! region, taken in plan order (segments in [`Plan::segments`] order, runs
+//! in [`Segment::runs`](crate::plan::Segment::runs) order), each run being
+//! `len` bytes. The stream is cut into chunks at segment boundaries: a
+//! segment whose first byte is at stream offset `o` belongs to chunk
+//! `o / `[`CHECKSUM_CHUNK`]. There is one [`LayerChecksum`] per chunk, the
+//! XXH3-64 of its segments' bytes, listed in increasing (dst rank, layer,
+//! tensor, chunk) order, with tensors ordered `k < v < latent < state`.
+//! Chunk numbers skip where a segment is longer than a chunk. Chunks are
+//! what lets one region be hashed on several cores at once (a layer that
+//! is one region, FlashInfer's K and V in one tensor, was one stream).
+//!
+//! Each run is read:
 //!
 //! - the sender reads run `i` from the **source** region at
 //!   `src_offset + i × src_stride`;
@@ -54,7 +62,13 @@ use std::hash::Hasher as _;
 use twox_hash::XxHash3_64;
 
 /// Version of the manifest format this crate writes and accepts.
-pub const MANIFEST_VERSION: u32 = 1;
+/// 2: a checksum per chunk of a region's stream ([`LayerChecksum::chunk`]).
+pub const MANIFEST_VERSION: u32 = 2;
+
+/// Bytes of a region's stream per checksum chunk (module docs): parts of
+/// a layer hashed side by side are whole chunks, and each is at least
+/// this large so that a thread's start is small against it.
+pub const CHECKSUM_CHUNK: u64 = 1 << 20;
 /// The one checksum algorithm this version uses (see the module docs).
 pub const CHECKSUM_ALGO: &str = "xxh3-64";
 /// Largest manifest JSON [`Manifest::from_json`] accepts (16 MiB).
@@ -196,10 +210,19 @@ pub struct LayerChecksum {
     /// Tensor (`k`, `v`, `latent`, `state`).
     #[serde(with = "tensor_name")]
     pub tensor: Tensor,
+    /// Chunk of the region's stream (module docs).
+    pub chunk: u32,
     /// Bytes covered.
     pub bytes: u64,
     /// XXH3-64 (seed 0) of those bytes.
     pub xxh3: u64,
+}
+
+impl LayerChecksum {
+    /// What it is a checksum of, in list order.
+    pub fn key(&self) -> (u32, u32, Tensor, u32) {
+        (self.dst_rank, self.layer, self.tensor, self.chunk)
+    }
 }
 
 /// What the destination registered for a request: a manifest must agree.
@@ -351,7 +374,7 @@ pub enum ManifestError {
         detail: String,
     },
     /// Recomputed bytes differ from what the sender hashed.
-    #[error("checksum mismatch: dst rank {dst_rank} layer {layer} tensor {}: expected {expected:#018x}, got {got:#018x}", tensor_name::of(*.tensor))]
+    #[error("checksum mismatch: dst rank {dst_rank} layer {layer} tensor {} chunk {chunk}: expected {expected:#018x}, got {got:#018x}", tensor_name::of(*.tensor))]
     Checksum {
         /// Destination rank.
         dst_rank: u32,
@@ -359,13 +382,15 @@ pub enum ManifestError {
         layer: u32,
         /// Tensor.
         tensor: Tensor,
+        /// Chunk of the region's stream.
+        chunk: u32,
         /// In the manifest (sender).
         expected: u64,
         /// Recomputed (receiver).
         got: u64,
     },
     /// The checksum covers another number of bytes.
-    #[error("checksum byte count mismatch: dst rank {dst_rank} layer {layer} tensor {}: expected {expected} bytes, got {got}", tensor_name::of(*.tensor))]
+    #[error("checksum byte count mismatch: dst rank {dst_rank} layer {layer} tensor {} chunk {chunk}: expected {expected} bytes, got {got}", tensor_name::of(*.tensor))]
     ChecksumBytes {
         /// Destination rank.
         dst_rank: u32,
@@ -373,13 +398,15 @@ pub enum ManifestError {
         layer: u32,
         /// Tensor.
         tensor: Tensor,
+        /// Chunk of the region's stream.
+        chunk: u32,
         /// In the manifest.
         expected: u64,
         /// Recomputed.
         got: u64,
     },
     /// The manifest has a checksum the receiver did not recompute.
-    #[error("checksum missing: dst rank {dst_rank} layer {layer} tensor {} is in the manifest but was not recomputed", tensor_name::of(*.tensor))]
+    #[error("checksum missing: dst rank {dst_rank} layer {layer} tensor {} chunk {chunk} is in the manifest but was not recomputed", tensor_name::of(*.tensor))]
     ChecksumNotRecomputed {
         /// Destination rank.
         dst_rank: u32,
@@ -387,9 +414,11 @@ pub enum ManifestError {
         layer: u32,
         /// Tensor.
         tensor: Tensor,
+        /// Chunk of the region's stream.
+        chunk: u32,
     },
     /// The receiver recomputed a checksum the manifest does not have.
-    #[error("checksum missing: dst rank {dst_rank} layer {layer} tensor {} was recomputed but is not in the manifest", tensor_name::of(*.tensor))]
+    #[error("checksum missing: dst rank {dst_rank} layer {layer} tensor {} chunk {chunk} was recomputed but is not in the manifest", tensor_name::of(*.tensor))]
     ChecksumNotInManifest {
         /// Destination rank.
         dst_rank: u32,
@@ -397,6 +426,8 @@ pub enum ManifestError {
         layer: u32,
         /// Tensor.
         tensor: Tensor,
+        /// Chunk of the region's stream.
+        chunk: u32,
     },
     /// A checksum names a (rank, layer, tensor) the destination does not hold, or repeats one.
     #[error("checksum list: {detail}")]
@@ -680,16 +711,35 @@ fn feed(h: &mut XxHash3_64, data: &[u8]) {
 /// a time, give the same checksums as one call over all of them. A caller
 /// that packs or unpacks as it goes hashes each piece while its bytes are
 /// still in the CPU's cache, not in a second pass over the whole transfer.
+///
+/// Whole chunks ([`chunks_of`]) may also be hashed apart, on several
+/// threads: each thread's `Checksums` is told where its chunks start in
+/// their streams ([`Checksums::starting_at`]), and the lists of all of
+/// them, put together and sorted, are the one list.
 pub struct Checksums<'p> {
     plan: &'p Plan,
     side: Reading,
-    hashers: BTreeMap<(u32, RegionId), (XxHash3_64, u64)>,
+    streams: BTreeMap<(u32, RegionId), Stream>,
+    done: Vec<LayerChecksum>,
+    // (segment, its stream offset) for segments that start a chunk hashed
+    // apart from the chunks before it; sorted by segment.
+    starts: Vec<(usize, u64)>,
     chunk: Vec<u8>,
+}
+
+/// A region's stream as far as it was hashed.
+struct Stream {
+    h: XxHash3_64,
+    // Bytes in the open chunk, and its number (none before the first segment).
+    bytes: u64,
+    open: Option<u64>,
+    // Stream offset of the next segment.
+    at: u64,
 }
 
 impl fmt::Debug for Checksums<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Checksums").field("side", &self.side).field("regions", &self.hashers.len()).finish_non_exhaustive()
+        f.debug_struct("Checksums").field("side", &self.side).field("regions", &self.streams.len()).finish_non_exhaustive()
     }
 }
 
@@ -700,7 +750,16 @@ impl<'p> Checksums<'p> {
 
     /// No segment hashed yet.
     pub fn new(plan: &'p Plan, side: Reading) -> Self {
-        Checksums { plan, side, hashers: BTreeMap::new(), chunk: Vec::new() }
+        Checksums { plan, side, streams: BTreeMap::new(), done: Vec::new(), starts: Vec::new(), chunk: Vec::new() }
+    }
+
+    /// Segments that start a chunk hashed apart from the ones before it,
+    /// with their stream offsets ([`ChunkRun`]'s `seg` and `start`): at
+    /// each, its region's stream continues from that offset.
+    pub fn starting_at(mut self, starts: impl IntoIterator<Item = (usize, u64)>) -> Self {
+        self.starts = starts.into_iter().collect();
+        self.starts.sort_unstable();
+        self
     }
 
     /// Hashes segments `segs`, which continue the plan order of those
@@ -713,11 +772,24 @@ impl<'p> Checksums<'p> {
     ) -> Result<(), ManifestError> {
         let (plan, side) = (self.plan, self.side);
         let source = side == Reading::Source;
-        let chunk = &mut self.chunk;
+        let Checksums { streams, done, starts, chunk, .. } = self;
         for i in segs {
             let s = plan.segments.get(i).ok_or(ManifestError::NoSegment { index: i, segments: plan.segments.len() })?;
             let (rank, region) = if source { (s.src_rank, s.src_region) } else { (s.dst_rank, s.dst_region) };
-            let (h, bytes) = self.hashers.entry((s.dst_rank, s.dst_region)).or_insert_with(|| (XxHash3_64::new(), 0));
+            let key = (s.dst_rank, s.dst_region);
+            let st = streams.entry(key).or_insert_with(|| Stream { h: XxHash3_64::new(), bytes: 0, open: None, at: 0 });
+            if let Ok(k) = starts.binary_search_by_key(&i, |&(seg, _)| seg) {
+                st.at = starts[k].1;
+            }
+            let number = st.at / CHECKSUM_CHUNK;
+            if st.open != Some(number) {
+                if let Some(sum) = st.close(key) {
+                    done.push(sum);
+                }
+                st.open = Some(number);
+            }
+            st.at += s.bytes();
+            let (h, bytes) = (&mut st.h, &mut st.bytes);
             if let Some(data) = whole(i) {
                 let data = data.as_ref();
                 if data.len() as u64 != s.bytes() {
@@ -774,19 +846,78 @@ impl<'p> Checksums<'p> {
         Ok(())
     }
 
-    /// One checksum per destination (rank, layer, tensor) hashed, in that order.
+    /// One checksum per chunk hashed, in (destination rank, layer, tensor,
+    /// chunk) order.
     pub fn finish(self) -> Vec<LayerChecksum> {
-        self.hashers
-            .into_iter()
-            .map(|((dst_rank, region), (h, bytes))| LayerChecksum {
-                dst_rank,
-                layer: region.layer,
-                tensor: region.tensor,
-                bytes,
-                xxh3: h.finish(),
-            })
-            .collect()
+        let mut done = self.done;
+        for (key, mut st) in self.streams {
+            done.extend(st.close(key));
+        }
+        done.sort_unstable_by_key(LayerChecksum::key);
+        done
     }
+}
+
+impl Stream {
+    /// The open chunk's checksum, if one is open; the next starts afresh.
+    fn close(&mut self, (dst_rank, region): (u32, RegionId)) -> Option<LayerChecksum> {
+        let chunk = self.open.take()?;
+        let sum = LayerChecksum {
+            dst_rank,
+            layer: region.layer,
+            tensor: region.tensor,
+            // A stream of more than 4 PiB is not a region anyone registers.
+            chunk: u32::try_from(chunk).unwrap_or(u32::MAX),
+            bytes: self.bytes,
+            xxh3: self.h.finish(),
+        };
+        (self.h, self.bytes) = (XxHash3_64::new(), 0);
+        Some(sum)
+    }
+}
+
+/// One chunk of a region's stream (module docs), as [`chunks_of`] finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkRun {
+    /// Destination rank and region.
+    pub region: (u32, RegionId),
+    /// Its first segment, and where in the stream that segment starts.
+    pub seg: usize,
+    /// Stream offset of `seg`.
+    pub start: u64,
+    /// Its segments, in plan order (`seg` first).
+    pub segs: Vec<usize>,
+    /// Their bytes.
+    pub bytes: u64,
+}
+
+/// The chunks of the regions that segments `segs` write (plan order, and
+/// every segment of each region they touch: a layer's segments), in the
+/// order their first segments come. Hashing each apart, its first
+/// segment's offset given ([`Checksums::starting_at`]), gives the same
+/// checksums as hashing `segs` in one pass.
+pub fn chunks_of(plan: &Plan, segs: &[usize]) -> Vec<ChunkRun> {
+    let mut out: Vec<ChunkRun> = Vec::new();
+    // Per region: its stream offset so far, and its open chunk (number, index in `out`).
+    let mut at: BTreeMap<(u32, RegionId), (u64, Option<(u64, usize)>)> = BTreeMap::new();
+    for &i in segs {
+        let Some(s) = plan.segments.get(i) else { continue };
+        let key = (s.dst_rank, s.dst_region);
+        let (offset, open) = at.entry(key).or_insert((0, None));
+        let number = *offset / CHECKSUM_CHUNK;
+        match open {
+            Some((n, k)) if *n == number => {
+                out[*k].segs.push(i);
+                out[*k].bytes += s.bytes();
+            }
+            _ => {
+                *open = Some((number, out.len()));
+                out.push(ChunkRun { region: key, seg: i, start: *offset, segs: vec![i], bytes: s.bytes() });
+            }
+        }
+        *offset += s.bytes();
+    }
+    out
 }
 
 /// Checksums of every destination region the plan writes that `keep`
@@ -944,16 +1075,16 @@ impl Manifest {
         self.check_checksum_list()
     }
 
-    /// Every checksum names a (rank, layer, tensor) the destination holds,
-    /// once, in order.
+    /// Every checksum names a chunk of a (rank, layer, tensor) the
+    /// destination holds, once, in order.
     fn check_checksum_list(&self) -> Result<(), ManifestError> {
         use ManifestError as E;
-        let mut prev: Option<(u32, u32, Tensor)> = None;
+        let mut prev: Option<(u32, u32, Tensor, u32)> = None;
         for c in &self.checksums {
-            let key = (c.dst_rank, c.layer, c.tensor);
+            let key = c.key();
             if prev.is_some_and(|p| p >= key) {
                 return Err(E::ChecksumList {
-                    detail: format!("dst rank {} layer {} tensor {} is out of order or repeated", c.dst_rank, c.layer, tensor_name::of(c.tensor)),
+                    detail: format!("dst rank {} layer {} tensor {} chunk {} is out of order or repeated", c.dst_rank, c.layer, tensor_name::of(c.tensor), c.chunk),
                 });
             }
             prev = Some(key);
@@ -984,7 +1115,7 @@ impl Manifest {
             return Err(E::ChecksumList { detail: format!("checksums of layer {layer} were sent twice") });
         }
         self.checksums.extend_from_slice(sums);
-        self.checksums.sort_by_key(|c| (c.dst_rank, c.layer, c.tensor));
+        self.checksums.sort_by_key(LayerChecksum::key);
         if let Err(e) = self.check_checksum_list() {
             self.checksums.retain(|c| c.layer != layer);
             return Err(e);
@@ -1010,21 +1141,20 @@ impl Manifest {
     /// layer) pairs `keep` accepts: a receiver verifying layer by layer,
     /// before publishing each layer's flag.
     pub fn verify_checksums_of(&self, recomputed: &[LayerChecksum], keep: impl Fn(u32, u32) -> bool) -> Result<(), ManifestError> {
-        let key = |c: &LayerChecksum| (c.dst_rank, c.layer, c.tensor);
         let mut sent: BTreeMap<_, &LayerChecksum> =
-            self.checksums.iter().filter(|c| keep(c.dst_rank, c.layer)).map(|c| (key(c), c)).collect();
+            self.checksums.iter().filter(|c| keep(c.dst_rank, c.layer)).map(|c| (c.key(), c)).collect();
         for got in recomputed.iter().filter(|c| keep(c.dst_rank, c.layer)) {
-            let (dst_rank, layer, tensor) = key(got);
-            let want = sent.remove(&key(got)).ok_or(ManifestError::ChecksumNotInManifest { dst_rank, layer, tensor })?;
+            let (dst_rank, layer, tensor, chunk) = got.key();
+            let want = sent.remove(&got.key()).ok_or(ManifestError::ChecksumNotInManifest { dst_rank, layer, tensor, chunk })?;
             if want.bytes != got.bytes {
-                return Err(ManifestError::ChecksumBytes { dst_rank, layer, tensor, expected: want.bytes, got: got.bytes });
+                return Err(ManifestError::ChecksumBytes { dst_rank, layer, tensor, chunk, expected: want.bytes, got: got.bytes });
             }
             if want.xxh3 != got.xxh3 {
-                return Err(ManifestError::Checksum { dst_rank, layer, tensor, expected: want.xxh3, got: got.xxh3 });
+                return Err(ManifestError::Checksum { dst_rank, layer, tensor, chunk, expected: want.xxh3, got: got.xxh3 });
             }
         }
         match sent.into_keys().next() {
-            Some((dst_rank, layer, tensor)) => Err(ManifestError::ChecksumNotRecomputed { dst_rank, layer, tensor }),
+            Some((dst_rank, layer, tensor, chunk)) => Err(ManifestError::ChecksumNotRecomputed { dst_rank, layer, tensor, chunk }),
             None => Ok(()),
         }
     }

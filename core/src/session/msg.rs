@@ -29,7 +29,8 @@ use serde::{Deserialize, Serialize};
 /// 4: one round trip before the bytes (the offer carries the source's side, the accept the staging buffer; `Expect` is not answered).
 /// 5: a source may stream layers as its engine produces them (`Expect::layer_sums`, `LayerSums`).
 /// 6: a destination may announce a prepared request (`Announce`); the source claims it with no round trip (`Claim`).
-pub const PEER_VERSION: u32 = 6;
+/// 7: a checksum per chunk of a region's stream (manifest version 2, `LayerChecksum::chunk`).
+pub const PEER_VERSION: u32 = 7;
 
 /// Messages on a peer connection: JSON objects, `msg` naming the message
 /// (its first key), the rest its fields.

@@ -10,8 +10,8 @@
 use kvwire_core::format::{CacheFormat, FORMATS};
 use kvwire_core::layout::{builtin, from_toml_spec, ModelSpec, Tensor};
 use kvwire_core::manifest::{
-    checksums_at_destination, checksums_at_source, checksums_of, Checksums, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
-    MapSummary, RankSummary, Reading, RopeParams, MAX_MANIFEST_JSON,
+    checksums_at_destination, checksums_at_source, checksums_of, chunks_of, Checksums, layer_shapes, read_buffers, Expected, HeldRun, LayerChecksum, Manifest, ManifestError,
+    MapSummary, RankSummary, Reading, RopeParams, CHECKSUM_CHUNK, MAX_MANIFEST_JSON,
 };
 use kvwire_core::plan::{build, execute, Buffers, CostModel, Plan, PlanInput, Side};
 use kvwire_core::reuse::CacheIdentity;
@@ -124,6 +124,104 @@ fn checksums_from_source_agree_with_destination_after_tp4_to_tp2_hnd_block32() {
     let recomputed = r.at_destination(&r.dst_bufs);
     assert_eq!(recomputed, m.checksums);
     m.verify_checksums(&recomputed).unwrap();
+}
+
+/// Two layers of llama-3.1-8b's shape, 1100 tokens in fp32: each
+/// destination region of TP4 NHD/16 → TP2 HND/32 receives 1100 × 4 heads
+/// × 512 bytes = 2,252,800 bytes, a little over two chunks (built once).
+fn two_chunk_regions() -> &'static Run {
+    static RUN: OnceLock<Run> = OnceLock::new();
+    RUN.get_or_init(|| {
+        let spec = "[[layers]]\nattention = \"dense\"\nkv_heads = 8\nhead_dim = 128\n".repeat(2);
+        run(from_toml_spec("two-layers", &spec).unwrap(), "tp=4,block=16", DST, fp32(), 1100, 0)
+    })
+}
+
+/// The checksum list by the module's definition, written out here: each
+/// destination region's segments in plan order, a segment starting at
+/// stream offset `o` in chunk `o / CHECKSUM_CHUNK`, each chunk one XXH3 of
+/// its segments' destination runs.
+fn chunked_by_hand(plan: &Plan, bufs: &Buffers) -> Vec<LayerChecksum> {
+    use std::collections::BTreeMap;
+    let read = read_buffers(bufs);
+    let mut chunks: BTreeMap<(u32, u32, Tensor, u64), Vec<u8>> = BTreeMap::new();
+    let mut at: BTreeMap<(u32, RegionId), u64> = BTreeMap::new();
+    for i in 0..plan.segments.len() {
+        let s = plan.segments.get(i).unwrap();
+        let offset = at.entry((s.dst_rank, s.dst_region)).or_insert(0);
+        let bytes = chunks.entry((s.dst_rank, s.dst_region.layer, s.dst_region.tensor, *offset / CHECKSUM_CHUNK)).or_default();
+        for (_, d) in s.runs() {
+            bytes.extend_from_slice(read(s.dst_rank, s.dst_region, d, s.len).unwrap());
+        }
+        *offset += s.bytes();
+    }
+    chunks
+        .into_iter()
+        .map(|((dst_rank, layer, tensor, chunk), b)| LayerChecksum { dst_rank, layer, tensor, chunk: chunk as u32, bytes: b.len() as u64, xxh3: XxHash3_64::oneshot(&b) })
+        .collect()
+}
+
+#[test]
+fn a_region_longer_than_a_chunk_has_a_checksum_per_chunk_and_chunks_hash_apart_to_the_same_list() {
+    let r = two_chunk_regions();
+    let m = r.manifest(&identity());
+    m.check(&r.expected(&identity())).unwrap();
+    // 2 dst ranks × 2 layers × (K, V), each region three chunks: two of
+    // about 1 MiB (cut at segment boundaries), then the rest.
+    assert_eq!(m.checksums.len(), 2 * 2 * 2 * 3);
+    let region = 1100 * DST_HEADS * ROW;
+    for c in m.checksums.chunks(3) {
+        assert_eq!(c.iter().map(|c| c.chunk).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(c.iter().map(|c| c.bytes).sum::<u64>(), region);
+        assert!(c[..2].iter().all(|c| c.bytes >= CHECKSUM_CHUNK - DST_BLOCK_BYTES && c.bytes <= CHECKSUM_CHUNK + DST_BLOCK_BYTES), "{c:?}");
+    }
+    assert_eq!(m.checksums, chunked_by_hand(&r.plan, &r.dst_bufs));
+    let recomputed = r.at_destination(&r.dst_bufs);
+    assert_eq!(recomputed, m.checksums);
+
+    // Each chunk hashed on its own, told where it starts, in any order:
+    // the lists put together are the one-pass list, at either end.
+    for (side, bufs) in [(Reading::Source, &r.src_bufs), (Reading::Destination, &r.dst_bufs)] {
+        let mut apart = Vec::new();
+        for layer in 0..2 {
+            let segs: Vec<usize> = (0..r.plan.segments.len()).filter(|&i| r.plan.segments.at(i).dst_region.layer == layer).collect();
+            let runs = chunks_of(&r.plan, &segs);
+            assert_eq!(runs.len(), 2 * 2 * 3, "layer {layer}");
+            // Two "threads": the odd chunks in reverse, then the even ones.
+            let (odd, even): (Vec<_>, Vec<_>) = runs.iter().enumerate().partition(|(k, _)| k % 2 == 1);
+            for part in [odd.into_iter().rev().collect::<Vec<_>>(), even] {
+                let mut sums = Checksums::new(&r.plan, side).starting_at(part.iter().map(|(_, c)| (c.seg, c.start)));
+                for (_, c) in &part {
+                    sums.add(c.segs.iter().copied(), read_buffers(bufs), |_| None::<&[u8]>).unwrap();
+                }
+                apart.extend(sums.finish());
+            }
+        }
+        apart.sort_by_key(LayerChecksum::key);
+        assert_eq!(apart, m.checksums, "{side:?}");
+    }
+
+    // A flipped byte in the last chunk of a region (its last segment's
+    // last run) fails that chunk, by number.
+    let k1 = RegionId { layer: 1, tensor: Tensor::K };
+    let last = (0..r.plan.segments.len()).map(|i| r.plan.segments.at(i)).filter(|s| (s.dst_rank, s.dst_region) == (1, k1)).last().unwrap();
+    let (_, at) = last.runs().last().unwrap();
+    let mut bad = r.dst_bufs.clone();
+    bad.ranks[1].get_mut(&k1).unwrap()[at as usize] ^= 1;
+    let err = m.verify_checksums(&r.at_destination(&bad)).unwrap_err();
+    assert!(matches!(err, ManifestError::Checksum { dst_rank: 1, layer: 1, tensor: Tensor::K, chunk: 2, .. }), "{err}");
+}
+
+#[test]
+fn a_segment_longer_than_a_chunk_stays_in_one_chunk() {
+    // The same layout at both ends: each region is one segment of
+    // 1100 × 8 heads × 512 bytes (4.3 MiB), so one chunk, numbered 0.
+    let spec = "[[layers]]\nattention = \"dense\"\nkv_heads = 8\nhead_dim = 128\n".repeat(2);
+    let r = run(from_toml_spec("two-layers", &spec).unwrap(), "tp=1", "tp=1", fp32(), 1100, 0);
+    assert_eq!(r.plan.segments.len(), 2 * 2);
+    let m = r.manifest(&identity());
+    assert_eq!(m.checksums.iter().map(|c| (c.chunk, c.bytes)).collect::<Vec<_>>(), vec![(0, 1100 * 8 * ROW); 4]);
+    assert_eq!(r.at_destination(&r.dst_bufs), m.checksums);
 }
 
 #[test]
@@ -253,13 +351,13 @@ fn one_flipped_destination_byte_fails_naming_dst_rank_layer_tensor() {
     let err = m.verify_checksums(&r.at_destination(&bufs)).unwrap_err();
     let want = m.checksums.iter().find(|c| (c.dst_rank, c.layer, c.tensor) == (1, 3, Tensor::V)).unwrap().xxh3;
     match &err {
-        ManifestError::Checksum { dst_rank: 1, layer: 3, tensor: Tensor::V, expected, got } => {
+        ManifestError::Checksum { dst_rank: 1, layer: 3, tensor: Tensor::V, chunk: 0, expected, got } => {
             assert_eq!(*expected, want);
             assert_ne!(*got, want);
         }
         other => panic!("wrong error: {other:?}"),
     }
-    assert!(err.to_string().starts_with(&format!("checksum mismatch: dst rank 1 layer 3 tensor v: expected {want:#018x}, got 0x")), "{err}");
+    assert!(err.to_string().starts_with(&format!("checksum mismatch: dst rank 1 layer 3 tensor v chunk 0: expected {want:#018x}, got 0x")), "{err}");
 }
 
 #[test]
@@ -284,7 +382,7 @@ fn a_receiver_holding_one_rank_verifies_only_that_rank() {
     m.verify_checksums_where(&mine, |rank| rank == 1).unwrap();
     assert_eq!(
         m.verify_checksums(&mine),
-        Err(ManifestError::ChecksumNotRecomputed { dst_rank: 0, layer: 0, tensor: Tensor::K })
+        Err(ManifestError::ChecksumNotRecomputed { dst_rank: 0, layer: 0, tensor: Tensor::K, chunk: 0 })
     );
 }
 
@@ -292,17 +390,17 @@ fn a_receiver_holding_one_rank_verifies_only_that_rank() {
 fn recomputed_lists_that_disagree_in_shape_are_refused() {
     let m = llama_manifest();
     let mut extra = m.checksums.clone();
-    extra.push(LayerChecksum { dst_rank: 2, layer: 0, tensor: Tensor::K, bytes: 1, xxh3: 0 });
+    extra.push(LayerChecksum { dst_rank: 2, layer: 0, tensor: Tensor::K, chunk: 0, bytes: 1, xxh3: 0 });
     assert_eq!(
         m.verify_checksums(&extra),
-        Err(ManifestError::ChecksumNotInManifest { dst_rank: 2, layer: 0, tensor: Tensor::K })
+        Err(ManifestError::ChecksumNotInManifest { dst_rank: 2, layer: 0, tensor: Tensor::K, chunk: 0 })
     );
     let mut short = m.checksums.clone();
     short[5].bytes -= 1;
     let err = m.verify_checksums(&short).unwrap_err();
     assert_eq!(
         err.to_string(),
-        format!("checksum byte count mismatch: dst rank 0 layer 2 tensor v: expected {0} bytes, got {1}", TOKENS * DST_HEADS * ROW, TOKENS * DST_HEADS * ROW - 1)
+        format!("checksum byte count mismatch: dst rank 0 layer 2 tensor v chunk 0: expected {0} bytes, got {1}", TOKENS * DST_HEADS * ROW, TOKENS * DST_HEADS * ROW - 1)
     );
 }
 
@@ -360,7 +458,7 @@ fn each_manifest_field_mismatch_is_refused_naming_the_field() {
     let expected = r.expected(&identity());
     type Edit = fn(&mut Manifest);
     let cases: &[(Edit, &str)] = &[
-        (|m| m.version = 2, "unsupported manifest version 2 (this side speaks 1)"),
+        (|m| m.version = 3, "unsupported manifest version 3 (this side speaks 2)"),
         (|m| m.checksum_algo = "crc32c".into(), "unsupported checksum algorithm: expected xxh3-64, got crc32c"),
         (|m| m.transfer = "req-0001".into(), "transfer id mismatch: expected req-7f3a, got req-0001"),
         (|m| m.format = "bf16/v1".into(), "cache format mismatch: expected fp32/v1, got bf16/v1"),
@@ -370,9 +468,9 @@ fn each_manifest_field_mismatch_is_refused_naming_the_field() {
         (|m| m.layers[3].tensors[1].heads = 4, "layer shape mismatch: layer 3: expected full k 8x128 v 8x128 retained [0, 100), got full k 8x128 v 4x128 retained [0, 100)"),
         (|m| { m.layers.pop(); }, "layer shape mismatch: expected 32 layers, got 31"),
         (|m| m.dst_map.ranks[1].held[0].heads = [0, 4], "shard map mismatch: destination rank 1: expected rank 1 holds layers [0, 32) heads [4, 8), got rank 1 holds layers [0, 32) heads [0, 4)"),
-        (|m| m.checksums.swap(0, 1), "checksum list: dst rank 0 layer 0 tensor k is out of order or repeated"),
+        (|m| m.checksums.swap(0, 1), "checksum list: dst rank 0 layer 0 tensor k chunk 0 is out of order or repeated"),
         (|m| m.checksums[0].layer = 40, "checksum list: dst rank 0 does not hold layer 40 tensor k"),
-        (|m| m.checksums[2].layer = 0, "checksum list: dst rank 0 layer 0 tensor k is out of order or repeated"),
+        (|m| m.checksums[2].layer = 0, "checksum list: dst rank 0 layer 0 tensor k chunk 0 is out of order or repeated"),
         (|m| m.checksums.last_mut().unwrap().dst_rank = 2, "checksum list: dst rank 2 does not hold layer 31 tensor v"),
         (|m| m.checksums.last_mut().unwrap().tensor = Tensor::State, "checksum list: dst rank 1 does not hold layer 31 tensor state"),
     ];
@@ -514,11 +612,11 @@ fn hostile_json_is_refused_cleanly() {
     json_err(good.replacen(r#""tokens":100"#, r#""tokens":-1"#, 1).as_bytes());
     json_err(good.replacen(r#""tokens":100"#, r#""tokens":18446744073709551616"#, 1).as_bytes());
     json_err(good.replacen(r#""tokens":100,"#, "", 1).as_bytes());
-    json_err(br#"{"version":1}"#);
+    json_err(br#"{"version":2}"#);
     json_err(b"[]");
     json_err(b"\xff\xfe{}");
     json_err(&[b'['; 100_000]);
-    json_err(b"{\"version\":1,\"transfer\":\"\xc3\"}");
+    json_err(b"{\"version\":2,\"transfer\":\"\xc3\"}");
     // 20 MiB: refused before parsing.
     let big = vec![b' '; 20 << 20];
     assert_eq!(
@@ -529,14 +627,17 @@ fn hostile_json_is_refused_cleanly() {
 
 #[test]
 fn another_version_is_refused_before_its_fields_are_read() {
-    // A v2 manifest may add fields; the answer is still "unsupported version".
-    let v2 = llama_manifest().to_json().replacen(r#""version":1,"#, r#""version":2,"hmac":"x","#, 1);
-    assert_eq!(Manifest::from_json(v2.as_bytes()), Err(ManifestError::Version { got: 2 }));
+    // A v3 manifest may add fields; the answer is still "unsupported version".
+    let v3 = llama_manifest().to_json().replacen(r#""version":2,"#, r#""version":3,"hmac":"x","#, 1);
+    assert_eq!(Manifest::from_json(v3.as_bytes()), Err(ManifestError::Version { got: 3 }));
     // Whatever else it lacks, or however well formed the rest is.
-    assert_eq!(Manifest::from_json(br#"{"version":3}"#), Err(ManifestError::Version { got: 3 }));
-    let v2_whole = llama_manifest().to_json().replacen(r#""version":1,"#, r#""version":2,"#, 1);
-    assert_eq!(Manifest::from_json(v2_whole.as_bytes()), Err(ManifestError::Version { got: 2 }));
-    assert_eq!(ManifestError::Version { got: 2 }.to_string(), "unsupported manifest version 2 (this side speaks 1)");
+    assert_eq!(Manifest::from_json(br#"{"version":4}"#), Err(ManifestError::Version { got: 4 }));
+    let v3_whole = llama_manifest().to_json().replacen(r#""version":2,"#, r#""version":3,"#, 1);
+    assert_eq!(Manifest::from_json(v3_whole.as_bytes()), Err(ManifestError::Version { got: 3 }));
+    // A v1 manifest has one checksum per region, no chunks: refused by version too.
+    let v1 = llama_manifest().to_json().replacen(r#""version":2,"#, r#""version":1,"#, 1).replace(r#""chunk":0,"#, "");
+    assert_eq!(Manifest::from_json(v1.as_bytes()), Err(ManifestError::Version { got: 1 }));
+    assert_eq!(ManifestError::Version { got: 1 }.to_string(), "unsupported manifest version 1 (this side speaks 2)");
 }
 
 // ------------------------------------------------------------ properties

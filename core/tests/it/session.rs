@@ -248,7 +248,7 @@ fn accepts_that_break_a_rule_are_refused_by_name() {
 
 #[test]
 fn a_streaming_source_sends_each_layers_sums_after_the_manifest_and_only_then() {
-    let sums = |layer: u16| vec![LayerChecksum { dst_rank: 0, layer: layer.into(), tensor: Tensor::K, bytes: 64, xxh3: 7 }];
+    let sums = |layer: u16| vec![LayerChecksum { dst_rank: 0, layer: layer.into(), tensor: Tensor::K, chunk: 0, bytes: 64, xxh3: 7 }];
     let mut p = Pair::new();
     assert!(matches!(p.step(default_daemon), Ok(SourceEvent::Accepted(_))));
     // Before the manifest the source has nothing to vouch for.
@@ -410,7 +410,7 @@ fn a_claim_staging_more_than_was_set_aside_or_refused_ends_without_an_abort() {
 
 #[test]
 fn every_peer_message_reads_back_as_written_and_a_misplaced_or_unknown_tag_is_refused_by_name() {
-    let sums = LayerSums { slot: SLOT, layer: 3, checksums: vec![LayerChecksum { dst_rank: 0, layer: 3, tensor: Tensor::V, bytes: 96, xxh3: 7 }] };
+    let sums = LayerSums { slot: SLOT, layer: 3, checksums: vec![LayerChecksum { dst_rank: 0, layer: 3, tensor: Tensor::V, chunk: 0, bytes: 96, xxh3: 7 }] };
     let announce = kvwire_core::session::msg::Announce { group: "decode".into(), request: "r1".into(), gen: 4, tokens: 100, identity: offer().identity, layer_bytes: vec![10, 20], accept: accept() };
     let all = [
         PeerMsg::Challenge { node: "b".into(), version: 6, nonce: "00".into() },

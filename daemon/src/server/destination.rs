@@ -9,7 +9,7 @@ use super::device::Copies;
 use super::error::Refusal;
 use super::landing::{Landing, LAND_ON_ARRIVAL_MAX};
 use super::state::{DeviceMems, Role, SlotId};
-use super::{in_region_parts, pieces, read_mem, region_view, Daemon, RunReader};
+use super::{in_parts, pieces, read_mem, region_view, Daemon, Part, RunReader};
 use crate::metrics::Metrics;
 use crate::peer::{self, Sealed};
 use kvwire_client::control::*;
@@ -539,13 +539,14 @@ impl Daemon {
     pub(super) fn unpack_and_hash(&self, r: &Receive, layer: usize) -> Result<Vec<LayerChecksum>, String> {
         let ls = &r.p.schedule.layers[layer];
         let verifying = self.verifying(r, layer);
-        let landed = in_region_parts(&r.p.plan, ls.segments(), ls.wire_bytes, |segs| land_part(r, segs, verifying, layer))?;
+        let landed = in_parts(&r.p.plan, ls.segments(), ls.wire_bytes, |part| land_part(r, part, verifying, layer))?;
         // Parts ran side by side: a hop held the layer as long as its longest part.
         let (mut hashing, mut unpacking, mut unpacked, mut sums) = (Duration::ZERO, Duration::ZERO, 0, Vec::new());
         for p in landed {
             (hashing, unpacking, unpacked) = (hashing.max(p.hashing), unpacking.max(p.unpacking), unpacked + p.unpacked);
             sums.extend(p.sums);
         }
+        sums.sort_unstable_by_key(LayerChecksum::key);
         if unpacked > 0 {
             self.slot_hop(r.id, Hop::Unpack, unpacking, unpacked);
         }
@@ -597,16 +598,16 @@ struct Landed {
     unpacked: u64,
 }
 
-/// Unpacks and hashes segments `segs` of layer `layer` (whole destination
-/// regions, plan order), piece by piece, each piece hashed and unpacked
-/// while it is in the CPU's cache ([`Daemon::unpack_and_hash`]).
-fn land_part(r: &Receive, segs: &[usize], verifying: bool, layer: usize) -> Result<Landed, String> {
+/// Unpacks and hashes `part` of layer `layer`'s segments (whole checksum
+/// chunks), piece by piece, each piece hashed and unpacked while it is in
+/// the CPU's cache ([`Daemon::unpack_and_hash`]).
+fn land_part(r: &Receive, part: &Part, verifying: bool, layer: usize) -> Result<Landed, String> {
     let in_staging = r.codec.is_none();
     let runs = RunReader::new(&r.regions);
     let stage = r.stage.as_deref().filter(|_| in_staging);
-    let mut sums = Checksums::new(&r.p.plan, Reading::Destination);
+    let mut sums = part.sums(&r.p.plan, Reading::Destination);
     let (mut hashing, mut unpacking, mut unpacked) = (Duration::ZERO, Duration::ZERO, 0);
-    for (piece, _) in pieces(&r.p.plan, segs.iter().copied()) {
+    for (piece, _) in pieces(&r.p.plan, part.iter().copied()) {
         let mut hash = |sums: &mut Checksums| {
             let t = Instant::now();
             let read = |rank: u32, region: RegionId, offset: u64, len: u64| runs.read(rank, region, offset, len);

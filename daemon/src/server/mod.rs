@@ -44,6 +44,7 @@ use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::{Endpoint, FlagTable, Hops, HostMem, Placement, Registry};
 use state::{Groups, Slots};
+use kvwire_core::manifest::{chunks_of, Checksums, Reading};
 use kvwire_core::plan::Plan;
 use kvwire_core::shard::RegionId;
 use kvwire_transport::Region;
@@ -240,7 +241,7 @@ where
 }
 
 /// The least a part of a layer takes when its segments are hashed, packed
-/// or unpacked in parts side by side ([`by_region`]): below it a thread's
+/// or unpacked in parts side by side ([`by_chunk`]): below it a thread's
 /// start costs more than the part it takes. Split into 512 KiB parts,
 /// llama-3.1-8b's 1 MiB layers (256 tokens) over shm went 0.37-0.45 of
 /// memcpy -> 0.23-0.28 (`kvwire bench layouts`, 3 runs each).
@@ -252,42 +253,71 @@ fn cores() -> usize {
     *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
-/// A layer's segments `segs` (plan order, `bytes` in all) split by
-/// destination region, one part per region, at most one per core and one
-/// per [`PARALLEL_BYTES`], each part in plan order. A region's checksum is
-/// one stream over its segments in plan order, so a part hashes whole
-/// regions; the regions of a layer (its K and V, and each destination
-/// rank's) then go side by side ([`side_by_side`]).
-fn by_region(plan: &Plan, segs: Vec<usize>, bytes: u64) -> Vec<Vec<usize>> {
-    let most = cores().min(usize::try_from(bytes / PARALLEL_BYTES).unwrap_or(usize::MAX));
+/// Some of a layer's segments, for one thread: whole checksum chunks
+/// ([`chunks_of`]), and where each starts in its region's stream, so that
+/// its checksums are the layer's ([`Part::sums`]).
+#[derive(Debug, Default)]
+struct Part {
+    segs: Vec<usize>,
+    starts: Vec<(usize, u64)>,
+}
+
+impl std::ops::Deref for Part {
+    type Target = [usize];
+    fn deref(&self) -> &[usize] {
+        &self.segs
+    }
+}
+
+impl Part {
+    /// All of `segs` (plan order, whole regions) on one thread.
+    fn whole(segs: Vec<usize>) -> Part {
+        Part { segs, starts: Vec::new() }
+    }
+
+    /// Checksums of this part's chunks, read at `side`.
+    fn sums<'p>(&self, plan: &'p Plan, side: Reading) -> Checksums<'p> {
+        Checksums::new(plan, side).starting_at(self.starts.iter().copied())
+    }
+}
+
+/// A layer's segments `segs` (plan order, whole regions; `bytes` in all)
+/// in parts of whole checksum chunks, at most one per core and one per
+/// [`PARALLEL_BYTES`], of about equal bytes, each chunk's segments in plan
+/// order. A region's chunks hash apart ([`chunks_of`]), so one region
+/// (FlashInfer's K and V in one tensor) splits as well as several; a
+/// segment longer than a chunk is a chunk of its own.
+fn by_chunk(plan: &Plan, segs: Vec<usize>, bytes: u64) -> Vec<Part> {
+    by_chunk_among(plan, segs, bytes, cores())
+}
+
+/// [`by_chunk`] on `cores` cores.
+fn by_chunk_among(plan: &Plan, segs: Vec<usize>, bytes: u64, cores: usize) -> Vec<Part> {
+    let most = cores.min(usize::try_from(bytes / PARALLEL_BYTES).unwrap_or(usize::MAX));
     if most < 2 {
-        return vec![segs];
+        return vec![Part::whole(segs)];
     }
-    let mut part_of: Vec<(RegionKey, usize)> = Vec::new();
-    let mut parts: Vec<Vec<usize>> = Vec::new();
-    for i in segs {
-        let s = plan.segments.at(i);
-        let key = (s.dst_rank, s.dst_region);
-        let part = match part_of.iter().find(|(k, _)| *k == key) {
-            Some(&(_, p)) => p,
-            None => {
-                let p = part_of.len() % most;
-                part_of.push((key, p));
-                p
-            }
-        };
-        if parts.len() <= part {
-            parts.resize_with(part + 1, Vec::new);
-        }
-        parts[part].push(i);
+    let chunks = chunks_of(plan, &segs);
+    let total: u128 = chunks.iter().map(|c| u128::from(c.bytes)).sum::<u128>().max(1);
+    // A chunk goes to the part its middle byte falls in, the layer's bytes
+    // cut into `most` equal spans: parts come out about equal.
+    let mut parts: Vec<Part> = (0..most).map(|_| Part::default()).collect();
+    let mut before: u128 = 0;
+    for c in chunks {
+        let middle = before + u128::from(c.bytes) / 2;
+        let p = &mut parts[usize::try_from(middle * most as u128 / total).unwrap_or(most - 1).min(most - 1)];
+        before += u128::from(c.bytes);
+        p.starts.push((c.seg, c.start));
+        p.segs.extend(c.segs);
     }
+    parts.retain(|p| !p.segs.is_empty());
     parts
 }
 
 /// `work` on each of `parts`, the first on this thread and the others on
 /// threads of their own; the results in the parts' order. A panic in a
 /// part is this thread's.
-fn side_by_side<T: Send>(parts: &[Vec<usize>], work: impl Fn(&[usize]) -> T + Sync) -> Vec<T> {
+fn side_by_side<T: Send>(parts: &[Part], work: impl Fn(&Part) -> T + Sync) -> Vec<T> {
     let Some((first, rest)) = parts.split_first() else { return Vec::new() };
     if rest.is_empty() {
         return vec![work(first)];
@@ -304,10 +334,10 @@ fn side_by_side<T: Send>(parts: &[Vec<usize>], work: impl Fn(&[usize]) -> T + Sy
 }
 
 /// `work` on each part of a layer's segments `segs` (plan order, `bytes`
-/// in all) split by destination region ([`by_region`]), the parts side by
-/// side ([`side_by_side`]): the parts' results in order, or the first error.
-fn in_region_parts<T: Send, E: Send>(plan: &Plan, segs: Vec<usize>, bytes: u64, work: impl Fn(&[usize]) -> Result<T, E> + Sync) -> Result<Vec<T>, E> {
-    side_by_side(&by_region(plan, segs, bytes), work).into_iter().collect()
+/// in all; [`by_chunk`]), the parts side by side ([`side_by_side`]): the
+/// parts' results in order, or the first error.
+fn in_parts<T: Send, E: Send>(plan: &Plan, segs: Vec<usize>, bytes: u64, work: impl Fn(&Part) -> Result<T, E> + Sync) -> Result<Vec<T>, E> {
+    side_by_side(&by_chunk(plan, segs, bytes), work).into_iter().collect()
 }
 
 /// A quarter of a core's L2 on the machines we measure on: the piece, the
@@ -684,4 +714,61 @@ fn claim_control_socket(path: &std::path::Path) -> anyhow::Result<(UnixListener,
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     let id = file_id(path).ok_or_else(|| anyhow::anyhow!("control_socket {}: gone right after bind", path.display()))?;
     Ok((l, id))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{by_chunk_among, side_by_side, Part};
+    use kvwire_core::format::CacheFormat;
+    use kvwire_core::layout::{from_toml_spec, Tensor};
+    use kvwire_core::manifest::{checksums_at_source, read_buffers, LayerChecksum, Reading, CHECKSUM_CHUNK};
+    use kvwire_core::plan::{build, CostModel, PlanInput, Side};
+    use kvwire_core::shard::LayoutSpec;
+    use kvwire_core::verify::fill_source;
+
+    #[test]
+    fn a_layer_splits_into_parts_of_whole_chunks_whose_checksums_are_the_layers_even_for_one_region() {
+        // One layer, 8 heads of 128 fp32, 1100 tokens: TP4 NHD/16 -> TP2
+        // HND/32 gives each destination region 2,252,800 bytes in 16 KiB
+        // segments (a block of one head), three checksum chunks.
+        let model = from_toml_spec("one", "[[layers]]\nattention = \"dense\"\nkv_heads = 8\nhead_dim = 128\n").unwrap();
+        let fp32 = CacheFormat::parse("fp32").unwrap();
+        let side = |l: &str| Side::new(&model, &LayoutSpec::parse(l).unwrap(), fp32, 1100).unwrap();
+        let (src, dst) = (side("tp=4,block=16"), side("tp=2,layout=hnd,block=32"));
+        let plan = build(&PlanInput { model: &model, tokens: 1100, prefix_tokens: 0, src: &src, dst: &dst, cost: CostModel::default() }).unwrap();
+        let bufs = fill_source(&model, &src, 1100);
+        let all: Vec<usize> = (0..plan.segments.len()).collect();
+        let whole = checksums_at_source(&plan, read_buffers(&bufs), |_, _| true).unwrap();
+        assert_eq!(whole.len(), 2 * 2 * 3);
+        let one_region: Vec<usize> = all.iter().copied().filter(|&i| {
+            let s = plan.segments.at(i);
+            s.dst_rank == 1 && s.dst_region.tensor == Tensor::V
+        }).collect();
+        for (segs, cores, parts) in [(all.clone(), 16, 8), (all.clone(), 3, 3), (all.clone(), 1, 1), (one_region, 16, 2)] {
+            let bytes: u64 = segs.iter().map(|&i| plan.segments.at(i).bytes()).sum();
+            let split = by_chunk_among(&plan, segs.clone(), bytes, cores);
+            // At most a part per core and per MiB, none empty, every segment in one.
+            assert_eq!(split.len(), parts, "{cores} cores, {bytes} bytes");
+            // About equal: within two chunks of each other.
+            let sizes: Vec<u64> = split.iter().map(|p| p.iter().map(|&i| plan.segments.at(i).bytes()).sum()).collect();
+            assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 2 * CHECKSUM_CHUNK, "{sizes:?}");
+            assert!(split.iter().all(|p| !p.is_empty()));
+            let mut seen: Vec<usize> = split.iter().flat_map(|p| p.iter().copied()).collect();
+            seen.sort_unstable();
+            assert_eq!(seen, { let mut s = segs.clone(); s.sort_unstable(); s });
+            // Hashed side by side, the parts' checksums are the layer's.
+            let mut sums: Vec<LayerChecksum> = side_by_side(&split, |p: &Part| {
+                let mut sums = p.sums(&plan, Reading::Source);
+                sums.add(p.iter().copied(), read_buffers(&bufs), |_| None::<&[u8]>).unwrap();
+                sums.finish()
+            })
+            .concat();
+            sums.sort_unstable_by_key(LayerChecksum::key);
+            let want: Vec<LayerChecksum> = whole.iter().filter(|c| segs.iter().any(|&i| {
+                let s = plan.segments.at(i);
+                (s.dst_rank, s.dst_region.tensor) == (c.dst_rank, c.tensor)
+            })).copied().collect();
+            assert_eq!(sums, want, "{cores} cores");
+        }
+    }
 }

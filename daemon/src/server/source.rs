@@ -12,7 +12,7 @@ use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::ring::{Ring, RingLayout};
 use super::state::{Boundary, DeviceMems, Role, SlotId};
-use super::{in_region_parts, pieces, read_mem, region_view, Daemon, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
+use super::{in_parts, pieces, read_mem, region_view, Daemon, Part, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -593,12 +593,12 @@ impl Daemon {
                             return Err("cancelled".to_string());
                         }
                         d.ring_pack(id, &g, &p, &ring, codec, layer).map_err(|r| r.message)?;
-                        let sums = |part: &[usize]| {
+                        let sums = |part: &Part| {
                             let (base, mut find) = (ring.base(layer), ring.layout.finder(layer));
                             let read = |rank, region, offset, len| find(rank, region, offset, len).and_then(|at| region_view(&ring.region, base + at, len)).map(RunBytes::Mapped);
                             // Packed bytes are what the destination holds only without a codec.
                             let whole = |i: usize| ring.packed(layer, i).filter(|_| codec.is_none()).and_then(|at| region_view(&ring.region, at, p.plan.segments.at(i).bytes())).map(RunBytes::Mapped);
-                            let mut sums = Checksums::new(&p.plan, Reading::Source);
+                            let mut sums = part.sums(&p.plan, Reading::Source);
                             d.sums_of(&mut sums, &g, codec, part.iter().copied(), read, whole).map(|()| sums.finish())
                         };
                         d.send_sums(id, &p, layer, link, sums).map_err(|r| r.message)?;
@@ -655,7 +655,7 @@ impl Daemon {
         let segs: Vec<usize> = packed.iter().map(|&(i, _)| i).collect();
         let bytes = segs.iter().map(|&i| p.plan.segments.at(i).bytes()).sum::<u64>();
         // A large layer's regions are packed side by side.
-        in_region_parts(&p.plan, segs, bytes, |part| self.ring_pack_part(g, p, ring, codec, layer, part))?;
+        in_parts(&p.plan, segs, bytes, |part| self.ring_pack_part(g, p, ring, codec, layer, part))?;
         self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
         Ok(())
     }
@@ -868,7 +868,7 @@ impl Daemon {
     /// the pack and verify hops get their own times.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>) -> Result<Vec<LayerChecksum>, Refusal> {
-        let (sums, t) = self.pack_hashed_timed(g, p, codec, stage, segs)?;
+        let (sums, t) = self.pack_hashed_timed(g, p, codec, stage, segs, Checksums::new(&p.plan, Reading::Source))?;
         self.pack_hashed_hops(id, &t);
         Ok(sums)
     }
@@ -883,9 +883,10 @@ impl Daemon {
         }
     }
 
-    /// [`Daemon::pack_hashed`], its times returned rather than recorded.
-    fn pack_hashed_timed(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>) -> Result<(Vec<LayerChecksum>, PackTimes), Refusal> {
-        let mut sums = Checksums::new(&p.plan, Reading::Source);
+    /// [`Daemon::pack_hashed`] into `sums` (a part's, [`Part::sums`]), its
+    /// times returned rather than recorded.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    fn pack_hashed_timed(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>, mut sums: Checksums) -> Result<(Vec<LayerChecksum>, PackTimes), Refusal> {
         let hashes = self.cfg.verify_checksums;
         let mut t = PackTimes::default();
         for (piece, bytes) in pieces(&p.plan, segs) {
@@ -941,14 +942,17 @@ impl Daemon {
         let ls = &p.schedule.layers[layer];
         let packs = ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec));
         // Hashed as it is packed, piece by piece (an empty list with
-        // checksums off); a large layer's regions side by side, each part
-        // holding the layer for as long as the longest.
-        let parts = in_region_parts(&p.plan, ls.segments(), ls.wire_bytes, |segs| self.pack_hashed_timed(g, p, codec, stage.filter(|_| packs), segs.iter().copied()))?;
+        // checksums off); a large layer's checksum chunks in parts side by
+        // side, each part holding the layer for as long as the longest.
+        let parts = in_parts(&p.plan, ls.segments(), ls.wire_bytes, |part| {
+            self.pack_hashed_timed(g, p, codec, stage.filter(|_| packs), part.iter().copied(), part.sums(&p.plan, Reading::Source))
+        })?;
         let (mut sums, mut t) = (Vec::new(), PackTimes::default());
         for (s, pt) in parts {
             sums.extend(s);
             t = t.beside(&pt);
         }
+        sums.sort_unstable_by_key(LayerChecksum::key);
         self.pack_hashed_hops(id, &t);
         link.send_layer_sums(layer as u16, sums)
     }
@@ -958,17 +962,21 @@ impl Daemon {
     /// off, an empty list.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn send_layer_checksums(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
-        self.send_sums(id, p, layer, link, |part| self.source_sums(g, p, codec, part.iter().copied(), stage))
+        self.send_sums(id, p, layer, link, |part| {
+            let mut sums = part.sums(&p.plan, Reading::Source);
+            self.add_source_sums(&mut sums, g, p, codec, part.iter().copied(), stage).map(|()| sums.finish())
+        })
     }
 
     /// Layer `layer`'s checksums, as `sums` computes them over each part of
-    /// its segments (a large layer's regions side by side, [`in_region_parts`]),
+    /// its segments (a large layer's checksum chunks side by side, [`in_parts`]),
     /// out unanswered; with checksums off, an empty list.
-    fn send_sums(&self, id: SlotId, p: &Planned, layer: usize, link: &PeerLink, sums: impl Fn(&[usize]) -> Result<Vec<LayerChecksum>, Refusal> + Sync) -> Result<(), Refusal> {
+    fn send_sums(&self, id: SlotId, p: &Planned, layer: usize, link: &PeerLink, sums: impl Fn(&Part) -> Result<Vec<LayerChecksum>, Refusal> + Sync) -> Result<(), Refusal> {
         let sums = if self.cfg.verify_checksums {
             let started = Instant::now();
             let (segs, bytes) = layer_segments(p, layer);
-            let sums = in_region_parts(&p.plan, segs, p.schedule.layers[layer].wire_bytes, sums)?.concat();
+            let mut sums = in_parts(&p.plan, segs, p.schedule.layers[layer].wire_bytes, sums)?.concat();
+            sums.sort_unstable_by_key(LayerChecksum::key);
             self.slot_hop(id, Hop::Verify, started.elapsed(), bytes);
             sums
         } else {

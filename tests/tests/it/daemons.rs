@@ -749,6 +749,33 @@ fn a_gathered_segment_whose_destination_runs_are_back_to_back_lands_in_place() {
     }
 }
 
+#[test]
+fn a_layer_larger_than_a_checksum_chunk_is_hashed_in_parts_at_both_ends_and_decodes_bitwise() {
+    let _shared = crate::shared();
+    // 2100 tokens: each layer is 2100 x 4 heads x 128 B x (K, V) = 2.05 MiB
+    // at the destination, so from 2 cores on it lands in two parts; each
+    // region's stream is two checksum chunks (1 MiB, then the rest), and a
+    // part may hold one chunk of a region and the next part the other. Into
+    // HND (K and V regions) and into FlashInfer's one tensor per layer
+    // (one region); the source packs and hashes whole (below
+    // hash_beside_bytes) or layer by layer in parts (above it).
+    for (name, beside, dst) in [
+        ("chunks-hnd", "", "tp=1,block=32,layout=hnd,table=shuffle:3"),
+        ("chunks-fi", "", "tp=1,block=32,kv=flashinfer,table=shuffle:3"),
+        ("chunks-fi-beside", "[transport]\nhash_beside_bytes = 0\n", "tp=1,block=32,kv=flashinfer,table=shuffle:3"),
+    ] {
+        let p = pair_with(name, beside, "");
+        let mut sc = Scenario::new(name);
+        sc.tokens = 2100;
+        sc.src_layout = "tp=2,block=16,layout=nhd".into();
+        sc.dst_layout = dst.into();
+        let o = run(&p, &sc).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_bitwise(&o);
+        assert_eq!(hop(&o.source, "verify"), Some(o.source.bytes), "{name}: {:?}", o.source.hops);
+        assert_eq!(hop(&o.destination, "verify"), Some(o.source.bytes), "{name}: {:?}", o.destination.hops);
+    }
+}
+
 /// Top-1 agreement and max abs logit error of `codec` over `prompts` prompts.
 fn codec_quality(prompts: u64) -> (f64, f32) {
     use kvwire_core::codec::{decode_rows, encode_rows};
