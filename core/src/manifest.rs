@@ -104,7 +104,7 @@ pub struct Manifest {
     pub positions: Positions,
     /// Checksum algorithm: [`CHECKSUM_ALGO`].
     pub checksum_algo: String,
-    /// One checksum per (dst rank, layer, tensor) written, in that order (module docs).
+    /// One checksum per chunk of each (dst rank, layer, tensor) written, in that order (module docs).
     pub checksums: Vec<LayerChecksum>,
 }
 

@@ -107,7 +107,7 @@ fn checksums_from_source_agree_with_destination_after_tp4_to_tp2_hnd_block32() {
     let m = llama_manifest();
     m.check(&r.expected(&identity())).unwrap();
 
-    // One entry per (dst rank, layer, tensor): 2 ranks × 32 layers × (K, V),
+    // One entry per (dst rank, layer, tensor), each one chunk (under 1 MiB): 2 ranks × 32 layers × (K, V),
     // in (rank, layer, tensor) order; each covers 100 tokens × 4 heads × 512 bytes.
     assert_eq!(m.checksums.len() as u64, 2 * LAYERS * 2);
     let mut i = 0;
