@@ -76,6 +76,18 @@ impl PackTimes {
     }
 }
 
+/// The checksums of parts packed and hashed side by side, in list order,
+/// and their times.
+fn joined(parts: Vec<(Vec<LayerChecksum>, PackTimes)>) -> (Vec<LayerChecksum>, PackTimes) {
+    let (mut sums, mut t) = (Vec::new(), PackTimes::default());
+    for (s, pt) in parts {
+        sums.extend(s);
+        t = t.beside(&pt);
+    }
+    sums.sort_unstable_by_key(LayerChecksum::key);
+    (sums, t)
+}
+
 /// What a transfer's status reports of its size, known before any byte moves.
 struct Size {
     layers: usize,
@@ -861,14 +873,18 @@ impl Daemon {
         self.sums_of(sums, g, codec, segs, |rank, region, offset, len| runs.read(rank, region, offset, len), whole)
     }
 
-    /// Packs the staged segments among `segs` (whole layers, in plan order)
-    /// into `stage` and, when this daemon hashes, hashes all of `segs`,
-    /// piece by piece: each piece right after it is packed, while it is in
-    /// the CPU's cache. Returns the checksums (none with checksums off);
-    /// the pack and verify hops get their own times.
-    #[allow(clippy::too_many_arguments)] // the transfer's parts
-    fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>) -> Result<Vec<LayerChecksum>, Refusal> {
-        let (sums, t) = self.pack_hashed_timed(g, p, codec, stage, segs, Checksums::new(&p.plan, Reading::Source))?;
+    /// Packs the transfer's staged segments into `stage` and, when this
+    /// daemon hashes, hashes all its segments, piece by piece: each piece
+    /// right after it is packed, while it is in the CPU's cache. Returns
+    /// the checksums (none with checksums off); the pack and verify hops
+    /// get their own times.
+    fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>) -> Result<Vec<LayerChecksum>, Refusal> {
+        // A transfer of several MiB in parts side by side, whole checksum chunks each.
+        let all = (0..p.plan.segments.len()).collect();
+        let parts = in_parts(&p.plan, all, p.plan.counters.total_bytes_moved, |part| {
+            self.pack_hashed_timed(g, p, codec, stage, part.iter().copied(), part.sums(&p.plan, Reading::Source))
+        })?;
+        let (sums, t) = joined(parts);
         self.pack_hashed_hops(id, &t);
         Ok(sums)
     }
@@ -947,12 +963,7 @@ impl Daemon {
         let parts = in_parts(&p.plan, ls.segments(), ls.wire_bytes, |part| {
             self.pack_hashed_timed(g, p, codec, stage.filter(|_| packs), part.iter().copied(), part.sums(&p.plan, Reading::Source))
         })?;
-        let (mut sums, mut t) = (Vec::new(), PackTimes::default());
-        for (s, pt) in parts {
-            sums.extend(s);
-            t = t.beside(&pt);
-        }
-        sums.sort_unstable_by_key(LayerChecksum::key);
+        let (sums, t) = joined(parts);
         self.pack_hashed_hops(id, &t);
         link.send_layer_sums(layer as u16, sums)
     }
@@ -988,7 +999,7 @@ impl Daemon {
     /// [`Daemon::pack`], hashing every segment as it goes ([`Daemon::pack_hashed`]).
     fn pack_and_hash(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<(Option<Arc<Region>>, Vec<LayerChecksum>), Refusal> {
         let stage = self.stage_buffer(id, stage_needed(p, codec))?;
-        match self.pack_hashed(id, g, p, codec, stage.as_deref(), 0..p.plan.segments.len()) {
+        match self.pack_hashed(id, g, p, codec, stage.as_deref()) {
             Ok(sums) => Ok((stage, sums)),
             Err(r) => {
                 self.drop_stage(stage);
