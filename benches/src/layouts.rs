@@ -56,6 +56,10 @@ pub struct LayoutsArgs {
     /// Both daemons with `verify_checksums = false`: what the checksums cost.
     #[arg(long)]
     no_verify: bool,
+    /// Also print each point's best transfer's timeline: every lifetime
+    /// mark on both daemons (each layer's), ms from that daemon's enqueue.
+    #[arg(long)]
+    marks: bool,
 }
 
 /// One measured layout point (a line of layouts.jsonl).
@@ -102,6 +106,20 @@ pub struct LayoutPoint {
     /// The best transfer's busy time per hop and side, as both daemons'
     /// status reported it.
     pub hops: Vec<PointHop>,
+    /// The best transfer's lifetime marks per side, as both daemons'
+    /// status reported them.
+    pub marks: Vec<PointMark>,
+}
+
+/// One lifetime mark of one side in a point's best transfer.
+#[derive(Debug, Clone, Serialize)]
+pub struct PointMark {
+    /// `source` or `destination`.
+    pub side: &'static str,
+    /// The boundary, e.g. `layer_ready(3)`.
+    pub mark: String,
+    /// From that daemon's enqueue of the transfer.
+    pub at_ns: u64,
 }
 
 /// One hop of one side in a point's best transfer.
@@ -241,6 +259,12 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
         // reader sees the bottleneck without running anything else.
         let hops: Vec<String> = p.hops.iter().map(|h| format!("{} {:.3}", h.hop, h.ns as f64 / 1e6)).collect();
         let _ = writeln!(out, "{:>7} busy ms: {}", "", hops.join(", "));
+        if a.marks {
+            for side in ["source", "destination"] {
+                let marks: Vec<String> = p.marks.iter().filter(|m| m.side == side).map(|m| format!("{} {:.3}", m.mark, m.at_ns as f64 / 1e6)).collect();
+                let _ = writeln!(out, "{:>7} marks ({side}) ms: {}", "", marks.join(", "));
+            }
+        }
     }
     let _ = writeln!(out, "wrote {}", path.display());
     Ok(())
@@ -300,6 +324,10 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 .collect();
             let bounding = predict(&stages, model.layers.len() as u64, 0).bounding;
             let hops = stages.iter().map(|st| PointHop { hop: st.hop.clone(), ns: st.total_ns, bytes: st.bytes }).collect();
+            let marks = [("source", &s), ("destination", &dstat)]
+                .into_iter()
+                .flat_map(|(side, st)| st.marks.iter().map(move |m| PointMark { side, mark: m.name.clone(), at_ns: m.at_ns }))
+                .collect();
             let payload = s.bytes;
             let (baseline, measure) = baseline_of(a.transport);
             let base = measure(payload.max(1), a.iterations)?;
@@ -335,6 +363,7 @@ fn sweep(a: &LayoutsArgs, model: &ModelSpec, format: &CacheFormat, kind: Transpo
                 ratio: gbps / baseline_gbps,
                 bounding,
                 hops,
+                marks,
             });
         }
     }
