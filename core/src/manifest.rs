@@ -69,6 +69,7 @@ pub const MANIFEST_VERSION: u32 = 2;
 /// a layer hashed side by side are whole chunks, and each is at least
 /// this large so that a thread's start is small against it.
 pub const CHECKSUM_CHUNK: u64 = 1 << 20;
+
 /// The one checksum algorithm this version uses (see the module docs).
 pub const CHECKSUM_ALGO: &str = "xxh3-64";
 /// Largest manifest JSON [`Manifest::from_json`] accepts (16 MiB).
@@ -881,7 +882,7 @@ impl Stream {
 pub struct ChunkRun {
     /// Destination rank and region.
     pub region: (u32, RegionId),
-    /// Its first segment, and where in the stream that segment starts.
+    /// Its first segment.
     pub seg: usize,
     /// Stream offset of `seg`.
     pub start: u64,

@@ -666,7 +666,8 @@ impl Daemon {
         let started = Instant::now();
         let segs: Vec<usize> = packed.iter().map(|&(i, _)| i).collect();
         let bytes = segs.iter().map(|&i| p.plan.segments.at(i).bytes()).sum::<u64>();
-        // A large layer's regions are packed side by side.
+        // A large layer is packed in parts side by side (only its packed
+        // segments: the parts' stream offsets are not used, nothing is hashed here).
         in_parts(&p.plan, segs, bytes, |part| self.ring_pack_part(g, p, ring, codec, layer, part))?;
         self.slot_hop(id, Hop::Pack, started.elapsed(), bytes);
         Ok(())
