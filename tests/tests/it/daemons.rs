@@ -758,14 +758,19 @@ fn a_layer_larger_than_a_checksum_chunk_is_hashed_in_parts_at_both_ends_and_deco
     // part may hold one chunk of a region and the next part the other. Into
     // HND (K and V regions) and into FlashInfer's one tensor per layer
     // (one region); the source packs and hashes whole (below
-    // hash_beside_bytes) or layer by layer in parts (above it).
-    for (name, beside, dst) in [
-        ("chunks-hnd", "", "tp=1,block=32,layout=hnd,table=shuffle:3"),
-        ("chunks-fi", "", "tp=1,block=32,kv=flashinfer,table=shuffle:3"),
-        ("chunks-fi-beside", "[transport]\nhash_beside_bytes = 0\n", "tp=1,block=32,kv=flashinfer,table=shuffle:3"),
+    // hash_beside_bytes), layer by layer in parts (above it), or, from
+    // stand-in device memory, each layer in its ring slot in parts.
+    let fi = "tp=1,block=32,kv=flashinfer,table=shuffle:3";
+    let dev = "[device]\nbackend = \"host\"\n";
+    for (name, a, b, dst, memory) in [
+        ("chunks-hnd", "", "", "tp=1,block=32,layout=hnd,table=shuffle:3", scenario::Memory::Host),
+        ("chunks-fi", "", "", fi, scenario::Memory::Host),
+        ("chunks-fi-beside", "[transport]\nhash_beside_bytes = 0\n", "", fi, scenario::Memory::Host),
+        ("chunks-fi-device", dev, dev, fi, scenario::Memory::StandIn),
     ] {
-        let p = pair_with(name, beside, "");
+        let p = pair_with(name, a, b);
         let mut sc = Scenario::new(name);
+        sc.memory = memory;
         sc.tokens = 2100;
         sc.src_layout = "tp=2,block=16,layout=nhd".into();
         sc.dst_layout = dst.into();
