@@ -546,7 +546,6 @@ impl Daemon {
             (hashing, unpacking, unpacked) = (hashing.max(p.hashing), unpacking.max(p.unpacking), unpacked + p.unpacked);
             sums.extend(p.sums);
         }
-        sums.sort_unstable_by_key(LayerChecksum::key);
         if unpacked > 0 {
             self.slot_hop(r.id, Hop::Unpack, unpacking, unpacked);
         }

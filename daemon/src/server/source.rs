@@ -76,18 +76,6 @@ impl PackTimes {
     }
 }
 
-/// The checksums of parts packed and hashed side by side, in list order,
-/// and their times.
-fn joined(parts: Vec<(Vec<LayerChecksum>, PackTimes)>) -> (Vec<LayerChecksum>, PackTimes) {
-    let (mut sums, mut t) = (Vec::new(), PackTimes::default());
-    for (s, pt) in parts {
-        sums.extend(s);
-        t = t.beside(&pt);
-    }
-    sums.sort_unstable_by_key(LayerChecksum::key);
-    (sums, t)
-}
-
 /// What a transfer's status reports of its size, known before any byte moves.
 struct Size {
     layers: usize,
@@ -843,7 +831,7 @@ impl Daemon {
             Sums::Follow => {}
             Sums::Now(stage) => {
                 let started = Instant::now();
-                m.checksums = self.source_sums(g, p, codec, 0..p.plan.segments.len(), stage)?;
+                m.checksums = self.source_sums(Checksums::new(&p.plan, Reading::Source), g, p, codec, 0..p.plan.segments.len(), stage)?;
                 self.slot_hop(id, Hop::Verify, started.elapsed(), p.plan.counters.total_bytes_moved);
             }
             Sums::Ready(sums) => m.checksums = sums,
@@ -852,10 +840,11 @@ impl Daemon {
     }
 
     /// Checksums of the source bytes of segments `segs` (whole layers, in
-    /// plan order), as the destination will hold them. Segments packed
-    /// into `stage` already (without a codec) are read there, in one piece.
-    fn source_sums(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, segs: impl IntoIterator<Item = usize>, stage: Option<&Region>) -> Result<Vec<LayerChecksum>, Refusal> {
-        let mut sums = Checksums::new(&p.plan, Reading::Source);
+    /// plan order, or a part's, [`Part::sums`]), as the destination will
+    /// hold them, hashed into `sums`. Segments packed into `stage` already
+    /// (without a codec) are read there, in one piece.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    fn source_sums(&self, mut sums: Checksums, g: &SourceGroup, p: &Planned, codec: Option<Codec>, segs: impl IntoIterator<Item = usize>, stage: Option<&Region>) -> Result<Vec<LayerChecksum>, Refusal> {
         self.add_source_sums(&mut sums, g, p, codec, segs, stage)?;
         Ok(sums.finish())
     }
@@ -874,34 +863,36 @@ impl Daemon {
         self.sums_of(sums, g, codec, segs, |rank, region, offset, len| runs.read(rank, region, offset, len), whole)
     }
 
-    /// Packs the transfer's staged segments into `stage` and, when this
-    /// daemon hashes, hashes all its segments, piece by piece: each piece
-    /// right after it is packed, while it is in the CPU's cache. Returns
-    /// the checksums (none with checksums off); the pack and verify hops
-    /// get their own times.
-    fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>) -> Result<Vec<LayerChecksum>, Refusal> {
-        // A transfer of several MiB in parts side by side, whole checksum chunks each.
-        let all = (0..p.plan.segments.len()).collect();
-        let parts = in_parts(&p.plan, all, p.plan.counters.total_bytes_moved, |part| {
+    /// Packs the staged segments among `segs` (whole layers, in plan order;
+    /// `bytes` in all) into `stage` and, when this daemon hashes, hashes
+    /// all of `segs`, piece by piece: each piece right after it is packed,
+    /// while it is in the CPU's cache. Several MiB go in parts side by
+    /// side, whole checksum chunks each, each part holding the work for as
+    /// long as the longest. Returns the checksums (none with checksums
+    /// off); the pack and verify hops get their own times.
+    #[allow(clippy::too_many_arguments)] // the transfer's parts
+    fn pack_hashed(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: Vec<usize>, bytes: u64) -> Result<Vec<LayerChecksum>, Refusal> {
+        let parts = in_parts(&p.plan, segs, bytes, |part| {
             self.pack_hashed_timed(g, p, codec, stage, part.iter().copied(), part.sums(&p.plan, Reading::Source))
         })?;
-        let (sums, t) = joined(parts);
-        self.pack_hashed_hops(id, &t);
-        Ok(sums)
-    }
-
-    /// The pack and verify hops of [`Daemon::pack_hashed_timed`]'s work.
-    fn pack_hashed_hops(&self, id: SlotId, t: &PackTimes) {
+        let (mut sums, mut t) = (Vec::new(), PackTimes::default());
+        for (s, pt) in parts {
+            sums.extend(s);
+            t = t.beside(&pt);
+        }
+        // In list order, as the manifest carries them.
+        sums.sort_unstable_by_key(LayerChecksum::key);
         if t.packed > 0 {
             self.slot_hop(id, Hop::Pack, t.packing, t.packed);
         }
         if self.cfg.verify_checksums {
             self.slot_hop(id, Hop::Verify, t.hashing, t.hashed);
         }
+        Ok(sums)
     }
 
-    /// [`Daemon::pack_hashed`] into `sums` (a part's, [`Part::sums`]), its
-    /// times returned rather than recorded.
+    /// One part of [`Daemon::pack_hashed`], into `sums` (the part's,
+    /// [`Part::sums`]), its times returned rather than recorded.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn pack_hashed_timed(&self, g: &SourceGroup, p: &Planned, codec: Option<Codec>, stage: Option<&Region>, segs: impl IntoIterator<Item = usize>, mut sums: Checksums) -> Result<(Vec<LayerChecksum>, PackTimes), Refusal> {
         let hashes = self.cfg.verify_checksums;
@@ -958,14 +949,8 @@ impl Daemon {
     fn host_layer(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
         let ls = &p.schedule.layers[layer];
         let packs = ls.staged.iter().any(|st| gathers(&p.plan.segments.at(st.seg), codec));
-        // Hashed as it is packed, piece by piece (an empty list with
-        // checksums off); a large layer's checksum chunks in parts side by
-        // side, each part holding the layer for as long as the longest.
-        let parts = in_parts(&p.plan, ls.segments(), ls.wire_bytes, |part| {
-            self.pack_hashed_timed(g, p, codec, stage.filter(|_| packs), part.iter().copied(), part.sums(&p.plan, Reading::Source))
-        })?;
-        let (sums, t) = joined(parts);
-        self.pack_hashed_hops(id, &t);
+        // Hashed as it is packed, piece by piece (an empty list with checksums off).
+        let sums = self.pack_hashed(id, g, p, codec, stage.filter(|_| packs), ls.segments(), ls.wire_bytes)?;
         link.send_layer_sums(layer as u16, sums)
     }
 
@@ -974,10 +959,7 @@ impl Daemon {
     /// off, an empty list.
     #[allow(clippy::too_many_arguments)] // the transfer's parts
     fn send_layer_checksums(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>, layer: usize, stage: Option<&Region>, link: &PeerLink) -> Result<(), Refusal> {
-        self.send_sums(id, p, layer, link, |part| {
-            let mut sums = part.sums(&p.plan, Reading::Source);
-            self.add_source_sums(&mut sums, g, p, codec, part.iter().copied(), stage).map(|()| sums.finish())
-        })
+        self.send_sums(id, p, layer, link, |part| self.source_sums(part.sums(&p.plan, Reading::Source), g, p, codec, part.iter().copied(), stage))
     }
 
     /// Layer `layer`'s checksums, as `sums` computes them over each part of
@@ -1000,7 +982,8 @@ impl Daemon {
     /// [`Daemon::pack`], hashing every segment as it goes ([`Daemon::pack_hashed`]).
     fn pack_and_hash(&self, id: SlotId, g: &SourceGroup, p: &Planned, codec: Option<Codec>) -> Result<(Option<Arc<Region>>, Vec<LayerChecksum>), Refusal> {
         let stage = self.stage_buffer(id, stage_needed(p, codec))?;
-        match self.pack_hashed(id, g, p, codec, stage.as_deref()) {
+        let all = (0..p.plan.segments.len()).collect();
+        match self.pack_hashed(id, g, p, codec, stage.as_deref(), all, p.plan.counters.total_bytes_moved) {
             Ok(sums) => Ok((stage, sums)),
             Err(r) => {
                 self.drop_stage(stage);
