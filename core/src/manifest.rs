@@ -898,25 +898,30 @@ pub struct ChunkRun {
 /// segment's offset given ([`Checksums::starting_at`]), gives the same
 /// checksums as hashing `segs` in one pass.
 pub fn chunks_of(plan: &Plan, segs: &[usize]) -> Vec<ChunkRun> {
+    // A region's stream offset so far, and its open chunk (number, index in `out`).
+    struct RegionAt {
+        key: (u32, RegionId),
+        offset: u64,
+        open: Option<(u64, usize)>,
+    }
     let mut out: Vec<ChunkRun> = Vec::new();
-    // Per region: its stream offset so far, and its open chunk (number,
-    // index in `out`). A layer writes a few regions, and a segment mostly
-    // goes where the one before it went: a short list, the last one first.
-    let mut regions: Vec<((u32, RegionId), u64, Option<(u64, usize)>)> = Vec::new();
+    // A layer writes a few regions, and a segment mostly goes where the one
+    // before it went: a short list, the last one first.
+    let mut regions: Vec<RegionAt> = Vec::new();
     let mut last = 0;
     for &i in segs {
         let Some(s) = plan.segments.get(i) else { continue };
         let key = (s.dst_rank, s.dst_region);
-        if regions.get(last).is_none_or(|r| r.0 != key) {
-            last = match regions.iter().position(|r| r.0 == key) {
+        if regions.get(last).is_none_or(|r| r.key != key) {
+            last = match regions.iter().position(|r| r.key == key) {
                 Some(k) => k,
                 None => {
-                    regions.push((key, 0, None));
+                    regions.push(RegionAt { key, offset: 0, open: None });
                     regions.len() - 1
                 }
             };
         }
-        let (_, offset, open) = &mut regions[last];
+        let RegionAt { offset, open, .. } = &mut regions[last];
         let number = *offset / CHECKSUM_CHUNK;
         match open {
             Some((n, k)) if *n == number => {
