@@ -70,12 +70,18 @@ fn sessions(msg: PeerMsg) {
         if s.expect(now, sample_expect(), 16).is_ok() {
             let _ = s.layer_sums(0, Vec::new());
             let _ = s.handle(now, msg.clone());
+            // Every write completed: waiting for the verdict.
+            let _ = s.moved();
+            let _ = s.handle(now, msg.clone());
         }
     }
     let _ = s.abort("fuzz");
     let _ = s.handle_timeout(now + Duration::from_secs(11));
     let mut d = DestinationSession::new(now, "fuzz", t);
     let _ = d.handle(now, msg.clone());
+    if let Some(slot) = msg.slot() {
+        let _ = d.judged(slot, None);
+    }
     let _ = d.handle(now, msg);
     let _ = d.handle_timeout(now + Duration::from_secs(11));
     let _ = d.closed();

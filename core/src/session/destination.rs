@@ -46,13 +46,6 @@ pub enum DestinationStep {
         /// The acknowledgement to send.
         reply: PeerMsg,
     },
-    /// The source finished writing into the slot; send the reply.
-    Done {
-        /// The slot.
-        slot: u16,
-        /// The acknowledgement to send.
-        reply: PeerMsg,
-    },
 }
 
 /// One peer connection's transfers, by slot.
@@ -60,6 +53,10 @@ pub enum DestinationStep {
 pub struct DestinationSession {
     peer: String,
     slots: BTreeMap<u16, SlotPhase>,
+    // Slots whose verdict went out, and what it said: an abort that
+    // crossed it is answered as it was. At most one per slot number, and
+    // gone when the number is taken again.
+    judged: BTreeMap<u16, Option<String>>,
     timeouts: Timeouts,
     last_heard: Instant,
 }
@@ -67,7 +64,7 @@ pub struct DestinationSession {
 impl DestinationSession {
     /// A session with the authenticated peer `peer`.
     pub fn new(now: Instant, peer: &str, timeouts: Timeouts) -> DestinationSession {
-        DestinationSession { peer: peer.to_string(), slots: BTreeMap::new(), timeouts, last_heard: now }
+        DestinationSession { peer: peer.to_string(), slots: BTreeMap::new(), judged: BTreeMap::new(), timeouts, last_heard: now }
     }
 
     /// The slot's phase, while it is this connection's.
@@ -99,17 +96,12 @@ impl DestinationSession {
                 Some(SlotPhase::Receiving) => DestinationStep::LayerSums(Box::new(l)),
                 _ => DestinationStep::Ignore,
             },
-            PeerMsg::Abort { slot, reason } => match self.slots.remove(&slot) {
-                Some(_) => DestinationStep::Aborted { slot, reason, reply: PeerMsg::Ok },
-                None => stale("abort", slot),
-            },
-            PeerMsg::Done { slot } => match self.slots.get(&slot) {
-                Some(SlotPhase::Receiving) => {
-                    self.slots.remove(&slot);
-                    DestinationStep::Done { slot, reply: PeerMsg::Ok }
-                }
-                Some(SlotPhase::Accepted) => DestinationStep::Reply(PeerMsg::Refused { reason: format!("done for slot {slot}, which never received its expect") }),
-                None => stale("done", slot),
+            PeerMsg::Abort { slot, reason } => match (self.slots.remove(&slot), self.judged.remove(&slot)) {
+                (Some(_), _) => DestinationStep::Aborted { slot, reason, reply: PeerMsg::Ok },
+                // It crossed the verdict: the source hears the verdict's word again.
+                (None, Some(None)) => DestinationStep::Reply(PeerMsg::Ok),
+                (None, Some(Some(reason))) => DestinationStep::Reply(PeerMsg::Refused { reason }),
+                (None, None) => stale("abort", slot),
             },
             PeerMsg::Ping => DestinationStep::Reply(PeerMsg::Pong),
             other => DestinationStep::Reply(PeerMsg::Refused { reason: format!("unexpected {}", kind(&other)) }),
@@ -118,6 +110,7 @@ impl DestinationSession {
 
     /// The daemon accepted an offer into `a.slot`: returns the message to send.
     pub fn accept(&mut self, a: Accept) -> PeerMsg {
+        self.judged.remove(&a.slot);
         self.slots.insert(a.slot, SlotPhase::Accepted);
         PeerMsg::Accept(a)
     }
@@ -125,7 +118,27 @@ impl DestinationSession {
     /// The daemon honoured a claim of `slot`: its manifest comes next,
     /// and nothing is sent.
     pub fn claimed(&mut self, slot: u16) {
+        self.judged.remove(&slot);
         self.slots.insert(slot, SlotPhase::Accepted);
+    }
+
+    /// The daemon pushed `slot`'s verdict ([`PeerMsg::Verdict`] with
+    /// `error`, built by [`DestinationSession::verdict`]): the slot is no
+    /// longer this connection's, so no timeout waits on it, and an abort
+    /// that crossed the verdict is answered with it. False when the slot
+    /// was not this connection's (an abort took it first).
+    pub fn judged(&mut self, slot: u16, error: Option<String>) -> bool {
+        let ours = self.slots.remove(&slot).is_some();
+        if ours {
+            self.judged.insert(slot, error);
+        }
+        ours
+    }
+
+    /// The verdict on `slot`, to push as it ends here: landed (`error`
+    /// None) or failed, and why.
+    pub fn verdict(slot: u16, error: Option<String>) -> PeerMsg {
+        PeerMsg::Verdict { slot, error }
     }
 
     /// The daemon refused an offer or a claim (no slot was taken).
@@ -164,12 +177,9 @@ impl DestinationSession {
 
     /// The connection ended (closed, broken, or timed out): the slots that
     /// were still running, which the daemon fails. A source that ends its
-    /// connection without `Done` will write no more.
+    /// connection before their verdicts will write no more.
     pub fn closed(&mut self) -> Vec<u16> {
-        self.slots_ended()
-    }
-
-    fn slots_ended(&mut self) -> Vec<u16> {
+        self.judged.clear();
         std::mem::take(&mut self.slots).into_keys().collect()
     }
 

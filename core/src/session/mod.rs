@@ -13,13 +13,18 @@
 //! |---|---|---|
 //! | `Offered` | `Accept` / `Refused` | the daemon plans and calls `expect` |
 //! | `Accepted` | the daemon's manifest | `Expect` is sent, and the writes are posted at once |
-//! | `Moving` | its own completions (pings keep the peer told) | `Done`, or `Abort` |
-//! | `Done` | the destination's verdict: `Ok` once it published `decoder_usable`, `Refused` with its reason when it failed | the transfer is done, or failed with that reason |
+//! | `Moving` | its own completions (pings keep the peer told) | `moved`, or `Abort`; a failing `Verdict` ends it at once, a landed one is kept for `moved` |
+//! | `Done` | the destination's `Verdict`, unless it came already: none once it published `decoder_usable`, else its reason | the transfer is done, or failed with that reason |
 //!
 //! | destination phase (per slot) | accepts | then |
 //! |---|---|---|
 //! | `Accepted` | `Expect` for that slot (answered with nothing) | the daemon checks the manifest before it publishes any flag |
-//! | `Receiving` | `Done`, `Abort`, `Ping` | bytes are counted by the data plane; `Done` is answered with the verdict |
+//! | `Receiving` | `Abort`, `Ping` | bytes are counted by the data plane; when the slot ends the daemon pushes its `Verdict` ([`DestinationSession::judged`]) |
+//!
+//! The verdict is pushed, not asked for: the source's last write needs no
+//! `Done` after it, and the destination's peer thread is not woken to
+//! answer one. An `Abort` that crosses a verdict is answered as the
+//! verdict was.
 //!
 //! One round trip comes before the first byte: the offer carries the
 //! source's side of the plan, so the destination plans, stages and grants
@@ -127,6 +132,6 @@ pub fn kind(m: &msg::PeerMsg) -> &'static str {
         Abort { .. } => "abort",
         Ping => "ping",
         Pong => "pong",
-        Done { .. } => "done",
+        Verdict { .. } => "verdict",
     }
 }

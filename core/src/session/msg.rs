@@ -7,8 +7,9 @@
 //! sends `Expect` (the manifest; no answer) and posts its writes at once;
 //! a source streaming layers as they are produced sends each layer's
 //! checksums (`LayerSums`) just before that layer's writes instead.
-//! Bytes flow on the data plane while the source pings; `Done` or `Abort`
-//! ends the transfer.
+//! Bytes flow on the data plane while the source pings. The destination
+//! pushes its `Verdict` as the transfer ends there, unasked; a source that
+//! gives up first sends `Abort`.
 //!
 //! A destination told at prepare which node will fill a request sends that
 //! node `Announce` on an idle connection the node opened: the accept,
@@ -30,7 +31,8 @@ use serde::{Deserialize, Serialize};
 /// 5: a source may stream layers as its engine produces them (`Expect::layer_sums`, `LayerSums`).
 /// 6: a destination may announce a prepared request (`Announce`); the source claims it with no round trip (`Claim`).
 /// 7: a checksum per chunk of a region's stream (manifest version 2, `LayerChecksum::chunk`).
-pub const PEER_VERSION: u32 = 7;
+/// 8: the destination pushes each transfer's `Verdict` as it ends; the source sends no `Done`.
+pub const PEER_VERSION: u32 = 8;
 
 /// Messages on a peer connection: JSON objects, `msg` naming the message
 /// (its first key), the rest its fields.
@@ -100,16 +102,21 @@ pub enum PeerMsg {
     Ping,
     /// The answer to `Ping`.
     Pong,
-    /// Every write of the transfer into `slot` completed at the source, so
-    /// a connection closed after this is not a failure.
-    Done {
+    /// The destination's verdict on the transfer into `slot`, pushed by
+    /// whichever of its threads ends it: `error` is None once it published
+    /// `decoder_usable`, else why it failed. Unasked and unanswered; after
+    /// it the slot is no longer this connection's.
+    Verdict {
         /// Destination slot.
         slot: u16,
+        /// Why the transfer failed there; None when it landed.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error: Option<String>,
     },
 }
 
 /// The message names, for errors.
-const MESSAGES: &[&str] = &["challenge", "auth", "auth_ok", "refused", "offer", "accept", "expect", "layer_sums", "announce", "claim", "ok", "abort", "ping", "pong", "done"];
+const MESSAGES: &[&str] = &["challenge", "auth", "auth_ok", "refused", "offer", "accept", "expect", "layer_sums", "announce", "claim", "ok", "abort", "ping", "pong", "verdict"];
 
 /// Read with the tag first, as [`Serialize`] writes it: the fields then go
 /// straight into the message. A derived internally tagged enum would
@@ -155,8 +162,10 @@ struct SlotReason {
 }
 
 #[derive(Deserialize)]
-struct SlotOnly {
+struct SlotVerdict {
     slot: u16,
+    #[serde(default)]
+    error: Option<String>,
 }
 
 impl<'de> Visitor<'de> for MsgVisitor {
@@ -193,7 +202,10 @@ impl<'de> Visitor<'de> for MsgVisitor {
                 let f = SlotReason::deserialize(rest)?;
                 PeerMsg::Abort { slot: f.slot, reason: f.reason }
             }
-            "done" => PeerMsg::Done { slot: SlotOnly::deserialize(rest)?.slot },
+            "verdict" => {
+                let f = SlotVerdict::deserialize(rest)?;
+                PeerMsg::Verdict { slot: f.slot, error: f.error }
+            }
             unit @ ("ok" | "ping" | "pong") => {
                 de::IgnoredAny::deserialize(rest)?;
                 match unit {
@@ -215,7 +227,7 @@ impl PeerMsg {
             PeerMsg::Claim(c) => Some(c.slot),
             PeerMsg::Expect(e) => Some(e.slot),
             PeerMsg::LayerSums(l) => Some(l.slot),
-            PeerMsg::Abort { slot, .. } | PeerMsg::Done { slot } => Some(*slot),
+            PeerMsg::Abort { slot, .. } | PeerMsg::Verdict { slot, .. } => Some(*slot),
             _ => None,
         }
     }

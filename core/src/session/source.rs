@@ -15,7 +15,8 @@ pub enum SourcePhase {
     Accepted,
     /// `Expect` sent; writes are in flight.
     Moving,
-    /// `Done` sent.
+    /// Every write completed; waiting for the destination's verdict,
+    /// unless it came already.
     Done,
     /// Ended without success; `Abort` was sent where the peer had a slot.
     Failed,
@@ -27,7 +28,7 @@ impl SourcePhase {
             SourcePhase::Offered => "waiting for accept",
             SourcePhase::Accepted => "planning",
             SourcePhase::Moving => "moving bytes",
-            SourcePhase::Done => "done",
+            SourcePhase::Done => "waiting for the verdict",
             SourcePhase::Failed => "failed",
         }
     }
@@ -41,8 +42,13 @@ pub enum SourceEvent {
     Accepted(Box<Accept>),
     /// A ping was answered.
     Alive,
-    /// The destination acknowledged the transfer's last word.
+    /// The destination landed the transfer (its verdict), or acknowledged
+    /// an abort.
     Closed,
+    /// Not an answer: the destination's verdict came before the writes
+    /// completed here (kept for [`SourceSession::moved`]), or after this
+    /// side failed (the abort's answer follows).
+    Judged,
 }
 
 /// One transfer's source side.
@@ -57,6 +63,8 @@ pub struct SourceSession {
     waiting_since: Instant,
     last_ping: Instant,
     error: Option<SessionError>,
+    // The destination's verdict said landed before every write completed here.
+    landed: bool,
     // Started from an announcement: its staging buffer is an upper bound,
     // and the destination's answer to the claim comes only as a refusal.
     claimed: bool,
@@ -77,6 +85,7 @@ impl SourceSession {
             waiting_since: now,
             last_ping: now,
             error: None,
+            landed: false,
             claimed: false,
         };
         (s, PeerMsg::Offer(offer))
@@ -115,13 +124,27 @@ impl SourceSession {
         let ev = match (self.phase, m) {
             (SourcePhase::Offered, PeerMsg::Refused { reason }) => Err(SessionError::Refused(reason)),
             (SourcePhase::Offered, PeerMsg::Accept(a)) => self.accepted(Box::new(a)),
-            (SourcePhase::Moving, PeerMsg::Pong) => Ok(SourceEvent::Alive),
+            (SourcePhase::Moving | SourcePhase::Done, PeerMsg::Pong) => Ok(SourceEvent::Alive),
             // The destination would not honour the claim (its slot was
             // cancelled, or the claim does not fit it): it holds no slot.
             (SourcePhase::Accepted | SourcePhase::Moving, PeerMsg::Refused { reason }) if self.claimed => Err(SessionError::Refused(reason)),
-            (SourcePhase::Done | SourcePhase::Failed, PeerMsg::Ok) => Ok(SourceEvent::Closed),
-            // The destination's verdict on what arrived: it failed there.
-            (SourcePhase::Done, PeerMsg::Refused { reason }) => Err(SessionError::Rejected(reason)),
+            (_, PeerMsg::Verdict { slot, .. }) if Some(slot) != self.peer_slot || self.phase == SourcePhase::Offered => {
+                Err(SessionError::Unexpected { phase: self.phase.name(), got: "verdict for another slot" })
+            }
+            // The destination's verdict: it failed there, and why.
+            (SourcePhase::Accepted | SourcePhase::Moving | SourcePhase::Done, PeerMsg::Verdict { error: Some(reason), .. }) => Err(SessionError::Rejected(reason)),
+            (SourcePhase::Done, PeerMsg::Verdict { error: None, .. }) => {
+                self.landed = true;
+                Ok(SourceEvent::Closed)
+            }
+            // Landed before the last completions were reaped here.
+            (SourcePhase::Accepted | SourcePhase::Moving, PeerMsg::Verdict { error: None, .. }) => {
+                self.landed = true;
+                Ok(SourceEvent::Judged)
+            }
+            // Crossed this side's abort, whose answer follows.
+            (SourcePhase::Failed, PeerMsg::Verdict { .. }) => Ok(SourceEvent::Judged),
+            (SourcePhase::Failed, PeerMsg::Ok) => Ok(SourceEvent::Closed),
             // The answer to an `Abort`: the destination had failed it first, and why.
             (SourcePhase::Failed, PeerMsg::Refused { reason }) => Err(SessionError::Rejected(reason)),
             (phase, other) => Err(SessionError::Unexpected { phase: phase.name(), got: kind(&other) }),
@@ -179,23 +202,28 @@ impl SourceSession {
         }
     }
 
-    /// Every write completed: returns the `Done` to send.
-    pub fn moved(&mut self) -> Result<PeerMsg, SessionError> {
-        match (self.phase, self.peer_slot) {
-            (SourcePhase::Moving, Some(slot)) => {
+    /// Every write completed: true when the destination's verdict said
+    /// landed already (the transfer is done), false when the daemon must
+    /// wait for it. Nothing is sent. A verdict that failed the transfer
+    /// earlier is this call's error.
+    pub fn moved(&mut self) -> Result<bool, SessionError> {
+        match (self.phase, &self.error) {
+            (SourcePhase::Moving, _) => {
                 self.phase = SourcePhase::Done;
-                Ok(PeerMsg::Done { slot })
+                Ok(self.landed)
             }
+            (SourcePhase::Failed, Some(e)) => Err(e.clone()),
             (phase, _) => Err(SessionError::OutOfOrder { step: "moved", phase: phase.name() }),
         }
     }
 
     /// The daemon gives up (or the session failed): returns the `Abort` to
     /// send when the destination holds a slot for this transfer and was not
-    /// told yet. Only the first failure is kept.
+    /// told yet. Only the first failure is kept. Nothing once the
+    /// destination said it landed.
     pub fn abort(&mut self, reason: &str) -> Option<PeerMsg> {
         let told = self.phase == SourcePhase::Failed && self.error.as_ref().is_some_and(|e| matches!(e, SessionError::Refused(_) | SessionError::Rejected(_)));
-        if self.phase == SourcePhase::Done {
+        if self.landed {
             return None;
         }
         self.fail(SessionError::Local(reason.to_string()));
@@ -212,15 +240,18 @@ impl SourceSession {
         match self.phase {
             SourcePhase::Offered => Some((self.waiting_since + self.timeouts.reply).min(deadline)),
             SourcePhase::Accepted => Some(deadline),
-            SourcePhase::Moving => Some((self.last_ping + self.ping_every()).min(deadline)),
-            SourcePhase::Done | SourcePhase::Failed => None,
+            // Waiting for the verdict, it still pings: the destination may
+            // take a while to land the last layers, and must not take this
+            // side's silence for its death meanwhile.
+            SourcePhase::Moving | SourcePhase::Done if !(self.landed && self.phase == SourcePhase::Done) => Some((self.last_ping + self.ping_every()).min(deadline)),
+            SourcePhase::Moving | SourcePhase::Done | SourcePhase::Failed => None,
         }
     }
 
     /// Time passed: a ping to send while moving, or the failure when a reply
     /// or the whole transfer is late (then send [`SourceSession::abort`]'s message).
     pub fn handle_timeout(&mut self, now: Instant) -> Result<Option<PeerMsg>, SessionError> {
-        if matches!(self.phase, SourcePhase::Done | SourcePhase::Failed) {
+        if self.poll_timeout().is_none() {
             return Ok(None);
         }
         if now >= self.started + self.timeouts.transfer {
@@ -231,7 +262,7 @@ impl SourceSession {
                 let e = SessionError::TimedOut { phase: self.phase.name(), waited: self.timeouts.reply };
                 Err(self.fail(e))
             }
-            SourcePhase::Moving if now >= self.last_ping + self.ping_every() => {
+            SourcePhase::Moving | SourcePhase::Done if now >= self.last_ping + self.ping_every() => {
                 self.last_ping = now;
                 Ok(Some(PeerMsg::Ping))
             }

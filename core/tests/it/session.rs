@@ -96,6 +96,14 @@ impl Pair {
         self.dst.handle(self.now, m)
     }
 
+    /// The destination's daemon ends the slot: the verdict it pushes, which
+    /// the session then no longer holds.
+    fn judge(&mut self, error: Option<&str>) -> PeerMsg {
+        assert!(self.dst.judged(SLOT, error.map(String::from)), "the slot is the connection's");
+        assert_eq!(self.dst.slot(SLOT), None);
+        DestinationSession::verdict(SLOT, error.map(String::from))
+    }
+
     /// Offer → accept → expect (not answered), with the default daemon.
     fn to_moving(&mut self) {
         assert!(matches!(self.step(default_daemon), Ok(SourceEvent::Accepted(_))));
@@ -107,13 +115,13 @@ impl Pair {
 fn default_daemon(d: &mut DestinationSession, step: DestinationStep) -> PeerMsg {
     match step {
         DestinationStep::Offer(_) => d.accept(accept()),
-        DestinationStep::Reply(m) | DestinationStep::Aborted { reply: m, .. } | DestinationStep::Done { reply: m, .. } => m,
+        DestinationStep::Reply(m) | DestinationStep::Aborted { reply: m, .. } => m,
         step @ (DestinationStep::Expect(_) | DestinationStep::LayerSums(_) | DestinationStep::Ignore | DestinationStep::Claim(_)) => panic!("{step:?} has no answer"),
     }
 }
 
 #[test]
-fn a_transfer_runs_offer_to_done_on_both_sides() {
+fn a_transfer_runs_offer_to_verdict_on_both_sides() {
     let mut p = Pair::new();
     assert!(matches!(p.step(default_daemon), Ok(SourceEvent::Accepted(a)) if a.slot == SLOT));
     assert_eq!((p.src.phase(), p.src.peer_slot(), p.dst.slot(SLOT)), (SourcePhase::Accepted, Some(SLOT), Some(SlotPhase::Accepted)));
@@ -129,35 +137,96 @@ fn a_transfer_runs_offer_to_done_on_both_sides() {
     p.in_flight = p.src.handle_timeout(p.now).unwrap();
     assert_eq!(p.in_flight, Some(PeerMsg::Ping));
     assert_eq!(p.step(default_daemon), Ok(SourceEvent::Alive));
-    p.in_flight = Some(p.src.moved().unwrap());
-    assert_eq!(p.in_flight, Some(PeerMsg::Done { slot: SLOT }));
-    let mut done = None;
-    assert_eq!(
-        p.step(|d, s| {
-            done = Some(s.clone());
-            default_daemon(d, s)
-        }),
-        Ok(SourceEvent::Closed)
-    );
-    assert_eq!(done, Some(DestinationStep::Done { slot: SLOT, reply: PeerMsg::Ok }));
-    assert_eq!((p.src.phase(), p.dst.slot(SLOT), p.src.abort("late")), (SourcePhase::Done, None, None));
+    // Every write completed: nothing is sent, and the source waits for the
+    // verdict, pinging as it did while moving.
+    assert_eq!(p.src.moved(), Ok(false));
+    assert_eq!(p.src.phase(), SourcePhase::Done);
+    p.advance(Duration::from_millis(500));
+    p.in_flight = p.src.handle_timeout(p.now).unwrap();
+    assert_eq!(p.in_flight, Some(PeerMsg::Ping));
+    assert_eq!(p.step(default_daemon), Ok(SourceEvent::Alive));
+    // The destination published decoder_usable: its verdict, unasked.
+    let verdict = p.judge(None);
+    assert_eq!(verdict, PeerMsg::Verdict { slot: SLOT, error: None });
+    assert_eq!(p.src.handle(p.now, verdict), Ok(SourceEvent::Closed));
+    // Done: nothing more to ping for, nothing to abort.
+    assert_eq!((p.src.phase(), p.src.abort("late"), p.src.poll_timeout()), (SourcePhase::Done, None, None));
+    // The slot is gone on the destination: no timeout waits on it.
+    assert_eq!(p.dst.poll_timeout(), p.now + timeouts().transfer);
     assert_eq!(p.dst.closed(), Vec::<u16>::new());
 }
 
 #[test]
-fn a_destination_that_fails_the_transfer_answers_done_with_its_reason() {
+fn a_destination_that_fails_the_transfer_gives_its_reason_in_its_verdict() {
     let mut p = Pair::new();
     p.to_moving();
-    p.in_flight = Some(p.src.moved().unwrap());
-    let verdict = p.step(|d, s| match s {
-        DestinationStep::Done { .. } => PeerMsg::Refused { reason: "layer 3 checksum mismatch".into() },
-        s => default_daemon(d, s),
-    });
-    assert_eq!(verdict, Err(SessionError::Rejected("layer 3 checksum mismatch".into())));
+    assert_eq!(p.src.moved(), Ok(false));
+    let verdict = p.judge(Some("layer 3 checksum mismatch"));
+    assert_eq!(p.src.handle(p.now, verdict), Err(SessionError::Rejected("layer 3 checksum mismatch".into())));
     assert_eq!(p.src.phase(), SourcePhase::Failed);
     assert_eq!(p.src.error(), Some(&SessionError::Rejected("layer 3 checksum mismatch".into())));
     // Nothing to abort: the destination decided.
     assert_eq!(p.src.abort("late"), None);
+}
+
+#[test]
+fn a_verdict_before_the_last_completion_is_kept_for_moved_and_a_failing_one_ends_the_source_at_once() {
+    // Landed before the source reaped its last completions (a ping's
+    // exchange may read it): kept, and the pong still comes.
+    let mut p = Pair::new();
+    p.to_moving();
+    let verdict = p.judge(None);
+    assert_eq!(p.src.handle(p.now, verdict), Ok(SourceEvent::Judged));
+    assert_eq!(p.src.phase(), SourcePhase::Moving);
+    p.advance(Duration::from_millis(500));
+    p.in_flight = p.src.handle_timeout(p.now).unwrap();
+    assert_eq!(p.step(default_daemon), Ok(SourceEvent::Alive));
+    assert_eq!(p.src.moved(), Ok(true));
+    assert_eq!(p.src.abort("late"), None);
+
+    // Failed while the writes still move: the source fails now, not when
+    // its writes are done, and has nothing to abort.
+    let mut p = Pair::new();
+    p.to_moving();
+    let verdict = p.judge(Some("checksum mismatch: dst rank 0 layer 1 tensor k chunk 0"));
+    let why = SessionError::Rejected("checksum mismatch: dst rank 0 layer 1 tensor k chunk 0".into());
+    assert_eq!(p.src.handle(p.now, verdict), Err(why.clone()));
+    assert_eq!(p.src.moved(), Err(why));
+    assert_eq!(p.src.abort("writes refused"), None);
+
+    // A verdict for another slot, or before any accept, is out of turn.
+    let mut p = Pair::new();
+    assert!(matches!(p.src.handle(p.now, PeerMsg::Verdict { slot: SLOT, error: None }), Err(SessionError::Unexpected { .. })));
+    let mut p = Pair::new();
+    p.to_moving();
+    assert!(matches!(p.src.handle(p.now, PeerMsg::Verdict { slot: SLOT + 1, error: None }), Err(SessionError::Unexpected { .. })));
+}
+
+#[test]
+fn an_abort_that_crosses_the_verdict_is_answered_as_the_verdict_was() {
+    for error in [None, Some("layer 2 checksum mismatch")] {
+        let mut p = Pair::new();
+        p.to_moving();
+        // Both go at once: the destination's verdict, the source's abort.
+        let verdict = p.judge(error);
+        p.in_flight = p.src.abort("cancelled by client");
+        assert!(matches!(p.in_flight, Some(PeerMsg::Abort { .. })));
+        // The source reads the verdict first: not the abort's answer.
+        assert_eq!(p.src.handle(p.now, verdict), Ok(SourceEvent::Judged));
+        let answer = p.step(default_daemon);
+        match error {
+            None => assert_eq!(answer, Ok(SourceEvent::Closed)),
+            Some(why) => assert_eq!(answer, Err(SessionError::Rejected(why.into()))),
+        }
+        // Asked once: a second abort of the slot is stale.
+        assert!(matches!(p.dst.handle(p.now, PeerMsg::Abort { slot: SLOT, reason: "again".into() }), DestinationStep::Reply(PeerMsg::Refused { reason }) if reason.contains("not a transfer of this connection")));
+    }
+    // A verdict for a slot the connection no longer runs is not pushed.
+    let mut p = Pair::new();
+    p.to_moving();
+    p.in_flight = p.src.abort("cancelled by client");
+    assert!(matches!(p.deliver(), DestinationStep::Aborted { slot: SLOT, .. }));
+    assert!(!p.dst.judged(SLOT, None));
 }
 
 #[test]
@@ -191,12 +260,9 @@ fn a_manifest_that_fails_its_check_is_heard_in_the_verdict() {
     // reads no answer to it.
     p.in_flight = Some(PeerMsg::Expect(expect()));
     assert_eq!(p.deliver(), DestinationStep::Ignore);
-    p.in_flight = Some(p.src.moved().unwrap());
-    let verdict = p.step(|d, s| match s {
-        DestinationStep::Done { .. } => PeerMsg::Refused { reason: "manifest: model digest differs".into() },
-        s => default_daemon(d, s),
-    });
-    assert_eq!(verdict, Err(SessionError::Rejected("manifest: model digest differs".into())));
+    assert_eq!(p.src.moved(), Ok(false));
+    let verdict = p.judge(Some("manifest: model digest differs"));
+    assert_eq!(p.src.handle(p.now, verdict), Err(SessionError::Rejected("manifest: model digest differs".into())));
     assert_eq!(p.src.abort("late"), None);
 }
 
@@ -266,10 +332,13 @@ fn a_streaming_source_sends_each_layers_sums_after_the_manifest_and_only_then() 
     // Another connection's slot: ignored, never answered.
     let stray = PeerMsg::LayerSums(LayerSums { slot: SLOT + 1, layer: 0, checksums: sums(0) });
     assert_eq!(p.dst.handle(p.now, stray), DestinationStep::Ignore);
-    p.in_flight = Some(p.src.moved().unwrap());
-    assert_eq!(p.step(default_daemon), Ok(SourceEvent::Closed));
-    // After done the slot is gone: late sums are ignored.
-    assert_eq!(p.src.layer_sums(2, sums(2)), Err(SessionError::OutOfOrder { step: "layer sums", phase: "done" }));
+    assert_eq!(p.src.moved(), Ok(false));
+    let verdict = p.judge(None);
+    assert_eq!(p.src.handle(p.now, verdict), Ok(SourceEvent::Closed));
+    // After its writes the source has no more sums to send, and the
+    // destination, the slot gone, ignores late ones.
+    assert_eq!(p.src.layer_sums(2, sums(2)), Err(SessionError::OutOfOrder { step: "layer sums", phase: "waiting for the verdict" }));
+    assert_eq!(p.dst.handle(p.now, PeerMsg::LayerSums(LayerSums { slot: SLOT, layer: 2, checksums: sums(2) })), DestinationStep::Ignore);
 }
 
 #[test]
@@ -282,11 +351,12 @@ fn stale_and_out_of_order_messages_are_refused_without_touching_slots() {
     };
     // A manifest is never answered, stale or not.
     assert_eq!(d.handle(now, PeerMsg::Expect(expect())), DestinationStep::Ignore);
-    refused(d.handle(now, PeerMsg::Done { slot: SLOT }), "not a transfer of this connection");
+    refused(d.handle(now, PeerMsg::Verdict { slot: SLOT, error: None }), "unexpected verdict");
     refused(d.handle(now, PeerMsg::Abort { slot: 0xFFFF, reason: "x".into() }), "not a transfer of this connection");
     refused(d.handle(now, PeerMsg::Pong), "unexpected pong");
+    assert!(!d.judged(SLOT, None), "no verdict for a slot the connection never ran");
     d.accept(accept());
-    refused(d.handle(now, PeerMsg::Done { slot: SLOT }), "never received its expect");
+    refused(d.handle(now, PeerMsg::Verdict { slot: SLOT, error: None }), "unexpected verdict");
     assert!(matches!(d.handle(now, PeerMsg::Expect(expect())), DestinationStep::Expect(_)));
     assert_eq!(d.handle(now, PeerMsg::Expect(expect())), DestinationStep::Ignore);
     assert_eq!(d.slot(SLOT), Some(SlotPhase::Receiving));
@@ -381,9 +451,9 @@ fn a_claimed_transfer_runs_with_no_answer_before_its_verdict() {
     let e = src.expect(now, expect(), STAGE / 2).unwrap();
     assert!(matches!(dst.handle(now, e), DestinationStep::Expect(_)));
     assert_eq!((src.phase(), dst.slot(SLOT)), (SourcePhase::Moving, Some(SlotPhase::Receiving)));
-    let done = src.moved().unwrap();
-    let DestinationStep::Done { reply, .. } = dst.handle(now, done) else { panic!("not done") };
-    assert_eq!(src.handle(now, reply), Ok(SourceEvent::Closed));
+    assert_eq!(src.moved(), Ok(false));
+    assert!(dst.judged(SLOT, None));
+    assert_eq!(src.handle(now, DestinationSession::verdict(SLOT, None)), Ok(SourceEvent::Closed));
 }
 
 #[test]
@@ -427,7 +497,8 @@ fn every_peer_message_reads_back_as_written_and_a_misplaced_or_unknown_tag_is_re
         PeerMsg::Abort { slot: SLOT, reason: "cancelled".into() },
         PeerMsg::Ping,
         PeerMsg::Pong,
-        PeerMsg::Done { slot: SLOT },
+        PeerMsg::Verdict { slot: SLOT, error: None },
+        PeerMsg::Verdict { slot: SLOT, error: Some("layer 1 checksum mismatch".into()) },
     ];
     for m in &all {
         let text = serde_json::to_string(m).unwrap();
@@ -435,12 +506,14 @@ fn every_peer_message_reads_back_as_written_and_a_misplaced_or_unknown_tag_is_re
         assert_eq!(&serde_json::from_str::<PeerMsg>(&text).unwrap(), m, "{text}");
     }
     let err = |text: &str| serde_json::from_str::<PeerMsg>(text).unwrap_err().to_string();
-    assert!(err(r#"{"slot":7,"msg":"done"}"#).contains("first key must be `msg`"));
+    assert!(err(r#"{"slot":7,"msg":"verdict"}"#).contains("first key must be `msg`"));
     assert!(err(r#"{"msg":"staging","key":9}"#).contains("unknown variant `staging`"));
-    assert!(err(r#"{"msg":"done"}"#).contains("missing field `slot`"));
+    assert!(err(r#"{"msg":"verdict"}"#).contains("missing field `slot`"));
+    assert!(err(r#"{"msg":"done","slot":3}"#).contains("unknown variant `done`"), "version 7's done is gone");
     assert!(err(r#"{"msg":"offer","slot":7}"#).contains("unknown field `slot`"), "the structs still deny unknown fields");
     assert!(err(r#"[1,2]"#).contains("first key is `msg`"));
     // Fields a message does not know are skipped where they were before (the tag-only messages, the unstructured ones).
     assert_eq!(serde_json::from_str::<PeerMsg>(r#"{"msg":"ping","extra":[1,{"a":2}]}"#).unwrap(), PeerMsg::Ping);
-    assert_eq!(serde_json::from_str::<PeerMsg>(r#"{"msg":"done","slot":3,"why":"x"}"#).unwrap(), PeerMsg::Done { slot: 3 });
+    assert_eq!(serde_json::from_str::<PeerMsg>(r#"{"msg":"verdict","slot":3,"why":"x"}"#).unwrap(), PeerMsg::Verdict { slot: 3, error: None });
+    assert_eq!(serde_json::to_string(&PeerMsg::Verdict { slot: 3, error: None }).unwrap(), r#"{"msg":"verdict","slot":3}"#);
 }

@@ -8,10 +8,10 @@ use super::announce::mismatch;
 use super::device::Copies;
 use super::error::Refusal;
 use super::landing::{Landing, LAND_ON_ARRIVAL_MAX};
-use super::state::{DeviceMems, Role, SlotId};
+use super::state::{running, DeviceMems, Role, SlotId};
 use super::{in_parts, pieces, read_mem, region_view, Daemon, Part, RunReader};
 use crate::metrics::Metrics;
-use crate::peer::{self, Sealed};
+use crate::peer::{self, Outbox, Sealed};
 use kvwire_client::control::*;
 use kvwire_client::wire::{write_msg, WireError};
 use kvwire_core::codec::Codec;
@@ -29,9 +29,29 @@ use kvwire_transport::auth::{ConnectionCaps, Deadline, Gate, Pass};
 use kvwire_transport::{Grant, Hop, Region, Tag};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// A transfer's verdict from how it ended: None when it landed, else why not.
+pub(super) fn verdict_of(state: TransferState, error: Option<String>) -> Option<String> {
+    match state {
+        TransferState::Done => None,
+        other => Some(error.unwrap_or_else(|| format!("{other:?}").to_lowercase())),
+    }
+}
+
+/// Notes the verdicts `verdicts` sent since the last look: their slots are
+/// no longer the connection's. Returns the session.
+fn judged<'a>(verdicts: &Verdicts, session: &'a mut DestinationSession, mine: &mut HashMap<u16, Mine>) -> &'a mut DestinationSession {
+    for (id, error) in verdicts.sent() {
+        session.judged(id.slot, error);
+        if mine.get(&id.slot).is_some_and(|m| m.id == id) {
+            mine.remove(&id.slot);
+        }
+    }
+    session
+}
 
 /// How long a peer may take over its whole handshake.
 const PEER_HANDSHAKE: Duration = Duration::from_secs(10);
@@ -45,6 +65,118 @@ static REFUSED_PEERS: kvwire_transport::logbudget::LogBudget = kvwire_transport:
 pub(super) struct Mine {
     pub id: SlotId,
     pub to: Lands,
+}
+
+/// The verdicts of one peer connection's transfers. Whichever thread
+/// ends a transfer pushes its verdict on the connection ([`Verdicts::push`])
+/// as it publishes the transfer's end: the source asks for nothing, and
+/// the connection's own thread is not woken for it. That thread learns of
+/// the verdicts sent at its next message ([`Verdicts::sent`]).
+pub(super) struct Verdicts {
+    outbox: Outbox,
+    // No transfer of this connection runs: announcements may go on it.
+    idle: Arc<AtomicBool>,
+    inner: Mutex<VerdictState>,
+}
+
+#[derive(Default)]
+struct VerdictState {
+    live: HashMap<u16, Live>,
+    sent: Vec<(SlotId, Option<String>)>,
+}
+
+/// Where a transfer of the connection stands, for its verdict.
+enum Live {
+    /// Taken on, and its accept not sent yet: a verdict waits for it.
+    Entering,
+    /// Its verdict goes as soon as it ends.
+    Open,
+    /// It ended before its accept went: its verdict goes right after.
+    Owed(SlotId, Option<String>),
+}
+
+impl Verdicts {
+    pub fn new(outbox: Outbox, idle: Arc<AtomicBool>) -> Verdicts {
+        Verdicts { outbox, idle, inner: Mutex::new(VerdictState::default()) }
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, VerdictState> {
+        self.inner.lock().expect("verdicts lock")
+    }
+
+    /// Slot `slot` is this connection's from now on (its accept, if it
+    /// has one, is about to go).
+    fn enter(&self, slot: u16) {
+        self.state().live.insert(slot, Live::Entering);
+        self.idle.store(false, Ordering::Release);
+    }
+
+    /// What the connection sent after taking slots on has gone: their
+    /// verdicts may go now, and those owed already go at once.
+    fn open(&self, d: &Daemon) {
+        let owed: Vec<(SlotId, Option<String>)> = {
+            let mut st = self.state();
+            let mut owed = Vec::new();
+            for live in st.live.values_mut() {
+                match std::mem::replace(live, Live::Open) {
+                    Live::Owed(id, error) => owed.push((id, error)),
+                    Live::Entering | Live::Open => {}
+                }
+            }
+            owed
+        };
+        for (id, error) in owed {
+            self.push(d, id, error);
+        }
+    }
+
+    /// The source aborted `slot`: it is no longer this connection's.
+    fn leave(&self, slot: u16) {
+        let mut st = self.state();
+        st.live.remove(&slot);
+        self.idle.store(st.live.is_empty(), Ordering::Release);
+    }
+
+    /// The connection ended: no verdict goes on it any more.
+    fn close(&self) {
+        self.state().live.clear();
+    }
+
+    /// The verdicts sent since the last call, for the connection's thread.
+    fn sent(&self) -> Vec<(SlotId, Option<String>)> {
+        std::mem::take(&mut self.state().sent)
+    }
+
+    /// Transfer `id` of this connection ended here: landed (`error` None)
+    /// or failed. Its verdict goes now, counted toward it before it is
+    /// sent; or right after its accept, when that has not gone yet.
+    /// Nothing goes for a slot the connection no longer runs. The caller
+    /// holds no lock of the daemon's.
+    pub fn push(&self, d: &Daemon, id: SlotId, error: Option<String>) {
+        {
+            let mut st = self.state();
+            match st.live.get_mut(&id.slot) {
+                Some(live @ Live::Entering) => {
+                    *live = Live::Owed(id, error);
+                    return;
+                }
+                Some(Live::Open) => {}
+                Some(Live::Owed(..)) | None => return,
+            }
+            st.live.remove(&id.slot);
+            // Noted before it goes: the source's next message may react to
+            // it, and the connection's thread must know first.
+            st.sent.push((id, error.clone()));
+            // Idle before the verdict goes: a source that has it may
+            // prepare its next request at once.
+            self.idle.store(st.live.is_empty(), Ordering::Release);
+        }
+        let count = |len: u64| d.with_slot(id, |sl| sl.wire += len);
+        if let Err(e) = self.outbox.send_counted(&DestinationSession::verdict(id.slot, error), count) {
+            // The connection's thread sees it broken and ends it.
+            tracing::debug!(slot = id.slot, error = %e, "the verdict could not be sent");
+        }
+    }
 }
 
 /// Who lands a transfer ([`super::landing`]).
@@ -159,6 +291,7 @@ impl Daemon {
         let mut s = Sealed::new(s, cred, false);
         // Announcements to this peer may go on this connection while it is idle.
         let idle = self.outboxes.open(&peer, session_id, s.outbox());
+        let verdicts = Arc::new(Verdicts::new(s.outbox(), idle));
         let l = &self.cfg.limits;
         let transfer = Duration::from_secs(l.transfer_timeout_secs);
         let timeouts = Timeouts { reply: transfer, peer: Duration::from_secs(l.peer_timeout_secs), transfer };
@@ -167,6 +300,7 @@ impl Daemon {
         // name only these, and those still running when it ends fail then.
         let mut mine: HashMap<u16, Mine> = HashMap::new();
         let ended = loop {
+            judged(&verdicts, &mut session, &mut mine);
             // The socket's timeout changes only when it must be shorter, or
             // when it is far too short: not at every message, whose
             // deadline moved a little (a read that ends early is tried
@@ -182,22 +316,23 @@ impl Daemon {
             let msg = match s.recv() {
                 Ok(m) => m,
                 Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
-                Err(e) if e.is_timeout() => match session.handle_timeout(Instant::now()) {
+                Err(e) if e.is_timeout() => match judged(&verdicts, &mut session, &mut mine).handle_timeout(Instant::now()) {
                     Some(e) => break format!("peer `{peer}` {e}"),
                     None => continue,
                 },
                 Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),
             };
+            // What the source sends may answer a verdict sent meanwhile.
+            judged(&verdicts, &mut session, &mut mine);
             // A message counts toward the transfer it names, a ping toward
             // the connection's one transfer; an offer toward the slot its
             // accept names. Its answer too, sealed once and counted before
-            // it is sent: once the source hears its verdict, this side's
-            // figure is final.
+            // it is sent.
             let read = s.frames_read() - before;
             let msg_slot = msg.slot();
             let named = msg_slot.or_else(|| if mine.len() == 1 { mine.keys().next().copied() } else { None });
             let named = named.and_then(|slot| mine.get(&slot)).map(|m| m.id);
-            let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, msg);
+            let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, &verdicts, msg);
             // A claim's slot is this connection's only once honoured.
             let entered = reply.as_ref().and_then(PeerMsg::slot).or(msg_slot).and_then(|slot| mine.get(&slot)).map(|m| m.id);
             let id = named.or(entered);
@@ -206,9 +341,6 @@ impl Daemon {
                     self.with_slot(id, |sl| sl.wire += read + len);
                 }
             };
-            // Idle before the answer goes: a source that has its verdict
-            // may prepare its next request at once.
-            idle.store(mine.is_empty(), Ordering::Release);
             let sent = match reply {
                 Some(reply) => s.send_counted(&reply, count),
                 None => {
@@ -219,15 +351,18 @@ impl Daemon {
             if let Err(e) = sent {
                 break format!("peer `{peer}` connection failed mid-transfer: {e}");
             }
+            // A slot taken on has its accept out: its verdict may follow.
+            verdicts.open(self);
         };
         // No new data connection can prove this session now; its transfers'
         // regions are revoked as each ends, and what was announced on it
         // waits for an offer.
         self.outboxes.close(&peer, session_id);
+        verdicts.close();
         self.ep.registry().close_session(session_id);
         self.unannounce_session(session_id);
-        // A source that ends its connection without `Done` will write no
-        // more: what has not arrived never will.
+        // A source that ends its connection before its verdict will write
+        // no more: what has not arrived never will.
         for slot in session.closed() {
             if let Some(Mine { id, .. }) = mine.remove(&slot) {
                 if self.fail(id, &ended) {
@@ -239,12 +374,13 @@ impl Daemon {
 
     /// One message of a peer connection, through its session; returns the
     /// answer, if it has one.
-    fn peer_step(self: &Arc<Self>, peer: &str, session_id: u64, session: &mut DestinationSession, mine: &mut HashMap<u16, Mine>, msg: PeerMsg) -> Option<PeerMsg> {
+    fn peer_step(self: &Arc<Self>, peer: &str, session_id: u64, session: &mut DestinationSession, mine: &mut HashMap<u16, Mine>, verdicts: &Arc<Verdicts>, msg: PeerMsg) -> Option<PeerMsg> {
         Some(match session.handle(Instant::now(), msg) {
             DestinationStep::Reply(m) => m,
             DestinationStep::Ignore => return None,
             DestinationStep::Offer(o) => match self.offer(peer, session_id, *o) {
                 Ok((a, m)) => {
+                    self.judge_by(m.id, verdicts);
                     mine.insert(a.slot, m);
                     session.accept(a)
                 }
@@ -254,6 +390,7 @@ impl Daemon {
                 let slot = c.slot;
                 match self.claim(peer, session_id, *c) {
                     Ok(m) => {
+                        self.judge_by(m.id, verdicts);
                         mine.insert(slot, m);
                         session.claimed(slot);
                         return None;
@@ -277,6 +414,8 @@ impl Daemon {
             }
             DestinationStep::Aborted { slot, reason, reply } => {
                 if let Some(Mine { id, .. }) = mine.remove(&slot) {
+                    // No verdict for it: the answer below is its last word.
+                    verdicts.leave(slot);
                     tracing::warn!(peer, slot, reason, "source aborted");
                     if !self.fail(id, format!("source aborted: {reason}")) {
                         // It had failed here first: say why, so the source
@@ -290,33 +429,25 @@ impl Daemon {
                 }
                 reply
             }
-            DestinationStep::Done { slot, reply } => match mine.remove(&slot) {
-                // The verdict: the source is done only once this side is.
-                Some(Mine { id, .. }) => match self.verdict(id) {
-                    Ok(()) => reply,
-                    Err(reason) => PeerMsg::Refused { reason },
-                },
-                None => reply,
-            },
         })
     }
 
-    /// Waits for transfer `id`'s end here: Ok once it published
-    /// `decoder_usable`, else why it failed (or that it had not ended by
-    /// the transfer timeout).
-    fn verdict(&self, id: SlotId) -> Result<(), String> {
-        let tag = Tag { slot: id.slot, layer: DECODER_USABLE };
-        let waited = self.page.wait(tag, Duration::from_secs(self.cfg.limits.transfer_timeout_secs));
-        let st = self.slots.lock().expect("slots lock");
-        match st.map.get(&id.slot).filter(|s| s.gen == id.gen) {
-            Some(s) if s.state == TransferState::Done => Ok(()),
-            Some(s) if s.state == TransferState::Failed || s.state == TransferState::Cancelled => {
-                Err(s.error.clone().unwrap_or_else(|| format!("{:?}", s.state).to_lowercase()))
+    /// Transfer `id` was taken on by a peer connection: its verdict goes
+    /// there as it ends ([`Verdicts`]); at once, when it ended already.
+    fn judge_by(&self, id: SlotId, verdicts: &Arc<Verdicts>) {
+        let ended = {
+            let mut st = self.slots.lock().expect("slots lock");
+            verdicts.enter(id.slot);
+            match st.get_mut(id) {
+                Some(s) if running(s.state) => {
+                    s.verdicts = Some(verdicts.clone());
+                    return;
+                }
+                Some(s) => verdict_of(s.state, s.error.clone()),
+                None => Some("the transfer's slot was taken again".into()),
             }
-            Some(_) => Err(format!("not done within {}s of the last byte", self.cfg.limits.transfer_timeout_secs)),
-            // The slot was taken again already: its flag tells how it ended.
-            None => waited.map(|_| ()).map_err(|e| e.to_string()),
-        }
+        };
+        verdicts.push(self, id, ended);
     }
 
     /// An offer into a prepared request: checks it against the group and

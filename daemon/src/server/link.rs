@@ -7,6 +7,7 @@
 use super::announce::{AnnounceBook, Heard};
 use crate::config::PeerConfig;
 use crate::peer::Sealed;
+use kvwire_client::wire::WireError;
 use kvwire_core::session::msg::PeerMsg;
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession};
 use kvwire_transport::Credential;
@@ -78,10 +79,15 @@ impl PeerLink {
     /// accept, manifest, layer checksums, pings, done, verdict, abort), as
     /// sealed frames on the wire.
     pub fn control_bytes(&self) -> u64 {
-        let frames = match &self.conn.lock().expect("peer link lock").0 {
-            Some(s) => s.frame_bytes().saturating_sub(self.frames_before),
-            None => return self.frames_when_handed_back.load(Ordering::Acquire),
-        };
+        match &self.conn.lock().expect("peer link lock").0 {
+            Some(s) => self.share(s),
+            None => self.frames_when_handed_back.load(Ordering::Acquire),
+        }
+    }
+
+    // This transfer's share of the frames on `s` so far.
+    fn share(&self, s: &Sealed) -> u64 {
+        let frames = s.frame_bytes().saturating_sub(self.frames_before);
         (frames + self.ours.load(Ordering::Acquire)).saturating_sub(self.others.load(Ordering::Acquire))
     }
 
@@ -93,40 +99,60 @@ impl PeerLink {
 
     /// Sends `m` and hands the answer to the session. Announcements the
     /// destination sent meanwhile (it saw the connection idle) are booked
-    /// on the way.
+    /// on the way, and a verdict that came first is handed to the session
+    /// too, which keeps it.
     pub fn exchange(&self, m: &PeerMsg) -> Result<SourceEvent, LinkError> {
         let mut c = self.conn.lock().expect("peer link lock");
         let (s, session) = &mut *c;
-        let s = s.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
-        let answer = s.send(m).and_then(|()| loop {
+        let s = s.as_mut().ok_or_else(|| self.handed_back())?;
+        s.send(m).map_err(|e| self.wire_error(e))?;
+        loop {
+            match self.next(s, session)? {
+                Some(SourceEvent::Judged) => continue,
+                Some(ev) => return Ok(ev),
+                None => return Err(LinkError::Wire(format!("peer `{}` silent for {}s", self.peer, self.peer_timeout.as_secs()))),
+            }
+        }
+    }
+
+    /// The next message that is not an announcement, through the session;
+    /// None when the read timed out first.
+    fn next(&self, s: &mut Sealed, session: &mut SourceSession) -> Result<Option<SourceEvent>, LinkError> {
+        let m = loop {
             let before = s.frames_read();
-            match s.recv()? {
-                PeerMsg::Announce(announce) => {
+            match s.recv() {
+                Err(e) if e.is_timeout() => return Ok(None),
+                Err(e) => return Err(self.wire_error(e)),
+                Ok(PeerMsg::Announce(announce)) => {
                     let bytes = s.frames_read() - before;
                     self.others.fetch_add(bytes, Ordering::AcqRel);
                     self.book.note(&self.peer, Heard { session: self.credential.session, bytes, announce });
                 }
-                other => break Ok(other),
+                Ok(other) => break other,
             }
-        });
-        let answer = answer.map_err(|e| match e {
-            e if e.is_timeout() => LinkError::Wire(format!("peer `{}` silent for {}s", self.peer, self.peer_timeout.as_secs())),
-            e => LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)),
-        })?;
-        Ok(session.handle(Instant::now(), answer)?)
+        };
+        Ok(Some(session.handle(Instant::now(), m)?))
+    }
+
+    fn wire_error(&self, e: WireError) -> LinkError {
+        LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer))
+    }
+
+    fn handed_back(&self) -> LinkError {
+        LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer))
     }
 
     /// Sends `m`, which has no answer.
     pub fn send(&self, m: &PeerMsg) -> Result<(), LinkError> {
         let mut c = self.conn.lock().expect("peer link lock");
-        let s = c.0.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
-        s.send(m).map_err(|e| LinkError::Wire(format!("peer `{}` went away mid-transfer: {e}", self.peer)))
+        let s = c.0.as_mut().ok_or_else(|| self.handed_back())?;
+        s.send(m).map_err(|e| self.wire_error(e))
     }
 
     /// Seals `m` to leave with the next message sent ([`Sealed::hold`]).
     pub fn hold(&self, m: &PeerMsg) -> Result<(), LinkError> {
         let mut c = self.conn.lock().expect("peer link lock");
-        let s = c.0.as_mut().ok_or_else(|| LinkError::Wire(format!("peer `{}`: the transfer's connection was handed back", self.peer)))?;
+        let s = c.0.as_mut().ok_or_else(|| self.handed_back())?;
         s.hold(m);
         Ok(())
     }
@@ -212,28 +238,41 @@ impl PeerLink {
         }
     }
 
-    /// Every write completed: stops the heartbeat, sends `Done` and waits
-    /// up to `verdict` for the destination's verdict. Ok with the
+    /// Every write completed: stops the heartbeat and waits for the
+    /// destination's verdict, unless it came already (pinging meanwhile,
+    /// as the heartbeat did, up to the transfer's deadline). Ok with the
     /// connection, for the next transfer to the same peer, once the
     /// destination published `decoder_usable`; else why not (its own
     /// reason when it failed the transfer).
-    pub fn done(&self, verdict: Duration) -> Result<Option<Sealed>, String> {
+    pub fn done(&self) -> Result<Option<Sealed>, String> {
         self.end();
-        let m = self.session(|s| s.moved()).map_err(|e| e.to_string())?;
+        let theirs = |e: SessionError| format!("peer `{}`: {e}", self.peer);
+        let landed = self.session(|s| s.moved()).map_err(theirs)?;
         if let Some(lost) = self.lost() {
             return Err(format!("no verdict from the destination: {lost}"));
         }
-        self.read_timeout(verdict);
-        match self.exchange(&m) {
-            Ok(SourceEvent::Closed) => {
-                // What this transfer sent and read on it, kept for `control_bytes`.
-                self.frames_when_handed_back.store(self.control_bytes(), Ordering::Release);
-                Ok(self.conn.lock().expect("peer link lock").0.take())
+        let mut c = self.conn.lock().expect("peer link lock");
+        let (stream, session) = &mut *c;
+        let s = stream.as_mut().ok_or_else(|| self.handed_back().to_string())?;
+        let mut landed = landed;
+        while !landed {
+            let Some(due) = session.poll_timeout() else { return Err(format!("peer `{}`: no verdict, and nothing left to wait for", self.peer)) };
+            let _ = s.read_timeout(due.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
+            match self.next(s, session) {
+                Ok(Some(ev)) => landed = ev == SourceEvent::Closed,
+                // A ping when one is due; the deadline's failure when past it.
+                Ok(None) => match session.handle_timeout(Instant::now()) {
+                    Ok(Some(ping)) => s.send(&ping).map_err(|e| format!("no verdict from the destination: {}", self.wire_error(e)))?,
+                    Ok(None) => {}
+                    Err(e) => return Err(format!("no verdict from the destination: {e}")),
+                },
+                Err(LinkError::Session(e)) => return Err(theirs(e)),
+                Err(LinkError::Wire(e)) => return Err(format!("no verdict from the destination: {e}")),
             }
-            Ok(other) => Err(format!("peer `{}` answered done with {other:?}", self.peer)),
-            Err(LinkError::Session(e)) => Err(format!("peer `{}`: {e}", self.peer)),
-            Err(LinkError::Wire(e)) => Err(format!("no verdict from the destination: {e}")),
         }
+        // What this transfer sent and read on it, kept for `control_bytes`.
+        self.frames_when_handed_back.store(self.share(s), Ordering::Release);
+        Ok(stream.take())
     }
 
     /// The transfer failed here: stops the heartbeat and sends `Abort` when

@@ -236,10 +236,10 @@ impl Daemon {
             };
             let hashing = beside.then(|| d.hash_beside(id, mg, mp, codec, stage.clone(), link.clone(), stop.clone()));
             let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
-            // Every layer's checksums are out before `Done`: after it the
-            // destination reads nothing more until it gives its verdict. A
-            // small transfer's manifest went beside its writes; its stage,
-            // which the manifest hashed, is kept until it is out.
+            // Every layer's checksums are out before the transfer waits for
+            // its verdict, which the destination gives only once each layer
+            // verified. A small transfer's manifest went beside its writes;
+            // its stage, which the manifest hashed, is kept until it is out.
             let manifest = match small {
                 true => manifest_sent.recv().unwrap_or(false).then_some(()).ok_or_else(|| "the manifest did not go out".to_string()),
                 false => Ok(()),
@@ -1052,7 +1052,8 @@ impl Daemon {
 
     /// Post: records the transfer's size and starts the transfer thread,
     /// which runs `mover` (striping the batches over the rails) and ends
-    /// the transfer (`source_released`, `Done`) or fails it (`Abort`).
+    /// the transfer (`source_released`, then the destination's verdict) or
+    /// fails it (`Abort`).
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn post(
         self: &Arc<Self>,
@@ -1108,7 +1109,7 @@ impl Daemon {
                     d.peer_conns.expect(&key);
                     d.release_source(id);
                     tracing::info!(bytes, writes, "source released");
-                    let verdict = thread_link.done(Duration::from_secs(d.cfg.limits.transfer_timeout_secs));
+                    let verdict = thread_link.done();
                     count(&d);
                     match verdict {
                         Ok(conn) => {

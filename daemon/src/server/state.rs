@@ -304,6 +304,8 @@ pub(crate) struct Slot {
     pub recv: Option<PrepareReceive>,
     // Destination: announced to its source and not claimed yet.
     pub announced: Option<Announced>,
+    // Destination: the peer connection its verdict goes to as it ends.
+    pub verdicts: Option<Arc<super::destination::Verdicts>>,
     pub stop: Arc<AtomicBool>,
 }
 
@@ -348,6 +350,7 @@ impl Slot {
             elapsed: None,
             recv,
             announced: None,
+            verdicts: None,
             stop,
         }
     }

@@ -1,5 +1,6 @@
 //! A transfer slot's lifetime: taken, timed, marked, published, ended.
 
+use super::destination::verdict_of;
 use super::error::Refusal;
 use super::state::{running, Boundary, Role, Slot, SlotId};
 use super::Daemon;
@@ -74,25 +75,39 @@ impl Daemon {
     }
 
     /// Ends transfer `id` (if it still runs): records the outcome, stops its
-    /// threads, fails its flags unless done, and revokes its keys. Returns
-    /// whether this call ended it.
+    /// threads, fails its flags unless done, and revokes its keys; then
+    /// tells its source (its verdict). Returns whether this call ended it.
     pub(super) fn finish(&self, id: SlotId, state: TransferState, error: Option<String>) -> bool {
-        let mut st = self.slots.lock().expect("slots lock");
-        let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
-        self.end(id, s, state, error);
+        let verdicts = {
+            let mut st = self.slots.lock().expect("slots lock");
+            let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
+            self.end(id, s, state, error.clone());
+            s.verdicts.take()
+        };
+        if let Some(v) = verdicts {
+            v.push(self, id, verdict_of(state, error));
+        }
         true
     }
 
     /// Ends transfer `id` as done at boundary `b`, publishing its last flag
-    /// `column` under the same lock as the state change: a client that sees
-    /// the flag and then asks for the status finds the transfer done.
+    /// `column` under the same lock as the state change (a client that sees
+    /// the flag and then asks for the status finds the transfer done); then
+    /// tells its source.
     pub(super) fn complete(&self, id: SlotId, column: u16, b: Boundary) -> bool {
-        let mut st = self.slots.lock().expect("slots lock");
-        let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
-        let at = s.started.elapsed();
-        s.marks.push(b.at(at));
-        self.end(id, s, TransferState::Done, None);
-        self.page.publish(Tag { slot: id.slot, layer: column })
+        let (published, verdicts) = {
+            let mut st = self.slots.lock().expect("slots lock");
+            let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
+            let at = s.started.elapsed();
+            s.marks.push(b.at(at));
+            self.end(id, s, TransferState::Done, None);
+            let verdicts = s.verdicts.take();
+            (self.page.publish(Tag { slot: id.slot, layer: column }), verdicts)
+        };
+        if let Some(v) = verdicts {
+            v.push(self, id, None);
+        }
+        published
     }
 
     /// Records the outcome in the slot (whose lock the caller holds).

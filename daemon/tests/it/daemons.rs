@@ -429,10 +429,11 @@ fn a_peer_may_name_only_the_transfers_of_its_own_connection() {
     let mut s = std::net::TcpStream::connect(&b.peer).unwrap();
     let (_, cred) = connect_auth(&mut s, b"a-secret-of-at-least-16-bytes", "a").unwrap();
     let mut s = Sealed::new(s, cred, true);
-    for m in [PeerMsg::Abort { slot, reason: "hostile".into() }, PeerMsg::Done { slot }] {
+    // A verdict is the destination's word: one from a source is refused.
+    for (m, why) in [(PeerMsg::Abort { slot, reason: "hostile".into() }, "not a transfer of this connection"), (PeerMsg::Verdict { slot, error: None }, "unexpected verdict")] {
         s.send(&m).unwrap();
         match s.recv().unwrap() {
-            PeerMsg::Refused { reason } => assert!(reason.contains("not a transfer of this connection"), "{reason}"),
+            PeerMsg::Refused { reason } => assert!(reason.contains(why), "{reason}"),
             other => panic!("{other:?}"),
         }
     }

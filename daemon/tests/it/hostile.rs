@@ -806,17 +806,22 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
     let (slot, stage) = claimed(&mut peer, "r1");
     assert_eq!(write_stage(slot, stage), Ok(()));
     let claimed_at = Instant::now();
+    // Its verdict comes unasked, between the pongs, naming the reason.
     let why = loop {
         peer.send(&PeerMsg::Ping).unwrap();
-        assert_eq!(peer.recv().unwrap(), PeerMsg::Pong);
-        let st = c.status(slot).unwrap();
-        if st.state != TransferState::Running {
-            assert_eq!(st.state, TransferState::Failed, "{st:?}");
-            break st.error.unwrap_or_default();
+        match peer.recv().unwrap() {
+            PeerMsg::Pong => {}
+            PeerMsg::Verdict { slot: s, error: Some(why) } if s == slot => {
+                assert_eq!(peer.recv().unwrap(), PeerMsg::Pong);
+                break why;
+            }
+            other => panic!("{other:?}"),
         }
-        assert!(claimed_at.elapsed() < Duration::from_secs(10), "never failed: {st:?}");
+        assert!(claimed_at.elapsed() < Duration::from_secs(10), "never failed: {:?}", c.status(slot).unwrap());
         std::thread::sleep(Duration::from_millis(200));
     };
+    let st = c.status(slot).unwrap();
+    assert_eq!((st.state, st.error.as_deref()), (TransferState::Failed, Some(why.as_str())));
     assert!(why.contains("no manifest within 2s of the accept"), "{why}");
     assert!(claimed_at.elapsed() >= Duration::from_millis(1500), "failed after {:?}", claimed_at.elapsed());
     assert!(revoked(write_stage(slot, stage)), "the staging buffer outlived its failed receive");
@@ -827,6 +832,7 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
     peer.send(&PeerMsg::Expect(Expect { slot, manifest: "{\"not\": \"a manifest\"}".into(), layer_sums: false })).unwrap();
     let why = failed(slot, Duration::from_secs(1));
     assert!(why.starts_with("manifest:"), "{why}");
+    assert_eq!(peer.recv().unwrap(), PeerMsg::Verdict { slot, error: Some(why) });
     assert!(revoked(write_stage(slot, stage)), "the staging buffer outlived its refused manifest");
 
     // Aborted by its source: failed with the source's reason, and the
@@ -836,6 +842,11 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
     peer.send(&PeerMsg::Abort { slot, reason: "engine gone".into() }).unwrap();
     let why = failed(slot, Duration::from_secs(1));
     assert!(why.contains("source aborted: engine gone"), "{why}");
+    // The abort is answered, and no verdict follows: the slot was no
+    // longer the connection's.
+    assert_eq!(peer.recv().unwrap(), PeerMsg::Ok);
+    peer.send(&PeerMsg::Ping).unwrap();
+    assert_eq!(peer.recv().unwrap(), PeerMsg::Pong);
     let deadline = Instant::now() + Duration::from_secs(2);
     while !revoked(write_stage(slot, stage)) {
         assert!(Instant::now() < deadline, "the staging buffer outlived its aborted receive");
