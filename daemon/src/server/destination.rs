@@ -76,6 +76,8 @@ pub(super) struct Verdicts {
     outbox: Outbox,
     // No transfer of this connection runs: announcements may go on it.
     idle: Arc<AtomicBool>,
+    // Adds a verdict's frame bytes to its transfer's count, before it goes.
+    count: Box<dyn Fn(SlotId, u64) + Send + Sync>,
     inner: Mutex<VerdictState>,
 }
 
@@ -96,8 +98,8 @@ enum Live {
 }
 
 impl Verdicts {
-    pub fn new(outbox: Outbox, idle: Arc<AtomicBool>) -> Verdicts {
-        Verdicts { outbox, idle, inner: Mutex::new(VerdictState::default()) }
+    pub fn new(outbox: Outbox, idle: Arc<AtomicBool>, count: impl Fn(SlotId, u64) + Send + Sync + 'static) -> Verdicts {
+        Verdicts { outbox, idle, count: Box::new(count), inner: Mutex::new(VerdictState::default()) }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, VerdictState> {
@@ -113,7 +115,7 @@ impl Verdicts {
 
     /// What the connection sent after taking slots on has gone: their
     /// verdicts may go now, and those owed already go at once.
-    fn open(&self, d: &Daemon) {
+    fn open(&self) {
         let owed: Vec<(SlotId, Option<String>)> = {
             let mut st = self.state();
             let mut owed = Vec::new();
@@ -126,7 +128,7 @@ impl Verdicts {
             owed
         };
         for (id, error) in owed {
-            self.push(d, id, error);
+            self.push(id, error);
         }
     }
 
@@ -152,7 +154,7 @@ impl Verdicts {
     /// sent; or right after its accept, when that has not gone yet.
     /// Nothing goes for a slot the connection no longer runs. The caller
     /// holds no lock of the daemon's.
-    pub fn push(&self, d: &Daemon, id: SlotId, error: Option<String>) {
+    pub fn push(&self, id: SlotId, error: Option<String>) {
         {
             let mut st = self.state();
             match st.live.get_mut(&id.slot) {
@@ -171,8 +173,7 @@ impl Verdicts {
             // prepare its next request at once.
             self.idle.store(st.live.is_empty(), Ordering::Release);
         }
-        let count = |len: u64| d.with_slot(id, |sl| sl.wire += len);
-        if let Err(e) = self.outbox.send_counted(&DestinationSession::verdict(id.slot, error), count) {
+        if let Err(e) = self.outbox.send_counted(&DestinationSession::verdict(id.slot, error), |len| (self.count)(id, len)) {
             // The connection's thread sees it broken and ends it.
             tracing::debug!(slot = id.slot, error = %e, "the verdict could not be sent");
         }
@@ -291,7 +292,14 @@ impl Daemon {
         let mut s = Sealed::new(s, cred, false);
         // Announcements to this peer may go on this connection while it is idle.
         let idle = self.outboxes.open(&peer, session_id, s.outbox());
-        let verdicts = Arc::new(Verdicts::new(s.outbox(), idle));
+        // Weak: a running slot holds its connection's verdicts.
+        let d = Arc::downgrade(self);
+        let count = move |id: SlotId, len: u64| {
+            if let Some(d) = d.upgrade() {
+                d.with_slot(id, |sl| sl.wire += len);
+            }
+        };
+        let verdicts = Arc::new(Verdicts::new(s.outbox(), idle, count));
         let l = &self.cfg.limits;
         let transfer = Duration::from_secs(l.transfer_timeout_secs);
         let timeouts = Timeouts { reply: transfer, peer: Duration::from_secs(l.peer_timeout_secs), transfer };
@@ -352,7 +360,7 @@ impl Daemon {
                 break format!("peer `{peer}` connection failed mid-transfer: {e}");
             }
             // A slot taken on has its accept out: its verdict may follow.
-            verdicts.open(self);
+            verdicts.open();
         };
         // No new data connection can prove this session now; its transfers'
         // regions are revoked as each ends, and what was announced on it
@@ -447,7 +455,7 @@ impl Daemon {
                 None => Some("the transfer's slot was taken again".into()),
             }
         };
-        verdicts.push(self, id, ended);
+        verdicts.push(id, ended);
     }
 
     /// An offer into a prepared request: checks it against the group and
@@ -814,8 +822,71 @@ pub(super) fn replan(model: &ModelSpec, layout: LayoutSpec, format: CacheFormat,
 
 #[cfg(test)]
 mod tests {
-    use super::coarse;
+    use super::{coarse, Verdicts};
+    use crate::peer::{PeerMsg, Sealed};
+    use crate::server::state::SlotId;
+    use std::net::{TcpListener, TcpStream};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
+
+    /// A verdict goes only after its slot's accept (owed until then), once,
+    /// counted toward its transfer before it goes, and not at all for a
+    /// slot the source aborted or on a connection that ended; the
+    /// connection's thread learns of each one sent, and the connection is
+    /// idle again once no slot of it runs.
+    #[test]
+    fn a_verdict_follows_its_accept_goes_once_and_only_for_a_slot_the_connection_runs() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let cred = kvwire_transport::Credential::random();
+        let (dst, mut src) = (Sealed::new(b, cred.clone(), false), Sealed::new(a, cred, true));
+        let counted = Arc::new(Mutex::new(Vec::new()));
+        let c = counted.clone();
+        let idle = Arc::new(AtomicBool::new(true));
+        let v = Verdicts::new(dst.outbox(), idle.clone(), move |id, len| c.lock().unwrap().push((id, len)));
+        let id = |slot: u16| SlotId { slot, gen: u64::from(slot) + 10 };
+        let verdict = |slot: u16, error: Option<&str>| PeerMsg::Verdict { slot, error: error.map(String::from) };
+
+        // Ended before its accept went: owed, and sent right after it.
+        v.enter(1);
+        assert!(!idle.load(Ordering::Acquire));
+        v.push(id(1), Some("cancelled by client".into()));
+        assert!(v.sent().is_empty(), "owed, not sent");
+        dst.outbox().send_counted(&PeerMsg::Ok, |_| {}).unwrap();
+        v.open();
+        assert_eq!(src.recv().unwrap(), PeerMsg::Ok);
+        assert_eq!(src.recv().unwrap(), verdict(1, Some("cancelled by client")));
+        assert_eq!(v.sent(), [(id(1), Some("cancelled by client".to_string()))]);
+        assert!(idle.load(Ordering::Acquire));
+
+        // Two running; one aborted by its source: only the other's verdict, once.
+        v.enter(2);
+        v.enter(3);
+        v.open();
+        v.leave(3);
+        assert!(!idle.load(Ordering::Acquire), "slot 2 still runs");
+        v.push(id(3), Some("source aborted: x".into()));
+        v.push(id(2), None);
+        v.push(id(2), None);
+        assert_eq!(src.recv().unwrap(), verdict(2, None));
+        assert_eq!(v.sent(), [(id(2), None)]);
+        assert!(idle.load(Ordering::Acquire));
+
+        // The connection ended: nothing more goes on it.
+        v.enter(4);
+        v.open();
+        v.close();
+        v.push(id(4), None);
+        assert!(v.sent().is_empty());
+        src.read_timeout(Duration::from_millis(100)).unwrap();
+        assert!(src.recv().is_err_and(|e| e.is_timeout()), "nothing else was sent");
+        // Each sent verdict counted toward its own transfer, before it went.
+        let counted = counted.lock().unwrap();
+        assert_eq!(counted.iter().map(|c| c.0).collect::<Vec<_>>(), [id(1), id(2)]);
+        assert!(counted.iter().all(|c| c.1 > 32), "{counted:?}");
+    }
 
     #[test]
     fn a_wait_is_rounded_down_to_a_power_of_two_of_milliseconds_never_to_zero() {

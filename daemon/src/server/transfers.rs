@@ -85,7 +85,7 @@ impl Daemon {
             s.verdicts.take()
         };
         if let Some(v) = verdicts {
-            v.push(self, id, verdict_of(state, error));
+            v.push(id, verdict_of(state, error));
         }
         true
     }
@@ -105,7 +105,7 @@ impl Daemon {
             (self.page.publish(Tag { slot: id.slot, layer: column }), verdicts)
         };
         if let Some(v) = verdicts {
-            v.push(self, id, None);
+            v.push(id, None);
         }
         published
     }
