@@ -70,6 +70,12 @@ pub const MANIFEST_VERSION: u32 = 2;
 /// this large so that a thread's start is small against it.
 pub const CHECKSUM_CHUNK: u64 = 1 << 20;
 
+/// The chunk of its region's stream a segment starting at stream offset
+/// `at` belongs to (module docs): where hashing and splitting agree.
+fn chunk_at(at: u64) -> u64 {
+    at / CHECKSUM_CHUNK
+}
+
 /// The one checksum algorithm this version uses (see the module docs).
 pub const CHECKSUM_ALGO: &str = "xxh3-64";
 /// Largest manifest JSON [`Manifest::from_json`] accepts (16 MiB).
@@ -782,7 +788,7 @@ impl<'p> Checksums<'p> {
             if let Ok(k) = starts.binary_search_by_key(&i, |&(seg, _)| seg) {
                 st.at = starts[k].1;
             }
-            let number = st.at / CHECKSUM_CHUNK;
+            let number = chunk_at(st.at);
             if st.open != Some(number) {
                 if let Some(sum) = st.close(key) {
                     done.push(sum);
@@ -922,7 +928,7 @@ pub fn chunks_of(plan: &Plan, segs: &[usize]) -> Vec<ChunkRun> {
             };
         }
         let RegionAt { offset, open, .. } = &mut regions[last];
-        let number = *offset / CHECKSUM_CHUNK;
+        let number = chunk_at(*offset);
         match open {
             Some((n, k)) if *n == number => {
                 out[*k].segs.push(i);
