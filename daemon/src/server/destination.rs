@@ -41,16 +41,43 @@ pub(super) fn verdict_of(state: TransferState, error: Option<String>) -> Option<
     }
 }
 
-/// Notes the verdicts `verdicts` sent since the last look: their slots are
-/// no longer the connection's. Returns the session.
-fn judged<'a>(verdicts: &Verdicts, session: &'a mut DestinationSession, mine: &mut HashMap<u16, Mine>) -> &'a mut DestinationSession {
-    for (id, error) in verdicts.sent() {
-        session.judged(id.slot, error);
-        if mine.get(&id.slot).is_some_and(|m| m.id == id) {
-            mine.remove(&id.slot);
+/// A peer connection's transfers: those running, by slot, and those whose
+/// verdict went, which a ping or an abort that crossed the verdict still
+/// counts toward (the source counts what it sent and read until then).
+#[derive(Default)]
+struct Transfers {
+    mine: HashMap<u16, Mine>,
+    judged: HashMap<u16, SlotId>,
+    last_judged: Option<SlotId>,
+}
+
+impl Transfers {
+    /// Notes the verdicts `verdicts` sent since the last look: their slots
+    /// are no longer the connection's. Returns the session.
+    fn judged<'a>(&mut self, verdicts: &Verdicts, session: &'a mut DestinationSession) -> &'a mut DestinationSession {
+        for (id, error) in verdicts.sent() {
+            session.judged(id.slot, error);
+            if self.mine.get(&id.slot).is_some_and(|m| m.id == id) {
+                self.mine.remove(&id.slot);
+            }
+            self.judged.insert(id.slot, id);
+            self.last_judged = Some(id);
+        }
+        session
+    }
+
+    /// The transfer a message counts toward, before it is handled: the one
+    /// it names, a ping's the connection's one transfer; an abort or a ping
+    /// that crossed its transfer's verdict, that transfer's.
+    fn named(&self, m: &PeerMsg) -> Option<SlotId> {
+        match (m, m.slot()) {
+            (PeerMsg::Abort { .. }, Some(slot)) => self.mine.get(&slot).map(|m| m.id).or_else(|| self.judged.get(&slot).copied()),
+            (_, Some(slot)) => self.mine.get(&slot).map(|m| m.id),
+            (_, None) if self.mine.len() == 1 => self.mine.values().next().map(|m| m.id),
+            (PeerMsg::Ping, None) if self.mine.is_empty() => self.last_judged,
+            _ => None,
         }
     }
-    session
 }
 
 /// How long a peer may take over its whole handshake.
@@ -306,9 +333,9 @@ impl Daemon {
         let mut session = DestinationSession::new(Instant::now(), &peer, timeouts);
         // Transfers accepted on this connection, by slot: its messages may
         // name only these, and those still running when it ends fail then.
-        let mut mine: HashMap<u16, Mine> = HashMap::new();
+        let mut t = Transfers::default();
         let ended = loop {
-            judged(&verdicts, &mut session, &mut mine);
+            t.judged(&verdicts, &mut session);
             // The socket's timeout changes only when it must be shorter, or
             // when it is far too short: not at every message, whose
             // deadline moved a little (a read that ends early is tried
@@ -324,30 +351,32 @@ impl Daemon {
             let msg = match s.recv() {
                 Ok(m) => m,
                 Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
-                Err(e) if e.is_timeout() => match judged(&verdicts, &mut session, &mut mine).handle_timeout(Instant::now()) {
+                Err(e) if e.is_timeout() => match t.judged(&verdicts, &mut session).handle_timeout(Instant::now()) {
                     Some(e) => break format!("peer `{peer}` {e}"),
                     None => continue,
                 },
                 Err(e) => break format!("peer `{peer}` connection failed mid-transfer: {e}"),
             };
             // What the source sends may answer a verdict sent meanwhile.
-            judged(&verdicts, &mut session, &mut mine);
-            // A message counts toward the transfer it names, a ping toward
-            // the connection's one transfer; an offer toward the slot its
-            // accept names. Its answer too, sealed once and counted before
-            // it is sent.
+            t.judged(&verdicts, &mut session);
+            // A message counts toward its transfer ([`Transfers::named`]),
+            // before it is handed on: the transfer may end, and its verdict
+            // go, before this thread runs again. An offer or a claim counts
+            // toward the slot it enters. An answer too, sealed once and
+            // counted before it is sent.
             let read = s.frames_read() - before;
             let msg_slot = msg.slot();
-            let named = msg_slot.or_else(|| if mine.len() == 1 { mine.keys().next().copied() } else { None });
-            let named = named.and_then(|slot| mine.get(&slot)).map(|m| m.id);
-            let reply = self.peer_step(&peer, session_id, &mut session, &mut mine, &verdicts, msg);
+            let named = t.named(&msg);
+            if let Some(id) = named {
+                self.with_slot(id, |sl| sl.wire += read);
+            }
+            let reply = self.peer_step(&peer, session_id, &mut session, &mut t.mine, &verdicts, msg);
             // A claim's slot is this connection's only once honoured.
-            let entered = reply.as_ref().and_then(PeerMsg::slot).or(msg_slot).and_then(|slot| mine.get(&slot)).map(|m| m.id);
-            let id = named.or(entered);
-            let count = |len: u64| {
-                if let Some(id) = id {
-                    self.with_slot(id, |sl| sl.wire += read + len);
-                }
+            let entered = named.is_none().then(|| reply.as_ref().and_then(PeerMsg::slot).or(msg_slot).and_then(|slot| t.mine.get(&slot)).map(|m| m.id)).flatten();
+            let count = |len: u64| match (named, entered) {
+                (Some(id), _) => self.with_slot(id, |sl| sl.wire += len),
+                (None, Some(id)) => self.with_slot(id, |sl| sl.wire += read + len),
+                (None, None) => {}
             };
             let sent = match reply {
                 Some(reply) => s.send_counted(&reply, count),
@@ -372,7 +401,7 @@ impl Daemon {
         // A source that ends its connection before its verdict will write
         // no more: what has not arrived never will.
         for slot in session.closed() {
-            if let Some(Mine { id, .. }) = mine.remove(&slot) {
+            if let Some(Mine { id, .. }) = t.mine.remove(&slot) {
                 if self.fail(id, &ended) {
                     tracing::warn!(peer, slot, why = ended, "transfer failed: its source is gone");
                 }
@@ -886,6 +915,40 @@ mod tests {
         let counted = counted.lock().unwrap();
         assert_eq!(counted.iter().map(|c| c.0).collect::<Vec<_>>(), [id(1), id(2)]);
         assert!(counted.iter().all(|c| c.1 > 32), "{counted:?}");
+    }
+
+    /// A ping or an abort that crossed its transfer's verdict still counts
+    /// toward that transfer, as the source counts it; a message naming a
+    /// slot number the connection ran before (a stale manifest) does not.
+    #[test]
+    fn a_ping_or_an_abort_that_crossed_a_verdict_counts_toward_its_transfer() {
+        use super::{Lands, Mine, Transfers};
+        use kvwire_core::session::msg::Expect;
+        use kvwire_core::session::{DestinationSession, Timeouts};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let _a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        let dst = Sealed::new(b, kvwire_transport::Credential::random(), false);
+        let v = Verdicts::new(dst.outbox(), Arc::new(AtomicBool::new(true)), |_, _| {});
+        let t10 = Duration::from_secs(10);
+        let mut session = DestinationSession::new(std::time::Instant::now(), "a", Timeouts { reply: t10, peer: t10, transfer: t10 });
+        let mut t = Transfers::default();
+        let (old, other) = (SlotId { slot: 3, gen: 7 }, SlotId { slot: 4, gen: 8 });
+        for id in [old, other] {
+            t.mine.insert(id.slot, Mine { id, to: Lands::Thread(std::sync::mpsc::channel().0) });
+            session.claimed(id.slot);
+            v.enter(id.slot);
+        }
+        v.open();
+        let abort = PeerMsg::Abort { slot: 3, reason: "x".into() };
+        let stale = PeerMsg::Expect(Expect { slot: 3, manifest: "{}".into(), layer_sums: false });
+        // Two running: a ping names neither.
+        assert_eq!((t.named(&PeerMsg::Ping), t.named(&abort)), (None, Some(old)));
+        v.push(other, None);
+        v.push(old, Some("checksum mismatch".into()));
+        t.judged(&v, &mut session);
+        assert!(t.mine.is_empty() && session.slot(3).is_none());
+        assert_eq!((t.named(&PeerMsg::Ping), t.named(&abort), t.named(&stale)), (Some(old), Some(old), None));
     }
 
     #[test]
