@@ -47,8 +47,9 @@ pub(super) fn verdict_of(state: TransferState, error: Option<String>) -> Option<
 #[derive(Default)]
 struct Transfers {
     mine: HashMap<u16, Mine>,
-    judged: HashMap<u16, SlotId>,
-    last_judged: Option<SlotId>,
+    // Those whose verdict went, by slot, and the last of them.
+    past: HashMap<u16, SlotId>,
+    last: Option<SlotId>,
 }
 
 impl Transfers {
@@ -60,8 +61,8 @@ impl Transfers {
             if self.mine.get(&id.slot).is_some_and(|m| m.id == id) {
                 self.mine.remove(&id.slot);
             }
-            self.judged.insert(id.slot, id);
-            self.last_judged = Some(id);
+            self.past.insert(id.slot, id);
+            self.last = Some(id);
         }
         session
     }
@@ -71,10 +72,10 @@ impl Transfers {
     /// that crossed its transfer's verdict, that transfer's.
     fn named(&self, m: &PeerMsg) -> Option<SlotId> {
         match (m, m.slot()) {
-            (PeerMsg::Abort { .. }, Some(slot)) => self.mine.get(&slot).map(|m| m.id).or_else(|| self.judged.get(&slot).copied()),
+            (PeerMsg::Abort { .. }, Some(slot)) => self.mine.get(&slot).map(|m| m.id).or_else(|| self.past.get(&slot).copied()),
             (_, Some(slot)) => self.mine.get(&slot).map(|m| m.id),
             (_, None) if self.mine.len() == 1 => self.mine.values().next().map(|m| m.id),
-            (PeerMsg::Ping, None) if self.mine.is_empty() => self.last_judged,
+            (PeerMsg::Ping, None) if self.mine.is_empty() => self.last,
             _ => None,
         }
     }
