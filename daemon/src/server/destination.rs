@@ -471,7 +471,8 @@ impl Daemon {
     }
 
     /// Transfer `id` was taken on by a peer connection: its verdict goes
-    /// there as it ends ([`Verdicts`]); at once, when it ended already.
+    /// there as it ends ([`Verdicts`]); when it ended already, right after
+    /// the accept (or, for a claim, at once).
     fn judge_by(&self, id: SlotId, verdicts: &Arc<Verdicts>) {
         let ended = {
             let mut st = self.slots.lock().expect("slots lock");

@@ -247,14 +247,13 @@ impl PeerLink {
     pub fn done(&self) -> Result<Option<Sealed>, String> {
         self.end();
         let theirs = |e: SessionError| format!("peer `{}`: {e}", self.peer);
-        let landed = self.session(|s| s.moved()).map_err(theirs)?;
+        let mut landed = self.session(|s| s.moved()).map_err(theirs)?;
         if let Some(lost) = self.lost() {
             return Err(format!("no verdict from the destination: {lost}"));
         }
         let mut c = self.conn.lock().expect("peer link lock");
         let (stream, session) = &mut *c;
         let s = stream.as_mut().ok_or_else(|| self.handed_back().to_string())?;
-        let mut landed = landed;
         while !landed {
             let Some(due) = session.poll_timeout() else { return Err(format!("peer `{}`: no verdict, and nothing left to wait for", self.peer)) };
             let _ = s.read_timeout(due.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
