@@ -69,9 +69,12 @@ impl Transfers {
 
     /// The transfer a message counts toward, before it is handled: the one
     /// it names, a ping's the connection's one transfer; an abort or a ping
-    /// that crossed its transfer's verdict, that transfer's.
+    /// that crossed its transfer's verdict, that transfer's. An offer names
+    /// none, even beside a running transfer: it counts toward the slot it
+    /// enters, once accepted.
     fn named(&self, m: &PeerMsg) -> Option<SlotId> {
         match (m, m.slot()) {
+            (PeerMsg::Offer(_), _) => None,
             (PeerMsg::Abort { .. }, Some(slot)) => self.mine.get(&slot).map(|m| m.id).or_else(|| self.past.get(&slot).copied()),
             (_, Some(slot)) => self.mine.get(&slot).map(|m| m.id),
             (_, None) if self.mine.len() == 1 => self.mine.values().next().map(|m| m.id),
