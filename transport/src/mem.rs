@@ -190,15 +190,36 @@ impl HostMem {
             return Ok(());
         }
         let span = |step: u64| crate::Stride::span(count, step, len).ok_or(MemError::OutOfBounds { offset, len: u64::MAX, size: self.len() });
-        self.check(offset, span(stride)?)?;
-        dst.check(dst_offset, span(dst_stride)?)?;
+        let (src_span, dst_span) = (span(stride)?, span(dst_stride)?);
+        self.check(offset, src_span)?;
+        dst.check(dst_offset, dst_span)?;
         if !dst.writable {
             return Err(MemError::ReadOnly);
         }
-        for i in 0..count {
-            // SAFETY: every run lies inside its span, which was checked to
-            // be inside a live mapping; `copy` tolerates overlap.
-            unsafe { std::ptr::copy(self.as_ptr().add((offset + i * stride) as usize), dst.as_ptr().add((dst_offset + i * dst_stride) as usize), len as usize) };
+        let (from, to) = (self.as_ptr().wrapping_add(offset as usize), dst.as_ptr().wrapping_add(dst_offset as usize));
+        let apart = from as usize + src_span as usize <= to as usize || to as usize + dst_span as usize <= from as usize;
+        // SAFETY (all copies below): every run lies inside its span, which
+        // was checked to be inside a live mapping. Runs back to back on
+        // both sides are one range each; `copy` tolerates overlap (runs
+        // that overlap go one by one, in order).
+        if count == 1 || (apart && stride == len && dst_stride == len) {
+            unsafe { std::ptr::copy(from, to, (len * count) as usize) };
+            return Ok(());
+        }
+        let (count, stride, dst_stride) = (count as usize, stride as usize, dst_stride as usize);
+        // A remap's rows are a head's elements: 64 to 512 bytes. Copied at
+        // a size known here, each is a few vector moves, not a call of
+        // memmove; disjoint spans make that sound.
+        match (apart, len) {
+            (true, 64) => unsafe { copy_rows::<64>(from, stride, to, dst_stride, count) },
+            (true, 128) => unsafe { copy_rows::<128>(from, stride, to, dst_stride, count) },
+            (true, 256) => unsafe { copy_rows::<256>(from, stride, to, dst_stride, count) },
+            (true, 512) => unsafe { copy_rows::<512>(from, stride, to, dst_stride, count) },
+            _ => {
+                for i in 0..count {
+                    unsafe { std::ptr::copy(from.add(i * stride), to.add(i * dst_stride), len as usize) };
+                }
+            }
         }
         Ok(())
     }
@@ -214,5 +235,19 @@ impl HostMem {
         // tolerates overlap when both are the same mapping.
         unsafe { std::ptr::copy(self.as_ptr().add(offset as usize), dst.as_ptr().add(dst_offset as usize), len as usize) };
         Ok(())
+    }
+}
+
+/// `count` rows of `N` bytes, `stride` apart at `from` and `dst_stride` at
+/// `to`.
+///
+/// # Safety
+/// Every row must lie inside live memory on both sides, and the two sets of
+/// rows must not overlap.
+#[inline(always)]
+unsafe fn copy_rows<const N: usize>(from: *const u8, stride: usize, to: *mut u8, dst_stride: usize, count: usize) {
+    for i in 0..count {
+        // SAFETY: per the function's contract.
+        unsafe { std::ptr::copy_nonoverlapping(from.add(i * stride), to.add(i * dst_stride), N) };
     }
 }

@@ -824,15 +824,9 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
     let stage = r.stage.as_ref()?;
     let dst = r.regions.get(&(seg.dst_rank, seg.dst_region))?;
     if r.codec.is_none() {
-        // Runs go straight from staging into the cache: one copy each, or
-        // one for all where they lie back to back there too.
-        if seg.dst_contiguous() {
-            return stage.mem.copy_to(st.offset, &dst.mem, dst.offset + seg.dst_offset, seg.bytes()).ok();
-        }
-        for (k, (_, dof)) in seg.runs().enumerate() {
-            stage.mem.copy_to(st.offset + k as u64 * seg.len, &dst.mem, dst.offset + dof, seg.len).ok()?;
-        }
-        return Some(());
+        // Runs go straight from staging into the cache: one copy for all
+        // where they lie back to back there too.
+        return stage.mem.copy_runs_to(st.offset, seg.len, &dst.mem, dst.offset + seg.dst_offset, seg.dst_stride, seg.len, seg.count).ok();
     }
     let bytes = read_mem(&stage.mem, st.offset, st.size)?;
     let data = schedule::unpack(&bytes, st, &r.format, r.codec)?;

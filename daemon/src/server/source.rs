@@ -1038,10 +1038,10 @@ impl Daemon {
             let r = g.regions.get(&(seg.src_rank, seg.src_region)).ok_or_else(|| failed(&"source region missing"))?;
             total += st.size;
             if codec.is_none() {
-                // Runs go straight from the cache into staging: one copy each.
-                for (k, (so, _)) in seg.runs().enumerate() {
-                    r.mem.copy_to(r.offset + so, &stage.mem, stage.offset + st.offset + k as u64 * seg.len, seg.len).map_err(|e| failed(&e))?;
-                }
+                // Runs go straight from the cache into staging, back to back
+                // there: one copy for all where they are back to back in the
+                // cache too.
+                r.mem.copy_runs_to(r.offset + seg.src_offset, seg.src_stride, &stage.mem, stage.offset + st.offset, seg.len, seg.len, seg.count).map_err(|e| failed(&e))?;
                 continue;
             }
             let bytes = schedule::pack(seg, &st, &g.format, codec, |o, l| read_mem(&r.mem, r.offset + o, l)).ok_or_else(|| failed(&"cannot read a packed source run"))?;

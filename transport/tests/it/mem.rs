@@ -36,6 +36,43 @@ fn access_is_bounds_checked() {
     assert_eq!(HostMem::new("t", 0).unwrap_err(), MemError::Empty);
 }
 
+/// Strided runs land where a run-by-run copy puts them, whichever way
+/// they are copied: rows of a size copied inline, of any other size, back
+/// to back on both sides, or overlapping within one mapping.
+#[test]
+fn strided_runs_copy_as_run_by_run_copies_would() {
+    let src = HostMem::new("src", 1 << 16).unwrap();
+    let fill: Vec<u8> = (0..1u32 << 16).map(|i| (i * 7 + i / 251) as u8).collect();
+    src.write(0, &fill).unwrap();
+    // (src offset, src stride, dst offset, dst stride, len, count)
+    let cases = [(3, 1024, 5, 256, 256, 40), (0, 256, 64, 1024, 128, 50), (17, 700, 1, 100, 100, 60), (0, 512, 0, 512, 512, 30), (9, 64, 4000, 64, 64, 1)];
+    for (so, ss, d0, ds, len, count) in cases {
+        let dst = HostMem::new("dst", 1 << 16).unwrap();
+        src.copy_runs_to(so, ss, &dst, d0, ds, len, count).unwrap();
+        let mut want = vec![0u8; 1 << 16];
+        for i in 0..count {
+            let (a, b) = ((so + i * ss) as usize, (d0 + i * ds) as usize);
+            want[b..b + len as usize].copy_from_slice(&fill[a..a + len as usize]);
+        }
+        let mut got = vec![0u8; 1 << 16];
+        dst.read(0, &mut got).unwrap();
+        assert!(got == want, "case {:?}", (so, ss, d0, ds, len, count));
+    }
+    // Overlapping runs in one mapping copy one by one, in order.
+    let m = HostMem::new("one", 4096).unwrap();
+    m.write(0, &fill[..4096]).unwrap();
+    m.copy_runs_to(0, 128, &m, 64, 128, 128, 8).unwrap();
+    let mut want = fill[..4096].to_vec();
+    for i in 0..8 {
+        want.copy_within(i * 128..i * 128 + 128, 64 + i * 128);
+    }
+    let mut got = vec![0u8; 4096];
+    m.read(0, &mut got).unwrap();
+    assert!(got == want, "overlapping runs");
+    // A span past either end is refused before any byte moves.
+    assert!(src.copy_runs_to(0, 1024, &m, 0, 128, 128, 64).is_err());
+}
+
 #[test]
 fn a_page_for_readers_is_written_only_by_its_creator() {
     use kvwire_transport::{FlagTable, Tag};
