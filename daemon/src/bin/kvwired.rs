@@ -2,13 +2,6 @@ use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-// glibc's malloc and free were a tenth of both daemons' CPU on a 64 KiB
-// transfer (messages, sealed frames, manifests). With mimalloc,
-// kvwire-soak's p50 there was 4-6% lower, and level at 1 MiB and with 4
-// clients; each daemon's RSS is about 11 MiB higher.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// kvwired: the per-host kvwire daemon.
 #[derive(Debug, Parser)]
 #[command(name = "kvwired", version)]
