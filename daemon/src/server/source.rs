@@ -1287,7 +1287,9 @@ fn gathers(seg: &Segment, codec: Option<Codec>) -> bool {
 /// on loopback: a tp8 -> tp2 remap's 64 KiB segments sent one write each
 /// took longer on the wire than packing them cost (a write's frame and
 /// answer, about 5-8 us, against a 64 KiB copy's 6-8 us); its 512 KiB
-/// segments did not.
+/// segments did not. Measured again once such a segment packed as one
+/// copy and frames went out gathered: from 16 KiB, tp8 -> tp2 at 256
+/// tokens took 13.1-14.0 ms against 12.5-13.0 packed.
 const IN_PLACE_MIN: u64 = 128 << 10;
 
 /// From this many bytes a device-resident source's layer goes on the wire
