@@ -64,6 +64,11 @@ pub fn session(src: &dyn Endpoint, dst: &dyn Endpoint) -> anyhow::Result<Credent
     Ok(cred)
 }
 
+/// The id grants on `dst` name for the node of session `cred`.
+pub fn granted_node(dst: &dyn Endpoint, cred: &Credential) -> anyhow::Result<u64> {
+    Ok(dst.registry().session(cred.session).context("the session is not open on the destination")?.peer_id)
+}
+
 /// Times `iters` transfers of `size` bytes through `conn` into `dst`, each
 /// from post until the destination's layer flag is seen. Every transfer
 /// uses slot 0 of session `cred`, reset between them.
@@ -72,7 +77,7 @@ fn time_writes(src: &dyn Endpoint, dst: &dyn Endpoint, cred: &Credential, conn: 
     src_mem.write(0, &vec![0x5Au8; size as usize])?;
     let dst_mem = Arc::new(HostMem::new("kvwire-bench-dst", size)?);
     let s = src.register(src_mem, 0, size, None)?;
-    let d = dst.register(dst_mem, 0, size, Some(Grant { session: cred.session, slot: 0 }))?;
+    let d = dst.register(dst_mem, 0, size, Some(Grant { peer: granted_node(dst, cred)?, slot: 0 }))?;
     let mut samples = Vec::new();
     for i in 0..=iters {
         let tag = Tag { slot: 0, layer: 0 };

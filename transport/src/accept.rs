@@ -4,7 +4,8 @@
 //! here:
 //!
 //! 1. **key**: its region is registered (not unknown, not revoked) and
-//!    granted to this connection's session and to the write's slot
+//!    granted to the node whose session this connection proved, and to
+//!    the write's slot
 //!    ([`crate::registry::Grant`]); a local region takes no remote write;
 //! 2. **bounds**: it has bytes, and all of them lie inside the region;
 //! 3. **tag**: its (slot, layer) has a flag in this endpoint's table;
@@ -70,8 +71,8 @@ pub enum Refusal {
     /// No region has this key: never registered, or revoked.
     #[error("unknown or revoked remote key {0:#010x}")]
     UnknownKey(u32),
-    /// The region is local, or granted to another session.
-    #[error("region {0:#010x} is not open to this connection's session")]
+    /// The region is local, or granted to another node.
+    #[error("region {0:#010x} is not open to this connection's node")]
     NotGranted(u32),
     /// The region belongs to another transfer slot.
     #[error("region {key:#010x} belongs to slot {granted}, not to slot {slot}")]
@@ -176,7 +177,7 @@ impl Refusal {
     }
 
     /// Whether the write is not its slot's to make: its key is unknown,
-    /// not this session's, or another slot's, or no transfer declared the
+    /// not this node's, or another slot's, or no transfer declared the
     /// slot. What it carried counts toward no transfer's `wire_bytes`, so a
     /// peer cannot charge its traffic to a transfer it does not hold.
     pub fn foreign(&self) -> bool {
@@ -231,12 +232,13 @@ impl Admitted {
     }
 }
 
-/// Steps 1–4 for a write arriving on a connection that proved `session`:
-/// key, bounds, tag, room. Touches nothing.
-pub fn admit(registry: &Registry, placement: &Placement, session: u64, w: Incoming) -> Result<Admitted, Refusal> {
+/// Steps 1–4 for a write arriving on a connection that proved a session of
+/// node `peer` (its id, [`crate::registry::Session::peer_id`]): key,
+/// bounds, tag, room. Touches nothing.
+pub fn admit(registry: &Registry, placement: &Placement, peer: u64, w: Incoming) -> Result<Admitted, Refusal> {
     let region = registry.get(w.key).ok_or(Refusal::UnknownKey(w.key))?;
     match region.grant {
-        Some(g) if g.session == session => {
+        Some(g) if g.peer == peer => {
             if g.slot != w.tag.slot {
                 return Err(Refusal::OtherSlot { key: w.key, slot: w.tag.slot, granted: g.slot });
             }
@@ -287,11 +289,11 @@ pub fn count(registry: &Registry, placement: &Placement, a: Admitted, seen_at: I
 pub fn accept<E: From<Refusal>>(
     registry: &Registry,
     placement: &Placement,
-    session: u64,
+    peer: u64,
     w: Incoming,
     place: impl FnOnce(&Admitted) -> Result<Instant, E>,
 ) -> Result<u64, E> {
-    let a = admit(registry, placement, session, w)?;
+    let a = admit(registry, placement, peer, w)?;
     let seen_at = place(&a)?;
     Ok(count(registry, placement, a, seen_at)?)
 }

@@ -8,7 +8,7 @@
 //!   [`Placement::expect`];
 //! - [`Endpoint::connect`] does the out-of-band handshake (protocol
 //!   version, transport, proof of a data-plane session, verbs QP data and
-//!   the regions granted to the session) and returns a [`Connection`];
+//!   the regions granted to the session's node) and returns a [`Connection`];
 //! - [`Connection::post`] takes a [`Batch`] of writes tagged with
 //!   (slot, layer); [`Connection::poll`] returns one [`Completion`] per
 //!   batch once every write in it completed locally — the `source_released`
@@ -315,7 +315,7 @@ pub trait Endpoint: Send + Sync {
     fn connect(&self, peer: &str, cred: &Credential) -> Result<Box<dyn Connection>, TransportError>;
 
     /// Registers `mem[offset..offset+len]` for local reads, and for remote
-    /// writes by the session and slot of `grant` (None: local only).
+    /// writes by the node and slot of `grant` (None: local only).
     /// Backends that must also register with hardware override it.
     fn register(&self, mem: Arc<HostMem>, offset: u64, len: u64, grant: Option<Grant>) -> Result<Arc<Region>, TransportError> {
         Ok(self.registry().register(mem, offset, len, grant)?)

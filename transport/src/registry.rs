@@ -2,10 +2,17 @@
 //! sessions peers may prove ([`crate::auth`]).
 //!
 //! A region is local (what this side's writes read from; no peer may
-//! write into it) or granted to one session and one transfer slot
-//! ([`Grant`]): only a connection that proved that session may write
-//! into it, and only with that slot's tag. A cache's own regions are
+//! write into it) or granted to one peer node and one transfer slot
+//! ([`Grant`]): only a connection that proved a session of that node may
+//! write into it, and only with that slot's tag. A cache's own regions are
 //! local; a destination grants each transfer windows of its own.
+//!
+//! The grant names the node, not one session: a source with several
+//! connections to this daemon may run a transfer negotiated (or
+//! announced) on one of them over another's data connections. A node's id
+//! lasts while it has a session open here; once its last closes, a
+//! reconnecting node gets a new one, so nothing granted before is
+//! writable by it.
 //!
 //! Keys are unpredictable and never reused within a registry, so a write aimed
 //! at a revoked region can never land in the region registered after it,
@@ -22,8 +29,9 @@ use std::sync::{Arc, Mutex};
 /// Whom a region is open to for remote writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Grant {
-    /// The data-plane session whose connections may write.
-    pub session: u64,
+    /// The node whose data-plane connections may write: its id here
+    /// ([`Registry::open_session`]).
+    pub peer: u64,
     /// The slot every write into it must be tagged with.
     pub slot: u16,
 }
@@ -95,6 +103,27 @@ pub struct Session {
     pub credential: Credential,
     /// The node that authenticated it: the only name its connections may give.
     pub peer: String,
+    /// That node's id here, which grants name ([`Grant::peer`]).
+    pub peer_id: u64,
+}
+
+/// Open sessions, and the nodes they belong to.
+#[derive(Debug, Default)]
+struct Sessions {
+    by_id: HashMap<u64, Session>,
+    // Each node with a session open: its id, and how many it has open.
+    peers: HashMap<String, (u64, usize)>,
+    next_peer: u64,
+}
+
+impl Sessions {
+    /// Drops session `id`; the node's id when it was its last.
+    fn remove(&mut self, id: u64) -> Option<u64> {
+        let s = self.by_id.remove(&id)?;
+        let e = self.peers.get_mut(&s.peer).expect("an open session's node is counted");
+        e.1 -= 1;
+        (e.1 == 0).then(|| self.peers.remove(&s.peer).expect("just seen").0)
+    }
 }
 
 /// The regions of one endpoint.
@@ -105,7 +134,7 @@ pub struct Registry {
     // registrations, and unpredictable without `permute`.
     next: Mutex<u32>,
     permute: [u64; 4],
-    sessions: Mutex<HashMap<u64, Session>>,
+    sessions: Mutex<Sessions>,
     /// Keys taken by memory a NIC registered without a host mapping
     /// (device memory through a dmabuf): never handed to a region.
     reserved: Mutex<std::collections::HashSet<u32>>,
@@ -120,7 +149,7 @@ impl Registry {
             regions: Mutex::new(HashMap::new()),
             next: Mutex::new(0),
             permute: random_round_keys(),
-            sessions: Mutex::new(HashMap::new()),
+            sessions: Mutex::new(Sessions::default()),
             reserved: Mutex::new(Default::default()),
             limit,
             handshakes_refused: Default::default(),
@@ -229,31 +258,72 @@ impl Registry {
         v
     }
 
-    /// Opens a session that connections of node `peer` may prove.
-    pub fn open_session(&self, credential: &Credential, peer: &str) -> Result<(), RegistryError> {
+    /// Opens a session that connections of node `peer` may prove, and
+    /// returns the node's id: what a [`Grant`] to it names.
+    pub fn open_session(&self, credential: &Credential, peer: &str) -> Result<u64, RegistryError> {
         let mut s = self.sessions.lock().expect("session lock");
-        if s.len() >= MAX_SESSIONS && !s.contains_key(&credential.session) {
+        if s.by_id.len() >= MAX_SESSIONS && !s.by_id.contains_key(&credential.session) {
             return Err(RegistryError::Sessions);
         }
-        s.insert(credential.session, Session { credential: credential.clone(), peer: peer.into() });
-        Ok(())
+        // Opened again (the same credential): counted once, for the node it
+        // names now; for the same node, under the id it has.
+        if let Some(open) = s.by_id.get_mut(&credential.session).filter(|o| o.peer == peer) {
+            open.credential = credential.clone();
+            return Ok(open.peer_id);
+        }
+        s.remove(credential.session);
+        let fresh = s.next_peer + 1;
+        let e = s.peers.entry(peer.to_string()).or_insert((fresh, 0));
+        e.1 += 1;
+        let peer_id = e.0;
+        if peer_id == fresh {
+            s.next_peer = fresh;
+        }
+        s.by_id.insert(credential.session, Session { credential: credential.clone(), peer: peer.into(), peer_id });
+        Ok(peer_id)
     }
 
     /// Closes a session: no new connection can prove it. (Its regions
-    /// are revoked by whoever granted them.)
-    pub fn close_session(&self, session: u64) {
-        self.sessions.lock().expect("session lock").remove(&session);
+    /// are revoked by whoever granted them.) Returns its node's id when
+    /// this was the node's last session here: what was granted to it is
+    /// then writable by no connection, now or later.
+    pub fn close_session(&self, session: u64) -> Option<u64> {
+        self.sessions.lock().expect("session lock").remove(session)
     }
 
     /// The session `id`, while open.
     pub fn session(&self, id: u64) -> Option<Session> {
-        self.sessions.lock().expect("session lock").get(&id).cloned()
+        self.sessions.lock().expect("session lock").by_id.get(&id).cloned()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_keeps_its_id_while_any_of_its_sessions_is_open() {
+        let r = Registry::new(2);
+        let (a1, a2, b) = (Credential::random(), Credential::random(), Credential::random());
+        let a = r.open_session(&a1, "a").unwrap();
+        assert_eq!(r.open_session(&a1, "a").unwrap(), a, "its only session, opened again");
+        assert_eq!(r.open_session(&a2, "a").unwrap(), a, "one id for a node's sessions");
+        let other = r.open_session(&b, "b").unwrap();
+        assert_ne!(other, a);
+        // Opened again, a session is counted once.
+        assert_eq!(r.open_session(&a1, "a").unwrap(), a);
+        assert_eq!(r.session(a2.session).map(|s| s.peer_id), Some(a));
+        assert_eq!(r.close_session(a1.session), None, "`a` has another session open");
+        assert_eq!(r.close_session(a1.session), None, "closed already");
+        assert_eq!(r.close_session(a2.session), Some(a), "its last");
+        // Back, it is a new node here: nothing granted to its old id is its.
+        let again = r.open_session(&a1, "a").unwrap();
+        assert!(again != a && again != other);
+        // A session reopened under another node's name moves to it.
+        assert_eq!(r.open_session(&a1, "b").unwrap(), other);
+        assert_eq!(r.close_session(b.session), None);
+        assert_eq!(r.close_session(a1.session), Some(other));
+    }
 
     #[test]
     fn reserved_keys_count_toward_the_limit_and_no_region_takes_one() {

@@ -550,7 +550,8 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
     let writer = stream.try_clone().map_err(|e| closing(&node, format!("clone socket: {e}")))?;
     let mut rd = FdReader::new(stream);
     rd.deadline = Some(Instant::now() + serve.limits.handshake_timeout);
-    let session = {
+    // Writes are admitted for the node that proved the session (grants name it).
+    let peer_id = {
         let mut out = hello::Deadline::new(&writer, serve.limits.handshake_timeout);
         let proven = hello::challenge(&mut rd, &mut out, TRANSPORT, &serve.registry).map_err(|e| closing(&node, format!("handshake refused: {e}")))?;
         node = proven.hello.node.clone();
@@ -558,7 +559,7 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
         // can read our hello and open another connection.
         pass.authenticated();
         hello::send_hello(&mut out, &hello::prove(TRANSPORT, &proven, hello_of(&serve.node))).map_err(|e| closing(&node, e.to_string()))?;
-        proven.session.credential.session
+        proven.session.peer_id
     };
     rd.deadline = None;
     let idle = Some(serve.limits.idle_timeout);
@@ -650,7 +651,7 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
         let mut copied = false;
         let result = match refused {
             Some(r) => Err(r),
-            None => place(serve, session, &sources, w, src_key, src_offset, src_stride, &mut copied),
+            None => place(serve, peer_id, &sources, w, src_key, src_offset, src_stride, &mut copied),
         };
         if let Err(why) = &result {
             accept::refused(&serve.placement, TRANSPORT, &node, w, why);
@@ -673,8 +674,8 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
 /// source (step 5 of [`accept`]), then the count.
 /// `copied` says whether the payload was copied, even if then refused.
 #[allow(clippy::too_many_arguments)] // the write, and where its bytes come from
-fn place(serve: &Serve, session: u64, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64, src_stride: u64, copied: &mut bool) -> Result<u64, Refusal> {
-    accept::accept(&serve.registry, &serve.placement, session, w, |a: &Admitted| {
+fn place(serve: &Serve, peer_id: u64, sources: &HashMap<u32, Source>, w: Incoming, src_key: u32, src_offset: u64, src_stride: u64, copied: &mut bool) -> Result<u64, Refusal> {
+    accept::accept(&serve.registry, &serve.placement, peer_id, w, |a: &Admitted| {
         let src = sources.get(&src_key).ok_or(Refusal::SourceNotShared(src_key))?;
         let (runs, dst_stride) = w.stride.unwrap_or((1, 0));
         let span = Stride::span(runs, src_stride, w.len);

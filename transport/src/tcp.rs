@@ -175,7 +175,8 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
     // open more connections, and they must find this place free.
     pass.authenticated();
     hello::send_hello(&mut hs, &hello::prove(TRANSPORT, &proven, hello(node)))?;
-    let (peer, session) = (proven.hello, proven.session.credential.session);
+    // Writes are admitted for the node that proved the session (grants name it).
+    let (peer, session, peer_id) = (proven.hello, proven.session.credential.session, proven.session.peer_id);
     stream.set_read_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
     stream.set_write_timeout(Some(limits.idle_timeout)).map_err(TransportError::io("set timeout"))?;
     tracing::debug!(peer = peer.node, session = format_args!("{session:016x}"), "tcp peer connected");
@@ -213,7 +214,7 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
         // write can complete a flag. A foreign write is taken back whole.
         placement.crossed(h.tag.slot, 2 * HEADER_LEN as u64 + h.len);
         let mut payload_read = false;
-        let result = accept::accept(registry, placement, session, w, |a: &Admitted| {
+        let result = accept::accept(registry, placement, peer_id, w, |a: &Admitted| {
             payload_read = true;
             let (runs, stride) = w.stride.unwrap_or((1, 0));
             for i in 0..runs {

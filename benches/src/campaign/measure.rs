@@ -124,10 +124,11 @@ fn run_rounds(
     wire: &Hops,
 ) -> anyhow::Result<Vec<Vec<Sample>>> {
     let cred = crate::baseline::session(src, dst)?;
+    let peer = crate::baseline::granted_node(dst, &cred)?;
     let mut lanes = Vec::with_capacity(mem.len());
     for (i, (a, b)) in mem.iter().enumerate() {
         let sr = src.register(a.clone(), 0, size, None).context("register source region")?;
-        let grant = kvwire_transport::Grant { session: cred.session, slot: i as u16 };
+        let grant = kvwire_transport::Grant { peer, slot: i as u16 };
         let dr = dst.register(b.clone(), 0, size, Some(grant)).context("register destination region")?;
         lanes.push((i, sr.key, dr.key));
     }

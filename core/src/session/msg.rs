@@ -32,7 +32,8 @@ use serde::{Deserialize, Serialize};
 /// 6: a destination may announce a prepared request (`Announce`); the source claims it with no round trip (`Claim`).
 /// 7: a checksum per chunk of a region's stream (manifest version 2, `LayerChecksum::chunk`).
 /// 8: the destination pushes each transfer's `Verdict` as it ends; the source sends no `Done`.
-pub const PEER_VERSION: u32 = 8;
+/// 9: a transfer's keys are granted to the source node, not to one connection: an announcement may be claimed on any connection of the node it went to.
+pub const PEER_VERSION: u32 = 9;
 
 /// Messages on a peer connection: JSON objects, `msg` naming the message
 /// (its first key), the rest its fields.

@@ -1,10 +1,14 @@
 //! Receives announced ahead. A destination told at prepare which node will
-//! fill a request grants that node's session the transfer's keys, declares
-//! the bytes each layer will receive, sets a staging buffer aside, and
-//! sends the accept it would have answered an offer with on an idle peer
-//! connection the node opened. The node books it; its submit for that
-//! request then claims it on the same connection and posts its writes at
-//! once: no round trip before the first byte.
+//! fill a request grants that node the transfer's keys, declares the bytes
+//! each layer will receive, sets a staging buffer aside, and sends the
+//! accept it would have answered an offer with on an idle peer connection
+//! the node opened. The node books it; its submit for that request then
+//! claims it on whichever of its connections to here it takes (the one
+//! announced on may be carrying another transfer by then) and posts its
+//! writes at once: no round trip before the first byte. The grant names
+//! the node, so its writes are admitted over that connection's data
+//! connections; the announcement stands while the node has any
+//! connection here.
 //!
 //! Everything here is best effort: a receive that cannot be announced, an
 //! announcement the source cannot use (a codec, another staging size, a
@@ -41,6 +45,8 @@ pub(super) struct Outboxes(Mutex<HashMap<String, Vec<PeerOutbox>>>);
 
 struct PeerOutbox {
     session: u64,
+    // The node's id here (grants name it).
+    grantee: u64,
     outbox: Outbox,
     // No transfer of this connection runs: the source reads it only when
     // it takes the connection for its next transfer.
@@ -48,11 +54,12 @@ struct PeerOutbox {
 }
 
 impl Outboxes {
-    /// Connection `session` from `peer` is authenticated; the returned
-    /// flag says whether it is idle (its owner keeps it current).
-    pub fn open(&self, peer: &str, session: u64, outbox: Outbox) -> Arc<AtomicBool> {
+    /// Connection `session` from `peer` (node `grantee` here) is
+    /// authenticated; the returned flag says whether it is idle (its owner
+    /// keeps it current).
+    pub fn open(&self, peer: &str, session: u64, grantee: u64, outbox: Outbox) -> Arc<AtomicBool> {
         let idle = Arc::new(AtomicBool::new(true));
-        self.0.lock().expect("outboxes lock").entry(peer.to_string()).or_default().push(PeerOutbox { session, outbox, idle: idle.clone() });
+        self.0.lock().expect("outboxes lock").entry(peer.to_string()).or_default().push(PeerOutbox { session, grantee, outbox, idle: idle.clone() });
         idle
     }
 
@@ -70,20 +77,21 @@ impl Outboxes {
     /// Where to announce to `peer`: its newest idle connection, else its
     /// newest one (its source reads an announcement there in the current
     /// transfer's next exchange, at the latest its verdict, and books it
-    /// for when the connection comes back), or why there is none.
-    fn pick(&self, peer: &str) -> Result<(u64, Outbox), String> {
+    /// for when the connection comes back), or why there is none. With
+    /// its session, and the node's id here.
+    fn pick(&self, peer: &str) -> Result<(u64, u64, Outbox), String> {
         let m = self.0.lock().expect("outboxes lock");
         let all = m.get(peer).map_or(&[][..], |v| &v[..]);
         match all.iter().rev().find(|o| o.idle.load(Ordering::Acquire)).or_else(|| all.last()) {
-            Some(o) => Ok((o.session, o.outbox.clone())),
+            Some(o) => Ok((o.session, o.grantee, o.outbox.clone())),
             None => Err(format!("no connection from `{peer}` to announce on (its first transfer here offers)")),
         }
     }
 }
 
-/// An announcement a source heard: on which connection (its keys are
-/// granted to that session alone), and its sealed frame's bytes, which
-/// count toward the transfer into the request it announces.
+/// An announcement a source heard: on which connection, and its sealed
+/// frame's bytes, which count toward the transfer into the request it
+/// announces.
 pub(super) struct Heard {
     pub session: u64,
     pub bytes: u64,
@@ -137,12 +145,12 @@ pub(super) fn mismatch(g: &Group, recv: &PrepareReceive, o: &Offer) -> Option<St
 impl Daemon {
     /// The accept for request `recv` of `g` in `slot`: keys for this
     /// transfer alone (see `Slot::keys`), writable only by connections of
-    /// `session` and only for `slot`; the staging buffer is the caller's.
-    pub(super) fn accept_for(&self, g: &Group, recv: &PrepareReceive, slot: u16, session: u64) -> Result<Accept, String> {
+    /// node `grantee` and only for `slot`; the staging buffer is the caller's.
+    pub(super) fn accept_for(&self, g: &Group, recv: &PrepareReceive, slot: u16, grantee: u64) -> Result<Accept, String> {
         let mut regions = Vec::new();
         for (rank, rc) in &g.ranks {
             for (region, r) in &rc.regions {
-                match self.register_region(r.mem.clone(), r.offset, r.len, Some(Grant { session, slot })) {
+                match self.register_region(r.mem.clone(), r.offset, r.len, Some(Grant { peer: grantee, slot })) {
                     Ok(w) => regions.push(PeerRegion { rank: *rank, region: *region, key: w.key, len: w.len }),
                     Err(e) => {
                         for r in &regions {
@@ -205,15 +213,15 @@ impl Daemon {
                 return Err(format!("{total} payload bytes, above transport.announce_max_bytes {max}"));
             }
             // Where it goes: the bound first, a property of the request.
-            let (session, outbox) = self.outboxes.pick(to)?;
-            let mut accept = self.accept_for(g, &recv, id.slot, session)?;
+            let (session, grantee, outbox) = self.outboxes.pick(to)?;
+            let mut accept = self.accept_for(g, &recv, id.slot, grantee)?;
             let keys: Vec<u32> = accept.regions.iter().map(|r| r.key).collect();
             let undo = |d: &Daemon| keys.iter().for_each(|&k| {
                 d.revoke_key(k);
             });
             // The staging buffer is as large as the payload: it holds
             // whatever part of it a source's schedule packs.
-            let stage = match self.stage_for(total, Some(Grant { session, slot: id.slot })) {
+            let stage = match self.stage_for(total, Some(Grant { peer: grantee, slot: id.slot })) {
                 Ok(s) => s,
                 Err(e) => {
                     undo(self);
@@ -229,7 +237,7 @@ impl Daemon {
                 return Err(e.to_string());
             }
             sl.keys = keys;
-            sl.announced = Some(Announced { session, stage, bytes: 0 });
+            sl.announced = Some(Announced { session, grantee, stage, bytes: 0 });
             (PeerMsg::Announce(Announce { group: recv.group.clone(), request: recv.request.clone(), gen: id.gen, tokens: recv.tokens, identity: g.identity.clone(), layer_bytes: layer_bytes.to_vec(), accept }), outbox)
         };
         // Sent outside the locks: a slow peer holds up no other request.
@@ -266,10 +274,12 @@ impl Daemon {
         Some((a.session, a.bytes))
     }
 
-    /// Connection `session` ended: its announced receives wait for an offer.
-    pub(super) fn unannounce_session(&self, session: u64) {
+    /// Node `grantee`'s last connection ended: what was announced to it
+    /// waits for an offer (its id is no node's now, so nothing could claim
+    /// or write it).
+    pub(super) fn unannounce_node(&self, grantee: u64) {
         let mut slots = self.slots.lock().expect("slots lock");
-        let ids: Vec<SlotId> = slots.map.iter().filter(|(_, s)| s.announced.as_ref().is_some_and(|a| a.session == session)).map(|(&slot, s)| SlotId { slot, gen: s.gen }).collect();
+        let ids: Vec<SlotId> = slots.map.iter().filter(|(_, s)| s.announced.as_ref().is_some_and(|a| a.grantee == grantee)).map(|(&slot, s)| SlotId { slot, gen: s.gen }).collect();
         for id in ids {
             if let Some(sl) = slots.get_mut(id) {
                 self.unannounce_in(id, sl);
@@ -277,20 +287,21 @@ impl Daemon {
         }
     }
 
-    /// A claim on connection `session` of `peer`: the slot must be the
-    /// one announced on it, in the preparation announced, for the request
-    /// the offer names; the offer is checked as any offer is. Then it runs
-    /// as an accepted transfer, with the keys and staging set aside.
-    pub(super) fn claim(self: &Arc<Self>, peer: &str, session: u64, c: Claim) -> Result<Mine, String> {
+    /// A claim on a connection of `peer` (node `grantee` here): the slot
+    /// must be one announced to that node, in the preparation announced,
+    /// for the request the offer names; the offer is checked as any offer
+    /// is. Then it runs as an accepted transfer, with the keys and staging
+    /// set aside.
+    pub(super) fn claim(self: &Arc<Self>, peer: &str, grantee: u64, c: Claim) -> Result<Mine, String> {
         let o = c.offer;
         let src = (o.src_layout.clone(), o.src_num_blocks, o.src_block_table.clone(), None);
         let (id, stage) = {
             let groups = self.groups.lock().expect("groups lock");
             let mut slots = self.slots.lock().expect("slots lock");
             let id = SlotId { slot: c.slot, gen: c.gen };
-            let sl = slots.get_mut(id).filter(|s| s.state == TransferState::Prepared && s.announced.as_ref().is_some_and(|a| a.session == session));
+            let sl = slots.get_mut(id).filter(|s| s.state == TransferState::Prepared && s.announced.as_ref().is_some_and(|a| a.grantee == grantee));
             let Some(sl) = sl else {
-                return Err(format!("claim of slot {} (preparation {}), which is not announced to this connection now", c.slot, c.gen));
+                return Err(format!("claim of slot {} (preparation {}), which is not announced to `{peer}` now", c.slot, c.gen));
             };
             let recv = sl.recv.clone().expect("prepared slots hold their receive");
             if recv.group != o.dst_group || recv.request != o.dst_request {
@@ -310,7 +321,7 @@ impl Daemon {
             (id, a.stage)
         };
         tracing::info!(peer, slot = c.slot, request = o.dst_request, src_request = o.src_request, "announced transfer claimed");
-        match self.receive_for(id, session, src, Some(stage)) {
+        match self.receive_for(id, grantee, src, Some(stage)) {
             Ok((_, _, to)) => Ok(Mine { id, to }),
             Err(r) => {
                 self.fail(id, &r.message);

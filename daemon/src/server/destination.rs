@@ -302,10 +302,13 @@ impl Daemon {
         let from = s.peer_addr().map(|a| a.to_string()).unwrap_or_default();
         // One deadline for the whole handshake, however slowly its bytes come.
         let authed = peer::accept_auth(&mut Deadline::new(&s, PEER_HANDSHAKE), &self.secret, &self.cfg.node).and_then(|(peer, cred)| {
-            self.ep.registry().open_session(&cred, &peer).map_err(|e| peer::AuthError::Denied(e.to_string()))?;
-            Ok((peer, cred))
+            let grantee = self.ep.registry().open_session(&cred, &peer).map_err(|e| peer::AuthError::Denied(e.to_string()))?;
+            Ok((peer, cred, grantee))
         });
-        let (peer, cred) = match authed {
+        // `grantee`: what this node's grants name here. Every connection of
+        // the node has it, so a transfer negotiated or announced on one may
+        // write over another's data connections.
+        let (peer, cred, grantee) = match authed {
             Ok(p) => p,
             Err(e) => {
                 Metrics::add(&self.metrics.peers_refused, 1);
@@ -322,7 +325,7 @@ impl Daemon {
         let session_id = cred.session;
         let mut s = Sealed::new(s, cred, false);
         // Announcements to this peer may go on this connection while it is idle.
-        let idle = self.outboxes.open(&peer, session_id, s.outbox());
+        let idle = self.outboxes.open(&peer, session_id, grantee, s.outbox());
         // Weak: a running slot holds its connection's verdicts.
         let d = Arc::downgrade(self);
         let count = move |id: SlotId, len: u64| {
@@ -374,7 +377,7 @@ impl Daemon {
             if let Some(id) = named {
                 self.with_slot(id, |sl| sl.wire += read);
             }
-            let reply = self.peer_step(&peer, session_id, &mut session, &mut t.mine, &verdicts, msg);
+            let reply = self.peer_step(&peer, session_id, grantee, &mut session, &mut t.mine, &verdicts, msg);
             // A claim's slot is this connection's only once honoured.
             let entered = named.is_none().then(|| reply.as_ref().and_then(PeerMsg::slot).or(msg_slot).and_then(|slot| t.mine.get(&slot)).map(|m| m.id)).flatten();
             let count = |len: u64| match (named, entered) {
@@ -396,12 +399,14 @@ impl Daemon {
             verdicts.open();
         };
         // No new data connection can prove this session now; its transfers'
-        // regions are revoked as each ends, and what was announced on it
-        // waits for an offer.
+        // regions are revoked as each ends. What was announced to the node
+        // stays claimable on its other connections; once its last is gone,
+        // it waits for an offer.
         self.outboxes.close(&peer, session_id);
         verdicts.close();
-        self.ep.registry().close_session(session_id);
-        self.unannounce_session(session_id);
+        if let Some(gone) = self.ep.registry().close_session(session_id) {
+            self.unannounce_node(gone);
+        }
         // A source that ends its connection before its verdict will write
         // no more: what has not arrived never will.
         for slot in session.closed() {
@@ -415,11 +420,12 @@ impl Daemon {
 
     /// One message of a peer connection, through its session; returns the
     /// answer, if it has one.
-    fn peer_step(self: &Arc<Self>, peer: &str, session_id: u64, session: &mut DestinationSession, mine: &mut HashMap<u16, Mine>, verdicts: &Arc<Verdicts>, msg: PeerMsg) -> Option<PeerMsg> {
+    #[allow(clippy::too_many_arguments)] // the connection's identity and state
+    fn peer_step(self: &Arc<Self>, peer: &str, session_id: u64, grantee: u64, session: &mut DestinationSession, mine: &mut HashMap<u16, Mine>, verdicts: &Arc<Verdicts>, msg: PeerMsg) -> Option<PeerMsg> {
         Some(match session.handle(Instant::now(), msg) {
             DestinationStep::Reply(m) => m,
             DestinationStep::Ignore => return None,
-            DestinationStep::Offer(o) => match self.offer(peer, session_id, *o) {
+            DestinationStep::Offer(o) => match self.offer(peer, session_id, grantee, *o) {
                 Ok((a, m)) => {
                     self.judge_by(m.id, verdicts);
                     mine.insert(a.slot, m);
@@ -429,7 +435,7 @@ impl Daemon {
             },
             DestinationStep::Claim(c) => {
                 let slot = c.slot;
-                match self.claim(peer, session_id, *c) {
+                match self.claim(peer, grantee, *c) {
                     Ok(m) => {
                         self.judge_by(m.id, verdicts);
                         mine.insert(slot, m);
@@ -492,14 +498,15 @@ impl Daemon {
         verdicts.push(id, ended);
     }
 
-    /// An offer into a prepared request: checks it against the group and
-    /// the request, grants this transfer its own keys, writable only by
-    /// connections of `session` and only for this slot, then plans it,
-    /// stages it and sets up its landing ([`Daemon::receive_for`]).
-    fn offer(self: &Arc<Self>, peer: &str, session: u64, o: Offer) -> Result<(Accept, Mine), String> {
+    /// An offer on connection `session` into a prepared request: checks it
+    /// against the group and the request, grants this transfer its own
+    /// keys, writable only by connections of node `grantee` and only for
+    /// this slot, then plans it, stages it and sets up its landing
+    /// ([`Daemon::receive_for`]).
+    fn offer(self: &Arc<Self>, peer: &str, session: u64, grantee: u64, o: Offer) -> Result<(Accept, Mine), String> {
         let src = (o.src_layout.clone(), o.src_num_blocks, o.src_block_table.clone(), o.codec.clone());
-        let (mut accept, id) = self.grant(peer, session, o)?;
-        match self.receive_for(id, session, src, None) {
+        let (mut accept, id) = self.grant(peer, session, grantee, o)?;
+        match self.receive_for(id, grantee, src, None) {
             Ok((key, len, to)) => {
                 (accept.stage_key, accept.stage_len) = (key, len);
                 Ok((accept, Mine { id, to }))
@@ -512,7 +519,7 @@ impl Daemon {
     }
 
     /// The offer's checks and this transfer's keys.
-    fn grant(&self, peer: &str, session: u64, o: Offer) -> Result<(Accept, SlotId), String> {
+    fn grant(&self, peer: &str, session: u64, grantee: u64, o: Offer) -> Result<(Accept, SlotId), String> {
         let groups = self.groups.lock().expect("groups lock");
         let mut slots = self.slots.lock().expect("slots lock");
         let Some(g) = groups.map.get(&o.dst_group) else { return Err(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
@@ -545,7 +552,7 @@ impl Daemon {
             tracing::warn!(peer, slot, request = o.dst_request, why, "offer refused; the prepared receive fails");
             return Err(why);
         }
-        let accept = self.accept_for(g, &recv, slot, session)?;
+        let accept = self.accept_for(g, &recv, slot, grantee)?;
         if let Some(sl) = slots.get_mut(id) {
             sl.keys = accept.regions.iter().map(|r| r.key).collect();
             sl.receiving_from(peer);
@@ -559,8 +566,8 @@ impl Daemon {
     /// a small one on its events' threads, a large one (or one into device
     /// memory, whose copies wait on their events) on a receive thread.
     /// Returns the staging buffer's key and size, and where the manifest goes.
-    pub(super) fn receive_for(self: &Arc<Self>, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<(u32, u64, Lands), Refusal> {
-        let mut r = self.receive_of(id, session, src, announced)?;
+    pub(super) fn receive_for(self: &Arc<Self>, id: SlotId, grantee: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<(u32, u64, Lands), Refusal> {
+        let mut r = self.receive_of(id, grantee, src, announced)?;
         let n = r.model.layers.len();
         let c = &r.p.plan.counters;
         self.with_slot(id, |sl| sl.sized(n, c, r.p.schedule.wire_bytes()));
@@ -601,18 +608,18 @@ impl Daemon {
     /// Everything landing the transfer needs, checked: the plan from both
     /// sides' layouts, what the manifest must claim, the schedule and its
     /// staging buffer.
-    fn receive_of(&self, id: SlotId, session: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
+    fn receive_of(&self, id: SlotId, grantee: u64, src: SourceSide, announced: Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
         // An announced staging buffer not taken into the receive (it failed
         // first) goes back, its key revoked.
         let mut announced = announced;
-        let r = self.receive_of_with(id, session, src, &mut announced);
+        let r = self.receive_of_with(id, grantee, src, &mut announced);
         if let Some(stage) = announced {
             self.drop_stage(stage);
         }
         r
     }
 
-    fn receive_of_with(&self, id: SlotId, session: u64, (src_layout, src_num_blocks, src_table, codec): SourceSide, announced: &mut Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
+    fn receive_of_with(&self, id: SlotId, grantee: u64, (src_layout, src_num_blocks, src_table, codec): SourceSide, announced: &mut Option<Option<Arc<Region>>>) -> Result<Receive, Refusal> {
         let refuse = |m: String| Refusal::new(Code::TransferFailed, m);
         let recv = {
             let st = self.slots.lock().expect("slots lock");
@@ -654,7 +661,7 @@ impl Daemon {
                 }
                 announced.take().flatten()
             }
-            None => self.stage_for(schedule.stage_bytes, Some(Grant { session, slot: id.slot })).map_err(|err| refuse(format!("staging: {err}")))?,
+            None => self.stage_for(schedule.stage_bytes, Some(Grant { peer: grantee, slot: id.slot })).map_err(|err| refuse(format!("staging: {err}")))?,
         };
         self.with_slot(id, |s| s.staging = stage.as_ref().map_or(0, |r| r.len));
         Ok(Receive { id, request: recv.request, model, format, codec, p, expected, regions, devices, stage })

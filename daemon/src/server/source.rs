@@ -147,9 +147,10 @@ impl Daemon {
             src_block_table: s.block_table.clone(),
         };
         // An idle kept connection first: what the destination announced on
-        // each is read on the way, the one this request was announced on is
-        // taken, and the request is claimed there with no round trip.
-        // Otherwise the offer, and its accept.
+        // each is read on the way, and the one this request was announced
+        // on is preferred. An announcement heard is claimed on whichever is
+        // taken (the destination granted the node, not one connection),
+        // with no round trip. Otherwise the offer, and its accept.
         self.with_slot(id, |sl| sl.peer = peer.name.clone());
         let key = (peer.name.clone(), peer.address.clone());
         let announced_on = |c: &Sealed| self.announcements.session_of(&peer.name, &s.dst_group, &s.dst_request) == Some(c.credential().session);
@@ -739,7 +740,8 @@ impl Daemon {
     }
 
     /// Claims the request on kept connection `c` when the destination
-    /// announced it there (`h`), and this side's plan fits what it set
+    /// announced it (`h`, on this connection or another to the same
+    /// daemon), and this side's plan fits what it set
     /// aside (each layer's bytes, the staging buffer): the claim goes out
     /// unanswered, and the transfer is accepted already. Otherwise the
     /// connection back for the offer (none when it failed), and the
@@ -749,7 +751,7 @@ impl Daemon {
     #[allow(clippy::too_many_arguments)] // the submit's parts
     fn claim_on(&self, mut c: Sealed, h: Heard, peer: &PeerConfig, s: &Submit, g: &SourceGroup, codec: Option<Codec>, offer: &Offer, link: &mut Option<Arc<PeerLink>>) -> Result<(Box<Accept>, Arc<Planned>), (Option<Sealed>, Option<(u64, u64)>)> {
         let (ann, heard) = (h.announce, Some((h.session, h.bytes)));
-        if codec.is_some() || h.session != c.credential().session || ann.tokens != s.tokens {
+        if codec.is_some() || ann.tokens != s.tokens {
             return Err((Some(c), heard));
         }
         if check_prefix(&ann.identity, &g.identity, ann.accept.prefix_tokens, s.tokens).is_err() {

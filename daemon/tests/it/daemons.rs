@@ -603,7 +603,7 @@ fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back
             ca.status(s.slot).unwrap().error.unwrap_or_default()
         }
     };
-    assert!(failed.contains("not announced to this connection now") || failed.contains("not prepared"), "{failed}");
+    assert!(failed.contains("not announced to `a` now") || failed.contains("not prepared"), "{failed}");
     assert!(read_back(&dst) == before, "a cancelled receive was written");
 
     // And the next transfer is exact, however it starts.

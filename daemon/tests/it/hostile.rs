@@ -639,16 +639,23 @@ fn the_peer_and_data_ports_cap_connections_still_in_their_handshake() {
 }
 
 /// An announcement goes only to the node the prepare names, on one of its
-/// idle connections, and only that connection may claim it, in that
-/// preparation, for that request, with an offer that fits: each other
-/// claim is refused by name and leaves the receive as it was; a claim that
-/// does not fit fails it, with why.
+/// idle connections. Any connection of that node may claim it (its keys
+/// are the node's), in that preparation, for that request, with an offer
+/// that fits; another node may neither claim it nor write into it. Each
+/// other claim is refused by name and leaves the receive as it was; a
+/// claim that does not fit fails it, with why. The claim stands when the
+/// connection it was announced on goes; once the node's last connection
+/// goes, the announcement is withdrawn, and a reconnected node cannot
+/// claim it.
 #[test]
-fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
+fn an_announcement_is_claimed_only_by_its_node_for_its_request() {
     use crate::daemons::{identity_of, register, side};
     use kvwire_client::control::{PrepareReceive, TransferState};
     use kvwire_core::session::msg::{Claim, Offer, PeerMsg};
+    use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
+    use kvwire_transport::{Batch, Credential, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
     use kvwired::peer::Sealed;
+    use std::sync::Arc;
     let dir = TempDir::new("hostile-claim");
     let d = start_daemon(dir.path(), "h", SECRET, &[], "");
     let c = Client::connect(&d.socket, "victim").unwrap();
@@ -657,8 +664,7 @@ fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
     let id = identity_of("toy-digest", "t1");
     let victim = register(&c, "g", crate::daemons::DST, &s, None, id.clone());
     let before = snapshot(&victim);
-    let open = |node: &str| open_peer(&d.peer, node).0;
-    let (mut one, mut two, mut other) = (open("holder"), open("holder"), open("bystander"));
+    let ((mut one, one_cred), (mut two, _), (mut other, other_cred)) = (open_peer(&d.peer, "holder"), open_peer(&d.peer, "holder"), open_peer(&d.peer, "bystander"));
     let prep = |request: &str| PrepareReceive { group: "g".into(), request: request.into(), block_table: s.block_table.clone(), tokens, prefix_tokens: 0, source: Some("holder".into()) };
     let (slot, told) = c.prepare_announced(prep("r")).unwrap();
     assert_eq!(told, Some(Ok(())));
@@ -668,6 +674,24 @@ fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
     for c in [&one, &other] {
         assert_eq!(c.pending().unwrap(), false, "an announcement on another connection");
     }
+    assert!(ann.accept.stage_len > 0, "this remap stages: {ann:?}");
+    // One 64-byte write into a staging buffer over a data connection
+    // proving `cred`'s session: its answer, refused or not.
+    let write_stage = |node: &str, cred: &Credential, slot: u16, key: u32| -> Result<(), String> {
+        let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
+        let ep = TcpEndpoint::bind(node, "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement, TcpLimits::default()).unwrap();
+        let src = ep.register(Arc::new(HostMem::new(node, 4096).unwrap()), 0, 4096, None).unwrap();
+        let mut data = ep.connect(&d.data, cred).unwrap();
+        let w = WriteOp { src_key: src.key, src_offset: 0, dst_key: key, dst_offset: 0, len: 64, stride: None };
+        data.post(Batch { tag: Tag { slot, layer: 0 }, writes: vec![w] }).unwrap();
+        let done = data.poll(Duration::from_secs(5)).unwrap();
+        done.into_iter().next().expect("an answer").result.map_err(|e| e.to_string())
+    };
+    // Another node writes nothing into it; a connection of the node it was
+    // announced to, other than the one it went on, may.
+    let not_granted = write_stage("bystander", &other_cred, slot, ann.accept.stage_key).unwrap_err();
+    assert!(not_granted.contains("not open to this connection's node"), "{not_granted}");
+    assert_eq!(write_stage("holder", &one_cred, slot, ann.accept.stage_key), Ok(()));
     let offer = offer_into("r", "x", &id, tokens);
     let claim = |gen: u64, o: &Offer| PeerMsg::Claim(Claim { slot, gen, offer: o.clone() });
     let refused = |c: &mut Sealed, m: PeerMsg, why: &str| {
@@ -677,29 +701,68 @@ fn an_announcement_is_claimed_only_on_its_connection_for_its_request() {
             m => panic!("{m:?}"),
         }
     };
-    // Another connection of the same node, another node, an earlier
-    // preparation, another request: refused, the receive untouched.
-    refused(&mut one, claim(ann.gen, &offer), "not announced to this connection");
-    refused(&mut other, claim(ann.gen, &offer), "not announced to this connection");
-    refused(&mut two, claim(ann.gen - 1, &offer), "not announced to this connection");
-    refused(&mut two, claim(ann.gen, &Offer { dst_request: "q".into(), ..offer.clone() }), "names request `q`");
+    // Another node, an earlier preparation, another request: refused, the
+    // receive untouched.
+    refused(&mut other, claim(ann.gen, &offer), "not announced to `bystander`");
+    refused(&mut one, claim(ann.gen - 1, &offer), "not announced to `holder`");
+    refused(&mut two, claim(ann.gen - 1, &offer), "not announced to `holder`");
+    refused(&mut one, claim(ann.gen, &Offer { dst_request: "q".into(), ..offer.clone() }), "names request `q`");
     assert_eq!(c.status(slot).unwrap().state, TransferState::Prepared);
     // A coded claim (a coded transfer must offer): refused, and the receive fails.
-    refused(&mut two, claim(ann.gen, &Offer { codec: Some("fp8".into()), ..offer.clone() }), "no codec");
+    refused(&mut one, claim(ann.gen, &Offer { codec: Some("fp8".into()), ..offer.clone() }), "no codec");
     assert_eq!(c.status(slot).unwrap().state, TransferState::Failed);
-    // A cache that is not the one this side holds: refused by field, and
-    // the receive fails with it.
+    // A cache that is not the one this side holds, claimed on the node's
+    // other connection: refused by field, and the receive fails with it.
     let (slot, told) = c.prepare_announced(prep("r2")).unwrap();
     assert_eq!(told, Some(Ok(())));
     let PeerMsg::Announce(ann) = two.recv().unwrap() else { panic!("no announcement") };
     let wrong = Offer { dst_request: "r2".into(), identity: identity_of("another-digest", "t1"), ..offer.clone() };
     let m = PeerMsg::Claim(Claim { slot, gen: ann.gen, offer: wrong });
-    refused(&mut two, m, "model digest mismatch");
+    refused(&mut one, m, "model digest mismatch");
     let st = c.status(slot).unwrap();
     assert_eq!(st.state, TransferState::Failed);
     assert!(st.error.as_deref().unwrap_or("").contains("refused the claim of `holder`"), "{st:?}");
+
+    // Claimed on the node's other connection (unanswered): it runs there,
+    // and goes on running when the connection it was announced on goes.
+    let (slot, told) = c.prepare_announced(prep("r3")).unwrap();
+    assert_eq!(told, Some(Ok(())));
+    let PeerMsg::Announce(ann) = two.recv().unwrap() else { panic!("no announcement") };
+    one.send(&PeerMsg::Claim(Claim { slot, gen: ann.gen, offer: offer_into("r3", "r3-src", &id, tokens) })).unwrap();
+    one.send(&PeerMsg::Ping).unwrap();
+    assert_eq!(one.recv().unwrap(), PeerMsg::Pong, "a claim is not answered");
+    assert_eq!(c.status(slot).unwrap().state, TransferState::Running);
+    drop(two);
+    one.send(&PeerMsg::Ping).unwrap();
+    assert_eq!(one.recv().unwrap(), PeerMsg::Pong);
+    assert_eq!(write_stage("holder", &one_cred, slot, ann.accept.stage_key), Ok(()));
+    assert_eq!(c.status(slot).unwrap().state, TransferState::Running);
+    one.send(&PeerMsg::Abort { slot, reason: "done here".into() }).unwrap();
+    assert_eq!(one.recv().unwrap(), PeerMsg::Ok);
+
+    // Announced on the node's last connection, which goes: withdrawn. The
+    // node back on a new connection cannot claim it, nor write into it.
+    let (slot, told) = c.prepare_announced(prep("r4")).unwrap();
+    assert_eq!(told, Some(Ok(())));
+    let PeerMsg::Announce(ann) = one.recv().unwrap() else { panic!("no announcement") };
+    drop(one);
+    // Once its session is closed (a data connection proving it is refused),
+    // the node had none left: one opened now is the node anew.
+    let placement = Arc::new(Placement::new(FlagTable::new(4, 4).unwrap(), Arc::new(Hops::default())));
+    let probe = TcpEndpoint::bind("holder", "127.0.0.1:0".parse().unwrap(), Arc::new(Registry::new(4)), placement, TcpLimits::default()).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while probe.connect(&d.data, &one_cred).is_ok() {
+        assert!(std::time::Instant::now() < deadline, "the session outlived its connection");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (mut back, back_cred) = open_peer(&d.peer, "holder");
+    refused(&mut back, PeerMsg::Claim(Claim { slot, gen: ann.gen, offer: offer_into("r4", "r4-src", &id, tokens) }), "not announced to `holder`");
+    back.send(&PeerMsg::Ping).unwrap();
+    assert_eq!(back.recv().unwrap(), PeerMsg::Pong);
+    assert!(write_stage("holder", &back_cred, slot, ann.accept.stage_key).is_err_and(|e| e.contains("unknown or revoked remote key")));
+    assert_eq!(c.status(slot).unwrap().state, TransferState::Prepared, "withdrawn, it waits for an offer");
     assert_eq!(snapshot(&victim), before);
-    drop((one, two, other));
+    drop(other);
     assert!(Client::connect(&d.socket, "still").is_ok());
 }
 

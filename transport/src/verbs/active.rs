@@ -98,7 +98,7 @@ impl VerbsConnection {
     }
 
     /// Asks the peer, on the handshake stream, for the regions granted to
-    /// this session now, and takes them in place of those it knew: a kept
+    /// this side's node now, and takes them in place of those it knew: a kept
     /// connection carries later transfers, whose windows the peer
     /// registered after this connection's hello. A failure ends the
     /// connection.

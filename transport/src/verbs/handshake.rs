@@ -2,10 +2,10 @@
 //! [`crate::hello`] (challenge, the source's hello proving its session,
 //! the destination's proving it back), each hello carrying its queue
 //! pair's address (QPN, PSN, GID, LID, MTU); the destination's also lists
-//! the regions granted to that session, and no others. Both bring their
+//! the regions granted to that session's node, and no others. Both bring their
 //! QP to RTR/RTS against the other's. After the handshake the stream
 //! carries one thing more: a source's empty `Hello`, asking for the
-//! regions granted to the session now (a kept connection's later
+//! regions granted to the node now (a kept connection's later
 //! transfers), answered with the destination's hello listing them.
 
 use super::shared::Shared;
@@ -21,10 +21,10 @@ use std::net::TcpStream;
 
 impl Shared {
     /// This endpoint's hello for a connection through `qp`: with the
-    /// regions granted to `session` (a destination's), or none (a source's).
-    pub(super) fn hello(&self, qp: &Qp, session: Option<u64>) -> Hello {
+    /// regions granted to node `peer` (a destination's), or none (a source's).
+    pub(super) fn hello(&self, qp: &Qp, peer: Option<u64>) -> Hello {
         let qp = VerbsAddr { qpn: qp.qp.qp_number(), psn: qp.psn, gid: self.info.gid, lid: self.info.lid, mtu: self.info.mtu };
-        let regions = session.map(|s| self.descs(s)).unwrap_or_default();
+        let regions = peer.map(|p| self.descs(p)).unwrap_or_default();
         hello::ours(TRANSPORT, &self.limits.node, regions, Some(qp))
     }
 }
@@ -42,16 +42,16 @@ pub(super) fn initiate(shared: &Shared, stream: &TcpStream, qp: &mut Qp, cred: &
 /// The destination's side: checks the peer's proof (refused by
 /// [`hello::challenge`]), makes a QP that receives its notes into `ring`,
 /// and answers with our hello — or with a `Nack` saying why not. Returns
-/// the peer's hello, the QP and the session.
+/// the peer's hello, the QP and the node's id (what grants name).
 pub(super) fn answer(shared: &Shared, stream: &TcpStream, ring: &NoteRing) -> Result<(Hello, Qp, u64), TransportError> {
     let hs = Deadline::new(stream, shared.limits.handshake_timeout);
     let proven = hello::challenge(&mut hs.again(), &mut hs.again(), TRANSPORT, &shared.registry)?;
     let qp = qp_for(shared, &proven, ring).inspect_err(|e| {
         let _ = hello::send_refusal(&mut hs.again(), &e.to_string());
     })?;
-    let session = proven.session.credential.session;
-    hello::send_hello(&mut hs.again(), &hello::prove(TRANSPORT, &proven, shared.hello(&qp, Some(session))))?;
-    Ok((proven.hello, qp, session))
+    let peer_id = proven.session.peer_id;
+    hello::send_hello(&mut hs.again(), &hello::prove(TRANSPORT, &proven, shared.hello(&qp, Some(peer_id))))?;
+    Ok((proven.hello, qp, peer_id))
 }
 
 /// A QP receiving `proven`'s notes into `ring`, at RTR before we answer,

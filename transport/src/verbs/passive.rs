@@ -1,7 +1,7 @@
 //! The destination: one thread per accepted connection pre-posts
 //! receives into its note buffers and counts each range a received note
 //! names through the shared acceptance path ([`crate::accept`]), and
-//! answers its source's requests for the session's regions.
+//! answers its source's requests for the regions granted to its node.
 
 use super::shared::Shared;
 use super::handshake;
@@ -69,13 +69,13 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
 /// shared acceptance path (the NIC placed the bytes already). A refused
 /// note counts nothing. A malformed note message ends the connection,
 /// as a malformed frame does on every backend.
-fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
+fn count_notes(shared: &Shared, peer_id: u64, ring: &NoteRing, wc: &Wc, seen_at: Instant, peer: &str) -> Result<(), TransportError> {
     for n in ring.read(wc.wr_id, wc.byte_len)? {
         let w = Incoming { tag: n.tag, key: n.key, offset: n.offset, len: n.len, stride: None };
         // The NIC placed the payload before the note came, accepted or not;
         // a range placed before (a re-sent slice) counts its payload once.
         shared.placement.crossed(n.tag.slot, NOTE_LEN as u64 + n.len);
-        match accept::accept(&shared.registry, &shared.placement, session, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
+        match accept::accept(&shared.registry, &shared.placement, peer_id, w, |_: &Admitted| Ok::<_, Refusal>(seen_at)) {
             Ok(fresh) => shared.placement.uncrossed(n.tag.slot, n.len - fresh.min(n.len)),
             Err(why) => {
                 if why.foreign() {
@@ -90,9 +90,9 @@ fn count_notes(shared: &Shared, session: u64, ring: &NoteRing, wc: &Wc, seen_at:
 
 /// Answers a source's request on the handshake stream, the only one there
 /// is after the handshake: an empty `Hello` asks for the regions granted
-/// to the session now, answered with our hello listing them. Anything
+/// to the session's node now, answered with our hello listing them. Anything
 /// else ends the connection.
-fn answer_regions(shared: &Shared, stream: &TcpStream, qp: &Qp, session: u64, h: Header) -> Result<(), TransportError> {
+fn answer_regions(shared: &Shared, stream: &TcpStream, qp: &Qp, peer_id: u64, h: Header) -> Result<(), TransportError> {
     if h.kind != Kind::Hello || h.len != 0 {
         return Err(TransportError::Refused(format!(
             "after the handshake a source may only ask for its regions (an empty Hello), not send {:?} with {} bytes",
@@ -101,7 +101,7 @@ fn answer_regions(shared: &Shared, stream: &TcpStream, qp: &Qp, session: u64, h:
     }
     stream.set_nonblocking(false).map_err(TransportError::io("connection socket"))?;
     let _ = stream.set_write_timeout(Some(shared.limits.handshake_timeout));
-    hello::send_hello(&mut &*stream, &shared.hello(qp, Some(session)))?;
+    hello::send_hello(&mut &*stream, &shared.hello(qp, Some(peer_id)))?;
     stream.set_nonblocking(true).map_err(TransportError::io("connection socket"))
 }
 
@@ -119,7 +119,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
             return Err(e);
         }
     };
-    let (peer, mut qp, session) = handshake::answer(shared, &stream, &ring)?;
+    let (peer, mut qp, peer_id) = handshake::answer(shared, &stream, &ring)?;
     pass.authenticated();
     stream.set_nonblocking(true).map_err(TransportError::io("connection socket"))?;
     let mut idle = 0u32;
@@ -141,7 +141,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                 continue;
             }
             if wc.opcode == WC_RECV {
-                count_notes(shared, session, &ring, wc, seen_at, &peer.node)?;
+                count_notes(shared, peer_id, &ring, wc, seen_at, &peer.node)?;
                 last_note = seen_at;
             } else {
                 tracing::warn!(peer = %peer.node, opcode = wc.opcode, "unexpected receive completion (not a write note); ignored");
@@ -169,7 +169,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                     // its side; take what is left in the CQ, then go.
                     for wc in qp.drain()? {
                         if wc.status == WC_SUCCESS && wc.opcode == WC_RECV {
-                            count_notes(shared, session, &ring, &wc, Instant::now(), &peer.node)?;
+                            count_notes(shared, peer_id, &ring, &wc, Instant::now(), &peer.node)?;
                         }
                     }
                     return Ok(());
@@ -179,7 +179,7 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
                     if asked.len() == HEADER_LEN {
                         let h = Header::decode(&asked, 0)?;
                         asked.clear();
-                        answer_regions(shared, &stream, &qp, session, h)?;
+                        answer_regions(shared, &stream, &qp, peer_id, h)?;
                     }
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}

@@ -57,9 +57,9 @@ impl RegionMr {
         }
     }
 
-    /// Whether a remote peer of `session` may write into it.
-    fn granted_to(&self, session: u64) -> bool {
-        matches!(&self.mem, MrMem::Region(r) if r.grant.is_some_and(|g| g.session == session))
+    /// Whether a remote peer, node `peer`, may write into it.
+    fn granted_to(&self, peer: u64) -> bool {
+        matches!(&self.mem, MrMem::Region(r) if r.grant.is_some_and(|g| g.peer == peer))
     }
 
     /// Whether its key is still registered (or reserved) in `registry`.
@@ -94,11 +94,11 @@ impl Shared {
         mrs.retain(|key, m| m.live(*key, &self.registry));
     }
 
-    /// What a peer of `session` may write into: the regions granted to it.
-    pub(super) fn descs(&self, session: u64) -> Vec<RegionDesc> {
+    /// What node `peer` may write into: the regions granted to it.
+    pub(super) fn descs(&self, peer: u64) -> Vec<RegionDesc> {
         self.sweep();
         let mrs = self.mrs.lock().expect("mr lock");
-        let mut v: Vec<RegionDesc> = mrs.values().filter(|m| m.granted_to(session)).map(|m| m.rdesc()).collect();
+        let mut v: Vec<RegionDesc> = mrs.values().filter(|m| m.granted_to(peer)).map(|m| m.rdesc()).collect();
         v.sort_by_key(|d| d.key);
         v
     }

@@ -14,9 +14,9 @@ fn setup() -> (Registry, Placement, u32) {
     (registry, placement, key)
 }
 
-/// The session every write here comes from, and the region's grant.
+/// The node every write here comes from (its id), and the region's grant.
 const S: u64 = 7;
-const GRANT: Grant = Grant { session: S, slot: 1 };
+const GRANT: Grant = Grant { peer: S, slot: 1 };
 
 fn at(tag: Tag, key: u32, offset: u64, len: u64) -> Incoming {
     Incoming { tag, key, offset, len, stride: None }
@@ -120,14 +120,14 @@ fn a_declared_only_placement_refuses_bytes_no_transfer_declared() {
 }
 
 #[test]
-fn only_the_granted_session_and_slot_may_write_and_that_is_checked_first() {
+fn only_the_granted_node_and_slot_may_write_and_that_is_checked_first() {
     let (r, p, key) = setup();
     p.expect(T, 4096).unwrap();
     let local = r.register_all(Arc::new(HostMem::new("accept-local", 4096).unwrap())).unwrap().key;
     // Out of bounds too: the grant is checked before anything else is said.
     assert_eq!(accept::accept(&r, &p, S, at(T, local, 4090, 16), landed), Err(Refusal::NotGranted(local)));
     assert_eq!(accept::accept(&r, &p, S, at(T, local, 0, 16), landed), Err(Refusal::NotGranted(local)), "a local region takes no remote write");
-    assert_eq!(accept::accept(&r, &p, S + 1, at(T, key, 0, 16), landed), Err(Refusal::NotGranted(key)), "another session");
+    assert_eq!(accept::accept(&r, &p, S + 1, at(T, key, 0, 16), landed), Err(Refusal::NotGranted(key)), "another node");
     let other_slot = Tag { slot: 2, layer: 2 };
     p.expect(other_slot, 16).unwrap();
     assert_eq!(accept::accept(&r, &p, S, at(other_slot, key, 0, 16), landed), Err(Refusal::OtherSlot { key, slot: 2, granted: 1 }));

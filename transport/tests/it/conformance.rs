@@ -32,9 +32,12 @@ pub fn open_session(src: &dyn Endpoint, dst: &dyn Endpoint) {
     dst.registry().open_session(cred(), src.node()).expect("open the test session");
 }
 
-/// Remote writes into a region by the test session, tagged with `slot`.
-pub fn grant(slot: u16) -> Option<Grant> {
-    Some(Grant { session: cred().session, slot })
+/// Remote writes into a region of `dst` by the test session's node, tagged
+/// with `slot`. Grants name the node by its id there, which it has once
+/// the session is open ([`open_session`]).
+pub fn grant(dst: &dyn Endpoint, slot: u16) -> Option<Grant> {
+    let s = dst.registry().session(cred().session).expect("the test session is open on the destination before it grants a window");
+    Some(Grant { peer: s.peer_id, slot })
 }
 
 impl Pair {
@@ -63,7 +66,7 @@ impl Window {
     pub fn new(ep: &dyn Endpoint, slot: u16, len: u64) -> Window {
         let mem = Arc::new(HostMem::new("kvwire-test-dst", len + 2 * GUARD).unwrap());
         mem.write(0, &vec![CANARY; (len + 2 * GUARD) as usize]).unwrap();
-        let region = ep.register(mem.clone(), GUARD, len, grant(slot)).unwrap();
+        let region = ep.register(mem.clone(), GUARD, len, grant(ep, slot)).unwrap();
         Window { mem, region, len }
     }
 
@@ -287,6 +290,39 @@ fn refused(p: &mut Pair, op: WriteOp, t: Tag) -> TransportError {
             c[0].result.clone().expect_err("the write must be refused")
         }
     }
+}
+
+/// A grant names the node, not one session: a connection proving another
+/// session of the same node writes there too. Once the node's last session
+/// here closes, the grant is no one's: the node back under a session
+/// opened anew writes nothing there.
+pub fn a_grant_is_the_nodes_not_one_sessions(p: &mut Pair) {
+    let dst = Window::new(&*p.dst, 6, 4096);
+    let (src, data) = source(&*p.src, 4096, 6);
+    let second = Credential::random();
+    p.dst.registry().open_session(&second, p.src.node()).unwrap();
+    let mut conn = p.src.connect(&p.dst.local_addr(), &second).expect("connect proving the node's second session");
+    p.dst.placement().expect(tag(6, 0), 4096).unwrap();
+    conn.post(Batch { tag: tag(6, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
+    assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
+    p.dst.placement().wait(tag(6, 0), WAIT).unwrap();
+    assert_eq!(dst.bytes(), data);
+    drop(conn);
+    assert_eq!(p.dst.registry().close_session(cred().session), None, "the node has another session open");
+    assert!(p.dst.registry().close_session(second.session).is_some(), "its last");
+    p.dst.registry().open_session(&second, p.src.node()).unwrap();
+    let mut conn = p.src.connect(&p.dst.local_addr(), &second).expect("connect proving the reopened session");
+    p.dst.placement().expect(tag(6, 1), 16).unwrap();
+    let e = match conn.post(Batch { tag: tag(6, 1), writes: vec![w(&src, 0, &dst.region, 0, 16)] }) {
+        Err(e) => e,
+        Ok(_) => complete(&mut *conn, 1)[0].result.clone().expect_err("a grant to the node's old id must refuse the write"),
+    };
+    if p.dst.transport() != kvwire_transport::TransportKind::Verbs {
+        assert!(e.to_string().ends_with(&Refusal::NotGranted(dst.region.key).to_string()), "{e}");
+    }
+    assert!(p.dst.placement().flags().ready(tag(6, 1)).is_none());
+    assert_eq!(dst.bytes(), data);
+    dst.assert_guards();
 }
 
 pub fn bad_writes_fail_alone(p: &mut Pair) {
@@ -633,7 +669,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@case $make, one_segment, scatter, mixed_run_sizes, batches_posted_together, layers_publish_only_after_their_last_byte,
             source_released_after_local_completion, bad_writes_fail_alone, local_source_checked_before_sending,
             overrun_never_publishes, a_range_written_twice_counts_once, refusals_are_the_shared_ones,
-            framing_bytes_are_what_the_connection_sent);
+            framing_bytes_are_what_the_connection_sent, a_grant_is_the_nodes_not_one_sessions);
     };
     (@case $make:tt, $($case:ident),*) => {
         $(

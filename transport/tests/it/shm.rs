@@ -523,11 +523,12 @@ fn an_answer_for_no_outstanding_write_closes_the_connection() {
 fn initiator_vanishing_mid_layer_publishes_no_flag() {
     let dst_ep = endpoint("dst");
     let src_ep = endpoint("src");
+    // The session first: the window is granted to its node.
+    let mut conn = connect(&src_ep, &dst_ep);
     let dst = Window::new(&*dst_ep, 4, 8192);
     let (src, data) = source(&*src_ep, 8192, 12);
     let pl = dst_ep.placement().clone();
     pl.expect(tag(4, 0), 8192).unwrap();
-    let mut conn = connect(&src_ep, &dst_ep);
     conn.post(Batch { tag: tag(4, 0), writes: vec![w(&src, 0, &dst.region, 0, 4096)] }).unwrap();
     assert_eq!(complete(&mut *conn, 1)[0].result, Ok(()));
     drop(conn);
@@ -551,8 +552,8 @@ fn too_many_shared_sources_close_the_connection() {
     let src_ep = endpoint("src");
     let limits = ShmLimits { max_sources: 2, ..ShmLimits::default() };
     let dst_ep = endpoint_with("dst", 64, limits);
-    let dst = Window::new(&*dst_ep, 5, 3 * 64);
     let mut conn = connect(&src_ep, &dst_ep);
+    let dst = Window::new(&*dst_ep, 5, 3 * 64);
     let sources: Vec<_> = (0..3).map(|i| source(&*src_ep, 64, i)).collect();
     let writes = sources.iter().enumerate().map(|(i, (r, _))| w(r, 0, &dst.region, i as u64 * 64, 64)).collect();
     conn.post(Batch { tag: tag(5, 0), writes }).unwrap();

@@ -263,10 +263,10 @@ fn a_connection_is_reusable_only_when_open_and_idle() {
     assert!(p.conn().reusable());
     // With a batch outstanding it is not: its answer has not come yet.
     let dst = conformance::Window::new(&*p.dst, 3, 1 << 20);
-    let src = conformance::Window::new(&*p.src, 3, 1 << 20);
+    let (src, _) = conformance::source(&*p.src, 1 << 20, 3);
     let tag = Tag { slot: 3, layer: 0 };
     p.dst.placement().expect(tag, 1 << 20).unwrap();
-    p.conn().post(kvwire_transport::Batch { tag, writes: vec![conformance::w(&src.region, 0, &dst.region, 0, 1 << 20)] }).unwrap();
+    p.conn().post(kvwire_transport::Batch { tag, writes: vec![conformance::w(&src, 0, &dst.region, 0, 1 << 20)] }).unwrap();
     let outstanding = p.conn().pending() > 0;
     assert!(!outstanding || !p.conn().reusable());
     conformance::complete(p.conn(), 1);

@@ -60,6 +60,8 @@ fn endpoint(l: VerbsLimits) -> Option<VerbsEndpoint> {
 fn pair(src_limits: VerbsLimits) -> Option<(VerbsEndpoint, VerbsEndpoint)> {
     let src = endpoint(src_limits)?;
     let dst = endpoint(limits("dst"))?;
+    // Open before any window is granted: grants name the session's node.
+    crate::conformance::open_session(&src, &dst);
     let i = src.info();
     eprintln!("device {} port {} gid index {} mtu enum {}", i.device, i.port, i.gid_index, i.mtu);
     Some((src, dst))
@@ -92,7 +94,7 @@ impl Dst {
         let total = win + 2 * PAD;
         let mem = Arc::new(HostMem::new("verbs-dst", total).expect("destination memory"));
         mem.write(0, &vec![CANARY; total as usize]).expect("canary fill");
-        let region = ep.register(mem.clone(), PAD, win, crate::conformance::grant(slot)).expect("register destination window");
+        let region = ep.register(mem.clone(), PAD, win, crate::conformance::grant(ep, slot)).expect("register destination window");
         let desc = ep.desc(region.key).expect("descriptor of a registered region");
         assert_eq!(desc.addr, mem.as_ptr() as u64 + PAD, "descriptor address is the window's address");
         assert_eq!(desc.len, win);
