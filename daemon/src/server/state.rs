@@ -311,10 +311,10 @@ pub(crate) struct Slot {
 
 /// What an announced receive holds until its source claims it: the
 /// connection it went on, the node its keys (in `Slot::keys`) are granted
-/// to, and the staging buffer set aside. Each layer's bytes are declared in the placement.
-/// `bytes` is the announcement's frame: it counts toward the transfer's
-/// wire_bytes once the source shows it read it (it claims, or offers on
-/// the same connection).
+/// to, and the staging buffer set aside. Each layer's bytes are declared
+/// in the placement. `bytes` is the announcement's frame: it counts
+/// toward the transfer's wire_bytes once the source shows it read it (it
+/// claims, or offers on the same connection).
 pub(crate) struct Announced {
     pub session: u64,
     pub grantee: u64,
