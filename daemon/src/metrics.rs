@@ -43,6 +43,10 @@ pub struct Metrics {
     pub plans_reused_received: AtomicU64,
     /// and its own at an announcement.
     pub plans_reused_announced: AtomicU64,
+    /// Authenticated peer connections a source opened for a transfer,
+    pub peer_conns_opened: AtomicU64,
+    /// and those a transfer ran on kept from an earlier one.
+    pub peer_conns_reused: AtomicU64,
     /// Data-plane connections a source opened (handshake, and a QP on verbs),
     pub data_conns_opened: AtomicU64,
     /// and those it took kept from an earlier transfer.
@@ -94,7 +98,7 @@ impl Metrics {
         let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
         // (metric, help, [(labels, value)])
         type Series<'a> = (&'a str, &'a str, &'a [(&'a str, u64)]);
-        let counters: [Series<'_>; 11] = [
+        let counters: [Series<'_>; 12] = [
             ("kvwire_payload_bytes_total", "Payload bytes sent by plans from this daemon (after prefix reuse).", &[("", g(&self.payload_bytes))]),
             ("kvwire_wire_bytes_total", "Bytes that crossed the link for transfers this daemon sent: payload, framing, acks, control.", &[("", g(&self.wire_bytes))]),
             ("kvwire_reused_bytes_total", "Destination bytes skipped by validated prefix reuse.", &[("", g(&self.reused_bytes))]),
@@ -121,6 +125,11 @@ impl Metrics {
                 "kvwire_plans_reused_total",
                 "Plans taken from an earlier request with the same layouts, block tables and token counts, not planned again.",
                 &[("when=\"sent\"", g(&self.plans_reused_sent)), ("when=\"received\"", g(&self.plans_reused_received)), ("when=\"announced\"", g(&self.plans_reused_announced))],
+            ),
+            (
+                "kvwire_peer_connections_total",
+                "Authenticated peer connections this daemon's transfers negotiated on: opened for them (a handshake), or kept from an earlier transfer to the same peer.",
+                &[("how=\"opened\"", g(&self.peer_conns_opened)), ("how=\"reused\"", g(&self.peer_conns_reused))],
             ),
             (
                 "kvwire_data_connections_total",

@@ -546,6 +546,16 @@ struct DaemonReport {
     // How its transfers began (`kvwire_starts_total`): announced,
     // claimed, offered.
     starts: Vec<(String, u64)>,
+    // Connections its transfers used, opened or kept ("peer opened", ...).
+    connections: Vec<(String, u64)>,
+}
+
+/// What a daemon's own stats say, for the report.
+#[derive(Default, Clone)]
+struct Counted {
+    hops: Vec<(String, f64)>,
+    starts: Vec<(String, u64)>,
+    connections: Vec<(String, u64)>,
 }
 
 impl DaemonReport {
@@ -657,8 +667,9 @@ fn soak(s: &Settings) -> Result<Report, String> {
                 rss_max_kib: warm.iter().copied().max().unwrap_or(0),
                 rss_mid_max_kib: rss_in(secs / 3.0, 2.0 * secs / 3.0),
                 rss_late_max_kib: rss_in(2.0 * secs / 3.0, secs),
-                hops: stats[d].0.clone(),
-                starts: stats[d].1.clone(),
+                hops: stats[d].hops.clone(),
+                starts: stats[d].starts.clone(),
+                connections: stats[d].connections.clone(),
             }
         })
         .collect();
@@ -686,16 +697,17 @@ fn soak(s: &Settings) -> Result<Report, String> {
 }
 
 /// A daemon's busy seconds per hop so far (hops without samples left out),
-/// and how its transfers began; empty when its stats cannot be read,
-/// which the report then shows.
-fn daemon_stats(d: &DaemonProc) -> (Vec<(String, f64)>, Vec<(String, u64)>) {
+/// how its transfers began and the connections they used; empty when its
+/// stats cannot be read, which the report then shows.
+fn daemon_stats(d: &DaemonProc) -> Counted {
     let Ok(c) = Client::connect(&d.socket, "soak-stats") else { return Default::default() };
     let Ok(text) = c.stats() else { return Default::default() };
     match kvwire_client::promtext::Stats::from_text(&text) {
-        Ok(st) => (
-            st.hops.into_iter().filter(|h| h.count > 0).map(|h| (h.hop, h.sum_seconds)).collect(),
-            st.starts.into_iter().map(|h| (h.how, h.count)).collect(),
-        ),
+        Ok(st) => Counted {
+            hops: st.hops.into_iter().filter(|h| h.count > 0).map(|h| (h.hop, h.sum_seconds)).collect(),
+            starts: st.starts.into_iter().map(|h| (h.how, h.count)).collect(),
+            connections: st.connections.into_iter().map(|c| (format!("{} {}", c.kind, c.how), c.count)).collect(),
+        },
         Err(_) => Default::default(),
     }
 }
@@ -791,8 +803,9 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
         .map(|d| {
             let hops: Vec<String> = d.hops.iter().map(|(h, s)| format!("{}:{:.6}", json_str(h), s)).collect();
             let starts: Vec<String> = d.starts.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
+            let connections: Vec<String> = d.connections.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
             format!(
-                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}},\"starts\":{{{}}},\"cpu_us_per_transfer\":{:.1}}}",
+                "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}},\"starts\":{{{}}},\"connections\":{{{}}},\"cpu_us_per_transfer\":{:.1}}}",
                 json_str(d.name),
                 d.pid,
                 figs(&d.before),
@@ -806,6 +819,7 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
                 opt(d.rss_late_max_kib),
                 hops.join(","),
                 starts.join(","),
+                connections.join(","),
                 d.cpu_us_per(r.transfers)
             )
         })
@@ -898,6 +912,11 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     for d in &r.daemons {
         let starts: Vec<String> = d.starts.iter().map(|(how, n)| format!("{how} {n}")).collect();
         println!("{:<9} transfers began: {}", d.name, if starts.is_empty() { "(stats unreadable)".into() } else { starts.join(", ") });
+    }
+    // Whether transfers found a kept connection or opened one.
+    for d in r.daemons.iter().filter(|d| d.connections.iter().any(|(_, n)| *n > 0)) {
+        let conns: Vec<String> = d.connections.iter().map(|(how, n)| format!("{how} {n}")).collect();
+        println!("{:<9} connections: {}", d.name, conns.join(", "));
     }
     println!(
         "{:<9} {:>7}  {:>24}  {:>22}  {:>26}",

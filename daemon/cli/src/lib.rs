@@ -591,6 +591,9 @@ fn render_stats(source: &str, st: &promtext::Stats, out: &mut String) {
     for h in &st.starts {
         let _ = writeln!(out, "{:<44} {:>26}", format!("starts {}", h.how), h.count);
     }
+    for c in &st.connections {
+        let _ = writeln!(out, "{:<44} {:>26}", format!("connections {} {}", c.kind, c.how), c.count);
+    }
     for r in &st.refused {
         let _ = writeln!(out, "{:<44} {:>26}", format!("refused {}", r.who), r.count);
     }

@@ -208,6 +208,19 @@ pub struct StartCount {
     pub count: u64,
 }
 
+/// Connections a daemon's transfers used, one kind and one way
+/// (`kvwire_peer_connections_total`, `kvwire_data_connections_total`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ConnectionCount {
+    /// `peer` (authenticated peer connections) or `data` (data-plane
+    /// connections, one per rail).
+    pub kind: String,
+    /// `opened` for the transfer, or `reused` (kept from an earlier one).
+    pub how: String,
+    /// How many.
+    pub count: u64,
+}
+
 /// A registered device allocation and how a source reads it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct DeviceMemory {
@@ -309,6 +322,9 @@ pub struct Stats {
     /// How transfers began, in the order the daemon lists them (empty
     /// from a daemon that does not count them).
     pub starts: Vec<StartCount>,
+    /// Connections transfers used, peer then data, in the order the daemon
+    /// lists them (empty from a daemon that does not count them).
+    pub connections: Vec<ConnectionCount>,
     /// Refusals, in the order the daemon lists them.
     pub refused: Vec<RefusalCount>,
     /// Writes the data plane refused, by reason (`who` is the reason), in
@@ -381,6 +397,7 @@ impl Stats {
         let mut refused = Vec::new();
         let mut writes_refused = Vec::new();
         let mut starts = Vec::new();
+        let mut connections = Vec::new();
         let mut device_memory = Vec::new();
         let mut hops: Vec<HopStats> = Vec::new();
         fn hop_mut<'h>(hops: &'h mut Vec<HopStats>, name: &str) -> &'h mut HopStats {
@@ -420,6 +437,11 @@ impl Stats {
                 "kvwire_refused_total" => refused.push(RefusalCount { who: need(s, "who")?.to_string(), count: count(s)? }),
                 "kvwire_writes_refused_total" => writes_refused.push(RefusalCount { who: need(s, "reason")?.to_string(), count: count(s)? }),
                 "kvwire_starts_total" => starts.push(StartCount { how: need(s, "how")?.to_string(), count: count(s)? }),
+                "kvwire_peer_connections_total" | "kvwire_data_connections_total" => connections.push(ConnectionCount {
+                    kind: if s.name == "kvwire_peer_connections_total" { "peer" } else { "data" }.to_string(),
+                    how: need(s, "how")?.to_string(),
+                    count: count(s)?,
+                }),
                 "kvwire_device_memory" => {
                     let number = |label: &str| -> Result<u32, ParseError> {
                         need(s, label)?.parse().map_err(|_| ParseError::Value { line: s.line, metric: s.name.clone(), reason: format!("`{label}` is not a number") })
@@ -510,7 +532,7 @@ impl Stats {
                 h.bandwidth_bytes_per_second = Some(h.bytes as f64 / h.sum_seconds);
             }
         }
-        Ok(Stats { node, counters, transfers, starts, refused, writes_refused, hops, device_memory })
+        Ok(Stats { node, counters, transfers, starts, connections, refused, writes_refused, hops, device_memory })
     }
 }
 

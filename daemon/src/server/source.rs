@@ -721,7 +721,10 @@ impl Daemon {
                     tracing::debug!(peer = peer.name, why, "kept peer connection is gone; connecting anew");
                     self.offer_on(self.connect_peer(peer)?, peer, offer, timeouts, link)
                 }
-                other => other,
+                other => {
+                    Metrics::add(&self.metrics.peer_conns_reused, 1);
+                    other
+                }
             },
             None => self.offer_on(self.connect_peer(peer)?, peer, offer, timeouts, link),
         };
@@ -782,6 +785,7 @@ impl Daemon {
         }
         l.count_announcement(h.bytes);
         Metrics::add(&self.metrics.claimed, 1);
+        Metrics::add(&self.metrics.peer_conns_reused, 1);
         Ok((Box::new(ann.accept), p))
     }
 
@@ -805,6 +809,7 @@ impl Daemon {
         let _ = pc.set_write_timeout(Some(Duration::from_secs(self.cfg.limits.peer_timeout_secs)));
         match authed {
             Ok((name, cred)) if name == peer.name => {
+                Metrics::add(&self.metrics.peer_conns_opened, 1);
                 let mut sealed = Sealed::new(pc, cred, true);
                 // The data connections proved in its session go with it,
                 // wherever it is let go (not kept, lost, failed): only that

@@ -567,6 +567,9 @@ fn a_receive_announced_to_its_source_is_claimed_with_no_round_trip_or_falls_back
     moved(slot, "r2");
     let (sa, sb) = (ca.stats().unwrap(), cb.stats().unwrap());
     assert_eq!((starts(&sa, "a", "offered"), starts(&sa, "a", "claimed"), starts(&sb, "b", "announced")), (1, 1, 1));
+    // One peer connection, opened for the first and kept for the second.
+    let conns = |how: &str| counter(&sa, "kvwire_peer_connections_total", "a", &format!("how=\"{how}\""));
+    assert_eq!((conns("opened"), conns("reused")), (1, 1));
 
     // Announced for another token count: the source sees it will not fit
     // and offers instead, and hears why from the destination, whose

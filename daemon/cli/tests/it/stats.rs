@@ -200,6 +200,10 @@ kvwire_writes_refused_total{node="a",reason="out_of_bounds"} 0
 kvwire_starts_total{node="a",how="announced"} 0
 kvwire_starts_total{node="a",how="claimed"} 2
 kvwire_starts_total{node="a",how="offered"} 1
+kvwire_peer_connections_total{node="a",how="opened"} 1
+kvwire_peer_connections_total{node="a",how="reused"} 2
+kvwire_data_connections_total{node="a",how="opened"} 4
+kvwire_data_connections_total{node="a",how="reused"} 8
 # TYPE kvwire_hop_seconds histogram
 kvwire_hop_seconds_bucket{node="a",hop="wire",le="0.001"} 2
 kvwire_hop_seconds_bucket{node="a",hop="wire",le="0.01"} 6
@@ -237,6 +241,8 @@ fn promtext_reads_counters_and_hops_from_a_sample() {
     assert_eq!(r, [("unknown_key", 60), ("out_of_bounds", 0)]);
     let h: Vec<_> = s.starts.iter().map(|h| (h.how.as_str(), h.count)).collect();
     assert_eq!(h, [("announced", 0), ("claimed", 2), ("offered", 1)]);
+    let c: Vec<_> = s.connections.iter().map(|c| (c.kind.as_str(), c.how.as_str(), c.count)).collect();
+    assert_eq!(c, [("peer", "opened", 1), ("peer", "reused", 2), ("data", "opened", 4), ("data", "reused", 8)]);
     assert_eq!(s.hops.len(), 2);
 
     let w = &s.hops[0];
