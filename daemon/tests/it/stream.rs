@@ -193,3 +193,68 @@ fn a_streamed_transfer_cancelled_while_waiting_for_a_layer_fails_both_sides_afte
     let counted = wire();
     assert!(counted >= sub.bytes / 2 && counted < sub.bytes, "wire_bytes_total {counted} for a transfer cancelled after 2 of 4 layers of {} payload bytes", sub.bytes);
 }
+
+/// A claim on a connection the announcement did not come on: the source
+/// books the announcement while taking the connection it came on for
+/// another transfer (streamed, so it keeps it), and claims on the other
+/// connection it keeps. The destination accepts it (the keys are the
+/// node's), and the bytes and both sides' counts come out exact.
+#[test]
+fn an_announcement_booked_on_a_busy_connection_is_claimed_on_another() {
+    let p = pair("stream-cross-claim");
+    let tokens = 40;
+    let (src, dst, _) = sides(&p, tokens, true);
+    let ranks = src.side.shard.ranks.len() as u32;
+    let count = |stats: &str, name: &str, how: &str| -> u64 {
+        let line = stats.lines().find(|l| l.starts_with(&format!("{name}{{")) && l.contains(&format!("how=\"{how}\""))).unwrap_or_else(|| panic!("no {name} {how}"));
+        line.rsplit(' ').next().unwrap().parse().unwrap()
+    };
+    // A streamed transfer holds its peer connection until its engine says
+    // every layer is written.
+    let hold = |request: &str| {
+        let slot = prepare(&p, &dst, request, tokens);
+        (slot, p.ca.submit(streamed(request, &src, tokens)).unwrap().slot)
+    };
+    let release = |request: &str, (slot, sslot): (u16, u16)| {
+        for rank in 0..ranks {
+            p.ca.produced("prefill", request, rank, 4).unwrap();
+        }
+        p.cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+        p.ca.wait(sslot, FlagName::DecoderUsable, WAIT).unwrap();
+        // Back in the source's pool once its verdict was read.
+        let deadline = std::time::Instant::now() + WAIT;
+        while p.ca.status(sslot).unwrap().state != TransferState::Done {
+            assert!(std::time::Instant::now() < deadline, "{request} never ended at the source");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    // Two connections, X then Y, each held by a transfer; X comes back
+    // first, so Y is the source's most recently kept.
+    let s1 = hold("x1");
+    let s2 = hold("y1");
+    release("x1", s1);
+    release("y1", s2);
+    assert_eq!(count(&p.ca.stats().unwrap(), "kvwire_peer_connections_total", "opened"), 2);
+    // Announced on the newest idle connection here: Y.
+    let prep = PrepareReceive { group: "decode".into(), request: "rb".into(), block_table: dst.side.block_table.clone(), tokens, prefix_tokens: 0, source: Some("a".into()) };
+    let (slot, told) = p.cb.prepare_announced(prep).unwrap();
+    assert_eq!(told, Some(Ok(())));
+    // The next submit reads it on the way and takes Y for itself (no
+    // announcement of its own: the most recently kept), and holds it.
+    let t = hold("t1");
+    // `rb` claims on X.
+    let claimed = count(&p.ca.stats().unwrap(), "kvwire_starts_total", "claimed");
+    let sub = p.ca.submit(streamed("rb", &src, tokens)).unwrap();
+    for rank in 0..ranks {
+        p.ca.produced("prefill", "rb", rank, 4).unwrap();
+    }
+    p.cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+    p.ca.wait(sub.slot, FlagName::DecoderUsable, WAIT).unwrap();
+    assert!(read_back(&dst) == verify::expected_destination(&model(), &dst.side, tokens, 0), "destination bytes differ");
+    let stats = p.ca.stats().unwrap();
+    assert_eq!(count(&stats, "kvwire_starts_total", "claimed"), claimed + 1, "rb did not claim");
+    assert_eq!(count(&stats, "kvwire_peer_connections_total", "opened"), 2, "rb opened a connection: it did not claim on X");
+    assert_eq!(p.ca.status(sub.slot).unwrap().wire_bytes, p.cb.status(slot).unwrap().wire_bytes, "both sides count the same crossing, the announcement included");
+    release("t1", t);
+}
