@@ -540,21 +540,20 @@ struct DaemonReport {
     rss_max_kib: u64,
     rss_mid_max_kib: Option<u64>,
     rss_late_max_kib: Option<u64>,
+    // What its own stats say at the end of the run.
+    counted: Counted,
+}
+
+/// What a daemon's own stats say, for the report.
+#[derive(Debug, Default)]
+struct Counted {
     // Busy seconds per hop over the whole run, from the daemon's own
-    // histograms (`stats`), in the order it lists them.
+    // histograms, in the order it lists them.
     hops: Vec<(String, f64)>,
     // How its transfers began (`kvwire_starts_total`): announced,
     // claimed, offered.
     starts: Vec<(String, u64)>,
     // Connections its transfers used, opened or kept ("peer opened", ...).
-    connections: Vec<(String, u64)>,
-}
-
-/// What a daemon's own stats say, for the report.
-#[derive(Default, Clone)]
-struct Counted {
-    hops: Vec<(String, f64)>,
-    starts: Vec<(String, u64)>,
     connections: Vec<(String, u64)>,
 }
 
@@ -651,7 +650,8 @@ fn soak(s: &Settings) -> Result<Report, String> {
 
     let daemons = [("soak-src", 0), ("soak-dst", 1)]
         .into_iter()
-        .map(|(name, d)| {
+        .zip(stats)
+        .map(|((name, d), counted)| {
             let secs = elapsed.as_secs_f64();
             let rss_in = |lo: f64, hi: f64| run.iter().filter(|x| (lo..=hi).contains(&x.at.as_secs_f64())).map(|x| x.figs[d].rss_kib).max();
             let warm: Vec<u64> = run.iter().filter(|x| x.at.as_secs_f64() >= 0.2 * secs).map(|x| x.figs[d].rss_kib).collect();
@@ -667,9 +667,7 @@ fn soak(s: &Settings) -> Result<Report, String> {
                 rss_max_kib: warm.iter().copied().max().unwrap_or(0),
                 rss_mid_max_kib: rss_in(secs / 3.0, 2.0 * secs / 3.0),
                 rss_late_max_kib: rss_in(2.0 * secs / 3.0, secs),
-                hops: stats[d].hops.clone(),
-                starts: stats[d].starts.clone(),
-                connections: stats[d].connections.clone(),
+                counted,
             }
         })
         .collect();
@@ -801,9 +799,9 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
         .daemons
         .iter()
         .map(|d| {
-            let hops: Vec<String> = d.hops.iter().map(|(h, s)| format!("{}:{:.6}", json_str(h), s)).collect();
-            let starts: Vec<String> = d.starts.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
-            let connections: Vec<String> = d.connections.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
+            let hops: Vec<String> = d.counted.hops.iter().map(|(h, s)| format!("{}:{:.6}", json_str(h), s)).collect();
+            let starts: Vec<String> = d.counted.starts.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
+            let connections: Vec<String> = d.counted.connections.iter().map(|(h, n)| format!("{}:{n}", json_str(h))).collect();
             format!(
                 "{{\"name\":{},\"pid\":{},\"before\":{},\"after\":{},\"peak_fds\":{},\"peak_threads\":{},\"rss_kib\":{{\"first\":{},\"last\":{},\"max\":{},\"middle_third_max\":{},\"last_third_max\":{}}},\"busy_seconds\":{{{}}},\"starts\":{{{}}},\"connections\":{{{}}},\"cpu_us_per_transfer\":{:.1}}}",
                 json_str(d.name),
@@ -901,7 +899,7 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     // Where a transfer's time went, per side: each hop's busy time over
     // the run, per transfer.
     for d in &r.daemons {
-        let per: Vec<String> = d.hops.iter().map(|(h, s)| format!("{h} {:.1}", s * 1e6 / r.transfers.max(1) as f64)).collect();
+        let per: Vec<String> = d.counted.hops.iter().map(|(h, s)| format!("{h} {:.1}", s * 1e6 / r.transfers.max(1) as f64)).collect();
         println!("{:<9} busy us per transfer: {}", d.name, if per.is_empty() { "(stats unreadable)".into() } else { per.join(", ") });
     }
     // What each side cost in CPU, beside the latency: on 2 cores a
@@ -910,12 +908,12 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     println!("cpu us per transfer (all threads): {}", cpu.join(", "));
     // Whether receives were announced and claimed (no round trip) or offered.
     for d in &r.daemons {
-        let starts: Vec<String> = d.starts.iter().map(|(how, n)| format!("{how} {n}")).collect();
+        let starts: Vec<String> = d.counted.starts.iter().map(|(how, n)| format!("{how} {n}")).collect();
         println!("{:<9} transfers began: {}", d.name, if starts.is_empty() { "(stats unreadable)".into() } else { starts.join(", ") });
     }
     // Whether transfers found a kept connection or opened one.
-    for d in r.daemons.iter().filter(|d| d.connections.iter().any(|(_, n)| *n > 0)) {
-        let conns: Vec<String> = d.connections.iter().map(|(how, n)| format!("{how} {n}")).collect();
+    for d in r.daemons.iter().filter(|d| d.counted.connections.iter().any(|(_, n)| *n > 0)) {
+        let conns: Vec<String> = d.counted.connections.iter().map(|(how, n)| format!("{how} {n}")).collect();
         println!("{:<9} connections: {}", d.name, conns.join(", "));
     }
     println!(

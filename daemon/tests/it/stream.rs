@@ -8,7 +8,7 @@ use kvwire_client::client::{Client, ClientError};
 use kvwire_client::control::*;
 use kvwire_core::plan::Buffers;
 use kvwire_core::verify;
-use kvwire_testkit::{start_daemon, DaemonProc, TempDir};
+use kvwire_testkit::{counter, start_daemon, DaemonProc, TempDir};
 use std::time::Duration;
 
 const SECRET: &str = "a-secret-of-at-least-16-bytes";
@@ -205,10 +205,7 @@ fn an_announcement_booked_on_a_busy_connection_is_claimed_on_another() {
     let tokens = 40;
     let (src, dst, _) = sides(&p, tokens, true);
     let ranks = src.side.shard.ranks.len() as u32;
-    let count = |stats: &str, name: &str, how: &str| -> u64 {
-        let line = stats.lines().find(|l| l.starts_with(&format!("{name}{{")) && l.contains(&format!("how=\"{how}\""))).unwrap_or_else(|| panic!("no {name} {how}"));
-        line.rsplit(' ').next().unwrap().parse().unwrap()
-    };
+    let count = |stats: &str, name: &str, how: &str| counter(stats, name, "a", &format!("how=\"{how}\""));
     // A streamed transfer holds its peer connection until its engine says
     // every layer is written.
     let hold = |request: &str| {
