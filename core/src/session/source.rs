@@ -113,6 +113,11 @@ impl SourceSession {
         self.peer_slot
     }
 
+    /// Whether the destination's verdict said landed.
+    pub fn landed(&self) -> bool {
+        self.landed
+    }
+
     /// Why the session failed, once it has.
     pub fn error(&self) -> Option<&SessionError> {
         self.error.as_ref()

@@ -109,6 +109,10 @@ impl PeerLink {
         loop {
             match self.next(s, session)? {
                 Some(SourceEvent::Judged) => continue,
+                // A ping's answer is read even when the verdict came
+                // before it (the session keeps the verdict): the
+                // connection goes back with nothing left on it.
+                Some(SourceEvent::Closed) if *m == PeerMsg::Ping => continue,
                 Some(ev) => return Ok(ev),
                 None => return Err(LinkError::Wire(format!("peer `{}` silent for {}s", self.peer, self.peer_timeout.as_secs()))),
             }
@@ -254,14 +258,27 @@ impl PeerLink {
         let mut c = self.conn.lock().expect("peer link lock");
         let (stream, session) = &mut *c;
         let s = stream.as_mut().ok_or_else(|| self.handed_back().to_string())?;
+        // The heartbeat's last ping may have read the verdict meanwhile.
+        landed |= session.landed();
+        // Pings sent here and not answered yet.
+        let mut unanswered = 0u32;
         while !landed {
-            let Some(due) = session.poll_timeout() else { return Err(format!("peer `{}`: no verdict, and nothing left to wait for", self.peer)) };
+            let Some(due) = session.poll_timeout() else {
+                return Err(match session.error() {
+                    Some(e) => theirs(e.clone()),
+                    None => format!("peer `{}`: no verdict, and nothing left to wait for", self.peer),
+                });
+            };
             let _ = s.read_timeout(due.saturating_duration_since(Instant::now()).max(Duration::from_millis(1)));
             match self.next(s, session) {
+                Ok(Some(SourceEvent::Alive)) => unanswered = unanswered.saturating_sub(1),
                 Ok(Some(ev)) => landed = ev == SourceEvent::Closed,
                 // A ping when one is due; the deadline's failure when past it.
                 Ok(None) => match session.handle_timeout(Instant::now()) {
-                    Ok(Some(ping)) => s.send(&ping).map_err(|e| format!("no verdict from the destination: {}", self.wire_error(e)))?,
+                    Ok(Some(ping)) => {
+                        s.send(&ping).map_err(|e| format!("no verdict from the destination: {}", self.wire_error(e)))?;
+                        unanswered += 1;
+                    }
                     Ok(None) => {}
                     Err(e) => return Err(format!("no verdict from the destination: {e}")),
                 },
@@ -269,9 +286,24 @@ impl PeerLink {
                 Err(LinkError::Wire(e)) => return Err(format!("no verdict from the destination: {e}")),
             }
         }
+        // A ping that crossed the verdict: its answer follows the verdict,
+        // and is read here. Left on the stream, it would meet the next
+        // transfer on this connection as a message out of turn, and the
+        // destination's count of this transfer's frames (which has it)
+        // would not be this side's. A connection that does not answer in
+        // time is not kept; the transfer has landed all the same.
+        if unanswered > 0 {
+            let _ = s.read_timeout(self.peer_timeout);
+        }
+        while unanswered > 0 {
+            match self.next(s, session) {
+                Ok(Some(SourceEvent::Alive)) => unanswered -= 1,
+                _ => break,
+            }
+        }
         // What this transfer sent and read on it, kept for `control_bytes`.
         self.frames_when_handed_back.store(self.share(s), Ordering::Release);
-        Ok(stream.take())
+        Ok(stream.take().filter(|_| unanswered == 0))
     }
 
     /// The transfer failed here: stops the heartbeat and sends `Abort` when
@@ -289,5 +321,103 @@ impl PeerLink {
             Err(LinkError::Session(SessionError::Rejected(theirs))) => Some(theirs),
             _ => None,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvwire_core::protocol::TransportKind;
+    use kvwire_core::reuse::CacheIdentity;
+    use kvwire_core::session::msg::{Accept, Expect, Offer};
+    use kvwire_core::session::Timeouts;
+    use std::net::{TcpListener, TcpStream};
+
+    const SLOT: u16 = 3;
+
+    /// A source's connection and the destination's end of it.
+    fn pair() -> (Sealed, Sealed) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let cred = Credential::derive(b"secret", b"ns", b"nc", "src", "dst");
+        (Sealed::new(c, cred.clone(), true), Sealed::new(s, cred, false))
+    }
+
+    /// A link whose transfer was accepted into `SLOT` and is moving bytes;
+    /// it pings every 50 ms.
+    fn moving(c: Sealed) -> PeerLink {
+        let id = CacheIdentity { model_digest: "m".into(), adapter_digest: String::new(), format: "f/v1".into(), tenant: "t".into(), rope: "r".into(), position_offset: 0 };
+        let offer = Offer {
+            dst_group: "g".into(),
+            dst_request: "r".into(),
+            src_request: "r".into(),
+            identity: id,
+            tokens: 1,
+            codec: None,
+            src_layout: "l".into(),
+            src_num_blocks: 1,
+            src_block_table: vec![0],
+        };
+        let peer = Duration::from_millis(200);
+        let t = Timeouts { reply: Duration::from_secs(10), peer, transfer: Duration::from_secs(30) };
+        let now = Instant::now();
+        let (mut session, _) = SourceSession::start(now, offer, TransportKind::Tcp, t);
+        let accept = Accept {
+            slot: SLOT,
+            layout: "l".into(),
+            format: "f/v1".into(),
+            num_blocks: 1,
+            block_table: vec![0],
+            prefix_tokens: 0,
+            data_addr: "127.0.0.1:1".into(),
+            transport: "tcp".into(),
+            regions: Vec::new(),
+            stage_key: 0,
+            stage_len: 0,
+            rails: Vec::new(),
+            locality: Vec::new(),
+        };
+        session.handle(now, PeerMsg::Accept(accept)).unwrap();
+        session.expect(now, Expect { slot: SLOT, manifest: String::new(), layer_sums: false }, 0).unwrap();
+        let cfg = PeerConfig { name: "dst".into(), address: "127.0.0.1:1".into() };
+        PeerLink::new(c, session, &cfg, peer, Arc::new(AnnounceBook::default()))
+    }
+
+    /// The destination's end: answers the first ping only after its verdict.
+    fn verdict_before_pong(mut d: Sealed) -> std::thread::JoinHandle<Sealed> {
+        std::thread::spawn(move || {
+            assert_eq!(d.recv().unwrap(), PeerMsg::Ping);
+            d.send(&PeerMsg::Verdict { slot: SLOT, error: None }).unwrap();
+            d.send(&PeerMsg::Pong).unwrap();
+            d
+        })
+    }
+
+    #[test]
+    fn a_ping_that_crossed_the_verdict_is_answered_before_the_connection_is_kept() {
+        let (c, d) = pair();
+        let link = moving(c);
+        let dst = verdict_before_pong(d);
+        // Every write completed; the verdict is late, so `done` pings.
+        let kept = link.done().expect("landed").expect("kept");
+        let d = dst.join().unwrap();
+        assert_eq!(link.control_bytes(), d.frame_bytes(), "both sides count the ping, the verdict and the answer");
+        assert!(!kept.pending().unwrap(), "the answer was read: nothing is left for the next transfer");
+    }
+
+    #[test]
+    fn the_heartbeats_ping_reads_its_answer_past_the_verdict() {
+        let (c, d) = pair();
+        let link = moving(c);
+        link.session(|s| s.moved()).unwrap();
+        let dst = verdict_before_pong(d);
+        assert_eq!(link.exchange(&PeerMsg::Ping), Ok(SourceEvent::Alive));
+        let d = dst.join().unwrap();
+        assert!(link.session(|s| s.landed()), "the verdict, read on the way, is the session's");
+        assert_eq!(link.control_bytes(), d.frame_bytes());
+        let c = link.conn.lock().unwrap();
+        assert!(!c.0.as_ref().unwrap().pending().unwrap(), "nothing is left on the connection");
     }
 }
