@@ -172,7 +172,7 @@ impl<K> Ledger<K> {
             return;
         }
         if b.error.is_none() {
-            self.hops.record(Hop::Wire, at.saturating_duration_since(b.posted_at), b.bytes);
+            self.hops.record_batch(Hop::Wire, at.saturating_duration_since(b.posted_at), b.bytes);
         }
         self.done.push_back(Completion { batch: BatchId(id), tag: b.tag, bytes: b.bytes, result: b.error.map_or(Ok(()), Err), at });
     }

@@ -1,6 +1,7 @@
 //! Hop histograms: each hop of the path timed into its own hdrhistogram (ns).
 
 use hdrhistogram::Histogram;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -94,6 +95,9 @@ struct HopData {
 #[derive(Debug)]
 pub struct Hops {
     hops: [Mutex<HopData>; Hop::COUNT],
+    // `post` and `wire` are timed by the user of the connections, once per
+    // transfer, not per batch here ([`Hops::link_per_transfer`]).
+    link_per_transfer: AtomicBool,
 }
 
 impl Default for Hops {
@@ -104,6 +108,7 @@ impl Default for Hops {
                 let hist = Histogram::new_with_bounds(1, 3_600_000_000_000, 3).expect("valid histogram bounds");
                 Mutex::new(HopData { hist, sum_ns: 0, bytes: 0 })
             }),
+            link_per_transfer: AtomicBool::new(false),
         }
     }
 }
@@ -116,6 +121,23 @@ impl Hops {
         d.hist.saturating_record(ns);
         d.sum_ns = d.sum_ns.saturating_add(ns);
         d.bytes = d.bytes.saturating_add(bytes);
+    }
+
+    /// From now on a transport's per-batch samples of `post` and `wire`
+    /// are left out: the caller records one per transfer, `wire` as the
+    /// union of its batches' spans over every rail. A transfer's batches
+    /// are in flight together, so summing their spans as well would count
+    /// the link several times over, and the same time twice.
+    pub fn link_per_transfer(&self) {
+        self.link_per_transfer.store(true, Ordering::Relaxed);
+    }
+
+    /// A transport's sample of `post` or `wire` for one batch (or one post
+    /// of several), unless [`Hops::link_per_transfer`] was asked.
+    pub fn record_batch(&self, hop: Hop, took: Duration, bytes: u64) {
+        if !self.link_per_transfer.load(Ordering::Relaxed) {
+            self.record(hop, took, bytes);
+        }
     }
 
     /// Cumulative sample counts at or below each bound (ns), for histogram exposition.

@@ -952,7 +952,7 @@ impl Connection for ShmConnection {
         }
         self.ledger.seal(id, None);
         self.shared.extend(newly);
-        self.hops.record(Hop::Post, started.elapsed(), bytes);
+        self.hops.record_batch(Hop::Post, started.elapsed(), bytes);
         Ok(id)
     }
 

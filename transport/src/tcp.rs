@@ -584,7 +584,7 @@ impl Connection for TcpConnection {
             return Err((Vec::new(), self.closed.clone().expect("just set")));
         }
         posts.iter().for_each(|p| self.ledger.seal(p.0, None));
-        self.hops.record(Hop::Post, start.elapsed(), batches.iter().map(Batch::bytes).sum());
+        self.hops.record_batch(Hop::Post, start.elapsed(), batches.iter().map(Batch::bytes).sum());
         Ok(posts.into_iter().map(|p| p.0).collect())
     }
 

@@ -372,6 +372,9 @@ impl Daemon {
         cfg.validate()?;
         let secret = cfg.secret()?;
         let (ep, verbs) = open_endpoint(&cfg)?;
+        // `post` and `wire` are timed per transfer, over all its batches
+        // and rails (`rails.rs`).
+        ep.placement().hops().link_per_transfer();
         let rails = open_rails(&cfg, &ep, verbs.as_ref())?;
         let topology = open_topology(&cfg, &rails)?;
         let device = open_device(&cfg)?;

@@ -162,6 +162,11 @@ fn remapped_transfer_between_two_daemons_is_exact() {
     assert!(stats.contains(&format!("kvwire_payload_bytes_total{{node=\"a\"}} {bytes}")), "{stats}");
     // Per-peer hop histograms: the source timed its wire hop toward `b`.
     assert!(stats.contains("kvwire_peer_hop_seconds_count{node=\"a\",peer=\"b\",hop=\"wire\"} 1"), "{stats}");
+    // One sample of `post` and one of `wire` for the transfer, however
+    // many batches it posted: not the data connections' own as well.
+    for hop in ["post", "wire"] {
+        assert!(stats.contains(&format!("kvwire_hop_seconds_count{{node=\"a\",hop=\"{hop}\"}} 1\n")), "{hop}: {stats}");
+    }
     check_hop_quantiles(&stats);
     check_hop_quantiles(&cb.stats().unwrap());
 

@@ -399,7 +399,7 @@ impl Connection for VerbsConnection {
                 }
             }
         }
-        self.shared.placement.hops().record(Hop::Post, post_time, batch.bytes());
+        self.shared.placement.hops().record_batch(Hop::Post, post_time, batch.bytes());
         match failure {
             None => {
                 self.ledger.seal(id, None);
