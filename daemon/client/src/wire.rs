@@ -114,6 +114,14 @@ pub fn send_unix<T: serde::Serialize>(s: &UnixStream, msg: &T, fds: &[RawFd]) ->
 /// The most descriptors Linux passes in one message.
 const SCM_MAX_FD: usize = 253;
 
+/// Room for that many descriptors' control message, aligned as a
+/// `cmsghdr`. On the stack: allocated per read it was over 1 KiB, a size
+/// that made the allocator consolidate its free lists at every message.
+#[repr(C, align(8))]
+struct CmsgSpace([u8; CMSG_BYTES]);
+
+const CMSG_BYTES: usize = nix::sys::socket::cmsg_space::<[RawFd; SCM_MAX_FD]>();
+
 /// Reads exactly `buf.len()` bytes, collecting any descriptors that arrive.
 fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: bool) -> Result<(), WireError> {
     let mut got = 0;
@@ -121,9 +129,9 @@ fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: boo
         // Room for as many descriptors as the kernel passes in one message
         // (SCM_MAX_FD): a message with too many is then never truncated, so
         // every descriptor it brought is adopted below and closed with it.
-        let mut space = nix::cmsg_space!([RawFd; SCM_MAX_FD]);
+        let mut space = CmsgSpace([0; CMSG_BYTES]);
         let mut iov = [IoSliceMut::new(&mut buf[got..])];
-        let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+        let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space.0), MsgFlags::MSG_CMSG_CLOEXEC)
             .map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })?;
         for c in msg.cmsgs().map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })? {
             if let ControlMessageOwned::ScmRights(raw) = c {
