@@ -155,6 +155,13 @@ pub struct Limits {
     /// faulted in, for the next transfer to reuse; as much again of
     /// device-resident sources' pinned rings.
     pub staging_pool_bytes: u64,
+    /// Idle connections kept per peer (peer-control, and data per rail)
+    /// between transfers, for the next transfers to that peer: as many as
+    /// usually overlap. A transfer finding none idle opens one; one handed
+    /// back past this many is closed. 0 keeps none: each transfer from here
+    /// opens its own, and the peer has no idle connection from here to
+    /// announce a receive on.
+    pub peer_connections_kept: usize,
 }
 
 impl Default for Limits {
@@ -168,6 +175,7 @@ impl Default for Limits {
             transfer_timeout_secs: 120,
             peer_timeout_secs: 10,
             staging_pool_bytes: 512 << 20,
+            peer_connections_kept: 8,
         }
     }
 }
@@ -319,6 +327,10 @@ pub enum ConfigError {
     },
 }
 
+/// Most idle connections kept per peer: a bound, so a typo cannot hold
+/// thousands of sockets open.
+pub const MAX_PEER_CONNECTIONS_KEPT: usize = 64;
+
 fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
     ConfigError::Invalid { key: key.into(), reason: reason.into() }
 }
@@ -440,6 +452,9 @@ impl Config {
         }
         if l.peer_timeout_secs > l.transfer_timeout_secs {
             return Err(invalid("limits.peer_timeout_secs", "must not exceed limits.transfer_timeout_secs"));
+        }
+        if l.peer_connections_kept > MAX_PEER_CONNECTIONS_KEPT {
+            return Err(invalid("limits.peer_connections_kept", format!("at most {MAX_PEER_CONNECTIONS_KEPT} (each holds a socket, and per rail its data connection)")));
         }
         if l.max_inflight_transfers > 200 {
             return Err(invalid("limits.max_inflight_transfers", "at most 200 (flag-page slots)"));

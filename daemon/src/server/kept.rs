@@ -78,6 +78,10 @@ impl<K: Eq + Hash + Clone, V> Kept<K, V> {
     /// One in use for `key` is expected back soon: [`Kept::take`] may wait
     /// for it. Each call is ended by [`Kept::keep`] or [`Kept::lost`].
     pub fn expect(&self, key: &K) {
+        // Keeping none, nothing comes back to wait for.
+        if self.per_key == 0 {
+            return;
+        }
         *self.inner.lock().expect("kept lock").coming.entry(key.clone()).or_default() += 1;
     }
 
@@ -173,6 +177,18 @@ mod tests {
         // Other keys are not waited for.
         k.expect(&"q");
         assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), None);
+    }
+
+    #[test]
+    fn keeping_none_keeps_nothing_and_never_waits() {
+        let k: Kept<&str, u32> = Kept::new(0);
+        k.expect(&"p");
+        k.keep("p", 1, || true);
+        // Still expected by a second transfer: nothing will come back to it.
+        k.expect(&"p");
+        let t = Instant::now();
+        assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), None);
+        assert!(t.elapsed() < Duration::from_secs(5));
     }
 
     #[test]

@@ -57,13 +57,6 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// Idle connections kept per peer or rail: as many as transfers to one
-/// peer usually overlap. A transfer that finds none idle opens one, and one
-/// coming back past this many is closed: at 4, 8 engines submitting at
-/// once opened a new peer connection (handshakes, data connections) for
-/// about one transfer in twelve.
-const KEEP_PER_KEY: usize = 8;
-
 /// How long a source waits for the destination's answer to an offer or an expect.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a transfer waits for the peer connection an earlier transfer
@@ -390,6 +383,7 @@ impl Daemon {
         let ring_pool = ring::RingPool::new(cfg.limits.staging_pool_bytes);
         // Every rail's endpoint shares the first one's registry.
         let metrics = Metrics { data_refused: ep.registry().handshakes_refused().clone(), ..Metrics::default() };
+        let kept = cfg.limits.peer_connections_kept;
         let d = Arc::new(Daemon {
             cfg,
             secret,
@@ -409,8 +403,11 @@ impl Daemon {
             stage_pool,
             ring_pool,
             control_id,
-            peer_conns: kept::Kept::new(KEEP_PER_KEY),
-            data_conns: Arc::new(kept::Kept::new(KEEP_PER_KEY)),
+            // `limits.peer_connections_kept` (default 8): at 4, 8 engines
+            // submitting to one peer at once opened a new peer connection
+            // (handshakes, data connections) for about one transfer in twelve.
+            peer_conns: kept::Kept::new(kept),
+            data_conns: Arc::new(kept::Kept::new(kept)),
             workers: workers::Workers::default(),
             ticker: ticker::Ticker::start("kvwired-tick")?,
             landings: Default::default(),

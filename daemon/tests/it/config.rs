@@ -201,6 +201,10 @@ fn bad_values_are_refused_naming_the_key() {
     );
     assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight_transfers = 0\n"), &["limits.max_inflight_transfers", "> 0"]);
     assert_refused(&minimal(&dir, "", "[limits]\nmax_inflight_transfers = 201\n"), &["limits.max_inflight_transfers", "200"]);
+    assert_refused(&minimal(&dir, "", "[limits]\npeer_connections_kept = 65\n"), &["limits.peer_connections_kept", "at most 64"]);
+    assert_refused(&minimal(&dir, "", "[limits]\npeer_connections_kept = -1\n"), &["peer_connections_kept"]);
+    // None kept is a choice, not a mistake.
+    assert_eq!(load(&minimal(&dir, "", "[limits]\npeer_connections_kept = 0\n")).unwrap().limits.peer_connections_kept, 0);
     assert_refused(&minimal(&dir, "", "[limits]\ntransfer_timeout_secs = 0\n"), &["limits.transfer_timeout_secs"]);
     assert_refused(&minimal(&dir, "", "[limits]\npeer_timeout_secs = 0\n"), &["limits.peer_timeout_secs", "> 0"]);
     let rail = |name: &str, listen: &str| format!("[[rails]]\nname = \"{name}\"\ntcp_listen = \"{listen}\"\n");

@@ -500,6 +500,22 @@ fn limits_are_enforced_by_name_and_what_is_registered_keeps_working() {
     transfer_exact(&ca, &cb, &ss, &ds, &dst, tokens, "after");
 }
 
+#[test]
+fn a_source_keeping_no_connections_opens_its_own_for_each_transfer() {
+    // `limits.peer_connections_kept = 0` at the source: each transfer opens
+    // a peer connection and a data connection and closes them when it
+    // ends; the next one neither finds one nor waits for one.
+    let tokens = 100;
+    let Pair { ca, cb, ss, ds, dst, .. } = &pair_with("keep-none", "[limits]\npeer_connections_kept = 0\n", "", tokens);
+    for request in ["k1", "k2", "k3"] {
+        transfer_exact(ca, cb, ss, ds, dst, tokens, request);
+    }
+    let sa = ca.stats().unwrap();
+    let conns = |metric: &str, how: &str| counter(&sa, metric, "a", &format!("how=\"{how}\""));
+    assert_eq!((conns("kvwire_peer_connections_total", "opened"), conns("kvwire_peer_connections_total", "reused")), (3, 0), "{sa}");
+    assert_eq!((conns("kvwire_data_connections_total", "opened"), conns("kvwire_data_connections_total", "reused")), (3, 0), "{sa}");
+}
+
 /// A count of `kvwire_starts_total` in `stats`.
 fn starts(stats: &str, node: &str, how: &str) -> u64 {
     counter(stats, "kvwire_starts_total", node, &format!("how=\"{how}\""))
