@@ -47,6 +47,9 @@ impl Workers {
         q.draining = false;
         if q.idle > q.jobs.len() {
             q.jobs.push(Box::new(job));
+            // Woken after the lock is released: woken under it, the worker
+            // would wake only to wait for the lock this thread holds.
+            drop(q);
             cv.notify_one();
             return Ok(());
         }
