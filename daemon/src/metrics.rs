@@ -152,7 +152,7 @@ impl Metrics {
         let _ = writeln!(out, "# HELP kvwire_pinned_host_bytes Host memory pinned for device copies now: staging rings of device-resident sources, host mirrors of device-resident destinations.\n# TYPE kvwire_pinned_host_bytes gauge");
         let _ = writeln!(out, "kvwire_pinned_host_bytes{{node=\"{node}\",for=\"ring\"}} {}", g(&self.pinned_ring_bytes));
         let _ = writeln!(out, "kvwire_pinned_host_bytes{{node=\"{node}\",for=\"mirror\"}} {}", g(&self.pinned_mirror_bytes));
-        let _ = writeln!(out, "# HELP kvwire_hop_seconds Time spent in each hop of the path.\n# TYPE kvwire_hop_seconds histogram");
+        let _ = writeln!(out, "# HELP kvwire_hop_seconds Time spent in each hop of the path; post and wire once per transfer (wire: its first post to its last completion, over all its rails).\n# TYPE kvwire_hop_seconds histogram");
         const BOUNDS_NS: [u64; 12] =
             [1_000, 10_000, 50_000, 100_000, 500_000, 1_000_000, 5_000_000, 10_000_000, 50_000_000, 100_000_000, 1_000_000_000, 10_000_000_000];
         for hop in Hop::ALL {
