@@ -393,19 +393,22 @@ fn read_sealed(r: &mut impl Read) -> Result<(Vec<u8>, [u8; SEAL_LEN]), WireError
     Ok((body, seal))
 }
 
+/// A sealed connection over loopback, for tests: the connecting side,
+/// the accepting side, and the connecting side's raw socket.
+#[cfg(test)]
+pub(crate) fn sealed_pair() -> (Sealed, Sealed, TcpStream) {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    let raw = c.try_clone().unwrap();
+    let cred = Credential::derive(b"secret", b"ns", b"nc", "a", "b");
+    (Sealed::new(c, cred.clone(), true), Sealed::new(s, cred, false), raw)
+}
+
 #[cfg(test)]
 mod tests {
+    use super::sealed_pair as pair;
     use super::*;
-    use std::net::TcpListener;
-
-    fn pair() -> (Sealed, Sealed, TcpStream) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (s, _) = l.accept().unwrap();
-        let raw = c.try_clone().unwrap();
-        let cred = Credential::derive(b"secret", b"ns", b"nc", "a", "b");
-        (Sealed::new(c, cred.clone(), true), Sealed::new(s, cred, false), raw)
-    }
 
     #[test]
     fn the_end_hook_runs_once_when_the_connection_is_dropped_not_when_it_moves() {

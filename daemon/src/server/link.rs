@@ -294,11 +294,11 @@ impl PeerLink {
         // time is not kept; the transfer has landed all the same.
         if unanswered > 0 {
             let _ = s.read_timeout(self.peer_timeout);
-        }
-        while unanswered > 0 {
-            match self.next(s, session) {
-                Ok(Some(SourceEvent::Alive)) => unanswered -= 1,
-                _ => break,
+            while unanswered > 0 {
+                match self.next(s, session) {
+                    Ok(Some(SourceEvent::Alive)) => unanswered -= 1,
+                    _ => break,
+                }
             }
         }
         // What this transfer sent and read on it, kept for `control_bytes`.
@@ -331,18 +331,15 @@ mod tests {
     use kvwire_core::reuse::CacheIdentity;
     use kvwire_core::session::msg::{Accept, Expect, Offer};
     use kvwire_core::session::Timeouts;
-    use std::net::{TcpListener, TcpStream};
 
     const SLOT: u16 = 3;
 
-    /// A source's connection and the destination's end of it.
+    /// A source's connection and the destination's end of it, whose reads
+    /// give up after 10 s.
     fn pair() -> (Sealed, Sealed) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (s, _) = l.accept().unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let cred = Credential::derive(b"secret", b"ns", b"nc", "src", "dst");
-        (Sealed::new(c, cred.clone(), true), Sealed::new(s, cred, false))
+        let (c, s, _) = crate::peer::sealed_pair();
+        s.stream().set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        (c, s)
     }
 
     /// A link whose transfer was accepted into `SLOT` and is moving bytes;
