@@ -33,7 +33,8 @@ use serde::{Deserialize, Serialize};
 /// 7: a checksum per chunk of a region's stream (manifest version 2, `LayerChecksum::chunk`).
 /// 8: the destination pushes each transfer's `Verdict` as it ends; the source sends no `Done`.
 /// 9: a transfer's keys are granted to the source node, not to one connection: an announcement may be claimed on any connection of the node it went to.
-pub const PEER_VERSION: u32 = 9;
+/// 10: `Expect::manifest` is the manifest's JSON inline, not a string holding it.
+pub const PEER_VERSION: u32 = 10;
 
 /// Messages on a peer connection: JSON objects, `msg` naming the message
 /// (its first key), the rest its fields.
@@ -302,14 +303,44 @@ pub struct Claim {
 pub struct Expect {
     /// Destination slot.
     pub slot: u16,
-    /// The integrity manifest (JSON), checksums included unless the source
+    /// The integrity manifest, checksums included unless the source
     /// turned them off or sends them per layer.
-    pub manifest: String,
+    pub manifest: ManifestJson,
     /// The checksums come per layer, each in a `LayerSums` before that
     /// layer's writes, instead of in the manifest: the source streams layers
     /// as its engine produces them, so none can be hashed up front.
     #[serde(default)]
     pub layer_sums: bool,
+}
+
+/// A manifest's JSON text, carried inline in its message: read once, by
+/// [`crate::manifest::Manifest::from_json`] with its own limits and
+/// version check, rather than escaped into a string and parsed twice.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct ManifestJson(Box<serde_json::value::RawValue>);
+
+impl ManifestJson {
+    /// `m`'s JSON, written once.
+    pub fn of(m: &crate::manifest::Manifest) -> ManifestJson {
+        ManifestJson(serde_json::value::to_raw_value(m).expect("a manifest has only string keys and plain values"))
+    }
+
+    /// Wraps `text`, which must be one JSON value.
+    pub fn new(text: String) -> Result<ManifestJson, serde_json::Error> {
+        serde_json::value::RawValue::from_string(text).map(ManifestJson)
+    }
+
+    /// The JSON text, as it came.
+    pub fn text(&self) -> &str {
+        self.0.get()
+    }
+}
+
+impl PartialEq for ManifestJson {
+    fn eq(&self, other: &ManifestJson) -> bool {
+        self.text() == other.text()
+    }
 }
 
 /// One layer's checksums (see [`PeerMsg::LayerSums`]).

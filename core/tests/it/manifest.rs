@@ -583,6 +583,22 @@ fn json_round_trip_keeps_every_field() {
 }
 
 #[test]
+fn an_expect_carries_its_manifest_inline_and_the_destination_reads_it_back_whole() {
+    use kvwire_core::session::msg::{Expect, ManifestJson, PeerMsg};
+    let m = llama_manifest();
+    let msg = PeerMsg::Expect(Expect { slot: 7, manifest: ManifestJson::of(m), layer_sums: false });
+    let text = serde_json::to_string(&msg).unwrap();
+    // An object in the message, not a string holding one: nothing escaped.
+    assert!(text.contains(r#""manifest":{"version":"#), "{}", &text[..80]);
+    assert!(!text.contains(r#"\""#));
+    let PeerMsg::Expect(e) = serde_json::from_str::<PeerMsg>(&text).unwrap() else { panic!("not an expect") };
+    assert_eq!(e.manifest.text(), m.to_json());
+    assert_eq!(&Manifest::from_json(e.manifest.text().as_bytes()).unwrap(), m);
+    // What is not one JSON value is refused where the message is read.
+    assert!(serde_json::from_str::<PeerMsg>(r#"{"msg":"expect","slot":7,"manifest":{"version":,"layer_sums":false}"#).is_err());
+}
+
+#[test]
 fn json_of_exactly_the_limit_is_accepted_and_one_more_byte_is_not() {
     let mut text = llama_manifest().to_json().into_bytes();
     text.resize(MAX_MANIFEST_JSON, b' ');
