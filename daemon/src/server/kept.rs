@@ -11,6 +11,9 @@ struct Inner<K, V> {
     idle: HashMap<K, Vec<V>>,
     // Per key, how many in use now are expected back soon (see `expect`).
     coming: HashMap<K, usize>,
+    // Takers waiting for one to come back: a return wakes them only when
+    // there are any (a wake is a system call, on every transfer's end).
+    waiting: usize,
 }
 
 pub(super) struct Kept<K, V> {
@@ -29,7 +32,7 @@ impl<K, V> std::fmt::Debug for Kept<K, V> {
 impl<K: Eq + Hash + Clone, V> Kept<K, V> {
     /// At most `per_key` kept for each key.
     pub fn new(per_key: usize) -> Kept<K, V> {
-        Kept { inner: Mutex::new(Inner { idle: HashMap::new(), coming: HashMap::new() }), returned: Condvar::new(), per_key }
+        Kept { inner: Mutex::new(Inner { idle: HashMap::new(), coming: HashMap::new(), waiting: 0 }), returned: Condvar::new(), per_key }
     }
 
     /// A kept one for `key` that `usable` accepts; those it refuses are
@@ -51,7 +54,9 @@ impl<K: Eq + Hash + Clone, V> Kept<K, V> {
             if left.is_zero() || inner.coming.get(key).copied().unwrap_or(0) == 0 {
                 return None;
             }
+            inner.waiting += 1;
             inner = self.returned.wait_timeout(inner, left).expect("kept lock").0;
+            inner.waiting -= 1;
         }
     }
 
@@ -89,7 +94,7 @@ impl<K: Eq + Hash + Clone, V> Kept<K, V> {
     pub fn lost(&self, key: &K) {
         let mut inner = self.inner.lock().expect("kept lock");
         Self::arrived(&mut inner, key);
-        self.returned.notify_all();
+        self.wake(inner);
     }
 
     /// Keeps `x` for the next transfer, unless enough are kept or `wanted`
@@ -105,7 +110,16 @@ impl<K: Eq + Hash + Clone, V> Kept<K, V> {
                 v.push(x);
             }
         }
-        self.returned.notify_all();
+        self.wake(inner);
+    }
+
+    /// Releases `inner` and wakes the takers waiting, if any.
+    fn wake(&self, inner: std::sync::MutexGuard<'_, Inner<K, V>>) {
+        let any = inner.waiting > 0;
+        drop(inner);
+        if any {
+            self.returned.notify_all();
+        }
     }
 
     /// Lets go of every idle one whose key `gone` picks.
@@ -161,7 +175,9 @@ mod tests {
                 k.keep("p", 7, || true)
             })
         };
+        let t = Instant::now();
         assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), Some(7));
+        assert!(t.elapsed() < Duration::from_secs(20), "woken as it was kept, not at the end of the wait");
         giver.join().unwrap();
         // One expected that is lost: the taker stops waiting.
         k.expect(&"p");
@@ -172,7 +188,9 @@ mod tests {
                 k.lost(&"p")
             })
         };
+        let t = Instant::now();
         assert_eq!(k.take(&"p", |_| true, Duration::from_secs(30)), None);
+        assert!(t.elapsed() < Duration::from_secs(20), "woken as it was lost, not at the end of the wait");
         loser.join().unwrap();
         // Other keys are not waited for.
         k.expect(&"q");

@@ -22,6 +22,9 @@ struct State {
     // Checks added while the thread runs the others (outside the lock).
     added: Vec<Check>,
     stop: bool,
+    // The thread waits on the condvar (it had no checks), rather than
+    // between ticks: only then is a new check worth a wake, a system call.
+    idle: bool,
 }
 
 type Inner = (Mutex<State>, Condvar);
@@ -50,8 +53,13 @@ impl Ticker {
     /// Runs `check` from the next tick on, until it returns false.
     pub fn add(&self, check: Check) {
         let (lock, cv) = &*self.inner;
-        lock.lock().expect("ticker lock").added.push(check);
-        cv.notify_one();
+        let mut st = lock.lock().expect("ticker lock");
+        st.added.push(check);
+        let idle = st.idle;
+        drop(st);
+        if idle {
+            cv.notify_one();
+        }
     }
 }
 
@@ -72,7 +80,9 @@ fn run(weak: &Weak<Inner>) {
             let mut st = lock.lock().expect("ticker lock");
             // Nothing to check: sleep until a check comes (no idle wake-ups).
             while !st.stop && checks.is_empty() && st.added.is_empty() {
+                st.idle = true;
                 st = cv.wait(st).expect("ticker lock");
+                st.idle = false;
             }
             if st.stop {
                 return;
