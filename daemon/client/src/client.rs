@@ -63,6 +63,8 @@ pub struct Submitted {
 #[derive(Debug)]
 pub struct Client {
     sock: UnixStream,
+    // Replies are read through a buffer: a reply's length and body in one read.
+    reader: Mutex<wire::UnixReader>,
     /// The daemon's node name.
     pub node: String,
     flags: FlagTable,
@@ -78,7 +80,8 @@ impl Client {
     pub fn connect(path: &Path, name: &str) -> Result<Client, ClientError> {
         let sock = UnixStream::connect(path).map_err(|e| WireError::Io { op: "connect", cause: e })?;
         wire::send_unix(&sock, &Request::Hello { client: name.into() }, &[])?;
-        let (body, mut fds) = wire::recv_unix(&sock)?;
+        let mut reader = wire::UnixReader::new();
+        let (body, mut fds) = reader.recv(&sock)?;
         let (node, slots, columns, quiet_notify) = match wire::parse::<Reply>(&body)? {
             Reply::Hello { node, slots, columns, quiet_notify, .. } => (node, slots, columns, quiet_notify),
             Reply::Error { code, message } => return Err(ClientError::Daemon { code, message }),
@@ -87,7 +90,7 @@ impl Client {
         let fd = fds.pop().ok_or_else(|| ClientError::FlagPage("hello reply carried no flag page".into()))?;
         let mem = HostMem::from_file_read_only(std::fs::File::from(fd)).map_err(|e| ClientError::FlagPage(e.to_string()))?;
         let flags = FlagTable::from_mem(Arc::new(mem), slots, columns).map_err(|e| ClientError::FlagPage(e.to_string()))?;
-        Ok(Client { sock, node, flags, notified: Mutex::new(Vec::new()), quiet_notify })
+        Ok(Client { sock, reader: Mutex::new(reader), node, flags, notified: Mutex::new(Vec::new()), quiet_notify })
     }
 
     /// One request, one reply. `notify` samples waiting to go are sent
@@ -108,7 +111,7 @@ impl Client {
         wire::send_unix(&self.sock, req, fds)?;
         // Recorded, or an older daemon's refusal of a request it does not
         // know: either way the samples are done with.
-        wire::recv_unix(&self.sock)?;
+        self.recv()?;
         self.reply()
     }
 
@@ -133,8 +136,12 @@ impl Client {
         self.reply()
     }
 
+    fn recv(&self) -> Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>), WireError> {
+        self.reader.lock().expect("reader lock").recv(&self.sock)
+    }
+
     fn reply(&self) -> Result<Reply, ClientError> {
-        let (body, _) = wire::recv_unix(&self.sock)?;
+        let (body, _) = self.recv()?;
         match wire::parse::<Reply>(&body)? {
             Reply::Error { code, message } => Err(ClientError::Daemon { code, message }),
             r => Ok(r),

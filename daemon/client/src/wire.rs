@@ -122,50 +122,209 @@ struct CmsgSpace([u8; CMSG_BYTES]);
 
 const CMSG_BYTES: usize = nix::sys::socket::cmsg_space::<[RawFd; SCM_MAX_FD]>();
 
-/// Reads exactly `buf.len()` bytes, collecting any descriptors that arrive.
-fn recv_exact(s: &UnixStream, buf: &mut [u8], fds: &mut Vec<OwnedFd>, first: bool) -> Result<(), WireError> {
-    let mut got = 0;
-    while got < buf.len() {
-        // Room for as many descriptors as the kernel passes in one message
-        // (SCM_MAX_FD): a message with too many is then never truncated, so
-        // every descriptor it brought is adopted below and closed with it.
-        let mut space = CmsgSpace([0; CMSG_BYTES]);
-        let mut iov = [IoSliceMut::new(&mut buf[got..])];
-        let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space.0), MsgFlags::MSG_CMSG_CLOEXEC)
-            .map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })?;
-        for c in msg.cmsgs().map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })? {
-            if let ControlMessageOwned::ScmRights(raw) = c {
-                for fd in raw {
-                    // SAFETY: the kernel just installed `fd` in this process
-                    // for this message; nothing else owns it.
-                    fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
-                }
-            }
-        }
-        if msg.flags.contains(MsgFlags::MSG_CTRUNC) || fds.len() > MAX_FDS {
-            return Err(WireError::Fds(format!("more than {MAX_FDS} descriptors in one message")));
-        }
-        if msg.bytes == 0 {
-            return Err(if first && got == 0 { WireError::Closed } else { WireError::Io { op: "recvmsg", cause: std::io::ErrorKind::UnexpectedEof.into() } });
-        }
-        got += msg.bytes;
-    }
-    Ok(())
+/// Reads frames from a Unix socket through a buffer: a frame's length and
+/// body, and what was sent right behind it, come in one system call
+/// rather than two or more per frame.
+///
+/// Descriptors belong to the frame that holds the last byte of the read
+/// that brought them. The kernel hands descriptors over with the bytes of
+/// the send they came with and ends that read there, and a sender attaches
+/// them to the first send of its frame.
+#[derive(Debug)]
+pub struct UnixReader {
+    buf: Vec<u8>,
+    // Unread bytes are buf[start..end].
+    start: usize,
+    end: usize,
+    // Stream offset of buf[0].
+    base: u64,
+    // Descriptors not yet handed out, with the stream offset of the last
+    // byte of the read that brought them.
+    fds: Vec<(u64, OwnedFd)>,
+    // Reads only what the frame in hand still needs, never past it.
+    exact: bool,
 }
 
-/// Receives one frame from a Unix socket, with the descriptors it carried.
+/// Room a reader starts with: a request, and what follows it, in one read.
+const READ_ROOM: usize = 16 << 10;
+
+impl UnixReader {
+    /// A reader of a connection that it alone reads from now on.
+    pub fn new() -> UnixReader {
+        UnixReader { buf: vec![0; READ_ROOM], start: 0, end: 0, base: 0, fds: Vec::new(), exact: false }
+    }
+
+    /// A reader that never takes bytes past the frame it returns, for a
+    /// connection read once here and then elsewhere.
+    fn exact() -> UnixReader {
+        UnixReader { buf: Vec::new(), exact: true, ..UnixReader::new() }
+    }
+
+    /// The next frame, with the descriptors it carried.
+    pub fn recv(&mut self, s: &UnixStream) -> Result<(Vec<u8>, Vec<OwnedFd>), WireError> {
+        self.fill(s, 4)?;
+        let len = u32::from_le_bytes(self.buf[self.start..self.start + 4].try_into().expect("four bytes")) as usize;
+        if len > MAX_MESSAGE {
+            return Err(WireError::TooLong(len));
+        }
+        self.fill(s, 4 + len)?;
+        let body = self.buf[self.start + 4..self.start + 4 + len].to_vec();
+        self.start += 4 + len;
+        let last = self.base + self.start as u64 - 1;
+        let mut fds = Vec::new();
+        if !self.fds.is_empty() {
+            let later;
+            (fds, later) = std::mem::take(&mut self.fds).into_iter().partition(|(at, _)| *at <= last);
+            self.fds = later;
+        }
+        if self.start == self.end {
+            self.base += self.end as u64;
+            (self.start, self.end) = (0, 0);
+            // A large frame's room goes with it.
+            if self.buf.len() > READ_ROOM && !self.exact {
+                self.buf = vec![0; READ_ROOM];
+            }
+        }
+        if fds.len() > MAX_FDS {
+            return Err(WireError::Fds(format!("{} descriptors, at most {MAX_FDS}", fds.len())));
+        }
+        Ok((body, fds.into_iter().map(|(_, fd)| fd).collect()))
+    }
+
+    /// Reads until `want` unread bytes are buffered.
+    fn fill(&mut self, s: &UnixStream, want: usize) -> Result<(), WireError> {
+        if self.start + want > self.buf.len() {
+            // Unread bytes to the front, then room for the whole frame.
+            self.buf.copy_within(self.start..self.end, 0);
+            self.base += self.start as u64;
+            (self.start, self.end) = (0, self.end - self.start);
+            if want > self.buf.len() {
+                self.buf.resize(want, 0);
+            }
+        }
+        while self.end - self.start < want {
+            let room = match self.exact {
+                true => self.start + want,
+                false => self.buf.len(),
+            };
+            // Room for as many descriptors as the kernel passes in one
+            // message (SCM_MAX_FD): a message with too many is then never
+            // truncated, so every descriptor it brought is adopted below
+            // and closed with it.
+            let mut space = CmsgSpace([0; CMSG_BYTES]);
+            let mut iov = [IoSliceMut::new(&mut self.buf[self.end..room])];
+            let msg = recvmsg::<()>(s.as_raw_fd(), &mut iov, Some(&mut space.0), MsgFlags::MSG_CMSG_CLOEXEC)
+                .map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })?;
+            let last = self.base + (self.end + msg.bytes) as u64;
+            for c in msg.cmsgs().map_err(|e| WireError::Io { op: "recvmsg", cause: e.into() })? {
+                if let ControlMessageOwned::ScmRights(raw) = c {
+                    for fd in raw {
+                        // SAFETY: the kernel just installed `fd` in this process
+                        // for this message; nothing else owns it.
+                        self.fds.push((last.saturating_sub(1), unsafe { OwnedFd::from_raw_fd(fd) }));
+                    }
+                }
+            }
+            // Only the frame in hand and the one behind it hold any: more
+            // than twice the most one may carry is refused outright.
+            if msg.flags.contains(MsgFlags::MSG_CTRUNC) || self.fds.len() > 2 * MAX_FDS {
+                return Err(WireError::Fds(format!("more than {MAX_FDS} descriptors in one message")));
+            }
+            if msg.bytes == 0 {
+                return Err(match self.start == self.end {
+                    true => WireError::Closed,
+                    false => WireError::Io { op: "recvmsg", cause: std::io::ErrorKind::UnexpectedEof.into() },
+                });
+            }
+            self.end += msg.bytes;
+        }
+        Ok(())
+    }
+}
+
+impl Default for UnixReader {
+    fn default() -> UnixReader {
+        UnixReader::new()
+    }
+}
+
+/// Receives one frame from a Unix socket, with the descriptors it carried,
+/// reading nothing past it.
 pub fn recv_unix(s: &UnixStream) -> Result<(Vec<u8>, Vec<OwnedFd>), WireError> {
-    let mut fds = Vec::new();
-    let mut len = [0u8; 4];
-    recv_exact(s, &mut len, &mut fds, true)?;
-    let len = u32::from_le_bytes(len) as usize;
-    if len > MAX_MESSAGE {
-        return Err(WireError::TooLong(len));
+    UnixReader::exact().recv(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn memfd(name: &str) -> OwnedFd {
+        let f = nix::sys::memfd::memfd_create(name, nix::sys::memfd::MFdFlags::MFD_CLOEXEC).unwrap();
+        OwnedFd::from(f)
     }
-    let mut body = vec![0u8; len];
-    recv_exact(s, &mut body, &mut fds, false)?;
-    if fds.len() > MAX_FDS {
-        return Err(WireError::Fds(format!("{} descriptors, at most {MAX_FDS}", fds.len())));
+
+    fn same_file(a: &OwnedFd, b: &OwnedFd) -> bool {
+        let (x, y) = (nix::sys::stat::fstat(a).unwrap(), nix::sys::stat::fstat(b).unwrap());
+        (x.st_dev, x.st_ino) == (y.st_dev, y.st_ino)
     }
-    Ok((body, fds))
+
+    #[test]
+    fn frames_sent_back_to_back_come_in_one_read_each_with_its_own_descriptors() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (f1, f2) = (memfd("one"), memfd("two"));
+        send_unix(&a, &"first", &[]).unwrap();
+        send_unix(&a, &"second", &[f1.as_raw_fd(), f2.as_raw_fd()]).unwrap();
+        send_unix(&a, &"third", &[]).unwrap();
+        let mut r = UnixReader::new();
+        let (body, fds) = r.recv(&b).unwrap();
+        assert_eq!((parse::<String>(&body).unwrap(), fds.len()), ("first".into(), 0));
+        let (body, fds) = r.recv(&b).unwrap();
+        assert_eq!(parse::<String>(&body).unwrap(), "second");
+        assert!(fds.len() == 2 && same_file(&fds[0], &f1) && same_file(&fds[1], &f2));
+        let (body, fds) = r.recv(&b).unwrap();
+        assert_eq!((parse::<String>(&body).unwrap(), fds.len()), ("third".into(), 0));
+        // The end between frames is a close.
+        drop(a);
+        assert!(matches!(r.recv(&b), Err(WireError::Closed)));
+    }
+
+    #[test]
+    fn a_frame_larger_than_the_room_is_read_whole_and_the_next_after_it() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let big = "x".repeat(3 * READ_ROOM + 5);
+        let writer = {
+            let (a, big) = (a.try_clone().unwrap(), big.clone());
+            std::thread::spawn(move || {
+                send_unix(&a, &big, &[]).unwrap();
+                send_unix(&a, &"after", &[]).unwrap();
+            })
+        };
+        let mut r = UnixReader::new();
+        assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), big);
+        assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), "after");
+        writer.join().unwrap();
+    }
+
+    #[test]
+    fn one_frame_read_alone_leaves_the_next_on_the_socket() {
+        let (a, b) = UnixStream::pair().unwrap();
+        send_unix(&a, &"first", &[]).unwrap();
+        send_unix(&a, &"second", &[]).unwrap();
+        assert_eq!(parse::<String>(&recv_unix(&b).unwrap().0).unwrap(), "first");
+        assert_eq!(parse::<String>(&UnixReader::new().recv(&b).unwrap().0).unwrap(), "second");
+    }
+
+    #[test]
+    fn a_cut_frame_and_an_overlong_length_are_errors_naming_what_was_wrong() {
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&10u32.to_le_bytes()).unwrap();
+        a.write_all(b"abc").unwrap();
+        drop(a);
+        let e = UnixReader::new().recv(&b).unwrap_err();
+        assert!(matches!(&e, WireError::Io { op: "recvmsg", cause } if cause.kind() == std::io::ErrorKind::UnexpectedEof), "{e}");
+        let (mut a, b) = UnixStream::pair().unwrap();
+        a.write_all(&((MAX_MESSAGE + 1) as u32).to_le_bytes()).unwrap();
+        assert!(matches!(UnixReader::new().recv(&b), Err(WireError::TooLong(n)) if n == MAX_MESSAGE + 1));
+    }
 }

@@ -132,8 +132,9 @@ impl Daemon {
         }
         let client = self.next_client.fetch_add(1, Ordering::Relaxed);
         self.clients.fetch_add(1, Ordering::AcqRel);
+        let mut reader = wire::UnixReader::new();
         loop {
-            let (body, fds) = match wire::recv_unix(&s) {
+            let (body, fds) = match reader.recv(&s) {
                 Ok(m) => m,
                 Err(WireError::Closed) => break,
                 Err(e @ (WireError::TooLong(_) | WireError::Fds(_))) => {
