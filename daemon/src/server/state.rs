@@ -381,6 +381,9 @@ pub(crate) struct Slots {
     pub map: HashMap<u16, Slot>,
     pub next_slot: u16,
     pub next_gen: u64,
+    // No prepared receive goes stale before this (None: none is prepared),
+    // so an allocation looks for stale ones only once one may be.
+    pub stale_from: Option<Instant>,
 }
 
 impl Slots {

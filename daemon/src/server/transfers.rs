@@ -48,7 +48,12 @@ impl Daemon {
                 self.ep.placement().reset_slot(slot);
                 self.page.clear_slot(slot);
                 let stop = Arc::new(AtomicBool::new(false));
-                st.map.insert(slot, Slot::new(gen, role, request, group, owner, recv, stop.clone()));
+                let sl = Slot::new(gen, role, request, group, owner, recv, stop.clone());
+                if sl.state == TransferState::Prepared {
+                    let t = sl.started + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
+                    st.stale_from = Some(st.stale_from.map_or(t, |s| s.min(t)));
+                }
+                st.map.insert(slot, sl);
                 return Ok((SlotId { slot, gen }, stop));
             }
         }
@@ -60,15 +65,19 @@ impl Daemon {
     /// cannot hold slots for good.
     fn expire_prepared(&self) {
         let timeout = Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
-        let stale: Vec<SlotId> = self
-            .slots
-            .lock()
-            .expect("slots lock")
-            .map
-            .iter()
-            .filter(|(_, s)| s.state == TransferState::Prepared && s.started.elapsed() > timeout)
-            .map(|(&slot, s)| SlotId { slot, gen: s.gen })
-            .collect();
+        let now = Instant::now();
+        let stale: Vec<SlotId> = {
+            let mut st = self.slots.lock().expect("slots lock");
+            if st.stale_from.is_none_or(|t| now < t) {
+                return;
+            }
+            let prepared = || st.map.iter().filter(|(_, s)| s.state == TransferState::Prepared);
+            let stale = prepared().filter(|(_, s)| now.saturating_duration_since(s.started) > timeout).map(|(&slot, s)| SlotId { slot, gen: s.gen }).collect();
+            // Those failed below are no longer prepared: the next to go stale is among the rest.
+            let next = prepared().map(|(_, s)| s.started + timeout).filter(|&t| t >= now).min();
+            st.stale_from = next;
+            stale
+        };
         for id in stale {
             self.fail(id, format!("prepared more than {}s ago and no source offered", timeout.as_secs()));
         }
