@@ -4,7 +4,7 @@
 
 use crate::control::*;
 use crate::wire::{self, WireError};
-use kvwire_transport::flags::WaitError;
+use kvwire_transport::flags::{SleepDecl, WaitError};
 use kvwire_transport::{FlagTable, HostMem, Tag};
 use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
@@ -82,14 +82,31 @@ impl Client {
         wire::send_unix(&sock, &Request::Hello { client: name.into() }, &[])?;
         let mut reader = wire::UnixReader::new();
         let (body, mut fds) = reader.recv(&sock)?;
-        let (node, slots, columns, quiet_notify) = match wire::parse::<Reply>(&body)? {
-            Reply::Hello { node, slots, columns, quiet_notify, .. } => (node, slots, columns, quiet_notify),
+        let (node, slots, columns, quiet_notify, sleep_page) = match wire::parse::<Reply>(&body)? {
+            Reply::Hello { node, slots, columns, quiet_notify, sleep_page, .. } => (node, slots, columns, quiet_notify, sleep_page),
             Reply::Error { code, message } => return Err(ClientError::Daemon { code, message }),
             other => return Err(ClientError::Unexpected(format!("{other:?}"))),
         };
         let fd = fds.pop().ok_or_else(|| ClientError::FlagPage("hello reply carried no flag page".into()))?;
         let mem = HostMem::from_file_read_only(std::fs::File::from(fd)).map_err(|e| ClientError::FlagPage(e.to_string()))?;
-        let flags = FlagTable::from_mem(Arc::new(mem), slots, columns).map_err(|e| ClientError::FlagPage(e.to_string()))?;
+        let mem = Arc::new(mem);
+        // This process's waits declare the word they sleep on, so the
+        // daemon wakes only words someone sleeps on. Where it cannot
+        // (an older daemon, no memfd), every publish wakes.
+        let decl = sleep_page.then(SleepDecl::new).and_then(Result::ok);
+        let declared = match decl {
+            Some(d) => {
+                wire::send_unix(&sock, &Request::SleepPage, &[d.mem().fd().as_raw_fd()])?;
+                let (body, _) = reader.recv(&sock)?;
+                matches!(wire::parse::<Reply>(&body)?, Reply::Recorded).then_some(d)
+            }
+            None => None,
+        };
+        let flags = match declared {
+            Some(d) => FlagTable::from_mem_declaring(mem, slots, columns, Arc::new(d)),
+            None => FlagTable::from_mem(mem, slots, columns),
+        }
+        .map_err(|e| ClientError::FlagPage(e.to_string()))?;
         Ok(Client { sock, reader: Mutex::new(reader), node, flags, notified: Mutex::new(Vec::new()), quiet_notify })
     }
 

@@ -307,6 +307,13 @@ pub enum Request {
         /// One sample per wait that saw its flag.
         notify_ns: Vec<u64>,
     },
+    /// The client's sleep page (memfd attached, at least
+    /// `kvwire_transport::flags::SLEEP_PAGE_BYTES`): where its waits on the
+    /// flag page declare the word they sleep on, so the daemon wakes only
+    /// words someone sleeps on. Sent only to a daemon whose hello says
+    /// `sleep_page`; until then, and for a client that never sends it,
+    /// every publish wakes. Answered `Recorded`.
+    SleepPage,
 }
 
 /// The state of a transfer.
@@ -459,6 +466,9 @@ pub enum Reply {
         /// It takes [`Request::NotifiedQuiet`] (absent from older daemons).
         #[serde(default)]
         quiet_notify: bool,
+        /// It takes [`Request::SleepPage`] (absent from older daemons).
+        #[serde(default)]
+        sleep_page: bool,
     },
     /// Rank registered.
     Registered {
@@ -504,7 +514,7 @@ pub enum Reply {
     Cancelled,
     /// The layers a `Produced` announced are noted.
     Announced,
-    /// `notify` samples recorded.
+    /// `notify` samples recorded, or the sleep page taken.
     Recorded,
     /// Prometheus text of the counters.
     Stats {

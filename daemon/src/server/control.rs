@@ -133,6 +133,9 @@ impl Daemon {
         let client = self.next_client.fetch_add(1, Ordering::Relaxed);
         self.clients.fetch_add(1, Ordering::AcqRel);
         let mut reader = wire::UnixReader::new();
+        // From its hello (which hands it the flag page) until it declares
+        // its sleep page, every publish wakes, in case it sleeps.
+        let mut undeclared = None;
         loop {
             let (body, fds) = match reader.recv(&s) {
                 Ok(m) => m,
@@ -171,7 +174,10 @@ impl Daemon {
                 }
                 continue;
             }
-            let send_page = matches!(req, Request::Hello { .. });
+            let (send_page, declaring) = (matches!(req, Request::Hello { .. }), matches!(req, Request::SleepPage));
+            if send_page && undeclared.is_none() {
+                undeclared = Some(self.sleepers.undeclared());
+            }
             // A request that panics fails alone: the client hears so, and
             // what it holds is still let go when it leaves.
             let reply = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.handle(client, req, fds))) {
@@ -181,18 +187,35 @@ impl Daemon {
                     Refusal::new(Code::TransferFailed, "internal error: this request failed; the daemon's log says where").reply()
                 }
             };
+            if let Some(u) = undeclared.as_mut().filter(|_| declaring && matches!(reply, Reply::Recorded)) {
+                u.declared();
+            }
             let page = self.page.mem().clone();
             let fds = if send_page && !matches!(reply, Reply::Error { .. }) { vec![page.fd().as_raw_fd()] } else { vec![] };
             if wire::send_unix(&s, &reply, &fds).is_err() {
                 break;
             }
         }
+        self.sleepers.remove(client);
+        drop(undeclared);
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.release_client(client))).is_err() {
             tracing::error!(client, "releasing a client panicked");
         }
         if self.clients.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.drop_kept();
         }
+    }
+
+    /// Client `client`'s sleep page: one memfd, sealed against shrinking
+    /// (or sealable here), at least a sleep page long. Read before each
+    /// wake while the client stays.
+    fn sleep_page(&self, client: u64, mut fds: Vec<OwnedFd>) -> Result<(), Refusal> {
+        if fds.len() != 1 {
+            return Err(Refusal::new(Code::Malformed, format!("sleep_page carries one memfd, not {}", fds.len())));
+        }
+        let fd = fds.pop().expect("one");
+        let mem = HostMem::from_file(std::fs::File::from(fd)).map_err(|e| Refusal::new(Code::BadRegion, format!("sleep page: {e}")))?;
+        self.sleepers.add(client, Arc::new(mem)).map_err(|e| Refusal::new(Code::BadRegion, format!("sleep page: {e}")))
     }
 
     /// A client went away: revoke everything it registered.
@@ -233,13 +256,13 @@ impl Daemon {
     }
 
     fn handle(self: &Arc<Self>, client: u64, req: Request, fds: Vec<OwnedFd>) -> Result<Reply, Refusal> {
-        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_) | Request::RegisterTensors(_) | Request::RegisterDeviceTensors(_)) && !fds.is_empty() {
+        if !matches!(req, Request::RegisterCache(_) | Request::RegisterDeviceCache(_) | Request::RegisterTensors(_) | Request::RegisterDeviceTensors(_) | Request::SleepPage) && !fds.is_empty() {
             return Err(Refusal::new(Code::Malformed, "this request carries no file descriptors"));
         }
         match req {
             Request::Hello { client: name } => {
                 tracing::debug!(name, "client hello");
-                Ok(Reply::Hello { node: self.cfg.node.clone(), version: peer::PEER_VERSION, slots: FLAG_SLOTS, columns: FLAG_COLUMNS, quiet_notify: true })
+                Ok(Reply::Hello { node: self.cfg.node.clone(), version: peer::PEER_VERSION, slots: FLAG_SLOTS, columns: FLAG_COLUMNS, quiet_notify: true, sleep_page: true })
             }
             Request::RegisterCache(r) => self.register(client, r, fds),
             Request::RegisterDeviceCache(r) => self.register_device(client, r, fds),
@@ -255,6 +278,7 @@ impl Daemon {
             Request::Produced { group, request, rank, layers } => self.produced_layers(client, &group, &request, rank, layers),
             Request::Stats => Ok(Reply::Stats { text: self.metrics_text() }),
             Request::Notified { notify_ns } | Request::NotifiedQuiet { notify_ns } => self.notified(&notify_ns),
+            Request::SleepPage => self.sleep_page(client, fds).map(|()| Reply::Recorded),
         }
     }
 

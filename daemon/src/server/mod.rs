@@ -42,6 +42,7 @@ use kvwire_transport::device::host::HostDevice;
 use kvwire_transport::shm::{ShmEndpoint, ShmLimits};
 use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
+use kvwire_transport::flags::SleepBoard;
 use kvwire_transport::{Endpoint, FlagTable, Hops, HostMem, Placement, Registry};
 use state::{Groups, Slots};
 use kvwire_core::manifest::{chunks_of, Checksums, Reading};
@@ -74,6 +75,8 @@ pub struct Daemon {
     // own table (bytes counted); a layer reaches this page only after it
     // was also verified.
     page: FlagTable,
+    // Where clients declare the words of `page` they sleep on.
+    sleepers: Arc<SleepBoard>,
     // Lock order: groups, then slots.
     groups: Mutex<Groups>,
     slots: Mutex<Slots>,
@@ -384,11 +387,13 @@ impl Daemon {
         // Every rail's endpoint shares the first one's registry.
         let metrics = Metrics { data_refused: ep.registry().handshakes_refused().clone(), ..Metrics::default() };
         let kept = cfg.limits.peer_connections_kept;
+        let sleepers = Arc::new(SleepBoard::default());
         let d = Arc::new(Daemon {
             cfg,
             secret,
             ep,
-            page: FlagTable::new(FLAG_SLOTS, FLAG_COLUMNS)?,
+            page: FlagTable::shared(FLAG_SLOTS, FLAG_COLUMNS, sleepers.clone())?,
+            sleepers,
             groups: Mutex::new(Groups::default()),
             slots: Mutex::new(Slots::default()),
             metrics,
