@@ -312,18 +312,35 @@ impl Sealed {
     /// Whether bytes wait to be read (an idle connection's unsolicited
     /// messages), without blocking; an error once the peer closed it.
     pub fn pending(&self) -> std::io::Result<bool> {
+        self.waiting().map(|w| w != Waiting::Nothing)
+    }
+
+    /// What waits to be read, without blocking: nothing, a whole frame
+    /// (its read cannot block), or part of one; an error once the peer
+    /// closed it with nothing left.
+    pub fn waiting(&self) -> std::io::Result<Waiting> {
         use nix::sys::socket::{recv, MsgFlags};
         use std::os::fd::AsRawFd;
-        if !self.reader.buffer().is_empty() {
-            return Ok(true);
+        let buffered = self.reader.buffer();
+        // One peek that does not wait, leaving the socket blocking. The
+        // head is enough to see a whole control frame of a few KiB.
+        let mut head = [0u8; PEEK_BYTES];
+        let peeked = match recv(self.stream.as_raw_fd(), &mut head, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
+            Ok(0) if buffered.is_empty() => return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed by the peer")),
+            Ok(n) => n,
+            Err(nix::errno::Errno::EAGAIN) => 0,
+            Err(e) => return Err(e.into()),
+        };
+        let have = buffered.len() + peeked;
+        if have == 0 {
+            return Ok(Waiting::Nothing);
         }
-        // One peek that does not wait, leaving the socket blocking.
-        match recv(self.stream.as_raw_fd(), &mut [0u8; 1], MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT) {
-            Ok(0) => Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed by the peer")),
-            Ok(_) => Ok(true),
-            Err(nix::errno::Errno::EAGAIN) => Ok(false),
-            Err(e) => Err(e.into()),
+        let mut len = [0u8; 4];
+        for (i, b) in buffered.iter().chain(&head[..peeked]).take(4).enumerate() {
+            len[i] = *b;
         }
+        let whole = have >= 4 && have as u64 >= 4 + u64::from(u32::from_le_bytes(len)) + SEAL_LEN as u64;
+        Ok(if whole { Waiting::Whole } else { Waiting::Part })
     }
 
     /// Bytes of the sealed frames received so far. Cumulative.
@@ -337,6 +354,20 @@ impl Sealed {
         self.read_bytes + self.tx.lock().expect("peer send lock").bytes
     }
 }
+
+/// What [`Sealed::waiting`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waiting {
+    /// Nothing to read.
+    Nothing,
+    /// At least one whole frame.
+    Whole,
+    /// Part of a frame, the rest still on its way.
+    Part,
+}
+
+/// Bytes [`Sealed::waiting`] peeks at: an announcement is 1-2 KiB.
+const PEEK_BYTES: usize = 4 << 10;
 
 /// Bytes a connection reads ahead: several control frames (a claim and
 /// its manifest are about 3 KiB); a larger one's body bypasses it.
@@ -409,6 +440,34 @@ pub(crate) fn sealed_pair() -> (Sealed, Sealed, TcpStream) {
 mod tests {
     use super::sealed_pair as pair;
     use super::*;
+
+    #[test]
+    fn waiting_tells_nothing_from_part_of_a_frame_from_whole_frames() {
+        let (mut a, mut b, mut raw) = pair();
+        let settle = |b: &Sealed, want: Waiting| {
+            let t = std::time::Instant::now();
+            while b.waiting().unwrap() != want && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            b.waiting().unwrap()
+        };
+        assert_eq!(b.waiting().unwrap(), Waiting::Nothing);
+        a.send(&PeerMsg::Ping).unwrap();
+        a.send(&PeerMsg::Pong).unwrap();
+        assert_eq!(settle(&b, Waiting::Whole), Waiting::Whole);
+        assert_eq!(b.recv().unwrap(), PeerMsg::Ping);
+        // The second frame came in the same read: whole, from the buffer.
+        assert_eq!(b.waiting().unwrap(), Waiting::Whole);
+        assert_eq!(b.recv().unwrap(), PeerMsg::Pong);
+        assert_eq!(b.waiting().unwrap(), Waiting::Nothing);
+        // A frame whose length came and whose body did not: part of one.
+        raw.write_all(&100u32.to_le_bytes()).unwrap();
+        raw.write_all(b"{").unwrap();
+        assert_eq!(settle(&b, Waiting::Part), Waiting::Part);
+        drop((a, raw));
+        // Closed with bytes left: those are still to read.
+        assert_eq!(b.waiting().unwrap(), Waiting::Part);
+    }
 
     #[test]
     fn the_end_hook_runs_once_when_the_connection_is_dropped_not_when_it_moves() {

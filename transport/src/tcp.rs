@@ -343,6 +343,13 @@ pub struct TcpConnection {
     closed: Option<TransportError>,
     framing: u64,
     answers: u64,
+    // The kernel's retransmit count as last read, while nothing was sent
+    // since: a kept connection's count at a transfer's start is its count
+    // at the last one's end, with no system call.
+    retransmitted: std::cell::Cell<Option<u64>>,
+    // The answers were read to an empty socket with none awaited, and
+    // nothing was posted since: the reusable() that follows needs no read.
+    drained: bool,
 }
 
 impl std::fmt::Debug for TcpConnection {
@@ -372,6 +379,8 @@ impl TcpConnection {
             closed: None,
             framing: 0,
             answers: 0,
+            retransmitted: std::cell::Cell::new(None),
+            drained: false,
         })
     }
 
@@ -575,6 +584,8 @@ impl Connection for TcpConnection {
             return Err((Vec::new(), e.clone()));
         }
         let start = Instant::now();
+        self.drained = false;
+        self.retransmitted.set(None);
         let sources = batches.iter().map(|b| self.sources(b)).collect::<Result<Vec<_>, _>>().map_err(|e| (Vec::new(), e))?;
         let posts: Vec<_> = batches.iter().zip(sources).map(|(b, s)| (self.ledger.begin(b.tag, b.bytes(), start, ()), b, s)).collect();
         if let Err(e) = self.send_frames(&posts) {
@@ -593,6 +604,7 @@ impl Connection for TcpConnection {
         loop {
             self.read_answers(true);
             if self.ledger.has_done() || self.ledger.waiting() == 0 {
+                self.drained = self.ledger.waiting() == 0;
                 return Ok(self.ledger.take_done());
             }
             let left = deadline.saturating_duration_since(Instant::now());
@@ -608,13 +620,23 @@ impl Connection for TcpConnection {
     }
 
     fn retransmitted_bytes(&self) -> u64 {
-        tcp_bytes_retrans(&self.stream).unwrap_or(0)
+        if let Some(n) = self.retransmitted.get() {
+            return n;
+        }
+        let n = tcp_bytes_retrans(&self.stream).unwrap_or(0);
+        self.retransmitted.set(Some(n));
+        n
     }
 
     /// The destination checks every write's key itself, and this side holds
-    /// nothing of the peer's but its address.
+    /// nothing of the peer's but its address. Read for a close or a stray
+    /// answer, unless the answers were just read to the end (a transfer
+    /// that ended here, before its connection is kept; it is read again
+    /// when the next transfer takes it).
     fn reusable(&mut self) -> bool {
-        self.read_answers(true);
+        if !std::mem::take(&mut self.drained) {
+            self.read_answers(true);
+        }
         self.closed.is_none() && self.ledger.pending() == 0
     }
 

@@ -19,7 +19,7 @@ use super::destination::{replan, Mine};
 use super::state::{Announced, Group, Slot, SlotId};
 use super::Daemon;
 use crate::metrics::Metrics;
-use crate::peer::{Outbox, Sealed};
+use crate::peer::{Outbox, Sealed, Waiting};
 use kvwire_client::control::{PrepareReceive, TransferState};
 use kvwire_core::reuse::check_prefix;
 use kvwire_core::schedule::Schedule;
@@ -335,12 +335,16 @@ impl Daemon {
     /// anything else (it is dropped).
     pub(super) fn drain_announcements(&self, peer: &str, c: &mut Sealed) -> bool {
         loop {
-            match c.pending() {
-                Ok(false) => return true,
-                Ok(true) => {}
+            // A whole frame is read as the connection's timeout stands (it
+            // cannot block); part of one waits at most DRAIN_TIMEOUT.
+            match c.waiting() {
+                Ok(Waiting::Nothing) => return true,
+                Ok(Waiting::Whole) => {}
+                Ok(Waiting::Part) => {
+                    let _ = c.read_timeout(DRAIN_TIMEOUT);
+                }
                 Err(_) => return false,
             }
-            let _ = c.read_timeout(DRAIN_TIMEOUT);
             let before = c.frames_read();
             match c.recv() {
                 Ok(PeerMsg::Announce(announce)) => {
