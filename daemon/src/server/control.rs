@@ -2,7 +2,7 @@
 //! prepare receives, submit transfers, wait on flags and read status.
 
 use super::error::{refused, Refusal};
-use super::state::{bytes_of, DeviceRank, Group, Groups, Mirrored, Pin, RankCache, Role, Share, SlotId};
+use super::state::{bytes_of, DeviceRank, Group, Groups, Marked, Mirrored, Pin, RankCache, Role, Share, SlotId};
 use super::Daemon;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -339,7 +339,7 @@ impl Daemon {
                     ranks: s.rank_hops.range((*h, 0)..=(*h, u32::MAX)).map(|(&(_, rank), &(ns, bytes))| RankBusy { rank, ns, bytes }).collect(),
                 })
                 .collect(),
-            marks: s.marks.clone(),
+            marks: s.marks.iter().map(Marked::mark).collect(),
             rails: s.rails.clone(),
             staging_bytes: s.staging,
             in_place_bytes: s.in_place,

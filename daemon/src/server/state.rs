@@ -257,9 +257,24 @@ impl std::fmt::Display for Boundary {
 }
 
 impl Boundary {
-    /// The status entry for reaching this boundary `at` after the start.
-    pub fn at(self, at: Duration) -> Mark {
-        Mark { name: self.to_string(), at_ns: at.as_nanos() as u64 }
+    /// Reaching this boundary `at` after the start.
+    pub fn at(self, at: Duration) -> Marked {
+        Marked { boundary: self, at_ns: at.as_nanos() as u64 }
+    }
+}
+
+/// A boundary a transfer reached, named only when a status asks (a
+/// transfer reaches a dozen, and formatting each cost an allocation).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Marked {
+    pub boundary: Boundary,
+    pub at_ns: u64,
+}
+
+impl Marked {
+    /// The status entry.
+    pub fn mark(&self) -> Mark {
+        Mark { name: self.boundary.to_string(), at_ns: self.at_ns }
     }
 }
 
@@ -296,7 +311,7 @@ pub(crate) struct Slot {
     pub hops: BTreeMap<&'static str, (u64, u64)>,
     // Per-rank (ns, bytes) of the hops ranks work on concurrently.
     pub rank_hops: BTreeMap<(&'static str, u32), (u64, u64)>,
-    pub marks: Vec<Mark>,
+    pub marks: Vec<Marked>,
     // The peer daemon on the other end, once known.
     pub peer: String,
     pub started: Instant,

@@ -158,8 +158,7 @@ impl Daemon {
         {
             let mut st = self.slots.lock().expect("slots lock");
             let Some(s) = st.get_mut(id).filter(|s| running(s.state)) else { return false };
-            let name = Boundary::SourceReleased.to_string();
-            if s.marks.iter().any(|m| m.name == name) {
+            if s.marks.iter().any(|m| m.boundary == Boundary::SourceReleased) {
                 return false;
             }
             let at = s.started.elapsed();
