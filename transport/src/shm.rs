@@ -852,11 +852,13 @@ impl ShmConnection {
         Ok(srcs)
     }
 
-    /// The write requests of `batch` (parts of `id`), in pieces that each
-    /// carry at most SCM_MAX_FD memfds, and the source keys they share.
-    fn requests(&mut self, id: BatchId, batch: &Batch, srcs: &[Arc<crate::Region>]) -> (Vec<Piece>, HashMap<u32, Weak<crate::Region>>) {
-        let mut newly = HashMap::new();
-        let mut pieces: Vec<Piece> = vec![(Vec::new(), Vec::new())];
+    /// Adds the write requests of `batch` (parts of `id`) to `pieces`, each
+    /// piece carrying at most SCM_MAX_FD memfds, and the source keys they
+    /// share to `newly`.
+    fn requests(&mut self, pieces: &mut Vec<Piece>, newly: &mut HashMap<u32, Weak<crate::Region>>, id: BatchId, batch: &Batch, srcs: &[Arc<crate::Region>]) {
+        if pieces.is_empty() {
+            pieces.push((Vec::new(), Vec::new()));
+        }
         for (w, region) in batch.writes.iter().zip(srcs) {
             let share = !self.shared.contains_key(&w.src_key) && newly.insert(w.src_key, Arc::downgrade(region)).is_none();
             if share && pieces.last().is_some_and(|p| p.1.len() == SCM_MAX_FD) {
@@ -873,7 +875,6 @@ impl ShmConnection {
             }
             self.ledger.part(id, seq);
         }
-        (pieces, newly)
     }
 
     /// Tells the peer to unmap `keys` (regions shared here and released
@@ -930,30 +931,42 @@ impl Connection for ShmConnection {
     }
 
     fn post(&mut self, batch: Batch) -> Result<BatchId, TransportError> {
+        self.post_all(vec![batch]).map(|ids| ids[0]).map_err(|(_, e)| e)
+    }
+
+    /// Every batch is checked before any goes; then all their requests
+    /// leave together, in one message unless they share more memfds than
+    /// one carries (one wake-up of the peer, whose answers then come
+    /// together too).
+    fn post_all(&mut self, batches: Vec<Batch>) -> Result<Vec<BatchId>, (Vec<BatchId>, TransportError)> {
         let started = Instant::now();
         self.drain(true);
         if self.closed.is_some() {
-            return Err(TransportError::PeerClosed { pending: self.ledger.waiting() });
+            return Err((Vec::new(), TransportError::PeerClosed { pending: self.ledger.waiting() }));
         }
-        let srcs = self.sources(&batch)?;
-        let bytes = batch.bytes();
-        let id = self.ledger.begin(batch.tag, bytes, started, ());
-        let (pieces, newly) = self.requests(id, &batch, &srcs);
+        let srcs = batches.iter().map(|b| self.sources(b)).collect::<Result<Vec<_>, _>>().map_err(|e| (Vec::new(), e))?;
+        let (mut pieces, mut newly) = (Vec::new(), HashMap::new());
+        let mut ids = Vec::with_capacity(batches.len());
+        for (b, srcs) in batches.iter().zip(&srcs) {
+            let id = self.ledger.begin(b.tag, b.bytes(), started, ());
+            self.requests(&mut pieces, &mut newly, id, b, srcs);
+            ids.push(id);
+        }
         // `srcs` keeps every shared memfd open until sent.
         for (buf, fds) in &pieces {
             if let Err(e) = self.send(buf, fds) {
                 // The peer is gone (`send` waits out a full socket; a Unix socket fails no other way):
-                // it reads none of this batch's sources any more.
-                self.ledger.withdraw(id);
+                // it reads none of these batches' sources any more.
+                ids.iter().for_each(|&id| self.ledger.withdraw(id));
                 self.close(e.to_string());
-                return Err(e);
+                return Err((Vec::new(), e));
             }
             self.framing += buf.len() as u64;
         }
-        self.ledger.seal(id, None);
+        ids.iter().for_each(|&id| self.ledger.seal(id, None));
         self.shared.extend(newly);
-        self.hops.record_batch(Hop::Post, started.elapsed(), bytes);
-        Ok(id)
+        self.hops.record_batch(Hop::Post, started.elapsed(), batches.iter().map(Batch::bytes).sum());
+        Ok(ids)
     }
 
     fn poll(&mut self, timeout: Duration) -> Result<Vec<Completion>, TransportError> {

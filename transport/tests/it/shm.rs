@@ -206,6 +206,37 @@ fn batch_from_more_source_regions_than_one_message_can_carry() {
 }
 
 #[test]
+fn batches_posted_together_share_their_sources_across_messages_once_each() {
+    // Three batches over 300 source regions, two of them shared by two
+    // batches: every memfd goes once, over two SCM_RIGHTS messages.
+    const N: u64 = 300;
+    let src_ep = endpoint_with("src", 512, ShmLimits::default());
+    let dst_ep = endpoint("dst");
+    let mut conn = connect(&src_ep, &dst_ep);
+    let dst = Window::new(&*dst_ep, 1, (N + 2) * 64);
+    let sources: Vec<_> = (0..N).map(|i| source(&*src_ep, 64, i as u8)).collect();
+    let write = |i: u64, at: u64| w(&sources[i as usize].0, 0, &dst.region, at * 64, 64);
+    let batches: Vec<Batch> = (0..3u16)
+        .map(|b| {
+            let mine = (u64::from(b) * 100..u64::from(b) * 100 + 100).map(|i| write(i, i));
+            // The first two sources again, from the later batches.
+            let again = (b > 0).then(|| write(u64::from(b) - 1, N + u64::from(b) - 1));
+            Batch { tag: tag(1, b), writes: mine.chain(again).collect() }
+        })
+        .collect();
+    for b in &batches {
+        dst_ep.placement().expect(b.tag, b.bytes()).unwrap();
+    }
+    let ids = conn.post_all(batches).unwrap();
+    let done = complete(&mut *conn, 3);
+    assert!(ids.iter().all(|id| done.iter().any(|c| c.batch == *id && c.result == Ok(()))), "{done:?}");
+    let mut want: Vec<u8> = sources.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+    want.extend(sources[0].1.iter().chain(&sources[1].1));
+    assert_eq!(dst.bytes(), want);
+    dst.assert_guards();
+}
+
+#[test]
 fn revoke_after_use_refuses_later_writes_exactly() {
     let mut p = pair();
     let dst = Window::new(&*p.dst, 2, 4096);
