@@ -120,8 +120,15 @@ impl Client {
             return self.call_now(req, fds);
         }
         if self.quiet_notify {
-            wire::send_unix(&self.sock, req, fds)?;
-            wire::send_unix(&self.sock, &Request::NotifiedQuiet { notify_ns }, &[])?;
+            let notified = Request::NotifiedQuiet { notify_ns };
+            match fds.is_empty() {
+                // One message for both (one system call here and there).
+                true => wire::send_unix_both(&self.sock, req, &notified)?,
+                false => {
+                    wire::send_unix(&self.sock, req, fds)?;
+                    wire::send_unix(&self.sock, &notified, &[])?;
+                }
+            }
             return self.reply();
         }
         wire::send_unix(&self.sock, &Request::Notified { notify_ns }, &[])?;

@@ -98,7 +98,19 @@ pub fn read_body(r: &mut impl Read, max: usize, too_long: impl FnOnce(usize) -> 
 
 /// Sends one frame on a Unix socket, with `fds` attached.
 pub fn send_unix<T: serde::Serialize>(s: &UnixStream, msg: &T, fds: &[RawFd]) -> Result<(), WireError> {
-    let bytes = frame(msg);
+    send_unix_bytes(s, &frame(msg), fds)
+}
+
+/// Sends two frames on a Unix socket in one message, carrying no
+/// descriptors (a reader gives descriptors to the frame that ends its
+/// read, which here could be either).
+pub fn send_unix_both<T: serde::Serialize, U: serde::Serialize>(s: &UnixStream, first: &T, then: &U) -> Result<(), WireError> {
+    let mut bytes = frame(first);
+    bytes.extend_from_slice(&frame(then));
+    send_unix_bytes(s, &bytes, &[])
+}
+
+fn send_unix_bytes(s: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> Result<(), WireError> {
     let mut sent = 0;
     while sent < bytes.len() {
         let iov = [IoSlice::new(&bytes[sent..])];
@@ -304,6 +316,15 @@ mod tests {
         assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), big);
         assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), "after");
         writer.join().unwrap();
+    }
+
+    #[test]
+    fn two_frames_sent_as_one_message_are_read_as_two() {
+        let (a, b) = UnixStream::pair().unwrap();
+        send_unix_both(&a, &"request", &"samples").unwrap();
+        let mut r = UnixReader::new();
+        assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), "request");
+        assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), "samples");
     }
 
     #[test]
