@@ -523,7 +523,7 @@ impl Daemon {
         let groups = self.groups.lock().expect("groups lock");
         let mut slots = self.slots.lock().expect("slots lock");
         let Some(g) = groups.map.get(&o.dst_group) else { return Err(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
-        let found = slots.map.iter().find(|(_, s)| {
+        let found = self.live.iter().filter_map(|slot| slots.map.get_key_value(&slot)).find(|(_, s)| {
             s.state == TransferState::Prepared && s.recv.as_ref().is_some_and(|r| r.group == o.dst_group && r.request == o.dst_request)
         });
         let Some((&slot, sl)) = found else {

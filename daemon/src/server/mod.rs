@@ -44,7 +44,7 @@ use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
 use kvwire_transport::verbs::{VerbsEndpoint, VerbsLimits};
 use kvwire_transport::flags::SleepBoard;
 use kvwire_transport::{Endpoint, FlagTable, Hops, HostMem, Placement, Registry};
-use state::{Groups, Slots};
+use state::{Groups, LiveSlots, Slots};
 use kvwire_core::manifest::{chunks_of, Checksums, Reading};
 use kvwire_core::plan::Plan;
 use kvwire_core::shard::RegionId;
@@ -80,6 +80,8 @@ pub struct Daemon {
     // Lock order: groups, then slots.
     groups: Mutex<Groups>,
     slots: Mutex<Slots>,
+    // Which slots hold a transfer that has not ended.
+    live: LiveSlots,
     /// Counters.
     pub metrics: Metrics,
     stop: AtomicBool,
@@ -396,6 +398,7 @@ impl Daemon {
             sleepers,
             groups: Mutex::new(Groups::default()),
             slots: Mutex::new(Slots::default()),
+            live: LiveSlots::default(),
             metrics,
             stop: AtomicBool::new(false),
             next_client: AtomicU64::new(1),

@@ -406,13 +406,64 @@ impl Slots {
     pub fn get_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
         self.map.get_mut(&id.slot).filter(|s| s.gen == id.gen)
     }
+}
 
-    /// Transfers that have not ended.
-    pub fn live(&self) -> usize {
-        self.map.values().filter(|s| running(s.state)).count()
+/// The slots whose transfer has not ended (prepared or running), kept
+/// beside the slots and changed under their lock: a look at the live ones
+/// reads these 32 bytes, not every slot (each its own cache lines; all 256
+/// are in use once as many transfers have run).
+#[derive(Debug, Default)]
+pub(crate) struct LiveSlots([std::sync::atomic::AtomicU64; 4]);
+
+const _: () = assert!(kvwire_client::control::FLAG_SLOTS as usize <= 4 * 64);
+
+impl LiveSlots {
+    pub fn insert(&self, slot: u16) {
+        self.0[usize::from(slot / 64)].fetch_or(1 << (slot % 64), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn remove(&self, slot: u16) {
+        self.0[usize::from(slot / 64)].fetch_and(!(1 << (slot % 64)), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.iter().map(|w| w.load(std::sync::atomic::Ordering::Relaxed).count_ones() as usize).sum()
+    }
+
+    /// The live slots, in order.
+    pub fn iter(&self) -> impl Iterator<Item = u16> + '_ {
+        self.0.iter().enumerate().flat_map(|(i, w)| {
+            let mut bits = w.load(std::sync::atomic::Ordering::Relaxed);
+            std::iter::from_fn(move || {
+                (bits != 0).then(|| {
+                    let b = bits.trailing_zeros() as u16;
+                    bits &= bits - 1;
+                    i as u16 * 64 + b
+                })
+            })
+        })
     }
 }
 
 pub(crate) fn running(state: TransferState) -> bool {
     matches!(state, TransferState::Prepared | TransferState::Running)
+}
+
+#[cfg(test)]
+mod live_tests {
+    use super::LiveSlots;
+
+    #[test]
+    fn live_slots_are_counted_and_listed_in_order_across_words() {
+        let l = LiveSlots::default();
+        for s in [255, 0, 64, 63] {
+            l.insert(s);
+        }
+        l.insert(64);
+        assert_eq!(l.len(), 4);
+        assert_eq!(l.iter().collect::<Vec<_>>(), vec![0, 63, 64, 255]);
+        l.remove(63);
+        l.remove(7);
+        assert_eq!((l.len(), l.iter().collect::<Vec<_>>()), (3, vec![0, 64, 255]));
+    }
 }

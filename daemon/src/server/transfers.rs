@@ -34,7 +34,7 @@ impl Daemon {
         self.expire_prepared();
         let mut st = self.slots.lock().expect("slots lock");
         let max = self.cfg.limits.max_inflight_transfers;
-        if st.live() >= max {
+        if self.live.len() >= max {
             return Err(Refusal::new(Code::Limit, format!("limits.max_inflight_transfers {max} reached")));
         }
         for i in 0..FLAG_SLOTS {
@@ -53,7 +53,9 @@ impl Daemon {
                     let t = sl.started + Duration::from_secs(self.cfg.limits.transfer_timeout_secs);
                     st.stale_from = Some(st.stale_from.map_or(t, |s| s.min(t)));
                 }
+                // The slot it replaces had ended.
                 st.map.insert(slot, sl);
+                self.live.insert(slot);
                 return Ok((SlotId { slot, gen }, stop));
             }
         }
@@ -71,7 +73,7 @@ impl Daemon {
             if st.stale_from.is_none_or(|t| now < t) {
                 return;
             }
-            let prepared = || st.map.iter().filter(|(_, s)| s.state == TransferState::Prepared);
+            let prepared = || self.live.iter().filter_map(|slot| st.map.get_key_value(&slot)).filter(|(_, s)| s.state == TransferState::Prepared);
             let stale = prepared().filter(|(_, s)| now.saturating_duration_since(s.started) > timeout).map(|(&slot, s)| SlotId { slot, gen: s.gen }).collect();
             // Those failed below are no longer prepared: the next to go stale is among the rest.
             let next = prepared().map(|(_, s)| s.started + timeout).filter(|&t| t >= now).min();
@@ -121,6 +123,9 @@ impl Daemon {
 
     /// Records the outcome in the slot (whose lock the caller holds).
     pub(super) fn end(&self, id: SlotId, s: &mut Slot, state: TransferState, error: Option<String>) {
+        if running(s.state) && !running(state) {
+            self.live.remove(id.slot);
+        }
         s.state = state;
         s.error = error;
         s.elapsed = Some(s.started.elapsed());
