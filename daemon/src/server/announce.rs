@@ -280,8 +280,7 @@ impl Daemon {
     pub(super) fn unannounce_node(&self, grantee: u64) {
         let mut slots = self.slots.lock().expect("slots lock");
         // Announced slots are prepared, so live.
-        let live = self.live.iter().filter_map(|slot| slots.map.get_key_value(&slot));
-        let ids: Vec<SlotId> = live.filter(|(_, s)| s.announced.as_ref().is_some_and(|a| a.grantee == grantee)).map(|(&slot, s)| SlotId { slot, gen: s.gen }).collect();
+        let ids: Vec<SlotId> = slots.live(&self.live).filter(|(_, s)| s.announced.as_ref().is_some_and(|a| a.grantee == grantee)).map(|(id, _)| id).collect();
         for id in ids {
             if let Some(sl) = slots.get_mut(id) {
                 self.unannounce_in(id, sl);

@@ -645,9 +645,8 @@ impl Daemon {
         }
         let (dup, mine) = {
             let slots = self.slots.lock().expect("slots lock");
-            let live = || self.live.iter().filter_map(|slot| slots.map.get(&slot));
-            let dup = live().any(|s| s.recv.as_ref().is_some_and(|r| r.group == p.group && r.request == p.request));
-            (dup, live().filter(|s| s.owner == client && s.state == TransferState::Prepared).count())
+            let dup = slots.live(&self.live).any(|(_, s)| s.recv.as_ref().is_some_and(|r| r.group == p.group && r.request == p.request));
+            (dup, slots.live(&self.live).filter(|(_, s)| s.owner == client && s.state == TransferState::Prepared).count())
         };
         if dup {
             return Err(Refusal::new(Code::BadRequest, format!("request `{}` of group `{}` is already prepared", p.request, p.group)));

@@ -523,14 +523,13 @@ impl Daemon {
         let groups = self.groups.lock().expect("groups lock");
         let mut slots = self.slots.lock().expect("slots lock");
         let Some(g) = groups.map.get(&o.dst_group) else { return Err(format!("no group `{}` on {}", o.dst_group, self.cfg.node)) };
-        let found = self.live.iter().filter_map(|slot| slots.map.get_key_value(&slot)).find(|(_, s)| {
+        let found = slots.live(&self.live).find(|(_, s)| {
             s.state == TransferState::Prepared && s.recv.as_ref().is_some_and(|r| r.group == o.dst_group && r.request == o.dst_request)
         });
-        let Some((&slot, sl)) = found else {
+        let Some((id, sl)) = found else {
             return Err(format!("request `{}` of group `{}` is not prepared on {}", o.dst_request, o.dst_group, self.cfg.node));
         };
-        let recv = sl.recv.clone().expect("prepared slots hold their receive");
-        let id = SlotId { slot, gen: sl.gen };
+        let (slot, recv) = (id.slot, sl.recv.clone().expect("prepared slots hold their receive"));
         // A source offering into a request announced to it (it missed the
         // announcement, or could not use it) replaces the announcement,
         // which counts only where the source could have read it: on this

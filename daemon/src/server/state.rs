@@ -396,15 +396,18 @@ pub(crate) struct Slots {
     pub map: HashMap<u16, Slot>,
     pub next_slot: u16,
     pub next_gen: u64,
-    // No prepared receive goes stale before this (None: none is prepared),
-    // so an allocation looks for stale ones only once one may be.
-    pub stale_from: Option<Instant>,
 }
 
 impl Slots {
     /// Slot `id`, if it still holds that transfer.
     pub fn get_mut(&mut self, id: SlotId) -> Option<&mut Slot> {
         self.map.get_mut(&id.slot).filter(|s| s.gen == id.gen)
+    }
+
+    /// The slots whose transfer has not ended, as `live` lists them, with
+    /// their ids.
+    pub fn live<'a>(&'a self, live: &'a LiveSlots) -> impl Iterator<Item = (SlotId, &'a Slot)> + 'a {
+        live.iter().filter_map(|slot| self.map.get(&slot).map(|s| (SlotId { slot, gen: s.gen }, s)))
     }
 }
 
