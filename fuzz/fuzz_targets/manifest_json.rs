@@ -1,7 +1,9 @@
-//! Integrity manifests from a peer: `Manifest::from_json`, then `check`
-//! against a fixed `Expected` (the destination of a real TP2 → TP1 transfer
-//! of 5 tokens, 2 of them a kept prefix, of a three-layer model: dense, MLA,
-//! state; built once), then the `to_json` round trip.
+//! Integrity manifests from a peer, in either form: `Manifest::from_json`
+//! and `Manifest::from_wire` (the binary form daemons send) of the same
+//! bytes, then `check` against a fixed `Expected` (the destination of a
+//! real TP2 → TP1 transfer of 5 tokens, 2 of them a kept prefix, of a
+//! three-layer model: dense, MLA, state; built once), then the round trip
+//! through both forms.
 #![no_main]
 
 use kvwire_core::format::CacheFormat;
@@ -17,7 +19,8 @@ const TINY: &str = "[[layers]]\nattention = \"dense\"\nkv_heads = 2\nhead_dim = 
 [[layers]]\nattention = \"mla\"\nkv_lora_rank = 4\nqk_rope_head_dim = 2\n\
 [[layers]]\nattention = \"none\"\nstate_bytes = 8\n";
 
-/// The destination of the seed manifest `corpus/manifest_json/tiny-mla-state.json`.
+/// The destination of the seed manifest `corpus/manifest_json/tiny-mla-state.json`
+/// (`.bin`: the same in binary).
 fn expected() -> &'static Expected {
     static E: OnceLock<Expected> = OnceLock::new();
     E.get_or_init(|| {
@@ -38,11 +41,11 @@ fn expected() -> &'static Expected {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let Ok(m) = Manifest::from_json(data) else {
-        return;
-    };
-    let _ = m.check(expected());
-    let _ = m.verify_checksums(&m.checksums);
-    let json = m.to_json();
-    assert_eq!(Manifest::from_json(json.as_bytes()).as_ref(), Ok(&m), "manifest round trip");
+    for m in [Manifest::from_json(data), Manifest::from_wire(data)].into_iter().flatten() {
+        let _ = m.check(expected());
+        let _ = m.verify_checksums(&m.checksums);
+        let json = m.to_json();
+        assert_eq!(Manifest::from_json(json.as_bytes()).as_ref(), Ok(&m), "manifest JSON round trip");
+        assert_eq!(Manifest::from_wire(&m.to_wire()).as_ref(), Ok(&m), "manifest binary round trip");
+    }
 });

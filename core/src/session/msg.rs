@@ -19,7 +19,7 @@
 //! destination cannot honour is answered `Refused`, and the writes find
 //! their keys revoked.
 
-use crate::manifest::LayerChecksum;
+use crate::manifest::{LayerChecksum, Manifest, ManifestError, MAX_MANIFEST_JSON};
 use crate::reuse::CacheIdentity;
 use crate::shard::RegionId;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
@@ -34,7 +34,8 @@ use serde::{Deserialize, Serialize};
 /// 8: the destination pushes each transfer's `Verdict` as it ends; the source sends no `Done`.
 /// 9: a transfer's keys are granted to the source node, not to one connection: an announcement may be claimed on any connection of the node it went to.
 /// 10: `Expect::manifest` is the manifest's JSON inline, not a string holding it.
-pub const PEER_VERSION: u32 = 10;
+/// 11: `Expect::manifest` is the manifest's binary form, as hex ([`ManifestWire`]).
+pub const PEER_VERSION: u32 = 11;
 
 /// Messages on a peer connection: JSON objects, `msg` naming the message
 /// (its first key), the rest its fields.
@@ -305,7 +306,7 @@ pub struct Expect {
     pub slot: u16,
     /// The integrity manifest, checksums included unless the source
     /// turned them off or sends them per layer.
-    pub manifest: ManifestJson,
+    pub manifest: ManifestWire,
     /// The checksums come per layer, each in a `LayerSums` before that
     /// layer's writes, instead of in the manifest: the source streams layers
     /// as its engine produces them, so none can be hashed up front.
@@ -313,33 +314,76 @@ pub struct Expect {
     pub layer_sums: bool,
 }
 
-/// A manifest's JSON text, carried inline in its message: read once, by
-/// [`crate::manifest::Manifest::from_json`] with its own limits and
-/// version check, rather than escaped into a string and parsed twice.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct ManifestJson(Box<serde_json::value::RawValue>);
+/// A manifest in its compact binary form ([`Manifest::to_wire`]), as hex
+/// in its message. Decoded by [`ManifestWire::manifest`], with the
+/// manifest's own limit and version check.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ManifestWire(Vec<u8>);
 
-impl ManifestJson {
-    /// `m`'s JSON, written once.
-    pub fn of(m: &crate::manifest::Manifest) -> ManifestJson {
-        ManifestJson(serde_json::value::to_raw_value(m).expect("a manifest has only string keys and plain values"))
+impl ManifestWire {
+    /// `m`, encoded once.
+    pub fn of(m: &Manifest) -> ManifestWire {
+        ManifestWire(m.to_wire())
     }
 
-    /// Wraps `text`, which must be one JSON value.
-    pub fn new(text: String) -> Result<ManifestJson, serde_json::Error> {
-        serde_json::value::RawValue::from_string(text).map(ManifestJson)
+    /// Bytes as they are, whatever they hold: what a message carries.
+    pub fn from_bytes(bytes: Vec<u8>) -> ManifestWire {
+        ManifestWire(bytes)
     }
 
-    /// The JSON text, as it came.
-    pub fn text(&self) -> &str {
-        self.0.get()
+    /// The encoded bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
+    /// The manifest these bytes hold.
+    pub fn manifest(&self) -> Result<Manifest, ManifestError> {
+        Manifest::from_wire(&self.0)
     }
 }
 
-impl PartialEq for ManifestJson {
-    fn eq(&self, other: &ManifestJson) -> bool {
-        self.text() == other.text()
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+impl Serialize for ManifestWire {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut text = String::with_capacity(2 * self.0.len());
+        for b in &self.0 {
+            text.push(char::from(HEX[usize::from(b >> 4)]));
+            text.push(char::from(HEX[usize::from(b & 15)]));
+        }
+        s.serialize_str(&text)
+    }
+}
+
+impl<'de> Deserialize<'de> for ManifestWire {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<ManifestWire, D::Error> {
+        struct Hex;
+        impl Visitor<'_> for Hex {
+            type Value = ManifestWire;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a binary manifest as lowercase hex")
+            }
+
+            fn visit_str<E: de::Error>(self, text: &str) -> Result<ManifestWire, E> {
+                // The message's own limit bounds the text; this one names it.
+                if text.len() > 2 * MAX_MANIFEST_JSON {
+                    return Err(E::custom(format!("a manifest of {} hex digits; at most {}", text.len(), 2 * MAX_MANIFEST_JSON)));
+                }
+                if text.len() % 2 != 0 {
+                    return Err(E::custom(format!("a manifest of {} hex digits, an odd count", text.len())));
+                }
+                let digit = |c: u8| match c {
+                    b'0'..=b'9' => Some(c - b'0'),
+                    b'a'..=b'f' => Some(c - b'a' + 10),
+                    _ => None,
+                };
+                let pairs = text.as_bytes().chunks_exact(2);
+                let bytes: Option<Vec<u8>> = pairs.map(|p| Some(digit(p[0])? << 4 | digit(p[1])?)).collect();
+                bytes.map(ManifestWire).ok_or_else(|| E::custom("a manifest's hex holds a character other than 0-9 and a-f"))
+            }
+        }
+        d.deserialize_str(Hex)
     }
 }
 

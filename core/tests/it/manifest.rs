@@ -583,19 +583,39 @@ fn json_round_trip_keeps_every_field() {
 }
 
 #[test]
-fn an_expect_carries_its_manifest_inline_and_the_destination_reads_it_back_whole() {
-    use kvwire_core::session::msg::{Expect, ManifestJson, PeerMsg};
+fn an_expect_carries_its_manifest_in_binary_and_the_destination_reads_it_back_whole() {
+    use kvwire_core::manifest::{ManifestError, MANIFEST_VERSION};
+    use kvwire_core::session::msg::{Expect, ManifestWire, PeerMsg};
     let m = llama_manifest();
-    let msg = PeerMsg::Expect(Expect { slot: 7, manifest: ManifestJson::of(m), layer_sums: false });
+    let msg = PeerMsg::Expect(Expect { slot: 7, manifest: ManifestWire::of(m), layer_sums: false });
     let text = serde_json::to_string(&msg).unwrap();
-    // An object in the message, not a string holding one: nothing escaped.
-    assert!(text.contains(r#""manifest":{"version":"#), "{}", &text[..80]);
-    assert!(!text.contains(r#"\""#));
+    // Hex of the binary form: a fraction of the JSON, nothing escaped.
+    assert!(text.len() < m.to_json().len(), "{} against {}", text.len(), m.to_json().len());
     let PeerMsg::Expect(e) = serde_json::from_str::<PeerMsg>(&text).unwrap() else { panic!("not an expect") };
-    assert_eq!(e.manifest.text(), m.to_json());
-    assert_eq!(&Manifest::from_json(e.manifest.text().as_bytes()).unwrap(), m);
-    // What is not one JSON value is refused where the message is read.
-    assert!(serde_json::from_str::<PeerMsg>(r#"{"msg":"expect","slot":7,"manifest":{"version":,"layer_sums":false}"#).is_err());
+    assert_eq!(e.manifest.bytes(), m.to_wire());
+    assert_eq!(&e.manifest.manifest().unwrap(), m);
+    // What is not hex is refused where the message is read.
+    for bad in ["0", "zz", "0A", "[1,2]"] {
+        let text = format!(r#"{{"msg":"expect","slot":7,"manifest":"{bad}","layer_sums":false}}"#).replace(r#""[1,2]""#, "[1,2]");
+        assert!(serde_json::from_str::<PeerMsg>(&text).is_err(), "{bad}");
+    }
+    // Bytes that are not a manifest are refused by name when read, never
+    // a panic: cut anywhere, one byte more, another version, nothing.
+    let wire = m.to_wire();
+    for cut in [0, 1, wire.len() / 2, wire.len() - 1] {
+        let e = ManifestWire::from_bytes(wire[..cut].to_vec()).manifest().unwrap_err();
+        assert!(matches!(e, ManifestError::Wire { .. }), "cut at {cut}: {e}");
+    }
+    let mut longer = wire.clone();
+    longer.push(0);
+    assert_eq!(ManifestWire::from_bytes(longer).manifest().unwrap_err().to_string(), "malformed binary manifest: 1 bytes after the manifest");
+    let mut other = m.clone();
+    other.version = MANIFEST_VERSION + 1;
+    assert_eq!(Manifest::from_wire(&other.to_wire()), Err(ManifestError::Version { got: MANIFEST_VERSION + 1 }));
+    // Another version whose fields no longer decode is still named as such.
+    let mut v9 = ManifestWire::of(&other).bytes()[..1].to_vec();
+    v9.extend_from_slice(&[0xff; 8]);
+    assert_eq!(Manifest::from_wire(&v9), Err(ManifestError::Version { got: MANIFEST_VERSION + 1 }));
 }
 
 #[test]

@@ -7,7 +7,7 @@ use kvwire_core::layout::Tensor;
 use kvwire_core::manifest::LayerChecksum;
 use kvwire_core::protocol::TransportKind;
 use kvwire_core::reuse::CacheIdentity;
-use kvwire_core::session::msg::{Accept, Claim, Expect, LayerSums, ManifestJson, Offer, PeerMsg, RailAddr, RankRails};
+use kvwire_core::session::msg::{Accept, Claim, Expect, LayerSums, ManifestWire, Offer, PeerMsg, RailAddr, RankRails};
 use kvwire_core::session::{DestinationSession, DestinationStep, SessionError, SlotPhase, SourceEvent, SourcePhase, SourceSession, Timeouts, MAX_RAILS};
 use std::time::{Duration, Instant};
 
@@ -58,7 +58,7 @@ fn accept() -> Accept {
 }
 
 fn expect() -> Expect {
-    Expect { slot: SLOT, manifest: ManifestJson::new("{}".into()).unwrap(), layer_sums: false }
+    Expect { slot: SLOT, manifest: ManifestWire::from_bytes(Vec::new()), layer_sums: false }
 }
 
 /// Both sides and the simulated clock.

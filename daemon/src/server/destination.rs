@@ -669,7 +669,7 @@ impl Daemon {
     /// The source's manifest, checked field by field against this side's
     /// registration and plan, before any flag of the slot is published.
     pub(super) fn checked_manifest(&self, r: &Receive, e: &Expect) -> Result<Manifest, String> {
-        let manifest = Manifest::from_json(e.manifest.text().as_bytes()).map_err(|err| format!("manifest: {err}"))?;
+        let manifest = e.manifest.manifest().map_err(|err| format!("manifest: {err}"))?;
         manifest.check(&r.expected).map_err(|err| err.to_string())?;
         if e.layer_sums && !manifest.checksums.is_empty() {
             return Err("manifest: it carries checksums and says they follow per layer".into());
@@ -928,7 +928,7 @@ mod tests {
     #[test]
     fn a_ping_or_an_abort_that_crossed_a_verdict_counts_toward_its_transfer() {
         use super::{Lands, Mine, Transfers};
-        use kvwire_core::session::msg::{Expect, ManifestJson};
+        use kvwire_core::session::msg::{Expect, ManifestWire};
         use kvwire_core::session::{DestinationSession, Timeouts};
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let _a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
@@ -946,7 +946,7 @@ mod tests {
         }
         v.open();
         let abort = PeerMsg::Abort { slot: 3, reason: "x".into() };
-        let stale = PeerMsg::Expect(Expect { slot: 3, manifest: ManifestJson::new("{}".into()).unwrap(), layer_sums: false });
+        let stale = PeerMsg::Expect(Expect { slot: 3, manifest: ManifestWire::from_bytes(Vec::new()), layer_sums: false });
         // Two running: a ping names neither.
         assert_eq!((t.named(&PeerMsg::Ping), t.named(&abort)), (None, Some(old)));
         v.push(other, None);

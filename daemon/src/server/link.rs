@@ -329,7 +329,7 @@ mod tests {
     use super::*;
     use kvwire_core::protocol::TransportKind;
     use kvwire_core::reuse::CacheIdentity;
-    use kvwire_core::session::msg::{Accept, Expect, ManifestJson, Offer};
+    use kvwire_core::session::msg::{Accept, Expect, ManifestWire, Offer};
     use kvwire_core::session::Timeouts;
 
     const SLOT: u16 = 3;
@@ -377,7 +377,7 @@ mod tests {
             locality: Vec::new(),
         };
         session.handle(now, PeerMsg::Accept(accept)).unwrap();
-        session.expect(now, Expect { slot: SLOT, manifest: ManifestJson::new("{}".into()).unwrap(), layer_sums: false }, 0).unwrap();
+        session.expect(now, Expect { slot: SLOT, manifest: ManifestWire::from_bytes(Vec::new()), layer_sums: false }, 0).unwrap();
         let cfg = PeerConfig { name: "dst".into(), address: "127.0.0.1:1".into() };
         PeerLink::new(c, session, &cfg, peer, Arc::new(AnnounceBook::default()))
     }

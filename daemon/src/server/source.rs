@@ -24,7 +24,7 @@ use kvwire_core::manifest::{Checksums, LayerChecksum, Manifest, Reading};
 use kvwire_core::plan::{self, CostModel, Mode, Plan, PlanCounters, PlanInput, Segment, Side};
 use kvwire_core::reuse::{check_prefix, CacheIdentity};
 use kvwire_core::schedule::{self, Schedule, Staged, WriteTarget};
-use kvwire_core::session::msg::{Accept, Expect, ManifestJson, Offer, RailAddr};
+use kvwire_core::session::msg::{Accept, Expect, ManifestWire, Offer, RailAddr};
 use kvwire_core::session::{SessionError, SourceEvent, SourceSession, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
@@ -385,7 +385,7 @@ impl Daemon {
     fn expect(&self, id: SlotId, g: &SourceGroup, dst_request: &str, p: &Planned, codec: Option<Codec>, accept: &Accept, sums: Sums<'_>, l: &Arc<PeerLink>) -> Result<(), Refusal> {
         let layer_sums = matches!(sums, Sums::Follow);
         let manifest = self.manifest(id, g, p, dst_request, codec, sums)?;
-        let expect = Expect { slot: accept.slot, manifest: ManifestJson::of(&manifest), layer_sums };
+        let expect = Expect { slot: accept.slot, manifest: ManifestWire::of(&manifest), layer_sums };
         l.send_expect(expect, p.schedule.stage_bytes)?;
         l.read_timeout(Duration::from_secs(self.cfg.limits.peer_timeout_secs));
         Ok(())

@@ -812,7 +812,7 @@ fn quiet_notify_samples_are_never_answered_and_never_desync_replies() {
 fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_staging_back() {
     use crate::daemons::{identity_of, register, side};
     use kvwire_client::control::{PrepareReceive, TransferState};
-    use kvwire_core::session::msg::{Claim, Expect, ManifestJson, PeerMsg};
+    use kvwire_core::session::msg::{Claim, Expect, ManifestWire, PeerMsg};
     use kvwire_transport::tcp::{TcpEndpoint, TcpLimits};
     use kvwire_transport::{Batch, Endpoint, FlagTable, Hops, HostMem, Placement, Registry, Tag, WriteOp};
     use kvwired::peer::Sealed;
@@ -892,7 +892,7 @@ fn a_small_receive_with_no_receive_thread_still_fails_by_name_and_gives_its_stag
     // A manifest that is not one: refused at once, by name.
     let (slot, stage) = claimed(&mut peer, "r2");
     assert_eq!(write_stage(slot, stage), Ok(()));
-    peer.send(&PeerMsg::Expect(Expect { slot, manifest: ManifestJson::new("{\"not\": \"a manifest\"}".into()).unwrap(), layer_sums: false })).unwrap();
+    peer.send(&PeerMsg::Expect(Expect { slot, manifest: ManifestWire::from_bytes(b"not a manifest".to_vec()), layer_sums: false })).unwrap();
     let why = failed(slot, Duration::from_secs(1));
     assert!(why.starts_with("manifest:"), "{why}");
     assert_eq!(peer.recv().unwrap(), PeerMsg::Verdict { slot, error: Some(why) });
