@@ -8,7 +8,9 @@
 //! 4. from here on, every message in either direction is sealed
 //!    ([`Sealed`]): an HMAC under a key derived from the session, over a
 //!    per-direction sequence number and the message, so nothing can be
-//!    forged, replayed, reordered or cut out of the stream.
+//!    forged, replayed, reordered or cut out of the stream. Sealed
+//!    messages are binary ([`PeerMsg::to_binary`]); the handshake's are
+//!    JSON, so that a peer of another version is told by its challenge.
 //!
 //! Both sides derive the data-plane session of the connection from the
 //! handshake ([`Credential::derive`]): the destination opens it for the
@@ -120,7 +122,7 @@ pub fn connect_auth(s: &mut (impl Read + Write), secret: &[u8], node: &str) -> R
 pub const SEAL_LEN: usize = 32;
 
 /// An authenticated peer connection: every message framed as a u32
-/// length, its JSON, and `HMAC(direction key, sequence ‖ JSON)`. Each side
+/// length, its binary form, and `HMAC(direction key, sequence ‖ body)`. Each side
 /// counts the messages it sent and received, so a replayed, reordered,
 /// dropped or altered message fails its check and ends the connection.
 ///
@@ -137,7 +139,7 @@ pub struct Sealed {
     credential: Credential,
     recv_key: [u8; 32],
     received: u64,
-    // Bytes of the sealed frames read (length, JSON, seal), for wire_bytes.
+    // Bytes of the sealed frames read (length, body, seal), for wire_bytes.
     read_bytes: u64,
     // The read timeout set on the socket, so that setting it again costs no system call.
     timeout: Option<Duration>,
@@ -398,10 +400,13 @@ impl<R: Read> Read for Counted<'_, R> {
 }
 
 /// Message number `seq` of a direction whose key is `key`, as it goes on
-/// the wire: length, JSON, seal.
+/// the wire: length, binary form ([`PeerMsg::to_binary`]), seal.
 pub fn seal_frame(key: &[u8; 32], seq: u64, m: &PeerMsg) -> Vec<u8> {
-    let mut out = kvwire_client::wire::frame(m);
-    let seal = auth::mac(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &out[4..]]);
+    let body = m.to_binary();
+    let mut out = Vec::with_capacity(4 + body.len() + SEAL_LEN);
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&body);
+    let seal = auth::mac(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &body]);
     out.extend_from_slice(&seal);
     out
 }
@@ -413,7 +418,7 @@ pub fn open_frame(key: &[u8; 32], seq: u64, r: &mut impl Read) -> Result<PeerMsg
     if !auth::verify(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &body], &seal) {
         return Err(WireError::Json(format!("message {seq} fails its seal: forged, replayed or out of order")));
     }
-    kvwire_client::wire::parse(&body)
+    PeerMsg::from_binary(&body).map_err(WireError::Json)
 }
 
 /// Reads one sealed frame: its body and its seal, unchecked.

@@ -1,5 +1,6 @@
 //! Peer-control messages from another daemon (`PeerMsg` JSON, as
-//! `wire::read_msg` hands it over), and the strings the daemons then parse
+//! `wire::read_msg` hands it over, and the binary form of sealed
+//! connections, `PeerMsg::from_binary`), and the strings the daemons then parse
 //! from an `offer`, `accept` or `expect` (layout, format, manifest); then the
 //! peer session state machines take the message in every phase.
 #![no_main]
@@ -16,9 +17,14 @@ use kvwire_client::wire::{frame, parse};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    if let Ok(msg) = PeerMsg::from_binary(data) {
+        assert_eq!(PeerMsg::from_binary(&msg.to_binary()).as_ref(), Ok(&msg), "binary round trip");
+        sessions(msg);
+    }
     let Ok(msg) = parse::<PeerMsg>(data) else {
         return;
     };
+    assert_eq!(PeerMsg::from_binary(&msg.to_binary()).as_ref(), Ok(&msg), "binary round trip");
     // Whatever parses re-encodes and parses back to the same message.
     let bytes = frame(&msg);
     let again: PeerMsg = parse(&bytes[4..]).expect("a framed message parses");

@@ -34,7 +34,7 @@ use serde::{Deserialize, Serialize};
 /// 8: the destination pushes each transfer's `Verdict` as it ends; the source sends no `Done`.
 /// 9: a transfer's keys are granted to the source node, not to one connection: an announcement may be claimed on any connection of the node it went to.
 /// 10: `Expect::manifest` is the manifest's JSON inline, not a string holding it.
-/// 11: `Expect::manifest` is the manifest's binary form, as hex ([`ManifestWire`]).
+/// 11: sealed messages are binary ([`PeerMsg::to_binary`]), and so is `Expect::manifest` ([`ManifestWire`]; hex in JSON).
 pub const PEER_VERSION: u32 = 11;
 
 /// Messages on a peer connection: JSON objects, `msg` naming the message
@@ -236,6 +236,102 @@ impl PeerMsg {
     }
 }
 
+/// The binary form of a message, as sealed connections carry it: the
+/// variant's number, then its fields in order (postcard). JSON stays the
+/// form of the handshake, which must tell another version by its
+/// challenge; after it both sides speak this daemon's version. An
+/// announcement, a claim and the verdict are each parsed on a transfer's
+/// path, where JSON cost more than the rest of their handling.
+#[derive(Serialize)]
+enum BinRef<'a> {
+    Challenge { node: &'a str, version: u32, nonce: &'a str },
+    Auth { node: &'a str, nonce: &'a str, mac: &'a str },
+    AuthOk { mac: &'a str },
+    Refused { reason: &'a str },
+    Offer(&'a Offer),
+    Accept(&'a Accept),
+    Expect(&'a Expect),
+    LayerSums(&'a LayerSums),
+    Announce(&'a Announce),
+    Claim(&'a Claim),
+    Ok,
+    Abort { slot: u16, reason: &'a str },
+    Ping,
+    Pong,
+    Verdict { slot: u16, error: Option<&'a str> },
+}
+
+/// [`BinRef`] read back: the same variants in the same order.
+#[derive(Deserialize)]
+enum Bin {
+    Challenge { node: String, version: u32, nonce: String },
+    Auth { node: String, nonce: String, mac: String },
+    AuthOk { mac: String },
+    Refused { reason: String },
+    Offer(Offer),
+    Accept(Accept),
+    Expect(Expect),
+    LayerSums(LayerSums),
+    Announce(Announce),
+    Claim(Claim),
+    Ok,
+    Abort { slot: u16, reason: String },
+    Ping,
+    Pong,
+    Verdict { slot: u16, error: Option<String> },
+}
+
+impl PeerMsg {
+    /// This message's binary form (see [`BinRef`]).
+    pub fn to_binary(&self) -> Vec<u8> {
+        let b = match self {
+            PeerMsg::Challenge { node, version, nonce } => BinRef::Challenge { node, version: *version, nonce },
+            PeerMsg::Auth { node, nonce, mac } => BinRef::Auth { node, nonce, mac },
+            PeerMsg::AuthOk { mac } => BinRef::AuthOk { mac },
+            PeerMsg::Refused { reason } => BinRef::Refused { reason },
+            PeerMsg::Offer(o) => BinRef::Offer(o),
+            PeerMsg::Accept(a) => BinRef::Accept(a),
+            PeerMsg::Expect(e) => BinRef::Expect(e),
+            PeerMsg::LayerSums(l) => BinRef::LayerSums(l),
+            PeerMsg::Announce(a) => BinRef::Announce(a),
+            PeerMsg::Claim(c) => BinRef::Claim(c),
+            PeerMsg::Ok => BinRef::Ok,
+            PeerMsg::Abort { slot, reason } => BinRef::Abort { slot: *slot, reason },
+            PeerMsg::Ping => BinRef::Ping,
+            PeerMsg::Pong => BinRef::Pong,
+            PeerMsg::Verdict { slot, error } => BinRef::Verdict { slot: *slot, error: error.as_deref() },
+        };
+        postcard::to_allocvec(&b).expect("a message encodes to memory")
+    }
+
+    /// Reads a message's binary form, refusing bytes that do not decode
+    /// and bytes left over. A length inside it allocates no more than the
+    /// bytes that follow can fill.
+    pub fn from_binary(bytes: &[u8]) -> Result<PeerMsg, String> {
+        let (b, rest) = postcard::take_from_bytes::<Bin>(bytes).map_err(|e| format!("malformed peer message: {e}"))?;
+        if !rest.is_empty() {
+            return Err(format!("malformed peer message: {} bytes after it", rest.len()));
+        }
+        Ok(match b {
+            Bin::Challenge { node, version, nonce } => PeerMsg::Challenge { node, version, nonce },
+            Bin::Auth { node, nonce, mac } => PeerMsg::Auth { node, nonce, mac },
+            Bin::AuthOk { mac } => PeerMsg::AuthOk { mac },
+            Bin::Refused { reason } => PeerMsg::Refused { reason },
+            Bin::Offer(o) => PeerMsg::Offer(o),
+            Bin::Accept(a) => PeerMsg::Accept(a),
+            Bin::Expect(e) => PeerMsg::Expect(e),
+            Bin::LayerSums(l) => PeerMsg::LayerSums(l),
+            Bin::Announce(a) => PeerMsg::Announce(a),
+            Bin::Claim(c) => PeerMsg::Claim(c),
+            Bin::Ok => PeerMsg::Ok,
+            Bin::Abort { slot, reason } => PeerMsg::Abort { slot, reason },
+            Bin::Ping => PeerMsg::Ping,
+            Bin::Pong => PeerMsg::Pong,
+            Bin::Verdict { slot, error } => PeerMsg::Verdict { slot, error },
+        })
+    }
+}
+
 /// An offered transfer.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -344,8 +440,12 @@ impl ManifestWire {
 
 const HEX: &[u8; 16] = b"0123456789abcdef";
 
+// Hex in JSON; the bytes themselves in the binary form.
 impl Serialize for ManifestWire {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        if !s.is_human_readable() {
+            return s.serialize_bytes(&self.0);
+        }
         let mut text = String::with_capacity(2 * self.0.len());
         for b in &self.0 {
             text.push(char::from(HEX[usize::from(b >> 4)]));
@@ -363,6 +463,10 @@ impl<'de> Deserialize<'de> for ManifestWire {
 
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("a binary manifest as lowercase hex")
+            }
+
+            fn visit_bytes<E: de::Error>(self, bytes: &[u8]) -> Result<ManifestWire, E> {
+                Ok(ManifestWire(bytes.to_vec()))
             }
 
             fn visit_str<E: de::Error>(self, text: &str) -> Result<ManifestWire, E> {
@@ -383,7 +487,10 @@ impl<'de> Deserialize<'de> for ManifestWire {
                 bytes.map(ManifestWire).ok_or_else(|| E::custom("a manifest's hex holds a character other than 0-9 and a-f"))
             }
         }
-        d.deserialize_str(Hex)
+        match d.is_human_readable() {
+            true => d.deserialize_str(Hex),
+            false => d.deserialize_bytes(Hex),
+        }
     }
 }
 

@@ -504,7 +504,21 @@ fn every_peer_message_reads_back_as_written_and_a_misplaced_or_unknown_tag_is_re
         let text = serde_json::to_string(m).unwrap();
         assert!(text.starts_with("{\"msg\":"), "{text}");
         assert_eq!(&serde_json::from_str::<PeerMsg>(&text).unwrap(), m, "{text}");
+        // The binary form sealed connections carry: smaller, and the same message back.
+        let bin = m.to_binary();
+        assert!(bin.len() < text.len(), "{text}");
+        assert_eq!(&PeerMsg::from_binary(&bin).unwrap(), m, "{text}");
+        // Cut anywhere, or with a byte more, it is refused, never a panic.
+        for cut in 0..bin.len() {
+            assert!(PeerMsg::from_binary(&bin[..cut]).is_err(), "{text} cut at {cut}");
+        }
+        let mut longer = bin.clone();
+        longer.push(0);
+        assert_eq!(PeerMsg::from_binary(&longer).unwrap_err(), "malformed peer message: 1 bytes after it");
     }
+    // A variant number past the last, and a length larger than what follows.
+    assert!(PeerMsg::from_binary(&[15]).unwrap_err().starts_with("malformed peer message"));
+    assert!(PeerMsg::from_binary(&[3, 0xff, 0xff, 0xff, 0xff, 0x0f, b'x']).is_err());
     let err = |text: &str| serde_json::from_str::<PeerMsg>(text).unwrap_err().to_string();
     assert!(err(r#"{"slot":7,"msg":"verdict"}"#).contains("first key must be `msg`"));
     assert!(err(r#"{"msg":"staging","key":9}"#).contains("unknown variant `staging`"));
