@@ -1207,8 +1207,8 @@ impl Manifest {
     /// Reads a manifest's binary form ([`Manifest::to_wire`]), refusing
     /// more than [`MAX_MANIFEST_JSON`] bytes, another version (named as
     /// such, whatever follows it), bytes that do not decode and bytes left
-    /// over. Never panics on hostile input; a length inside it allocates
-    /// no more than the bytes that follow can fill.
+    /// over. Never panics on hostile input; a length inside it reserves at
+    /// most 1 MiB ahead of the elements really there (serde's cautious hint).
     pub fn from_wire(bytes: &[u8]) -> Result<Manifest, ManifestError> {
         if bytes.len() > MAX_MANIFEST_JSON {
             return Err(ManifestError::TooLarge { len: bytes.len(), limit: MAX_MANIFEST_JSON });

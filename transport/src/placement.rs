@@ -278,6 +278,13 @@ impl Placement {
         self.settle(tag, c).map(|_| ())
     }
 
+    /// Bytes declared so far for all the layers of `slot`: how large its
+    /// transfer is, where the bytes land.
+    pub fn slot_expected(&self, slot: u16) -> u64 {
+        let counts = self.counts.lock().expect("placement lock");
+        counts.range(Tag { slot, layer: 0 }..=Tag { slot, layer: u16::MAX }).filter_map(|(_, c)| c.expected).sum()
+    }
+
     /// Refuses, before any byte is written, a write that would take `tag`
     /// past its declared size.
     pub fn check_room(&self, tag: Tag, bytes: u64) -> Result<(), PlacementError> {

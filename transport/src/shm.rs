@@ -85,7 +85,7 @@
 //! against shrinking, so a peer cannot turn a copy into SIGBUS.
 
 use crate::auth::{ConnectionCaps, Credential, Gate, Pass};
-use crate::mem::HostMem;
+use crate::mem::{HostMem, STREAM_COLD};
 use crate::metrics::{Hop, Hops};
 use crate::placement::Placement;
 use crate::registry::Registry;
@@ -116,6 +116,11 @@ pub const TRAILER_LEN: u64 = 64;
 const SCM_MAX_FD: usize = 253;
 /// Read buffer of a destination connection.
 const READ_BUF: usize = 64 * 1024;
+/// A transfer at least this large copies its large writes past the caches
+/// ([`HostMem::copy_runs_to_cold`]). A 1 MiB transfer's 256 KiB writes,
+/// streamed, slowed it by a tenth: its staging is unpacked and hashed
+/// right after, from the cache. A 32 MiB one's 512 KiB writes ran at 1.5x.
+const COLD_TRANSFER: u64 = 8 << 20;
 
 /// Limits of a [`ShmEndpoint`].
 #[derive(Debug, Clone)]
@@ -683,8 +688,13 @@ fn place(serve: &Serve, peer_id: u64, sources: &HashMap<u32, Source>, w: Incomin
             Some(end) if end <= src.len => {}
             _ => return Err(Refusal::SourceOutOfBounds { key: src_key, offset: src_offset, len: span.unwrap_or(u64::MAX), region_len: src.len }),
         }
-        src.mem
-            .copy_runs_to(src.offset + src_offset, src_stride, &a.region().mem, a.mem_offset(), dst_stride, w.len, runs)
+        // A large transfer's bytes are not read again before its layers
+        // complete: streamed past the caches. A small one's are, at once.
+        let copy = match w.len.saturating_mul(runs) >= STREAM_COLD as u64 && serve.placement.slot_expected(w.tag.slot) >= COLD_TRANSFER {
+            true => HostMem::copy_runs_to_cold,
+            false => HostMem::copy_runs_to,
+        };
+        copy(&src.mem, src.offset + src_offset, src_stride, &a.region().mem, a.mem_offset(), dst_stride, w.len, runs)
             .map_err(|e| Refusal::SourceUnusable { key: src_key, reason: format!("copy: {e}") })?;
         *copied = true;
         Ok(Instant::now())

@@ -37,8 +37,9 @@ use serde::{Deserialize, Serialize};
 /// 11: sealed messages are binary ([`PeerMsg::to_binary`]), and so is `Expect::manifest` ([`ManifestWire`]; hex in JSON).
 pub const PEER_VERSION: u32 = 11;
 
-/// Messages on a peer connection: JSON objects, `msg` naming the message
-/// (its first key), the rest its fields.
+/// Messages on a peer connection. In JSON (the handshake's form): objects,
+/// `msg` naming the message (its first key), the rest its fields. Sealed,
+/// after the handshake: their binary form ([`PeerMsg::to_binary`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(tag = "msg", rename_all = "snake_case")]
 pub enum PeerMsg {
@@ -305,8 +306,9 @@ impl PeerMsg {
     }
 
     /// Reads a message's binary form, refusing bytes that do not decode
-    /// and bytes left over. A length inside it allocates no more than the
-    /// bytes that follow can fill.
+    /// and bytes left over. A length inside it reserves at most 1 MiB
+    /// ahead of the elements that are really there (serde's cautious
+    /// hint); the frame's own limit bounds the rest.
     pub fn from_binary(bytes: &[u8]) -> Result<PeerMsg, String> {
         let (b, rest) = postcard::take_from_bytes::<Bin>(bytes).map_err(|e| format!("malformed peer message: {e}"))?;
         if !rest.is_empty() {

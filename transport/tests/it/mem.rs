@@ -73,40 +73,47 @@ fn strided_runs_copy_as_run_by_run_copies_would() {
     assert!(src.copy_runs_to(0, 1024, &m, 0, 128, 128, 64).is_err());
 }
 
-/// Large copies (streamed past the caches) land byte for byte like small
-/// ones, whatever the alignment of either side and whatever is left over
-/// after the last whole line or block of pages; the bytes around the
-/// destination range are untouched.
+/// Copies streamed past the caches land byte for byte like small ones,
+/// whatever the alignment of either side and whatever is left over after
+/// the last whole line or block of pages; the bytes around the destination
+/// range are untouched. Cold copies stream from 256 KiB, any copy from 16 MiB.
 #[test]
-fn large_copies_land_exactly_at_any_alignment() {
+fn streamed_copies_land_exactly_at_any_alignment() {
+    use kvwire_transport::mem::STREAM_COLD;
     const N: usize = 3 << 20;
     let src = HostMem::new("src", N as u64).unwrap();
     let fill: Vec<u8> = (0..N as u32).map(|i| (i * 13 + i / 4093) as u8).collect();
     src.write(0, &fill).unwrap();
+    let cold = STREAM_COLD;
     // (src offset, dst offset, len): aligned, odd heads, a tail short of a
-    // line, of a block, exactly whole blocks, and just under/over 256 KiB.
-    let cases = [(0, 0, 1 << 20), (3, 5, (1 << 20) + 7), (64, 1, (2 << 20) + 16384 * 3 + 100), (4095, 4097, 256 * 1024), (1, 0, 256 * 1024 - 1), (7, 63, 256 * 1024 + 63), (0, 64, 2 << 20)];
+    // line, of a block, exactly whole blocks, and just under/over the threshold.
+    let cases = [(0, 0, 1 << 20), (3, 5, (1 << 20) + 7), (64, 1, (2 << 20) + 16384 * 3 + 100), (4095, 4097, cold), (1, 0, cold - 1), (7, 63, cold + 63), (0, 64, 2 << 20)];
     for (so, d0, len) in cases {
-        let dst = HostMem::new("dst", N as u64).unwrap();
-        dst.write(0, &vec![0xAB; N]).unwrap();
-        src.copy_to(so as u64, &dst, d0 as u64, len as u64).unwrap();
-        let mut want = vec![0xABu8; N];
-        want[d0..d0 + len].copy_from_slice(&fill[so..so + len]);
-        let mut got = vec![0u8; N];
-        dst.read(0, &mut got).unwrap();
-        assert!(got == want, "copy_to {:?}", (so, d0, len));
-        // Back-to-back runs take the same path as one range.
-        let dst = HostMem::new("dst", N as u64).unwrap();
-        dst.write(0, &vec![0xAB; N]).unwrap();
-        src.copy_runs_to(so as u64, (len / 4) as u64, &dst, d0 as u64, (len / 4) as u64, (len / 4) as u64, 4).unwrap();
-        let whole = len / 4 * 4;
-        let mut want = vec![0xABu8; N];
-        want[d0..d0 + whole].copy_from_slice(&fill[so..so + whole]);
-        dst.read(0, &mut got).unwrap();
-        assert!(got == want, "copy_runs_to {:?}", (so, d0, len));
+        for runs in [1, 4] {
+            let dst = HostMem::new("dst", N as u64).unwrap();
+            dst.write(0, &vec![0xAB; N]).unwrap();
+            // Back-to-back runs take the same path as one range.
+            let run = len / runs;
+            src.copy_runs_to_cold(so as u64, run as u64, &dst, d0 as u64, run as u64, run as u64, runs as u64).unwrap();
+            let mut want = vec![0xABu8; N];
+            want[d0..d0 + run * runs].copy_from_slice(&fill[so..so + run * runs]);
+            let mut got = vec![0u8; N];
+            dst.read(0, &mut got).unwrap();
+            assert!(got == want, "{:?}", (so, d0, len, runs));
+        }
     }
+    // Past 16 MiB any copy streams.
+    const BIG: usize = (16 << 20) + 4096 + 5;
+    let (a, b) = (HostMem::new("a", BIG as u64 + 8).unwrap(), HostMem::new("b", BIG as u64 + 8).unwrap());
+    let fill: Vec<u8> = (0..BIG as u32 + 8).map(|i| (i * 31 + i / 65521) as u8).collect();
+    a.write(0, &fill).unwrap();
+    a.copy_to(3, &b, 1, BIG as u64).unwrap();
+    let mut got = vec![0u8; BIG + 8];
+    b.read(0, &mut got).unwrap();
+    assert!(got[1..1 + BIG] == fill[3..3 + BIG] && got[0] == 0 && got[1 + BIG..].iter().all(|&x| x == 0), "16 MiB copy");
     // Overlapping ranges in one mapping still copy as memmove does.
     let m = HostMem::new("one", N as u64).unwrap();
+    let fill: Vec<u8> = (0..N as u32).map(|i| (i * 13 + i / 4093) as u8).collect();
     m.write(0, &fill).unwrap();
     m.copy_to(0, &m, 4096 + 3, 1 << 20).unwrap();
     let mut want = fill.clone();
