@@ -24,6 +24,7 @@ use crate::reuse::CacheIdentity;
 use crate::shard::RegionId;
 use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 
 /// Peer protocol version.
 /// 3: messages after the handshake are sealed, and data connections prove the session.
@@ -242,67 +243,51 @@ impl PeerMsg {
 /// form of the handshake, which must tell another version by its
 /// challenge; after it both sides speak this daemon's version. An
 /// announcement, a claim and the verdict are each parsed on a transfer's
-/// path, where JSON cost more than the rest of their handling.
-#[derive(Serialize)]
-enum BinRef<'a> {
-    Challenge { node: &'a str, version: u32, nonce: &'a str },
-    Auth { node: &'a str, nonce: &'a str, mac: &'a str },
-    AuthOk { mac: &'a str },
-    Refused { reason: &'a str },
-    Offer(&'a Offer),
-    Accept(&'a Accept),
-    Expect(&'a Expect),
-    LayerSums(&'a LayerSums),
-    Announce(&'a Announce),
-    Claim(&'a Claim),
+/// path, where JSON cost more than the rest of their handling. Written
+/// from borrowed fields, read back into owned ones.
+#[derive(Serialize, Deserialize)]
+enum Bin<'a> {
+    Challenge { node: Cow<'a, str>, version: u32, nonce: Cow<'a, str> },
+    Auth { node: Cow<'a, str>, nonce: Cow<'a, str>, mac: Cow<'a, str> },
+    AuthOk { mac: Cow<'a, str> },
+    Refused { reason: Cow<'a, str> },
+    Offer(Cow<'a, Offer>),
+    Accept(Cow<'a, Accept>),
+    Expect(Cow<'a, Expect>),
+    LayerSums(Cow<'a, LayerSums>),
+    Announce(Cow<'a, Announce>),
+    Claim(Cow<'a, Claim>),
     Ok,
-    Abort { slot: u16, reason: &'a str },
+    Abort { slot: u16, reason: Cow<'a, str> },
     Ping,
     Pong,
-    Verdict { slot: u16, error: Option<&'a str> },
-}
-
-/// [`BinRef`] read back: the same variants in the same order.
-#[derive(Deserialize)]
-enum Bin {
-    Challenge { node: String, version: u32, nonce: String },
-    Auth { node: String, nonce: String, mac: String },
-    AuthOk { mac: String },
-    Refused { reason: String },
-    Offer(Offer),
-    Accept(Accept),
-    Expect(Expect),
-    LayerSums(LayerSums),
-    Announce(Announce),
-    Claim(Claim),
-    Ok,
-    Abort { slot: u16, reason: String },
-    Ping,
-    Pong,
-    Verdict { slot: u16, error: Option<String> },
+    Verdict { slot: u16, error: Option<Cow<'a, str>> },
 }
 
 impl PeerMsg {
-    /// This message's binary form (see [`BinRef`]).
+    /// This message's binary form (see [`Bin`]).
     pub fn to_binary(&self) -> Vec<u8> {
-        let b = match self {
-            PeerMsg::Challenge { node, version, nonce } => BinRef::Challenge { node, version: *version, nonce },
-            PeerMsg::Auth { node, nonce, mac } => BinRef::Auth { node, nonce, mac },
-            PeerMsg::AuthOk { mac } => BinRef::AuthOk { mac },
-            PeerMsg::Refused { reason } => BinRef::Refused { reason },
-            PeerMsg::Offer(o) => BinRef::Offer(o),
-            PeerMsg::Accept(a) => BinRef::Accept(a),
-            PeerMsg::Expect(e) => BinRef::Expect(e),
-            PeerMsg::LayerSums(l) => BinRef::LayerSums(l),
-            PeerMsg::Announce(a) => BinRef::Announce(a),
-            PeerMsg::Claim(c) => BinRef::Claim(c),
-            PeerMsg::Ok => BinRef::Ok,
-            PeerMsg::Abort { slot, reason } => BinRef::Abort { slot: *slot, reason },
-            PeerMsg::Ping => BinRef::Ping,
-            PeerMsg::Pong => BinRef::Pong,
-            PeerMsg::Verdict { slot, error } => BinRef::Verdict { slot: *slot, error: error.as_deref() },
+        fn b(s: &str) -> Cow<'_, str> {
+            Cow::Borrowed(s)
+        }
+        let m = match self {
+            PeerMsg::Challenge { node, version, nonce } => Bin::Challenge { node: b(node), version: *version, nonce: b(nonce) },
+            PeerMsg::Auth { node, nonce, mac } => Bin::Auth { node: b(node), nonce: b(nonce), mac: b(mac) },
+            PeerMsg::AuthOk { mac } => Bin::AuthOk { mac: b(mac) },
+            PeerMsg::Refused { reason } => Bin::Refused { reason: b(reason) },
+            PeerMsg::Offer(o) => Bin::Offer(Cow::Borrowed(o)),
+            PeerMsg::Accept(a) => Bin::Accept(Cow::Borrowed(a)),
+            PeerMsg::Expect(e) => Bin::Expect(Cow::Borrowed(e)),
+            PeerMsg::LayerSums(l) => Bin::LayerSums(Cow::Borrowed(l)),
+            PeerMsg::Announce(a) => Bin::Announce(Cow::Borrowed(a)),
+            PeerMsg::Claim(c) => Bin::Claim(Cow::Borrowed(c)),
+            PeerMsg::Ok => Bin::Ok,
+            PeerMsg::Abort { slot, reason } => Bin::Abort { slot: *slot, reason: b(reason) },
+            PeerMsg::Ping => Bin::Ping,
+            PeerMsg::Pong => Bin::Pong,
+            PeerMsg::Verdict { slot, error } => Bin::Verdict { slot: *slot, error: error.as_deref().map(b) },
         };
-        postcard::to_allocvec(&b).expect("a message encodes to memory")
+        postcard::to_allocvec(&m).expect("a message encodes to memory")
     }
 
     /// Reads a message's binary form, refusing bytes that do not decode
@@ -310,26 +295,27 @@ impl PeerMsg {
     /// ahead of the elements that are really there (serde's cautious
     /// hint); the frame's own limit bounds the rest.
     pub fn from_binary(bytes: &[u8]) -> Result<PeerMsg, String> {
-        let (b, rest) = postcard::take_from_bytes::<Bin>(bytes).map_err(|e| format!("malformed peer message: {e}"))?;
+        let (m, rest) = postcard::take_from_bytes::<Bin>(bytes).map_err(|e| format!("malformed peer message: {e}"))?;
         if !rest.is_empty() {
             return Err(format!("malformed peer message: {} bytes after it", rest.len()));
         }
-        Ok(match b {
-            Bin::Challenge { node, version, nonce } => PeerMsg::Challenge { node, version, nonce },
-            Bin::Auth { node, nonce, mac } => PeerMsg::Auth { node, nonce, mac },
-            Bin::AuthOk { mac } => PeerMsg::AuthOk { mac },
-            Bin::Refused { reason } => PeerMsg::Refused { reason },
-            Bin::Offer(o) => PeerMsg::Offer(o),
-            Bin::Accept(a) => PeerMsg::Accept(a),
-            Bin::Expect(e) => PeerMsg::Expect(e),
-            Bin::LayerSums(l) => PeerMsg::LayerSums(l),
-            Bin::Announce(a) => PeerMsg::Announce(a),
-            Bin::Claim(c) => PeerMsg::Claim(c),
+        let o = Cow::into_owned;
+        Ok(match m {
+            Bin::Challenge { node, version, nonce } => PeerMsg::Challenge { node: o(node), version, nonce: o(nonce) },
+            Bin::Auth { node, nonce, mac } => PeerMsg::Auth { node: o(node), nonce: o(nonce), mac: o(mac) },
+            Bin::AuthOk { mac } => PeerMsg::AuthOk { mac: o(mac) },
+            Bin::Refused { reason } => PeerMsg::Refused { reason: o(reason) },
+            Bin::Offer(x) => PeerMsg::Offer(x.into_owned()),
+            Bin::Accept(x) => PeerMsg::Accept(x.into_owned()),
+            Bin::Expect(x) => PeerMsg::Expect(x.into_owned()),
+            Bin::LayerSums(x) => PeerMsg::LayerSums(x.into_owned()),
+            Bin::Announce(x) => PeerMsg::Announce(x.into_owned()),
+            Bin::Claim(x) => PeerMsg::Claim(x.into_owned()),
             Bin::Ok => PeerMsg::Ok,
-            Bin::Abort { slot, reason } => PeerMsg::Abort { slot, reason },
+            Bin::Abort { slot, reason } => PeerMsg::Abort { slot, reason: o(reason) },
             Bin::Ping => PeerMsg::Ping,
             Bin::Pong => PeerMsg::Pong,
-            Bin::Verdict { slot, error } => PeerMsg::Verdict { slot, error },
+            Bin::Verdict { slot, error } => PeerMsg::Verdict { slot, error: error.map(o) },
         })
     }
 }
