@@ -470,9 +470,11 @@ pub enum ManifestError {
         /// Segments in the plan.
         segments: usize,
     },
-    /// Manifest JSON longer than [`MAX_MANIFEST_JSON`].
-    #[error("manifest JSON of {len} bytes exceeds the limit of {limit}")]
+    /// A manifest, JSON or binary, longer than [`MAX_MANIFEST_JSON`].
+    #[error("manifest {form} of {len} bytes exceeds the limit of {limit}")]
     TooLarge {
+        /// `JSON` or `binary form`: what was offered.
+        form: &'static str,
         /// Bytes offered.
         len: usize,
         /// Limit.
@@ -1211,7 +1213,7 @@ impl Manifest {
     /// most 1 MiB ahead of the elements really there (serde's cautious hint).
     pub fn from_wire(bytes: &[u8]) -> Result<Manifest, ManifestError> {
         if bytes.len() > MAX_MANIFEST_JSON {
-            return Err(ManifestError::TooLarge { len: bytes.len(), limit: MAX_MANIFEST_JSON });
+            return Err(ManifestError::TooLarge { form: "binary form", len: bytes.len(), limit: MAX_MANIFEST_JSON });
         }
         let wire = |reason: String| ManifestError::Wire { reason };
         match postcard::take_from_bytes::<Manifest>(bytes) {
@@ -1230,7 +1232,7 @@ impl Manifest {
     /// JSON and unknown fields. Never panics on hostile input.
     pub fn from_json(text: &[u8]) -> Result<Manifest, ManifestError> {
         if text.len() > MAX_MANIFEST_JSON {
-            return Err(ManifestError::TooLarge { len: text.len(), limit: MAX_MANIFEST_JSON });
+            return Err(ManifestError::TooLarge { form: "JSON", len: text.len(), limit: MAX_MANIFEST_JSON });
         }
         #[derive(Deserialize)]
         struct VersionOnly {

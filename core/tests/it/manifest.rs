@@ -606,6 +606,10 @@ fn an_expect_carries_its_manifest_in_binary_and_the_destination_reads_it_back_wh
         let e = ManifestWire::from_bytes(wire[..cut].to_vec()).manifest().unwrap_err();
         assert!(matches!(e, ManifestError::Wire { .. }), "cut at {cut}: {e}");
     }
+    assert_eq!(
+        Manifest::from_wire(&vec![0; MAX_MANIFEST_JSON + 1]).unwrap_err().to_string(),
+        format!("manifest binary form of {} bytes exceeds the limit of {}", MAX_MANIFEST_JSON + 1, MAX_MANIFEST_JSON)
+    );
     let mut longer = wire.clone();
     longer.push(0);
     assert_eq!(ManifestWire::from_bytes(longer).manifest().unwrap_err().to_string(), "malformed binary manifest: 1 bytes after the manifest");
@@ -624,7 +628,7 @@ fn json_of_exactly_the_limit_is_accepted_and_one_more_byte_is_not() {
     text.resize(MAX_MANIFEST_JSON, b' ');
     assert_eq!(&Manifest::from_json(&text).unwrap(), llama_manifest());
     text.push(b' ');
-    assert_eq!(Manifest::from_json(&text), Err(ManifestError::TooLarge { len: MAX_MANIFEST_JSON + 1, limit: MAX_MANIFEST_JSON }));
+    assert_eq!(Manifest::from_json(&text), Err(ManifestError::TooLarge { form: "JSON", len: MAX_MANIFEST_JSON + 1, limit: MAX_MANIFEST_JSON }));
 }
 
 #[test]
