@@ -9,7 +9,7 @@ use super::device::Copies;
 use super::error::Refusal;
 use super::landing::{Landing, LAND_ON_ARRIVAL_MAX};
 use super::state::{running, DeviceMems, Role, SlotId};
-use super::{in_parts, pieces, read_mem, region_view, Daemon, Part, RunReader};
+use super::{ByRegion, in_parts, pieces, read_mem, region_view, Daemon, Part, RunReader};
 use crate::metrics::Metrics;
 use crate::peer::{self, Outbox, Sealed};
 use kvwire_client::control::*;
@@ -272,7 +272,7 @@ pub(super) struct Receive {
     pub p: Arc<Replanned>,
     // What the manifest must claim: this side's identity, shapes, maps and positions.
     expected: Expected,
-    regions: HashMap<(u32, RegionId), Arc<Region>>,
+    regions: ByRegion<Arc<Region>>,
     devices: DeviceMems,
     pub stage: Option<Arc<Region>>,
 }

@@ -6,7 +6,6 @@ use super::state::{DeviceMems, DevicePath, Mirrored, SlotId};
 use super::transfers::RankSpan;
 use super::Daemon;
 use kvwire_core::plan::Plan;
-use kvwire_core::shard::RegionId;
 use kvwire_transport::device::bound::{BoundMem, NicMemory};
 use kvwire_transport::{Hop, Region, TransportKind};
 use std::os::fd::AsFd;
@@ -26,7 +25,7 @@ impl Daemon {
         plan: &Plan,
         segs: &[usize],
         layer: usize,
-        regions: &HashMap<(u32, RegionId), Arc<Region>>,
+        regions: &super::ByRegion<Arc<Region>>,
         devices: &DeviceMems,
     ) -> Result<Copies, CopyError> {
         let mut pending = Vec::new();

@@ -176,13 +176,18 @@ fn read_mem(mem: &HostMem, offset: u64, len: u64) -> Option<Vec<u8>> {
 /// mappings: a remap reads hundreds of thousands of row-sized runs, and a
 /// copy of each (let alone an allocation) cost more than hashing it.
 struct RunReader<'a> {
-    regions: &'a HashMap<RegionKey, Arc<Region>>,
+    regions: &'a ByRegion<Arc<Region>>,
     // The region of the previous run: runs come region by region.
     last: Cell<Option<(RegionKey, &'a Region)>>,
 }
 
 /// A registered region of a rank.
 type RegionKey = (u32, RegionId);
+
+/// Values by (rank, region). Looked up once per segment while packing,
+/// unpacking and hashing; the keys are the daemon's own small integers,
+/// so a fast hasher, not SipHash (which cost as much as a 2 KiB copy).
+pub(crate) type ByRegion<V> = HashMap<RegionKey, V, rustc_hash::FxBuildHasher>;
 
 /// Bytes a [`RunReader`] hands out: a view of the mapping, or a converted copy.
 enum RunBytes<'a> {
@@ -200,7 +205,7 @@ impl AsRef<[u8]> for RunBytes<'_> {
 }
 
 impl<'a> RunReader<'a> {
-    fn new(regions: &'a HashMap<RegionKey, Arc<Region>>) -> RunReader<'a> {
+    fn new(regions: &'a ByRegion<Arc<Region>>) -> RunReader<'a> {
         RunReader { regions, last: Cell::new(None) }
     }
 

@@ -7,6 +7,7 @@
 //! and once its last layer's copies are done nothing of it reads the
 //! device again: that is where the source is released (DESIGN §1).
 
+use super::ByRegion;
 use super::state::{DeviceMems, Pin};
 use super::Daemon;
 use kvwire_core::plan::{Plan, Segment};
@@ -14,7 +15,6 @@ use kvwire_core::schedule::Schedule;
 use kvwire_core::shard::RegionId;
 use kvwire_transport::device::bound::BoundMem;
 use kvwire_transport::{HostMem, Region};
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 /// Ring buffers are allocated in whole MiB, so sizes that differ a little share them.
@@ -89,7 +89,7 @@ pub(super) struct RingLayout {
     /// Per source: its rank, and a region that lies in it.
     pub sources: Vec<(u32, RegionId)>,
     /// (rank, region) → (source, the region's offset in it).
-    pub regions: HashMap<(u32, RegionId), (usize, u64)>,
+    pub regions: ByRegion<(usize, u64)>,
     pub layers: Vec<SlotLayout>,
     /// Bytes of one slot: the largest layer's.
     pub slot_bytes: u64,
@@ -100,9 +100,9 @@ impl RingLayout {
     /// which staged segments are gathered, and `copied` which other
     /// segments' bytes the slot holds (not those the NIC reads in place
     /// with nothing to check).
-    pub fn build(plan: &Plan, schedule: &Schedule, regions: &HashMap<(u32, RegionId), Arc<Region>>, packs: impl Fn(&Segment) -> bool, copied: impl Fn(&Segment) -> bool) -> Result<RingLayout, String> {
+    pub fn build(plan: &Plan, schedule: &Schedule, regions: &ByRegion<Arc<Region>>, packs: impl Fn(&Segment) -> bool, copied: impl Fn(&Segment) -> bool) -> Result<RingLayout, String> {
         let mut sources: Vec<(u32, RegionId)> = Vec::new();
-        let mut at_region: HashMap<(u32, RegionId), (usize, u64)> = HashMap::new();
+        let mut at_region: ByRegion<(usize, u64)> = ByRegion::default();
         let mut source_of = |rank: u32, region: RegionId| -> Result<(usize, u64), String> {
             if let Some(&w) = at_region.get(&(rank, region)) {
                 return Ok(w);
@@ -163,7 +163,7 @@ impl RingLayout {
     /// device allocations. Every region must still lie where the layout
     /// was made (a rank released and registered again may hold other
     /// memory): else an error, and the layout is made anew.
-    pub fn resolve(&self, regions: &HashMap<(u32, RegionId), Arc<Region>>, devices: &DeviceMems) -> Result<Vec<RingSource>, String> {
+    pub fn resolve(&self, regions: &ByRegion<Arc<Region>>, devices: &DeviceMems) -> Result<Vec<RingSource>, String> {
         let sources = self
             .sources
             .iter()
@@ -336,6 +336,7 @@ mod tests {
     use kvwire_core::plan::{Mode, PlanCounters};
     use kvwire_core::schedule::{LayerSchedule, SegList, Staged, StagedList};
     use kvwire_transport::Registry;
+    use std::collections::HashMap;
 
     fn seg(layer: u32, src_offset: u64, len: u64, count: u64, src_stride: u64, mode: Mode) -> Segment {
         let region = RegionId { layer, tensor: Tensor::K };
@@ -348,7 +349,7 @@ mod tests {
         let mem = Arc::new(HostMem::new("t", 1 << 16).unwrap());
         let k = |layer| RegionId { layer, tensor: Tensor::K };
         // Two regions in one memory: layer 1's starts 4096 bytes in.
-        let regions: HashMap<_, _> = [(0, 0u64), (1, 4096)].into_iter().map(|(l, at)| ((0u32, k(l)), reg.register(mem.clone(), at, 4096, None).unwrap())).collect();
+        let regions: ByRegion<_> = [(0, 0u64), (1, 4096)].into_iter().map(|(l, at)| ((0u32, k(l)), reg.register(mem.clone(), at, 4096, None).unwrap())).collect();
         let segments = vec![
             // Layer 0: runs at 0 and 200 of 100 bytes; then 100..200 (joins
             // the two); then 150..250 read twice (overlaps); then a packed
@@ -388,7 +389,7 @@ mod tests {
         assert!(Arc::ptr_eq(&sources[0].mem, &mem) && sources[0].dev.is_none());
         // Layer 1's region registered elsewhere since (its rank released
         // and registered again): the layout no longer holds.
-        let moved: HashMap<_, _> = [(0, 0u64), (1, 8192)].into_iter().map(|(l, at)| ((0u32, k(l)), reg.register(mem.clone(), at, 4096, None).unwrap())).collect();
+        let moved: ByRegion<_> = [(0, 0u64), (1, 8192)].into_iter().map(|(l, at)| ((0u32, k(l)), reg.register(mem.clone(), at, 4096, None).unwrap())).collect();
         let err = l.resolve(&moved, &HashMap::new()).err().unwrap();
         assert!(err.contains("moved"), "{err}");
         let e = |from, len, at| Extent { src: 0, from, len, at };
@@ -417,7 +418,7 @@ mod tests {
         assert_eq!(l.packed(0, 3), Some(320));
         assert_eq!(l.packed(0, 0), None);
         // A region no rank holds is an error naming it.
-        let err = RingLayout::build(&plan, &schedule, &HashMap::new(), |_| false, |_| true).err().unwrap();
+        let err = RingLayout::build(&plan, &schedule, &ByRegion::default(), |_| false, |_| true).err().unwrap();
         assert!(err.contains("rank 0 has no region"), "{err}");
     }
 }

@@ -12,7 +12,7 @@ use super::error::Refusal;
 use super::link::{LinkError, PeerLink};
 use super::ring::{Ring, RingLayout};
 use super::state::{Boundary, DeviceMems, Role, SlotId};
-use super::{in_parts, pieces, read_mem, region_view, Daemon, Part, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
+use super::{ByRegion, in_parts, pieces, read_mem, region_view, Daemon, Part, RunBytes, RunReader, PEER_CONN_WAIT, REPLY_TIMEOUT};
 use crate::config::PeerConfig;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -46,7 +46,7 @@ struct SourceGroup {
     layout_text: String,
     identity: CacheIdentity,
     num_blocks: u32,
-    regions: HashMap<(u32, RegionId), Arc<Region>>,
+    regions: ByRegion<Arc<Region>>,
     devices: DeviceMems,
     side: Side,
 }
@@ -1340,7 +1340,7 @@ fn readers_of(plan: &Plan, layers: usize) -> Vec<Vec<u32>> {
 }
 
 /// The destination's key of each of its (rank, region).
-fn dst_keys(a: &Accept) -> HashMap<(u32, RegionId), u32> {
+fn dst_keys(a: &Accept) -> ByRegion<u32> {
     a.regions.iter().map(|r| ((r.rank, r.region), r.key)).collect()
 }
 
@@ -1369,7 +1369,7 @@ fn push_write(writes: &mut Vec<WriteOp>, op: WriteOp) {
 /// the layer's slot of `ring`. A direct segment's runs go each into place,
 /// a staged one whole into the destination's staging: gathered in the
 /// slot, or (back to back at the source) from the device or the footprint.
-fn ring_batch(p: &Planned, a: &Accept, dst_keys: &HashMap<(u32, RegionId), u32>, ring: &Ring, codec: Option<Codec>, layer: usize) -> Result<(Batch, Batch), Refusal> {
+fn ring_batch(p: &Planned, a: &Accept, dst_keys: &ByRegion<u32>, ring: &Ring, codec: Option<Codec>, layer: usize) -> Result<(Batch, Batch), Refusal> {
     let ls = &p.schedule.layers[layer];
     let missing = |i: usize| Refusal::new(Code::TransferFailed, format!("segment {i} is not in layer {layer}'s ring slot"));
     // Where a segment's source allocation is read in place: its key, and

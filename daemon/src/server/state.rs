@@ -129,7 +129,7 @@ impl Group {
 
     /// Every registered region by (rank, region), held so a transfer keeps
     /// them alive even if their client goes away meanwhile.
-    pub fn regions(&self) -> HashMap<(u32, RegionId), Arc<Region>> {
+    pub fn regions(&self) -> super::ByRegion<Arc<Region>> {
         self.ranks.iter().flat_map(|(rank, rc)| rc.regions.iter().map(move |(id, r)| ((*rank, *id), r.clone()))).collect()
     }
 
