@@ -234,6 +234,7 @@ pub fn run(a: LayoutsArgs, out: &mut String) -> Result<(), Error> {
         a.iterations,
         baseline_of(a.transport).0
     );
+    let _ = writeln!(out, "{}", crate::host_conditions());
     let _ = writeln!(
         out,
         "{:>7} {:<34} {:<34} {:>12} {:>9} {:>10} {:>10} {:>8} {:>9} {:>6}  bounding",

@@ -253,6 +253,7 @@ fn write_jsonl(dir: &Path, points: &[PeerPoint], skipped: &[Skipped]) -> anyhow:
 
 fn render(out: &mut String, sizes: &[u64], points: &[PeerPoint], skipped: &[Skipped]) {
     let _ = writeln!(out, "kvwire bench peers: p50 µs per transfer, same host, same run; ratio = engine p50 / kvwire end-to-end p50 on the same path (tcp; same-host: -shm, nixl-cma), above 1: kvwire faster");
+    let _ = writeln!(out, "{}", crate::host_conditions());
     let _ = writeln!(out, "{:<20} {:>10} {:>10} {:>10} {:>8}  verified", "engine", "size", "p50 µs", "p99 µs", "ratio");
     for &size in sizes {
         for p in points.iter().filter(|p| p.size == size) {

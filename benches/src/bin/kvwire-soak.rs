@@ -906,6 +906,7 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     // transfer bound by CPU shows here, one bound by waits does not.
     let cpu: Vec<String> = r.daemons.iter().map(|d| format!("{} {:.0}", d.name, d.cpu_us_per(r.transfers))).collect();
     println!("cpu us per transfer (all threads): {}", cpu.join(", "));
+    println!("{}", kvwire_bench::host_conditions());
     // Whether receives were announced and claimed (no round trip) or offered.
     for d in &r.daemons {
         let starts: Vec<String> = d.counted.starts.iter().map(|(how, n)| format!("{how} {n}")).collect();
