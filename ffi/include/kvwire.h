@@ -278,6 +278,17 @@ kvw_result kvw_client_connect(const char *socket_path,
 // again.
 void kvw_client_free(struct kvw_client *client);
 
+// Sets the longest a [`crate::kvw_wait`] on this client polls the flag
+// page before it sleeps, in microseconds (0: every wait sleeps at once;
+// the default is 200). It polls only while this client's waits have been
+// that short, yielding the core to any thread that wants it: a thread
+// asleep on an idle core wakes only once the core leaves its halt, tens
+// of microseconds on a virtual machine.
+//
+// # Safety
+// `client` is NULL or live.
+kvw_result kvw_client_set_wait_spin(const struct kvw_client *client, uint32_t micros);
+
 // Writes the daemon's node name (what a source names as a transfer's
 // `peer`) into `buf`, NUL-terminated, and its length into `*out_len`.
 // Everything stays the caller's.
@@ -537,7 +548,8 @@ kvw_result kvw_produced(const struct kvw_client *client,
 // Blocks the calling thread until flag `flag` (a `KVW_FLAG_*`; `layer`
 // names the layer for `KVW_FLAG_LAYER_READY` and is ignored otherwise) of
 // `slot` is published, reading the mapped flag page — no round trip to the
-// daemon. Spins briefly, then sleeps in short steps. On success writes the
+// daemon. Polls while recent waits were short ([`crate::kvw_client_set_wait_spin`]),
+// then sleeps in short steps. On success writes the
 // nanoseconds from publish to seen (the notify hop).
 //
 // Fails with `KVW_TIMEOUT` after `timeout_ms` (the transfer may still

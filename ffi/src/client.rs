@@ -77,6 +77,23 @@ pub unsafe extern "C" fn kvw_client_free(client: *mut kvw_client) {
     });
 }
 
+/// Sets the longest a [`crate::kvw_wait`] on this client polls the flag
+/// page before it sleeps, in microseconds (0: every wait sleeps at once;
+/// the default is 200). It polls only while this client's waits have been
+/// that short, yielding the core to any thread that wants it: a thread
+/// asleep on an idle core wakes only once the core leaves its halt, tens
+/// of microseconds on a virtual machine.
+///
+/// # Safety
+/// `client` is NULL or live.
+#[no_mangle]
+pub unsafe extern "C" fn kvw_client_set_wait_spin(client: *const kvw_client, micros: u32) -> kvw_result {
+    client_guard(client, |c| {
+        c.client.set_wait_spin(std::time::Duration::from_micros(u64::from(micros)));
+        Ok(())
+    })
+}
+
 /// Writes the daemon's node name (what a source names as a transfer's
 /// `peer`) into `buf`, NUL-terminated, and its length into `*out_len`.
 /// Everything stays the caller's.

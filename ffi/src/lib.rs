@@ -49,7 +49,7 @@ mod transfer;
 #[cfg(test)]
 mod tests;
 
-pub use client::{kvw_client, kvw_client_connect, kvw_client_free, kvw_client_node};
+pub use client::{kvw_client, kvw_client_connect, kvw_client_free, kvw_client_node, kvw_client_set_wait_spin};
 pub use codes::{
     kvw_flag, kvw_result, kvw_state, KVW_FLAG_DECODER_USABLE, KVW_FLAG_LAYER_READY, KVW_FLAG_SOURCE_RELEASED, KVW_MESSAGE_MAX,
     KVW_STATE_CANCELLED, KVW_STATE_DONE, KVW_STATE_FAILED, KVW_STATE_PREPARED, KVW_STATE_RUNNING,

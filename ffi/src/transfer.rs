@@ -229,7 +229,8 @@ unsafe fn submit(
 /// Blocks the calling thread until flag `flag` (a `KVW_FLAG_*`; `layer`
 /// names the layer for `KVW_FLAG_LAYER_READY` and is ignored otherwise) of
 /// `slot` is published, reading the mapped flag page — no round trip to the
-/// daemon. Spins briefly, then sleeps in short steps. On success writes the
+/// daemon. Polls while recent waits were short ([`crate::kvw_client_set_wait_spin`]),
+/// then sleeps in short steps. On success writes the
 /// nanoseconds from publish to seen (the notify hop).
 ///
 /// Fails with `KVW_TIMEOUT` after `timeout_ms` (the transfer may still

@@ -355,6 +355,14 @@ impl FlagTable {
 
     /// Waits until `tag` is ready; returns the `notify` hop (publish → seen).
     pub fn wait(&self, tag: Tag, timeout: Duration) -> Result<Duration, WaitError> {
+        self.wait_spinning(tag, timeout, Duration::ZERO)
+    }
+
+    /// [`FlagTable::wait`], but polling the word for up to `spin` before it
+    /// sleeps, yielding the core to any other thread that wants it. A
+    /// sleeper on an idle core is woken only once that core leaves its
+    /// halt; a poller's core never halts.
+    pub fn wait_spinning(&self, tag: Tag, timeout: Duration, spin: Duration) -> Result<Duration, WaitError> {
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
@@ -374,6 +382,8 @@ impl FlagTable {
             spins += 1;
             if spins < 200 {
                 std::hint::spin_loop();
+            } else if waited < spin {
+                std::thread::yield_now();
             } else if let Some(w) = self.word(tag) {
                 let nap = (timeout - waited).min(Duration::from_millis(50));
                 match &self.sleepers {
@@ -518,6 +528,40 @@ mod tests {
             std::thread::yield_now();
         }
         assert!(board.anyone_on(daemon.index(tag)));
+        assert!(daemon.publish(tag));
+        assert!(waiter.join().unwrap().is_ok());
+    }
+
+    #[test]
+    fn a_polling_wait_declares_no_sleep_until_its_window_is_spent() {
+        let board = Arc::new(SleepBoard::default());
+        let (daemon, client, _decl) = daemon_and_client(&board);
+        let client = Arc::new(client);
+        // Within its window: polling, never asleep on the word, and it
+        // sees the publish.
+        let tag = Tag { slot: 1, layer: 2 };
+        let waiter = {
+            let c = client.clone();
+            std::thread::spawn(move || c.wait_spinning(tag, Duration::from_secs(30), Duration::from_secs(3600)))
+        };
+        let until = Instant::now() + Duration::from_millis(50);
+        while Instant::now() < until {
+            assert!(!board.anyone_on(client.index(tag)), "a polling wait declared a sleep");
+            std::thread::yield_now();
+        }
+        assert!(daemon.publish(tag));
+        assert!(waiter.join().unwrap().is_ok());
+        // Its window spent: asleep, declared, and woken by the publish.
+        let tag = Tag { slot: 2, layer: 0 };
+        let waiter = {
+            let c = client.clone();
+            std::thread::spawn(move || c.wait_spinning(tag, Duration::from_secs(30), Duration::from_micros(100)))
+        };
+        let started = Instant::now();
+        while !board.anyone_on(client.index(tag)) {
+            assert!(started.elapsed() < Duration::from_secs(30), "the wait never slept");
+            std::thread::yield_now();
+        }
         assert!(daemon.publish(tag));
         assert!(waiter.join().unwrap().is_ok());
     }

@@ -116,6 +116,7 @@ static void test_local_errors(void) {
   bool ready = true;
   CHECK(kvw_prepare_receive(NULL, "g", "r", DST_TABLE, 4, TOKENS, 0, &slot) == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(kvw_wait(NULL, 0, KVW_FLAG_DECODER_USABLE, 0, 1, &ns) == KVW_NULL_ARGUMENT, "NULL client");
+  CHECK(kvw_client_set_wait_spin(NULL, 0) == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(kvw_is_ready(NULL, 0, KVW_FLAG_DECODER_USABLE, 0, &ready) == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(kvw_cancel(NULL, 0) == KVW_NULL_ARGUMENT, "NULL client");
   CHECK(kvw_release_cache(NULL, "g", 0) == KVW_NULL_ARGUMENT, "NULL client");
@@ -237,6 +238,8 @@ static void test_transfer(const char *sock_a, const char *sock_b, const char *pe
   REQUIRE(r == KVW_OK, "submit: %u %s", r, client_error(a));
   CHECK(peer_slot == slot, "peer slot %u, prepared slot %u", peer_slot, slot);
   uint64_t ns = 0;
+  /* The destination's waits sleep at once; the source's poll first (the default). */
+  REQUIRE(kvw_client_set_wait_spin(b, 0) == KVW_OK, "set_wait_spin: %s", client_error(b));
   for (uint32_t layer = 0; layer < LAYERS; layer++) {
     r = kvw_wait(b, slot, KVW_FLAG_LAYER_READY, layer, 20000, &ns);
     CHECK(r == KVW_OK, "layer_ready(%u): %u %s", layer, r, client_error(b));
