@@ -75,6 +75,8 @@ pub struct Client {
     /// The daemon takes them unanswered ([`Request::NotifiedQuiet`]).
     quiet_notify: bool,
     spin: WaitSpin,
+    // The same for the daemon's replies ([`Client::call`]).
+    reply_spin: WaitSpin,
 }
 
 /// How long a wait on the flag page polls before it sleeps. A thread
@@ -109,6 +111,20 @@ impl WaitSpin {
 
     fn waited(&self, d: Duration) {
         self.last_ns.store(nanos(d), Ordering::Relaxed);
+    }
+}
+
+/// Polls `s` for input, yielding the core between looks, until it is
+/// readable or `window` passed.
+fn poll_readable(s: &UnixStream, window: Duration) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let started = Instant::now();
+    while started.elapsed() < window {
+        let mut fds = [PollFd::new(std::os::fd::AsFd::as_fd(s), PollFlags::POLLIN)];
+        if !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0)) {
+            return;
+        }
+        std::thread::yield_now();
     }
 }
 
@@ -148,7 +164,7 @@ impl Client {
             None => FlagTable::from_mem(mem, slots, columns),
         }
         .map_err(|e| ClientError::FlagPage(e.to_string()))?;
-        Ok(Client { sock, reader: Mutex::new(reader), node, flags, notified: Mutex::new(Vec::new()), quiet_notify, spin: WaitSpin::new(WAIT_SPIN) })
+        Ok(Client { sock, reader: Mutex::new(reader), node, flags, notified: Mutex::new(Vec::new()), quiet_notify, spin: WaitSpin::new(WAIT_SPIN), reply_spin: WaitSpin::new(WAIT_SPIN) })
     }
 
     /// One request, one reply. `notify` samples waiting to go are sent
@@ -202,7 +218,16 @@ impl Client {
     }
 
     fn recv(&self) -> Result<(Vec<u8>, Vec<std::os::fd::OwnedFd>), WireError> {
-        self.reader.lock().expect("reader lock").recv(&self.sock)
+        let mut reader = self.reader.lock().expect("reader lock");
+        if reader.buffered() > 0 {
+            return reader.recv(&self.sock);
+        }
+        // Nothing here yet: poll the socket first, as a flag wait polls its word.
+        let started = Instant::now();
+        poll_readable(&self.sock, self.reply_spin.window());
+        let got = reader.recv(&self.sock);
+        self.reply_spin.waited(started.elapsed());
+        got
     }
 
     fn reply(&self) -> Result<Reply, ClientError> {
@@ -298,6 +323,7 @@ impl Client {
     /// unless set). Zero: every wait sleeps at once.
     pub fn set_wait_spin(&self, max: Duration) {
         self.spin.max_ns.store(nanos(max), Ordering::Relaxed);
+        self.reply_spin.max_ns.store(nanos(max), Ordering::Relaxed);
     }
 
     /// The flag, read from the page without waiting.

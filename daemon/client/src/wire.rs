@@ -161,6 +161,11 @@ pub struct UnixReader {
 const READ_ROOM: usize = 16 << 10;
 
 impl UnixReader {
+    /// Bytes read and not yet handed out.
+    pub fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
     /// A reader of a connection that it alone reads from now on.
     pub fn new() -> UnixReader {
         UnixReader { buf: vec![0; READ_ROOM], start: 0, end: 0, base: 0, fds: Vec::new(), exact: false }
