@@ -78,11 +78,12 @@ pub unsafe extern "C" fn kvw_client_free(client: *mut kvw_client) {
 }
 
 /// Sets the longest a [`crate::kvw_wait`] on this client polls the flag
-/// page before it sleeps, in microseconds (0: every wait sleeps at once;
-/// the default is 200). It polls only while this client's waits have been
-/// that short, yielding the core to any thread that wants it: a thread
-/// asleep on an idle core wakes only once the core leaves its halt, tens
-/// of microseconds on a virtual machine.
+/// page, and a call on it polls for the daemon's reply, before it sleeps,
+/// in microseconds (0: every wait sleeps at once; the default is 200). Each
+/// polls only while this client's waits of its kind have been that short,
+/// yielding the core to any thread that wants it: a thread asleep on an
+/// idle core wakes only once the core leaves its halt, tens of
+/// microseconds on a virtual machine.
 ///
 /// # Safety
 /// `client` is NULL or live.

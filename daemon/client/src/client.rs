@@ -79,7 +79,8 @@ pub struct Client {
     reply_spin: WaitSpin,
 }
 
-/// How long a wait on the flag page polls before it sleeps. A thread
+/// How long a wait (on the flag page, or for a reply to a call) polls
+/// before it sleeps; one for each kind of wait. A thread
 /// asleep on an idle core is woken by an interrupt that must first bring
 /// the core out of its halt: measured on a 2-vCPU VM, 17-31 µs against
 /// 1-2 µs for a core that was busy, a sixth of a 64 KiB transfer's
@@ -318,9 +319,10 @@ impl Client {
         Ok(d)
     }
 
-    /// The longest a [`Client::wait`] polls the flag page before it sleeps
-    /// (it polls only while waits have been that short; [`WAIT_SPIN`]
-    /// unless set). Zero: every wait sleeps at once.
+    /// The longest a [`Client::wait`] polls the flag page, and a call polls
+    /// for its reply, before it sleeps (each polls only while its kind of
+    /// wait has been that short; [`WAIT_SPIN`] unless set). Zero: every
+    /// wait sleeps at once.
     pub fn set_wait_spin(&self, max: Duration) {
         self.spin.max_ns.store(nanos(max), Ordering::Relaxed);
         self.reply_spin.max_ns.store(nanos(max), Ordering::Relaxed);
