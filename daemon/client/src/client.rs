@@ -75,12 +75,10 @@ pub struct Client {
     /// The daemon takes them unanswered ([`Request::NotifiedQuiet`]).
     quiet_notify: bool,
     spin: WaitSpin,
-    // The same for the daemon's replies ([`Client::call`]).
-    reply_spin: WaitSpin,
 }
 
 /// How long a wait (on the flag page, or for a reply to a call) polls
-/// before it sleeps; one for each kind of wait. A thread
+/// before it sleeps: one window, and each kind of wait's last length. A thread
 /// asleep on an idle core is woken by an interrupt that must first bring
 /// the core out of its halt: measured on a 2-vCPU VM, 17-31 µs against
 /// 1-2 µs for a core that was busy, a sixth of a 64 KiB transfer's
@@ -91,7 +89,15 @@ pub struct Client {
 #[derive(Debug)]
 struct WaitSpin {
     max_ns: AtomicU64,
-    last_ns: AtomicU64,
+    // The last wait of each kind ([`Wait`]), in ns.
+    last_ns: [AtomicU64; 2],
+}
+
+/// A kind of wait, each followed by its own window ([`WaitSpin`]).
+#[derive(Debug, Clone, Copy)]
+enum Wait {
+    Flag,
+    Reply,
 }
 
 /// [`WaitSpin`]'s window unless [`Client::set_wait_spin`] says otherwise.
@@ -102,16 +108,16 @@ pub const WAIT_SPIN: Duration = Duration::from_micros(200);
 
 impl WaitSpin {
     fn new(max: Duration) -> WaitSpin {
-        WaitSpin { max_ns: AtomicU64::new(nanos(max)), last_ns: AtomicU64::new(0) }
+        WaitSpin { max_ns: AtomicU64::new(nanos(max)), last_ns: [AtomicU64::new(0), AtomicU64::new(0)] }
     }
 
-    fn window(&self) -> Duration {
+    fn window(&self, w: Wait) -> Duration {
         let max = self.max_ns.load(Ordering::Relaxed);
-        Duration::from_nanos(if self.last_ns.load(Ordering::Relaxed) <= max { max } else { 0 })
+        Duration::from_nanos(if self.last_ns[w as usize].load(Ordering::Relaxed) <= max { max } else { 0 })
     }
 
-    fn waited(&self, d: Duration) {
-        self.last_ns.store(nanos(d), Ordering::Relaxed);
+    fn waited(&self, w: Wait, d: Duration) {
+        self.last_ns[w as usize].store(nanos(d), Ordering::Relaxed);
     }
 }
 
@@ -165,7 +171,7 @@ impl Client {
             None => FlagTable::from_mem(mem, slots, columns),
         }
         .map_err(|e| ClientError::FlagPage(e.to_string()))?;
-        Ok(Client { sock, reader: Mutex::new(reader), node, flags, notified: Mutex::new(Vec::new()), quiet_notify, spin: WaitSpin::new(WAIT_SPIN), reply_spin: WaitSpin::new(WAIT_SPIN) })
+        Ok(Client { sock, reader: Mutex::new(reader), node, flags, notified: Mutex::new(Vec::new()), quiet_notify, spin: WaitSpin::new(WAIT_SPIN) })
     }
 
     /// One request, one reply. `notify` samples waiting to go are sent
@@ -225,9 +231,9 @@ impl Client {
         }
         // Nothing here yet: poll the socket first, as a flag wait polls its word.
         let started = Instant::now();
-        poll_readable(&self.sock, self.reply_spin.window());
+        poll_readable(&self.sock, self.spin.window(Wait::Reply));
         let got = reader.recv(&self.sock);
-        self.reply_spin.waited(started.elapsed());
+        self.spin.waited(Wait::Reply, started.elapsed());
         got
     }
 
@@ -304,8 +310,8 @@ impl Client {
     /// daemon records in its `notify` histogram (sent with the next call).
     pub fn wait(&self, slot: u16, flag: FlagName, timeout: Duration) -> Result<Duration, ClientError> {
         let started = Instant::now();
-        let waited = self.flags.wait_spinning(Tag { slot, layer: flag.column() }, timeout, self.spin.window());
-        self.spin.waited(started.elapsed());
+        let waited = self.flags.wait_spinning(Tag { slot, layer: flag.column() }, timeout, self.spin.window(Wait::Flag));
+        self.spin.waited(Wait::Flag, started.elapsed());
         let d = waited?;
         let full = {
             let mut n = self.notified.lock().expect("notified lock");
@@ -325,7 +331,6 @@ impl Client {
     /// wait sleeps at once.
     pub fn set_wait_spin(&self, max: Duration) {
         self.spin.max_ns.store(nanos(max), Ordering::Relaxed);
-        self.reply_spin.max_ns.store(nanos(max), Ordering::Relaxed);
     }
 
     /// The flag, read from the page without waiting.
@@ -381,22 +386,24 @@ impl Drop for Client {
 
 #[cfg(test)]
 mod tests {
-    use super::{WaitSpin, WAIT_SPIN};
+    use super::{Wait, WaitSpin, WAIT_SPIN};
     use std::sync::atomic::Ordering;
     use std::time::Duration;
 
     #[test]
     fn a_wait_polls_only_after_waits_no_longer_than_the_window() {
         let s = WaitSpin::new(WAIT_SPIN);
-        assert_eq!(s.window(), WAIT_SPIN, "the first wait polls");
-        s.waited(WAIT_SPIN / 2);
-        assert_eq!(s.window(), WAIT_SPIN);
-        s.waited(WAIT_SPIN * 3);
-        assert_eq!(s.window(), Duration::ZERO, "after a long wait the next sleeps at once");
-        s.waited(WAIT_SPIN);
-        assert_eq!(s.window(), WAIT_SPIN, "a short one brings polling back");
+        assert_eq!(s.window(Wait::Flag), WAIT_SPIN, "the first wait polls");
+        s.waited(Wait::Flag, WAIT_SPIN / 2);
+        assert_eq!(s.window(Wait::Flag), WAIT_SPIN);
+        s.waited(Wait::Flag, WAIT_SPIN * 3);
+        assert_eq!(s.window(Wait::Flag), Duration::ZERO, "after a long wait the next sleeps at once");
+        assert_eq!(s.window(Wait::Reply), WAIT_SPIN, "each kind of wait follows its own");
+        s.waited(Wait::Flag, WAIT_SPIN);
+        assert_eq!(s.window(Wait::Flag), WAIT_SPIN, "a short one brings polling back");
         s.max_ns.store(0, Ordering::Relaxed);
-        s.waited(Duration::ZERO);
-        assert_eq!(s.window(), Duration::ZERO, "a zero window never polls");
+        s.waited(Wait::Flag, Duration::ZERO);
+        assert_eq!(s.window(Wait::Flag), Duration::ZERO, "a zero window never polls");
+        assert_eq!(s.window(Wait::Reply), Duration::ZERO, "one window for both kinds");
     }
 }
