@@ -309,6 +309,16 @@ def test_transfer_every_layer_and_every_byte(d):
 
         # Prepared naming its source: A's connection is idle at B now, so the
         # receive is announced and A's submit claims it; the same bytes land.
+        # Both clients' waits and calls sleep at once now, woken by the publish.
+        for c in (a, b):
+            c.set_wait_spin(0)
+            for bad in (-1, 1 << 32, 1.5, True, "200"):
+                try:
+                    c.set_wait_spin(bad)
+                except ValueError as e:
+                    assert "wait spin" in str(e), e
+                else:
+                    raise AssertionError("set_wait_spin(%r) was taken" % (bad,))
         for m in dst:
             m.fill(CANARY)
         slot, announced = b.prepare_announced("py-decode", "r1b", DST["table"], TOKENS, source=a.node)

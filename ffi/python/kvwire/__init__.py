@@ -139,6 +139,7 @@ _cache_size = _sig("kvw_cache_size", _u32, _c, _c, _c, _u32, _u32, _P(_u32), _P(
 _connect = _sig("kvw_client_connect", _u32, _c, _c, _P(_vp))
 _client_free = _sig("kvw_client_free", None, _vp)
 _client_node = _sig("kvw_client_node", _u32, _vp, ctypes.c_char_p, _sz, _P(_sz))
+_set_wait_spin = _sig("kvw_client_set_wait_spin", _u32, _vp, _u32)
 _register = _sig(
     "kvw_register_cache", _u32, _vp, _c, _c, _c, _c, _u32, _u32, _c, _vp, _P(_u32), _P(_u64), _P(ctypes.c_bool)
 )
@@ -324,6 +325,18 @@ class Client(_Handle):
 
     def last_error(self) -> str:
         return _text(_client_last_error, self.handle)
+
+    def set_wait_spin(self, micros: int) -> None:
+        """The longest a wait polls the flag page, and a call polls for the
+        daemon's reply, before it sleeps, in microseconds (0: every wait
+        sleeps at once; 200 unless set). Each polls only while this client's
+        waits of its kind have been that short, yielding the core to any
+        thread that wants it. A thread asleep on an idle core wakes only once
+        that core leaves its halt, tens of microseconds on a virtual machine;
+        an engine whose own threads want every core may prefer 0."""
+        if isinstance(micros, bool) or not isinstance(micros, int) or not 0 <= micros < 1 << 32:
+            raise ValueError("wait spin: %r is not a whole number of microseconds from 0 to 2^32 - 1" % (micros,))
+        self._call(_set_wait_spin, micros)
 
     def register_cache(self, group: str, model: Model, fmt: str, layout: str, rank: int, num_blocks: int, identity: Identity, mem: Mem) -> Tuple[int, int, bool]:
         """Registers one rank's cache held in ``mem``; returns

@@ -106,6 +106,11 @@ shared under a token made from vLLM's engine id); rank 0 prepares or
 submits for the group, and the other ranks report at once, since vLLM
 waits for every rank's report before it frees or schedules a request.
 
+Waits on the flag page poll for up to 200 us while recent waits were that
+short, then sleep; ``"wait_spin_us": N`` in the extra config sets how long
+(0: sleep at once, for engines whose own threads want every core;
+:meth:`kvwire.Client.set_wait_spin`).
+
 Not yet: synchronous loads, pipeline parallelism and the hybrid allocator
 (``SupportsHMA``). With ``"trace": PATH`` in the extra config,
 the hook calls of every step with kvwire work in it, the per-request
@@ -242,6 +247,7 @@ class KvwireConnector(KVConnectorBase_V1):
         self._tenant: str = extra.get("tenant", "default")
         self._submit_timeout = float(extra.get("submit_timeout_s", 60.0))
         self._recv_timeout = float(extra.get("recv_timeout_s", 120.0))
+        self._wait_spin: Optional[int] = extra.get("wait_spin_us")
         # Move each layer as the producer's forward writes it (else the request
         # whole, after the forward). Not by default on CPU engines: there the
         # forward's OpenMP threads share the cores with the daemons, and
@@ -350,6 +356,8 @@ class KvwireConnector(KVConnectorBase_V1):
         self._leader = self._rank == 0
         self._follow_recv: Set[str] = set()
         self._client = Client(self._socket, "vllm-%s-%s-rank%d" % ("producer" if self._producer else "consumer", self._group, self._rank))
+        if self._wait_spin is not None:
+            self._client.set_wait_spin(self._wait_spin)
         if self._tp > 1:
             # Every rank registers from its own process: they share the group under one token.
             self._client.share_group(self._group, "vllm-engine-%s" % vllm_config.kv_transfer_config.engine_id)
