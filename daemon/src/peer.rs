@@ -54,7 +54,7 @@ pub const MAX_HANDSHAKE_MESSAGE: usize = 4096;
 /// [`MAX_HANDSHAKE_MESSAGE`] before reading its body.
 fn read_handshake(r: &mut impl Read) -> Result<PeerMsg, WireError> {
     let body = read_body(r, MAX_HANDSHAKE_MESSAGE, |len| {
-        WireError::Json(format!("handshake message of {len} bytes; at most {MAX_HANDSHAKE_MESSAGE} before authentication"))
+        WireError::Peer(format!("handshake message of {len} bytes; at most {MAX_HANDSHAKE_MESSAGE} before authentication"))
     })?;
     kvwire_client::wire::parse(&body)
 }
@@ -416,9 +416,9 @@ pub fn seal_frame(key: &[u8; 32], seq: u64, m: &PeerMsg) -> Vec<u8> {
 pub fn open_frame(key: &[u8; 32], seq: u64, r: &mut impl Read) -> Result<PeerMsg, WireError> {
     let (body, seal) = read_sealed(r)?;
     if !auth::verify(key, "kvwire-peer-frame-v1", &[&seq.to_le_bytes(), &body], &seal) {
-        return Err(WireError::Json(format!("message {seq} fails its seal: forged, replayed or out of order")));
+        return Err(WireError::Peer(format!("message {seq} fails its seal: forged, replayed or out of order")));
     }
-    PeerMsg::from_binary(&body).map_err(WireError::Json)
+    PeerMsg::from_binary(&body).map_err(WireError::Peer)
 }
 
 /// Reads one sealed frame: its body and its seal, unchecked.
@@ -501,7 +501,23 @@ mod tests {
         raw.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
         raw.write_all(&body).unwrap();
         raw.write_all(&[0u8; SEAL_LEN]).unwrap();
-        assert!(b.recv().unwrap_err().to_string().contains("fails its seal"));
+        assert_eq!(b.recv().unwrap_err().to_string(), "message 1 fails its seal: forged, replayed or out of order");
+    }
+
+    #[test]
+    fn a_sealed_message_that_does_not_parse_is_named_once() {
+        let (a, mut b, _raw) = pair();
+        // Sealed with the sender's key at its next place in the stream, but
+        // not a message: the refusal says so, without a second prefix.
+        let body = [15u8];
+        let key = a.tx.lock().unwrap().key;
+        let mut s = a.stream.try_clone().unwrap();
+        s.write_all(&(body.len() as u32).to_le_bytes()).unwrap();
+        s.write_all(&body).unwrap();
+        s.write_all(&auth::mac(&key, "kvwire-peer-frame-v1", &[&0u64.to_le_bytes(), &body])).unwrap();
+        let e = b.recv().unwrap_err().to_string();
+        assert!(e.starts_with("malformed peer message: "), "{e}");
+        assert!(!e.contains("malformed message"), "{e}");
     }
 
     #[test]

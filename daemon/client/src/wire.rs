@@ -38,6 +38,10 @@ pub enum WireError {
     /// Not the JSON expected.
     #[error("malformed message: {0}")]
     Json(String),
+    /// A peer message refused before or as it was parsed (its seal, its
+    /// size before authentication, its binary form): the text says which.
+    #[error("{0}")]
+    Peer(String),
 }
 
 impl WireError {
