@@ -617,7 +617,8 @@ pub struct CostModel {
     pub strided: bool,
     /// Strided writes of runs shorter than [`STRIDED_MIN_RUN`] pay off
     /// where the runs lie back to back at the destination (shm: a copy a
-    /// run; over tcp each run is a slice sent and a read apart).
+    /// run; over tcp each run is a slice sent, and a frame's runs under a
+    /// few KiB in all are read one by one through the receive buffer).
     pub strided_short_runs: bool,
 }
 

@@ -25,7 +25,7 @@ use crate::hello;
 use crate::ledger::{Ledger, UnknownPart};
 use crate::{Batch, BatchId, Completion, Connection, Endpoint, TransportError};
 use kvwire_core::protocol::{Header, Hello, Kind, HEADER_LEN, STRIDE_PREFIX};
-use std::io::{BufRead, BufReader, BufWriter, IoSlice, Read, Write};
+use std::io::{BufRead, BufReader, BufWriter, IoSlice, IoSliceMut, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -217,18 +217,21 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
         let result = accept::accept(registry, placement, peer_id, w, |a: &Admitted| {
             payload_read = true;
             let (runs, stride) = w.stride.unwrap_or((1, 0));
-            for i in 0..runs {
-                // SAFETY: each run lies inside the write's span, which lies
-                // inside the region's live mapping (admit checked it against
-                // the registry; the region Arc keeps the mapping alive). The
-                // bytes are not counted as placed yet, so no reader may look
-                // at them (flags are the only licence to read); a plan sends
-                // two writes to one byte only when a slice is re-sent after a
-                // rail failed, and then with the same bytes. The slice lives
-                // only for this read.
-                let dst = unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add((a.mem_offset() + i * stride) as usize), w.len as usize) };
-                read_payload(&mut reader, dst).map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
-            }
+            // SAFETY: each run lies inside the write's span, which lies
+            // inside the region's live mapping (admit checked it against
+            // the registry; the region Arc keeps the mapping alive), and
+            // the runs lie apart (admit refused a strided write whose runs
+            // overlap), so no two slices alias. The bytes are not counted
+            // as placed yet, so no reader may look at them (flags are the
+            // only licence to read); a plan sends two writes to one byte
+            // only when a slice is re-sent after a rail failed, and then
+            // with the same bytes. The slices live only for this read.
+            let run = |i: u64| unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add((a.mem_offset() + i * stride) as usize), w.len as usize) };
+            let read = match runs {
+                1 => read_payload(&mut reader, run(0)),
+                _ => read_runs(&mut reader, (0..runs).map(run).collect()),
+            };
+            read.map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
             Ok(Instant::now())
         });
         let answer = match result {
@@ -276,6 +279,41 @@ fn read_payload(reader: &mut BufReader<TcpStream>, dst: &mut [u8]) -> std::io::R
         true => reader.get_mut().read_exact(rest),
         false => reader.read_exact(rest),
     }
+}
+
+/// Fills a strided write's runs, in order: from what is buffered, then,
+/// for a large remainder, straight from the socket into all of them at
+/// once (one vectored read, not a read a run, nor a copy through the
+/// buffer).
+fn read_runs(reader: &mut BufReader<TcpStream>, mut runs: Vec<&mut [u8]>) -> std::io::Result<()> {
+    let mut first = 0;
+    while first < runs.len() && !reader.buffer().is_empty() {
+        let have = reader.buffer().len().min(runs[first].len());
+        runs[first][..have].copy_from_slice(&reader.buffer()[..have]);
+        reader.consume(have);
+        let rest = std::mem::take(&mut runs[first]);
+        runs[first] = &mut rest[have..];
+        if runs[first].is_empty() {
+            first += 1;
+        }
+    }
+    let left: usize = runs[first..].iter().map(|r| r.len()).sum();
+    if left < RECV_BUFFER / 4 {
+        // Small: through the buffer, which takes the frames after it too.
+        return runs[first..].iter_mut().try_for_each(|r| reader.read_exact(r));
+    }
+    // The buffer is empty here (a run was left to fill), so no buffered byte is skipped.
+    let mut bufs: Vec<IoSliceMut<'_>> = runs[first..].iter_mut().map(|r| IoSliceMut::new(r)).collect();
+    let mut bufs = &mut bufs[..];
+    while !bufs.is_empty() {
+        match reader.get_mut().read_vectored(bufs) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => IoSliceMut::advance_slices(&mut bufs, n),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// How serving one write frame ended, when not placed and counted.

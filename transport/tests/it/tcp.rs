@@ -433,6 +433,41 @@ fn a_strided_write_with_runs_past_a_frame_is_refused_at_post() {
     assert_eq!(p.conn().framing_bytes(), 0);
 }
 
+/// Strided writes of long runs, several in one batch: the destination
+/// reads each one's runs straight from the socket into place (what the
+/// buffer already holds first), stopping at its last byte, so the frame
+/// after it is read whole; every row lands and counts once.
+#[test]
+fn strided_writes_of_long_runs_back_to_back_land_exactly() {
+    let mut p = pair();
+    let (runs, row, writes) = (6u64, 6000u64, 3u64);
+    let span = writes * runs * 2 * row;
+    let dst = conformance::Window::new(&*p.dst, 5, span);
+    let (src, data) = conformance::source(&*p.src, writes * runs * row, 11);
+    let t = conformance::tag(5, 0);
+    p.dst.placement().expect(t, writes * runs * row).unwrap();
+    let before = dst.bytes();
+    // Write k fills rows k, k + writes, ... of a table whose rows are 2 * row apart.
+    let op = |k: u64| WriteOp {
+        stride: Some(kvwire_transport::Stride { count: runs, src: row, dst: 2 * row * writes }),
+        ..conformance::w(&src, k * runs * row, &dst.region, 2 * row * k, row)
+    };
+    p.conn().post(Batch { tag: t, writes: (0..writes).map(op).collect() }).unwrap();
+    assert_eq!(conformance::complete(p.conn(), 1)[0].result, Ok(()));
+    p.dst.placement().wait(t, Duration::from_secs(5)).unwrap();
+    assert_eq!(p.dst.placement().placed_bytes(t), writes * runs * row);
+    let mut want = before;
+    for k in 0..writes {
+        for r in 0..runs {
+            let from = ((k * runs + r) * row) as usize;
+            let to = (2 * row * k + r * 2 * row * writes) as usize;
+            want[to..to + row as usize].copy_from_slice(&data[from..from + row as usize]);
+        }
+    }
+    assert!(dst.bytes() == want, "rows landed out of place");
+    dst.assert_guards();
+}
+
 /// A strided write of more runs than one gathered write carries goes as
 /// several frames of whole runs; each counts once, and the rows land.
 #[test]
