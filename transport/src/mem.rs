@@ -224,6 +224,14 @@ impl HostMem {
             return Ok(());
         }
         let (count, stride, dst_stride) = (count as usize, stride as usize, dst_stride as usize);
+        // Rows of whole lines, into lines of their own, past the caches too
+        // (a remap's destination rows, at a copy this large).
+        #[cfg(target_arch = "x86_64")]
+        if apart && len as usize * count >= stream_from && stream::rows_fit(to, dst_stride, len as usize) {
+            // SAFETY: as below.
+            unsafe { stream::rows(from, stride, to, dst_stride, len as usize, count) };
+            return Ok(());
+        }
         // A remap's rows are a head's elements: 64 to 512 bytes. Copied at
         // a size known here, each is a few vector moves, not a call of
         // memmove; disjoint spans make that sound.
@@ -351,6 +359,34 @@ mod stream {
             // is done must see them.
             _mm_sfence();
             std::ptr::copy_nonoverlapping(from, to, len);
+        }
+    }
+
+    /// Whether rows of `len` bytes, `dst_stride` apart from `to`, are whole
+    /// lines each starting a line: then [`rows`] streams them.
+    pub(super) fn rows_fit(to: *mut u8, dst_stride: usize, len: usize) -> bool {
+        len > 0 && len % LINE == 0 && dst_stride % LINE == 0 && to.align_offset(LINE) == 0
+    }
+
+    /// `count` rows of `len` bytes, `stride` apart at `from` and
+    /// `dst_stride` at `to`, with streamed stores: each written line costs
+    /// no read for ownership first, which a row copied plainly into cold
+    /// memory does.
+    ///
+    /// # Safety
+    /// As [`super::copy_rows`], and [`rows_fit`] holds.
+    pub(super) unsafe fn rows(from: *const u8, stride: usize, to: *mut u8, dst_stride: usize, len: usize, count: usize) {
+        // SAFETY (throughout): every access lies in a row, which lies in
+        // live memory on both sides; stores are line-aligned (`rows_fit`).
+        unsafe {
+            for i in 0..count {
+                let (f, t) = (from.add(i * stride), to.add(i * dst_stride));
+                for o in (0..len).step_by(LINE) {
+                    line(f.add(o), t.add(o));
+                }
+            }
+            // As in `copy`: whoever is told the rows landed must see them.
+            _mm_sfence();
         }
     }
 }

@@ -836,8 +836,10 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
     let dst = r.regions.get(&(seg.dst_rank, seg.dst_region))?;
     if r.codec.is_none() {
         // Runs go straight from staging into the cache: one copy for all
-        // where they lie back to back there too.
-        return stage.mem.copy_runs_to(st.offset, seg.len, &dst.mem, dst.offset + seg.dst_offset, seg.dst_stride, seg.len, seg.count).ok();
+        // where they lie back to back there too. The daemon reads none of
+        // them again (the stage was hashed): a large segment's are streamed
+        // past the caches.
+        return stage.mem.copy_runs_to_cold(st.offset, seg.len, &dst.mem, dst.offset + seg.dst_offset, seg.dst_stride, seg.len, seg.count).ok();
     }
     let bytes = read_mem(&stage.mem, st.offset, st.size)?;
     let data = schedule::unpack(&bytes, st, &r.format, r.codec)?;

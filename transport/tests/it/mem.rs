@@ -73,6 +73,41 @@ fn strided_runs_copy_as_run_by_run_copies_would() {
     assert!(src.copy_runs_to(0, 1024, &m, 0, 128, 128, 64).is_err());
 }
 
+/// Rows copied cold, from 256 KiB of them on, land byte for byte like
+/// rows copied one by one: streamed where each destination row is whole
+/// lines starting a line, plainly where a row or the stride is not (odd
+/// row sizes, a destination off a line); the bytes between the rows are
+/// untouched.
+#[test]
+fn cold_rows_land_exactly_streamed_or_not() {
+    use kvwire_transport::mem::STREAM_COLD;
+    const N: usize = 6 << 20;
+    let src = HostMem::new("src", N as u64).unwrap();
+    let fill: Vec<u8> = (0..N as u32).map(|i| (i * 29 + i / 4091) as u8).collect();
+    src.write(0, &fill).unwrap();
+    // (src offset, src stride, dst offset, dst stride, len): a tp8 -> tp2
+    // remap's 256-byte rows a kilobyte apart, a source off alignment, rows
+    // of odd lengths or strides, and a destination off a line.
+    let cases = [(0, 256, 0, 1024, 256), (3, 192, 128, 512, 192), (0, 300, 0, 1024, 300), (0, 256, 64, 1000, 256), (0, 128, 32, 1024, 128), (5, 512, 4096, 2048, 512)];
+    for (so, ss, d0, ds, len) in cases {
+        // Just past the threshold, so the rows are copied cold.
+        let count = (STREAM_COLD / len + 1) as u64;
+        let (so, ss, d0, ds, len) = (so as u64, ss as u64, d0 as u64, ds as u64, len as u64);
+        assert!(so + (count - 1) * ss + len <= N as u64 && d0 + (count - 1) * ds + len <= N as u64);
+        let dst = HostMem::new("dst", N as u64).unwrap();
+        dst.write(0, &vec![0xCD; N]).unwrap();
+        src.copy_runs_to_cold(so, ss, &dst, d0, ds, len, count).unwrap();
+        let mut want = vec![0xCDu8; N];
+        for i in 0..count {
+            let (a, b) = ((so + i * ss) as usize, (d0 + i * ds) as usize);
+            want[b..b + len as usize].copy_from_slice(&fill[a..a + len as usize]);
+        }
+        let mut got = vec![0u8; N];
+        dst.read(0, &mut got).unwrap();
+        assert!(got == want, "case {:?}", (so, ss, d0, ds, len, count));
+    }
+}
+
 /// Copies streamed past the caches land byte for byte like small ones,
 /// whatever the alignment of either side and whatever is left over after
 /// the last whole line or block of pages; the bytes around the destination
