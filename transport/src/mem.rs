@@ -197,6 +197,15 @@ impl HostMem {
         self.copy_runs(offset, stride, dst, dst_offset, dst_stride, len, count, STREAM_COLD)
     }
 
+    /// [`HostMem::copy_runs_to_cold`] for bytes that are part of a transfer
+    /// larger than the caches, however few of them this copy moves: they
+    /// are streamed past the caches whatever their size (rows where each is
+    /// whole lines starting a line).
+    #[allow(clippy::too_many_arguments)] // both sides' offsets and strides
+    pub fn copy_runs_to_streamed(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64) -> Result<(), MemError> {
+        self.copy_runs(offset, stride, dst, dst_offset, dst_stride, len, count, 0)
+    }
+
     #[allow(clippy::too_many_arguments)] // both sides' offsets and strides, and when to stream
     fn copy_runs(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64, stream_from: usize) -> Result<(), MemError> {
         if count == 0 {

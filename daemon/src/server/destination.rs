@@ -829,6 +829,16 @@ fn land_part(r: &Receive, part: &Part, verifying: bool, layer: usize) -> Result<
     Ok(Landed { sums, hashing, unpacking, unpacked })
 }
 
+/// A transfer of this many bytes unpacks every segment with streamed
+/// stores, not only those of 256 KiB or more
+/// ([`kvwire_transport::mem::STREAM_COLD`]): its rows cannot all stay in the
+/// caches, and each row copied plainly first reads its lines for ownership.
+/// Measured with `kvwire bench layouts` over tcp, llama-3.1-8b tp=8 -> tp=2
+/// at 256 tokens (32 MiB in 64 KiB segments), 3 runs each: unpack 2.2-2.9
+/// ms against 5.1-6.4, best 15.7-17.5 ms against 17.3-20.4. A small one (a
+/// 1 MiB remap) stays in the caches, where the engine reads it next.
+const UNPACK_STREAMS_FROM: u64 = 8 << 20;
+
 /// Moves one staged segment from the staging buffer into its runs in the
 /// cache (decoding it on the way with a codec); `None` when a range is not there.
 fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
@@ -837,9 +847,14 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
     if r.codec.is_none() {
         // Runs go straight from staging into the cache: one copy for all
         // where they lie back to back there too. The daemon reads none of
-        // them again (the stage was hashed): a large segment's are streamed
-        // past the caches.
-        return stage.mem.copy_runs_to_cold(st.offset, seg.len, &dst.mem, dst.offset + seg.dst_offset, seg.dst_stride, seg.len, seg.count).ok();
+        // them again (the stage was hashed): a large segment's, or any of a
+        // transfer too large to stay in the caches, are streamed past them.
+        let dst_at = dst.offset + seg.dst_offset;
+        return match r.p.plan.counters.total_bytes_moved >= UNPACK_STREAMS_FROM {
+            true => stage.mem.copy_runs_to_streamed(st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
+            false => stage.mem.copy_runs_to_cold(st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
+        }
+        .ok();
     }
     let bytes = read_mem(&stage.mem, st.offset, st.size)?;
     let data = schedule::unpack(&bytes, st, &r.format, r.codec)?;

@@ -73,10 +73,11 @@ fn strided_runs_copy_as_run_by_run_copies_would() {
     assert!(src.copy_runs_to(0, 1024, &m, 0, 128, 128, 64).is_err());
 }
 
-/// Rows copied cold, from 256 KiB of them on, land byte for byte like
-/// rows copied one by one: streamed where each destination row is whole
-/// lines starting a line, plainly where a row or the stride is not (odd
-/// row sizes, a destination off a line); the bytes between the rows are
+/// Rows copied cold (from 256 KiB of them on) or as part of a transfer
+/// too large for the caches (any number) land byte for byte like rows
+/// copied one by one: streamed where each destination row is whole lines
+/// starting a line, plainly where a row or the stride is not (odd row
+/// sizes, a destination off a line); the bytes between the rows are
 /// untouched.
 #[test]
 fn cold_rows_land_exactly_streamed_or_not() {
@@ -89,14 +90,19 @@ fn cold_rows_land_exactly_streamed_or_not() {
     // remap's 256-byte rows a kilobyte apart, a source off alignment, rows
     // of odd lengths or strides, and a destination off a line.
     let cases = [(0, 256, 0, 1024, 256), (3, 192, 128, 512, 192), (0, 300, 0, 1024, 300), (0, 256, 64, 1000, 256), (0, 128, 32, 1024, 128), (5, 512, 4096, 2048, 512)];
-    for (so, ss, d0, ds, len) in cases {
-        // Just past the threshold, so the rows are copied cold.
-        let count = (STREAM_COLD / len + 1) as u64;
+    // Just past the cold threshold; and a few rows, or a range shorter than
+    // a line, copied as part of a transfer too large for the caches.
+    let cold = |len: usize| (STREAM_COLD / len + 1) as u64;
+    let runs = cases.iter().map(|&c| (c, cold(c.4), false)).chain(cases.iter().map(|&c| (c, 3, true))).chain([((9, 40, 70, 40, 40), 1, true), ((0, 64, 0, 64, 64), 2, true)]);
+    for ((so, ss, d0, ds, len), count, streamed) in runs {
         let (so, ss, d0, ds, len) = (so as u64, ss as u64, d0 as u64, ds as u64, len as u64);
         assert!(so + (count - 1) * ss + len <= N as u64 && d0 + (count - 1) * ds + len <= N as u64);
         let dst = HostMem::new("dst", N as u64).unwrap();
         dst.write(0, &vec![0xCD; N]).unwrap();
-        src.copy_runs_to_cold(so, ss, &dst, d0, ds, len, count).unwrap();
+        match streamed {
+            true => src.copy_runs_to_streamed(so, ss, &dst, d0, ds, len, count).unwrap(),
+            false => src.copy_runs_to_cold(so, ss, &dst, d0, ds, len, count).unwrap(),
+        }
         let mut want = vec![0xCDu8; N];
         for i in 0..count {
             let (a, b) = ((so + i * ss) as usize, (d0 + i * ds) as usize);
