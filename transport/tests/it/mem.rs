@@ -83,9 +83,7 @@ fn strided_runs_copy_as_run_by_run_copies_would() {
 fn cold_rows_land_exactly_streamed_or_not() {
     use kvwire_transport::mem::STREAM_COLD;
     const N: usize = 6 << 20;
-    let src = HostMem::new("src", N as u64).unwrap();
-    let fill: Vec<u8> = (0..N as u32).map(|i| (i * 29 + i / 4091) as u8).collect();
-    src.write(0, &fill).unwrap();
+    let (src, fill) = filled(N, 29, 4091);
     // (src offset, src stride, dst offset, dst stride, len): a tp8 -> tp2
     // remap's 256-byte rows a kilobyte apart, a source off alignment, rows
     // of odd lengths or strides, and a destination off a line.
@@ -122,9 +120,7 @@ fn cold_rows_land_exactly_streamed_or_not() {
 fn streamed_copies_land_exactly_at_any_alignment() {
     use kvwire_transport::mem::STREAM_COLD;
     const N: usize = 3 << 20;
-    let src = HostMem::new("src", N as u64).unwrap();
-    let fill: Vec<u8> = (0..N as u32).map(|i| (i * 13 + i / 4093) as u8).collect();
-    src.write(0, &fill).unwrap();
+    let (src, fill) = filled(N, 13, 4093);
     let cold = STREAM_COLD;
     // (src offset, dst offset, len): aligned, odd heads, a tail short of a
     // line, of a block, exactly whole blocks, and just under/over the threshold.
@@ -248,4 +244,13 @@ fn a_flag_wait_error_names_the_flag_not_its_column() {
     assert_eq!(timeout(LAYER_COLUMNS), "decoder_usable of transfer slot 7 not ready after 5ms");
     assert_eq!(timeout(LAYER_COLUMNS + 1), "source_released of transfer slot 7 not ready after 5ms");
     assert_eq!(WaitError::Failed { slot: 2, layer: LAYER_COLUMNS }.to_string(), "transfer slot 2 failed (decoder_usable will never be ready)");
+}
+
+/// A mapping of `n` bytes holding a pattern no copy at a wrong offset
+/// reproduces, and the pattern.
+fn filled(n: usize, mul: u32, div: u32) -> (HostMem, Vec<u8>) {
+    let m = HostMem::new("src", n as u64).unwrap();
+    let fill: Vec<u8> = (0..n as u32).map(|i| (i * mul + i / div) as u8).collect();
+    m.write(0, &fill).unwrap();
+    (m, fill)
 }
