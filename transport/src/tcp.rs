@@ -185,7 +185,7 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
     // further frame is already here (the source is waiting for them then).
     // Small on purpose: payload that lands in this buffer with a header is
     // copied twice, and the rest of a large payload is read straight into
-    // its region (`read_payload`).
+    // its region (`read_runs`).
     let mut reader = BufReader::with_capacity(RECV_BUFFER, stream.try_clone().map_err(TransportError::io("clone socket"))?);
     let mut acks = BufWriter::new(stream);
     let mut discard = vec![0u8; 64 << 10];
@@ -228,8 +228,8 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
             // with the same bytes. The slices live only for this read.
             let run = |i: u64| unsafe { std::slice::from_raw_parts_mut(a.region().mem.as_ptr().add((a.mem_offset() + i * stride) as usize), w.len as usize) };
             let read = match runs {
-                1 => read_payload(&mut reader, run(0)),
-                _ => read_runs(&mut reader, (0..runs).map(run).collect()),
+                1 => read_runs(&mut reader, &mut [run(0)]),
+                _ => read_runs(&mut reader, &mut (0..runs).map(run).collect::<Vec<_>>()),
             };
             read.map_err(|e| Served::Closed(TransportError::io("receive write payload")(e)))?;
             Ok(Instant::now())
@@ -266,26 +266,11 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
 /// several per system call.
 const RECV_BUFFER: usize = 32 << 10;
 
-/// Fills `dst` from what is buffered, then, for a large remainder, straight
-/// from the socket: a payload read through the buffer costs a second copy.
-fn read_payload(reader: &mut BufReader<TcpStream>, dst: &mut [u8]) -> std::io::Result<()> {
-    let have = reader.buffer().len().min(dst.len());
-    dst[..have].copy_from_slice(&reader.buffer()[..have]);
-    reader.consume(have);
-    let rest = &mut dst[have..];
-    match rest.len() >= RECV_BUFFER / 4 {
-        // The buffer is empty here (the remainder exceeded it), so no
-        // buffered byte is skipped.
-        true => reader.get_mut().read_exact(rest),
-        false => reader.read_exact(rest),
-    }
-}
-
-/// Fills a strided write's runs, in order: from what is buffered, then,
-/// for a large remainder, straight from the socket into all of them at
-/// once (one vectored read, not a read a run, nor a copy through the
-/// buffer).
-fn read_runs(reader: &mut BufReader<TcpStream>, mut runs: Vec<&mut [u8]>) -> std::io::Result<()> {
+/// Fills a write's runs (one, or a strided write's), in order: from what
+/// is buffered, then, for a large remainder, straight from the socket into
+/// all of them at once (one vectored read, not a read a run, nor a copy
+/// through the buffer, which costs a second copy).
+fn read_runs(reader: &mut BufReader<TcpStream>, runs: &mut [&mut [u8]]) -> std::io::Result<()> {
     let mut first = 0;
     while first < runs.len() && !reader.buffer().is_empty() {
         let have = reader.buffer().len().min(runs[first].len());
@@ -303,6 +288,9 @@ fn read_runs(reader: &mut BufReader<TcpStream>, mut runs: Vec<&mut [u8]>) -> std
         return runs[first..].iter_mut().try_for_each(|r| reader.read_exact(r));
     }
     // The buffer is empty here (a run was left to fill), so no buffered byte is skipped.
+    if let [one] = &mut runs[first..] {
+        return reader.get_mut().read_exact(one);
+    }
     let mut bufs: Vec<IoSliceMut<'_>> = runs[first..].iter_mut().map(|r| IoSliceMut::new(r)).collect();
     let mut bufs = &mut bufs[..];
     while !bufs.is_empty() {

@@ -315,7 +315,7 @@ impl Client {
         let d = waited?;
         let full = {
             let mut n = self.notified.lock().expect("notified lock");
-            n.push(u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+            n.push(nanos(d));
             n.len() >= MAX_NOTIFIED
         };
         // Rare (that many waits and no other call): this wait pays the trip.
