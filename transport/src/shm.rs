@@ -121,6 +121,14 @@ const READ_BUF: usize = 64 * 1024;
 /// streamed, slowed it by a tenth: its staging is unpacked and hashed
 /// right after, from the cache. A 32 MiB one's 512 KiB writes ran at 1.5x.
 const COLD_TRANSFER: u64 = 8 << 20;
+/// Writes that copied this much together are answered at once, not with
+/// the requests queued behind them: the source refills its window while
+/// those are copied. Answered only before blocking, a large transfer's
+/// window (four 1 MiB slices) drained at every refill, its copies pausing
+/// for the source's wake-up each time: 256 MiB went in 30.8-31.5 ms, 28.4-29.7
+/// now (`kvwire bench layouts --transport shm --no-verify`, same minutes).
+/// Half the default window: a flush per 1 MiB slice cost more in wake-ups.
+const ANSWER_AFTER: u64 = 2 << 20;
 
 /// Limits of a [`ShmEndpoint`].
 #[derive(Debug, Clone)]
@@ -570,7 +578,7 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
     let idle = Some(serve.limits.idle_timeout);
     let _ = rd.sock.set_read_timeout(idle);
     let _ = writer.set_write_timeout(idle);
-    let mut out = std::io::BufWriter::new(writer);
+    let mut out = Answers::new(writer);
 
     let mut sources: HashMap<u32, Source> = HashMap::new();
     // Mappings by file (device, inode), while a window of it is shared.
@@ -671,7 +679,38 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
                 serve.placement.uncrossed(h.tag.slot, HEADER_LEN as u64 + if copied { 0 } else { bytes });
             }
         }
-        out.write_all(&answer).map_err(|e| closing(&node, format!("send answer: {e}")))?;
+        out.answer(&answer, if copied { bytes } else { 0 }).map_err(|e| closing(&node, format!("send answer: {e}")))?;
+    }
+}
+
+/// A destination connection's answers, buffered: they leave together
+/// before it blocks for more requests, or once the writes they answer
+/// copied [`ANSWER_AFTER`] bytes.
+struct Answers<W: Write> {
+    out: std::io::BufWriter<W>,
+    // Bytes copied by the writes whose answers wait in `out`.
+    unanswered: u64,
+}
+
+impl<W: Write> Answers<W> {
+    fn new(w: W) -> Self {
+        Answers { out: std::io::BufWriter::new(w), unanswered: 0 }
+    }
+
+    /// Sends every answer queued.
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.unanswered = 0;
+        self.out.flush()
+    }
+
+    /// Queues `answer` to a write that copied `copied` bytes (0: refused).
+    fn answer(&mut self, answer: &[u8], copied: u64) -> std::io::Result<()> {
+        self.out.write_all(answer)?;
+        self.unanswered += copied;
+        match self.unanswered >= ANSWER_AFTER {
+            true => self.flush(),
+            false => Ok(()),
+        }
     }
 }
 
@@ -1026,5 +1065,34 @@ impl Connection for ShmConnection {
     /// An `Ack` header per write; a `Nack` header and its reason.
     fn answer_bytes(&self) -> u64 {
         self.answers
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Answers, ANSWER_AFTER};
+
+    #[test]
+    fn answers_leave_once_their_writes_copied_enough_or_when_flushed() {
+        let mut a = Answers::new(Vec::new());
+        let sent = |a: &Answers<Vec<u8>>| a.out.get_ref().len();
+        // Small writes wait for the ones behind them.
+        a.answer(&[1; 40], 64 << 10).unwrap();
+        a.answer(&[2; 40], 0).unwrap();
+        assert_eq!(sent(&a), 0);
+        // Together with this one they copied enough: all three leave.
+        a.answer(&[3; 40], ANSWER_AFTER - (64 << 10)).unwrap();
+        assert_eq!(sent(&a), 120);
+        // The count starts again: a refused write copied nothing.
+        a.answer(&[4; 40], ANSWER_AFTER - 1).unwrap();
+        a.answer(&[5; 40], 0).unwrap();
+        assert_eq!(sent(&a), 120);
+        // Before blocking, whatever is queued leaves, and the count restarts.
+        a.flush().unwrap();
+        assert_eq!(sent(&a), 200);
+        a.answer(&[6; 40], 1).unwrap();
+        assert_eq!(sent(&a), 200);
+        a.answer(&[7; 40], ANSWER_AFTER).unwrap();
+        assert_eq!(a.out.get_ref()[200..], [[6u8; 40], [7u8; 40]].concat()[..]);
     }
 }
