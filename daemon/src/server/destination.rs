@@ -26,6 +26,7 @@ use kvwire_core::session::{DestinationSession, DestinationStep, Timeouts};
 use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::CacheFormat;
 use kvwire_transport::auth::{ConnectionCaps, Deadline, Gate, Pass};
+use kvwire_transport::mem::Streaming;
 use kvwire_transport::{Grant, Hop, Region, Tag};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
@@ -813,13 +814,16 @@ fn land_part(r: &Receive, part: &Part, verifying: bool, layer: usize) -> Result<
             hash(&mut sums)?;
         }
         let t = Instant::now();
+        // The piece's streamed rows are fenced once, as it ends.
+        let streaming = (r.p.plan.counters.total_bytes_moved >= UNPACK_STREAMS_FROM).then(Streaming::new);
         for &i in &piece {
             if let Some(st) = r.p.schedule.staged_of(i).filter(|st| !st.placed) {
                 let seg = r.p.plan.segments.at(i);
-                unpack_segment(r, &seg, &st).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
+                unpack_segment(r, &seg, &st, streaming.as_ref()).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
                 unpacked += seg.bytes();
             }
         }
+        drop(streaming);
         unpacking += t.elapsed();
         if verifying && !in_staging {
             hash(&mut sums)?;
@@ -840,8 +844,9 @@ fn land_part(r: &Receive, part: &Part, verifying: bool, layer: usize) -> Result<
 const UNPACK_STREAMS_FROM: u64 = 8 << 20;
 
 /// Moves one staged segment from the staging buffer into its runs in the
-/// cache (decoding it on the way with a codec); `None` when a range is not there.
-fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
+/// cache (decoding it on the way with a codec), through `streaming` where
+/// the transfer streams its rows; `None` when a range is not there.
+fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged, streaming: Option<&Streaming>) -> Option<()> {
     let stage = r.stage.as_ref()?;
     let dst = r.regions.get(&(seg.dst_rank, seg.dst_region))?;
     if r.codec.is_none() {
@@ -850,9 +855,9 @@ fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged) -> Option<()> {
         // them again (the stage was hashed): a large segment's, or any of a
         // transfer too large to stay in the caches, are streamed past them.
         let dst_at = dst.offset + seg.dst_offset;
-        return match r.p.plan.counters.total_bytes_moved >= UNPACK_STREAMS_FROM {
-            true => stage.mem.copy_runs_to_streamed(st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
-            false => stage.mem.copy_runs_to_cold(st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
+        return match streaming {
+            Some(s) => s.copy_runs(&stage.mem, st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
+            None => stage.mem.copy_runs_to_cold(st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
         }
         .ok();
     }

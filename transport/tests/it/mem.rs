@@ -1,6 +1,6 @@
 //! Host memory: sealing, bounds.
 
-use kvwire_transport::mem::{HostMem, MemError};
+use kvwire_transport::mem::{HostMem, MemError, Streaming};
 use nix::sys::memfd::{memfd_create, MFdFlags};
 use std::fs::File;
 
@@ -98,7 +98,7 @@ fn cold_rows_land_exactly_streamed_or_not() {
         let dst = HostMem::new("dst", N as u64).unwrap();
         dst.write(0, &vec![0xCD; N]).unwrap();
         match streamed {
-            true => src.copy_runs_to_streamed(so, ss, &dst, d0, ds, len, count).unwrap(),
+            true => Streaming::new().copy_runs(&src, so, ss, &dst, d0, ds, len, count).unwrap(),
             false => src.copy_runs_to_cold(so, ss, &dst, d0, ds, len, count).unwrap(),
         }
         let mut want = vec![0xCDu8; N];
@@ -110,6 +110,35 @@ fn cold_rows_land_exactly_streamed_or_not() {
         dst.read(0, &mut got).unwrap();
         assert!(got == want, "case {:?}", (so, ss, d0, ds, len, count));
     }
+}
+
+/// Many copies through one `Streaming`, fenced once as it drops, land
+/// byte for byte: a remap's unpack, segments of 16 rows of 128 bytes from
+/// staging into shuffled blocks, whole segments and runs apart alike.
+#[test]
+fn copies_through_one_streaming_land_exactly() {
+    const N: usize = 1 << 20;
+    const SEG: usize = 16 * 128;
+    let (src, fill) = filled(N, 31, 4099);
+    let dst = HostMem::new("dst", 2 * N as u64).unwrap();
+    dst.write(0, &vec![0xEE; 2 * N]).unwrap();
+    let mut want = vec![0xEEu8; 2 * N];
+    // Segment k goes to block (k * 37) % 512: runs back to back for even k,
+    // 256 bytes apart (a 128-byte hole after each row) for odd k.
+    let s = Streaming::new();
+    for k in 0..N / SEG {
+        let (from, block) = (k * SEG, (k * 37) % (N / SEG));
+        let gap = if k % 2 == 0 { 128 } else { 256 };
+        let to = block * 2 * SEG;
+        s.copy_runs(&src, from as u64, 128, &dst, to as u64, gap, 128, 16).unwrap();
+        for r in 0..16 {
+            want[to + r * gap as usize..][..128].copy_from_slice(&fill[from + r * 128..][..128]);
+        }
+    }
+    drop(s);
+    let mut got = vec![0u8; 2 * N];
+    dst.read(0, &mut got).unwrap();
+    assert!(got == want);
 }
 
 /// Copies streamed past the caches land byte for byte like small ones,
