@@ -815,11 +815,11 @@ fn land_part(r: &Receive, part: &Part, verifying: bool, layer: usize) -> Result<
         }
         let t = Instant::now();
         // The piece's streamed rows are fenced once, as it ends.
-        let streaming = (r.p.plan.counters.total_bytes_moved >= UNPACK_STREAMS_FROM).then(Streaming::new);
+        let streaming = Streaming::new();
         for &i in &piece {
             if let Some(st) = r.p.schedule.staged_of(i).filter(|st| !st.placed) {
                 let seg = r.p.plan.segments.at(i);
-                unpack_segment(r, &seg, &st, streaming.as_ref()).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
+                unpack_segment(r, &seg, &st, &streaming).ok_or_else(|| format!("unpack of layer {layer} failed"))?;
                 unpacked += seg.bytes();
             }
         }
@@ -833,33 +833,27 @@ fn land_part(r: &Receive, part: &Part, verifying: bool, layer: usize) -> Result<
     Ok(Landed { sums, hashing, unpacking, unpacked })
 }
 
-/// A transfer of this many bytes unpacks every segment with streamed
-/// stores, not only those of 256 KiB or more
-/// ([`kvwire_transport::mem::STREAM_COLD`]): its rows cannot all stay in the
-/// caches, and each row copied plainly first reads its lines for ownership.
-/// Measured with `kvwire bench layouts` over tcp, llama-3.1-8b tp=8 -> tp=2
-/// at 256 tokens (32 MiB in 64 KiB segments), 3 runs each: unpack 2.2-2.9
-/// ms against 5.1-6.4, best 15.7-17.5 ms against 17.3-20.4. A small one (a
-/// 1 MiB remap) stays in the caches, where the engine reads it next.
-const UNPACK_STREAMS_FROM: u64 = 8 << 20;
-
 /// Moves one staged segment from the staging buffer into its runs in the
-/// cache (decoding it on the way with a codec), through `streaming` where
-/// the transfer streams its rows; `None` when a range is not there.
-fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged, streaming: Option<&Streaming>) -> Option<()> {
+/// cache (decoding it on the way with a codec); `None` when a range is not
+/// there.
+///
+/// Without a codec its rows are streamed past the caches through
+/// `streaming`, whatever their size: each row copied plainly first reads
+/// its lines for ownership, and the daemon reads none of them again (the
+/// stage was hashed). kvwire-soak over tcp, 1 client, against plain copies
+/// below 8 MiB, same minutes: a 1 MiB transfer (512 rows of 2 KiB, into
+/// shuffled blocks) unpacked in 73-77 µs against 107-116, p50 0.72-0.79 ms
+/// against 0.77-0.81; 256 KiB 18 µs against 31; 64 KiB level. Llama-3.1-8b
+/// tp=8 -> tp=2 at 256 tokens (32 MiB in 64 KiB segments) unpacked in 2.2-2.9
+/// ms against 5.1-6.4 plainly.
+fn unpack_segment(r: &Receive, seg: &Segment, st: &Staged, streaming: &Streaming) -> Option<()> {
     let stage = r.stage.as_ref()?;
     let dst = r.regions.get(&(seg.dst_rank, seg.dst_region))?;
     if r.codec.is_none() {
         // Runs go straight from staging into the cache: one copy for all
-        // where they lie back to back there too. The daemon reads none of
-        // them again (the stage was hashed): a large segment's, or any of a
-        // transfer too large to stay in the caches, are streamed past them.
+        // where they lie back to back there too.
         let dst_at = dst.offset + seg.dst_offset;
-        return match streaming {
-            Some(s) => s.copy_runs(&stage.mem, st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
-            None => stage.mem.copy_runs_to_cold(st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count),
-        }
-        .ok();
+        return streaming.copy_runs(&stage.mem, st.offset, seg.len, &dst.mem, dst_at, seg.dst_stride, seg.len, seg.count).ok();
     }
     let bytes = read_mem(&stage.mem, st.offset, st.size)?;
     let data = schedule::unpack(&bytes, st, &r.format, r.codec)?;
