@@ -308,10 +308,10 @@ unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize, stream_from: usiz
     unsafe { std::ptr::copy_nonoverlapping(from, to, len) }
 }
 
-/// Copies of a transfer larger than the caches, streamed past them however
-/// few bytes each moves (rows where each is whole lines starting a line),
-/// with one fence for all of them, when this drops: until then their
-/// stores are unordered with what follows. A fence per copy cost a remap's
+/// Copies of bytes nobody reads again soon (a remap's unpacked rows),
+/// streamed past the caches however few bytes each moves (rows where each
+/// is whole lines starting a line), with one fence for all of them, when
+/// this drops: until then their stores are unordered with what follows. A fence per copy cost a remap's
 /// unpack half its time: a 16 MiB transfer's 8192 rows of 2 KiB each,
 /// unpacked in 1.9 ms per transfer against 0.8 (kvwire-soak, same minutes).
 /// Not `Send`: a fence orders the stores of the thread that issues it.
@@ -325,7 +325,8 @@ impl Streaming {
         Streaming(std::marker::PhantomData)
     }
 
-    /// `src`'s runs into `dst`, as [`HostMem::copy_runs_to`] copies them.
+    /// `src`'s runs into `dst`, laid out as [`HostMem::copy_runs_to`] lays
+    /// them out, streamed whatever their size.
     #[allow(clippy::too_many_arguments)] // both sides' offsets and strides
     pub fn copy_runs(&self, src: &HostMem, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64) -> Result<(), MemError> {
         src.copy_runs_fenced(offset, stride, dst, dst_offset, dst_stride, len, count, 0, false)

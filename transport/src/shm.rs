@@ -125,9 +125,10 @@ const COLD_TRANSFER: u64 = 8 << 20;
 /// the requests queued behind them: the source refills its window while
 /// those are copied. Answered only before blocking, a large transfer's
 /// window (four 1 MiB slices) drained at every refill, its copies pausing
-/// for the source's wake-up each time: 256 MiB went in 30.8-31.5 ms, 28.4-29.7
-/// now (`kvwire bench layouts --transport shm --no-verify`, same minutes).
-/// Half the default window: a flush per 1 MiB slice cost more in wake-ups.
+/// for the source's wake-up each time: 256 MiB went in 30.8-31.5 ms against
+/// 28.4-29.7 answered this way (`kvwire bench layouts --transport shm
+/// --no-verify`, same minutes). Half the default window: half the answers,
+/// and the source's wake-ups, of one per 1 MiB slice.
 const ANSWER_AFTER: u64 = 2 << 20;
 
 /// Limits of a [`ShmEndpoint`].
