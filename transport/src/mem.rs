@@ -186,7 +186,7 @@ impl HostMem {
     /// `dst_stride` apart in `dst`: a strided write's rows in one call.
     #[allow(clippy::too_many_arguments)] // both sides' offsets and strides
     pub fn copy_runs_to(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64) -> Result<(), MemError> {
-        self.copy_runs(offset, stride, dst, dst_offset, dst_stride, len, count, STREAM_ALWAYS)
+        self.copy_runs(offset, stride, dst, dst_offset, dst_stride, len, count, STREAM_ALWAYS, true)
     }
 
     /// [`HostMem::copy_runs_to`] for bytes nobody reads again soon (part of
@@ -194,18 +194,14 @@ impl HostMem {
     /// back-to-back runs are streamed past the caches.
     #[allow(clippy::too_many_arguments)] // both sides' offsets and strides
     pub fn copy_runs_to_cold(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64) -> Result<(), MemError> {
-        self.copy_runs(offset, stride, dst, dst_offset, dst_stride, len, count, STREAM_COLD)
+        self.copy_runs(offset, stride, dst, dst_offset, dst_stride, len, count, STREAM_COLD, true)
     }
 
-    #[allow(clippy::too_many_arguments)] // both sides' offsets and strides, and when to stream
-    fn copy_runs(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64, stream_from: usize) -> Result<(), MemError> {
-        self.copy_runs_fenced(offset, stride, dst, dst_offset, dst_stride, len, count, stream_from, true)
-    }
-
-    /// [`HostMem::copy_runs`]; with `fence` false, streamed stores are left
-    /// unordered ([`Streaming`] fences them).
+    /// The copy behind every `copy_runs_to*`: streamed from `stream_from`
+    /// bytes on; with `fence` false, streamed stores are left unordered
+    /// ([`Streaming`] fences them).
     #[allow(clippy::too_many_arguments)] // both sides' offsets and strides, when to stream, and whether to fence
-    fn copy_runs_fenced(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64, stream_from: usize, fence: bool) -> Result<(), MemError> {
+    fn copy_runs(&self, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64, stream_from: usize, fence: bool) -> Result<(), MemError> {
         if count == 0 {
             return Ok(());
         }
@@ -311,10 +307,11 @@ unsafe fn copy_apart(from: *const u8, to: *mut u8, len: usize, stream_from: usiz
 /// Copies of bytes nobody reads again soon (a remap's unpacked rows),
 /// streamed past the caches however few bytes each moves (rows where each
 /// is whole lines starting a line), with one fence for all of them, when
-/// this drops: until then their stores are unordered with what follows. A fence per copy cost a remap's
-/// unpack half its time: a 16 MiB transfer's 8192 rows of 2 KiB each,
-/// unpacked in 1.9 ms per transfer against 0.8 (kvwire-soak, same minutes).
-/// Not `Send`: a fence orders the stores of the thread that issues it.
+/// this drops: until then their stores are unordered with what follows.
+/// A fence per copy cost a remap's unpack half its time: a 16 MiB
+/// transfer's 8192 rows of 2 KiB each, unpacked in 1.9 ms per transfer
+/// against 0.8 (kvwire-soak, same minutes). Not `Send`: a fence orders the
+/// stores of the thread that issues it.
 #[derive(Debug)]
 pub struct Streaming(std::marker::PhantomData<*const ()>);
 
@@ -329,7 +326,7 @@ impl Streaming {
     /// them out, streamed whatever their size.
     #[allow(clippy::too_many_arguments)] // both sides' offsets and strides
     pub fn copy_runs(&self, src: &HostMem, offset: u64, stride: u64, dst: &HostMem, dst_offset: u64, dst_stride: u64, len: u64, count: u64) -> Result<(), MemError> {
-        src.copy_runs_fenced(offset, stride, dst, dst_offset, dst_stride, len, count, 0, false)
+        src.copy_runs(offset, stride, dst, dst_offset, dst_stride, len, count, 0, false)
     }
 }
 

@@ -840,8 +840,8 @@ fn land_part(r: &Receive, part: &Part, verifying: bool, layer: usize) -> Result<
 /// Without a codec its rows are streamed past the caches through
 /// `streaming`, whatever their size: each row copied plainly first reads
 /// its lines for ownership, and the daemon reads none of them again (the
-/// stage was hashed). kvwire-soak over tcp, 1 client, against plain copies
-/// below 8 MiB, same minutes: a 1 MiB transfer (512 rows of 2 KiB, into
+/// stage was hashed). kvwire-soak over tcp, 1 client, against the build
+/// that copied them plainly below 8 MiB of transfer, same minutes: a 1 MiB transfer (512 rows of 2 KiB, into
 /// shuffled blocks) unpacked in 73-77 µs against 107-116, p50 0.72-0.79 ms
 /// against 0.77-0.81; 256 KiB 18 µs against 31; 64 KiB level. Llama-3.1-8b
 /// tp=8 -> tp=2 at 256 tokens (32 MiB in 64 KiB segments) unpacked in 2.2-2.9

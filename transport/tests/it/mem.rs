@@ -73,8 +73,8 @@ fn strided_runs_copy_as_run_by_run_copies_would() {
     assert!(src.copy_runs_to(0, 1024, &m, 0, 128, 128, 64).is_err());
 }
 
-/// Rows copied cold (from 256 KiB of them on) or as part of a transfer
-/// too large for the caches (any number) land byte for byte like rows
+/// Rows copied cold (from 256 KiB of them on) or through a `Streaming`
+/// (any number) land byte for byte like rows
 /// copied one by one: streamed where each destination row is whole lines
 /// starting a line, plainly where a row or the stride is not (odd row
 /// sizes, a destination off a line); the bytes between the rows are
@@ -89,7 +89,7 @@ fn cold_rows_land_exactly_streamed_or_not() {
     // of odd lengths or strides, and a destination off a line.
     let cases = [(0, 256, 0, 1024, 256), (3, 192, 128, 512, 192), (0, 300, 0, 1024, 300), (0, 256, 64, 1000, 256), (0, 128, 32, 1024, 128), (5, 512, 4096, 2048, 512)];
     // Just past the cold threshold; and a few rows, or a range shorter than
-    // a line, copied as part of a transfer too large for the caches.
+    // a line, copied through a `Streaming`.
     let cold = |len: usize| (STREAM_COLD / len + 1) as u64;
     let runs = cases.iter().map(|&c| (c, cold(c.4), false)).chain(cases.iter().map(|&c| (c, 3, true))).chain([((9, 40, 70, 40, 40), 1, true), ((0, 64, 0, 64, 64), 2, true)]);
     for ((so, ss, d0, ds, len), count, streamed) in runs {
