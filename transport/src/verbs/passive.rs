@@ -21,6 +21,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// How long an MR whose key was revoked through the registry directly
+/// stays registered at most (see [`Shared::sweep`]).
+const SWEEP_EVERY: Duration = Duration::from_millis(5);
+
 pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
     let mut children: Vec<JoinHandle<()>> = Vec::new();
     let mut last_sweep = Instant::now();
@@ -49,13 +53,16 @@ pub(super) fn accept_loop(shared: Arc<Shared>, listener: TcpListener) {
                 }
                 children.retain(|t| !t.is_finished());
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(2)),
+            // Sleep until a peer connects or the next sweep is due.
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                crate::answers::ready(&listener, false, Some(SWEEP_EVERY.saturating_sub(last_sweep.elapsed())));
+            }
             Err(e) => {
                 tracing::warn!(error = %e, "verbs handshake accept failed");
                 std::thread::sleep(Duration::from_millis(20));
             }
         }
-        if last_sweep.elapsed() >= Duration::from_millis(5) {
+        if last_sweep.elapsed() >= SWEEP_EVERY {
             shared.sweep();
             last_sweep = Instant::now();
         }
