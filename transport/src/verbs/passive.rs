@@ -189,13 +189,14 @@ fn serve(shared: &Shared, mut stream: TcpStream, mut pass: Pass) -> Result<(), T
         if shared.stop.load(Ordering::Acquire) {
             return Ok(());
         }
-        if last_note.elapsed() >= shared.limits.idle_timeout {
+        let now = Instant::now();
+        if now.duration_since(last_note) >= shared.limits.idle_timeout {
             tracing::debug!(peer = %peer.node, "verbs connection closed: idle");
             return Ok(());
         }
         // A kept connection's source asks on the stream for its regions
         // before a transfer's first post.
-        last_check = Instant::now();
+        last_check = now;
         let mut b = [0u8; HEADER_LEN];
         match stream.read(&mut b[..HEADER_LEN - asked.len()]) {
             Ok(0) => {
