@@ -250,7 +250,8 @@ impl Daemon {
             d.drop_stage(stage);
             (total, moved.and(manifest).and(hashed))
         };
-        let reply = self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), mover)?;
+        // A small transfer's answer waits for its manifest, which can fail it.
+        let reply = self.post(id, stop, s, size, codec, peer_slot, None, l.clone(), !small, mover)?;
         if small {
             let sent = self.expect(id, &g, &dst_request_here, &p, codec, &accept, Sums::Now(stage_here.as_deref()), &l);
             drop(stage_here);
@@ -301,7 +302,7 @@ impl Daemon {
             d.drop_stage(stage);
             (total, moved)
         };
-        self.post(id, stop, s, size, codec, peer_slot, None, l, mover)
+        self.post(id, stop, s, size, codec, peer_slot, None, l, true, mover)
     }
 
     /// Packs and hashes a transfer's layers in order on a worker, sending
@@ -450,7 +451,7 @@ impl Daemon {
             d.produced.forget(&group, &request);
             (total, moved)
         };
-        self.post(id, stop, s, size, codec, accept.slot, src_stage, l, mover)
+        self.post(id, stop, s, size, codec, accept.slot, src_stage, l, true, mover)
     }
 
     /// A device-resident source through a staging ring ([`super::ring`]):
@@ -641,7 +642,7 @@ impl Daemon {
             d.give_ring(ring);
             (total, moved)
         };
-        self.post(id, stop, s, size, codec, peer_slot, None, l, mover)
+        self.post(id, stop, s, size, codec, peer_slot, None, l, true, mover)
     }
 
     /// Gathers layer `layer`'s packed segments in its ring slot, from its
@@ -1060,7 +1061,9 @@ impl Daemon {
     /// Post: records the transfer's size and starts the transfer thread,
     /// which runs `mover` (striping the batches over the rails) and ends
     /// the transfer (`source_released`, then the destination's verdict) or
-    /// fails it (`Abort`).
+    /// fails it (`Abort`). With `final_answer` nothing after this can fail
+    /// the submit, and the transfer thread may answer it first
+    /// ([`super::control::answer_early`]).
     #[allow(clippy::too_many_arguments)] // what the transfer thread takes over
     fn post(
         self: &Arc<Self>,
@@ -1072,6 +1075,7 @@ impl Daemon {
         peer_slot: u16,
         src_stage: Option<Arc<Region>>,
         link: Arc<PeerLink>,
+        final_answer: bool,
         mover: impl FnOnce(&Arc<Daemon>, &Arc<AtomicBool>, &Arc<PeerLink>) -> (Outcome, Result<(), String>) + Send + 'static,
     ) -> Result<Reply, Refusal> {
         let c = &size.counters;
@@ -1090,7 +1094,12 @@ impl Daemon {
             let _ = panic_link.abort(&why);
             pd.fail(id, why);
         };
+        let answer = final_answer.then(|| super::control::answer_early(&reply)).flatten();
+        let thread_answer = answer.clone();
         let spawned = self.workers.spawn("kvwired-xfer", move || {
+            if let Some(a) = thread_answer {
+                a.send();
+            }
             let span = tracing::info_span!("transfer", slot = id.slot, request = s.request, peer = thread_link.peer);
             let _g = span.enter();
             let (outcome, result) = mover(&d, &stop, &thread_link);
@@ -1146,7 +1155,12 @@ impl Daemon {
                 }
             }
         }, on_panic);
-        spawned.map_err(|e| Refusal::new(Code::TransferFailed, format!("cannot start the transfer thread: {e}")))?;
+        if let Err(e) = spawned {
+            if let Some(a) = answer {
+                a.withdraw();
+            }
+            return Err(Refusal::new(Code::TransferFailed, format!("cannot start the transfer thread: {e}")));
+        }
         // The heartbeat keeps the destination told that this side is alive
         // while bytes flow, and learns at once when it is not: a check on
         // the ticker, which wakes no thread of this transfer's own.

@@ -719,3 +719,85 @@ fn later_transfers_to_a_peer_take_its_kept_data_connection_over_tcp_and_shm() {
         assert_eq!((data_conns(&sa, "a", "opened"), data_conns(&sa, "a", "reused")), (1, 2), "{kind}");
     }
 }
+
+/// A large submit is answered by whichever of the control thread and the
+/// transfer thread gets there first: a client that sends its next request
+/// behind the submit, without waiting, still reads the answers in order.
+#[test]
+fn a_client_asking_again_behind_a_large_submit_reads_its_answers_in_order() {
+    use kvwire_client::wire;
+    use std::os::fd::AsRawFd;
+    let dir = TempDir::new("pipelined");
+    let b = start(&dir, "b", "a-secret-of-at-least-16-bytes", &[]);
+    let a = start(&dir, "a", "a-secret-of-at-least-16-bytes", &[("b", &b.peer)]);
+    let cb = Client::connect(&b.socket, "decode").unwrap();
+    // 512 KiB: past the size whose submit waits for its manifest.
+    let tokens = 512;
+    let (ss, ds) = (side(SRC, tokens), side(DST, tokens));
+    let dst = register(&cb, "decode", DST, &ds, None, identity());
+    let raw = std::os::unix::net::UnixStream::connect(&a.socket).unwrap();
+    let mut reader = wire::UnixReader::new();
+    let mut answer = |raw: &std::os::unix::net::UnixStream| wire::parse::<Reply>(&reader.recv(raw).unwrap().0).unwrap();
+    wire::send_unix(&raw, &Request::Hello { client: "asks-ahead".into() }, &[]).unwrap();
+    assert!(matches!(answer(&raw), Reply::Hello { .. }));
+    let m = model();
+    let src_bytes = verify::fill_source(&m, &ss, tokens);
+    let mut src_mems = Vec::new();
+    for rank in 0..ss.shard.ranks.len() as u32 {
+        let regions = ss.regions(&m, rank);
+        let mem = HostMem::new("test-rank", regions.iter().map(|(_, l)| l).sum()).unwrap();
+        let mut off = 0;
+        for (id, len) in &regions {
+            mem.write(off, &src_bytes.ranks[rank as usize][id]).unwrap();
+            off += len;
+        }
+        let r = RegisterCache {
+            group: "prefill".into(),
+            model: ModelSource::Toml(MODEL.into()),
+            format: "bf16".into(),
+            layout: SRC.into(),
+            rank,
+            num_blocks: ss.num_blocks,
+            identity: identity(),
+        };
+        wire::send_unix(&raw, &Request::RegisterCache(r), &[mem.fd().as_raw_fd()]).unwrap();
+        assert!(matches!(answer(&raw), Reply::Registered { .. }));
+        src_mems.push(mem);
+    }
+    for i in 0..6 {
+        canary(&dst);
+        let request = format!("r{i}");
+        let slot = cb
+            .prepare(PrepareReceive { group: "decode".into(), request: request.clone(), block_table: ds.block_table.clone(), tokens, prefix_tokens: 0, source: None })
+            .unwrap();
+        let submit = Request::Submit(Submit {
+            request: format!("p-{request}"),
+            group: "prefill".into(),
+            block_table: ss.block_table.clone(),
+            tokens,
+            peer: "b".into(),
+            dst_group: "decode".into(),
+            dst_request: request.clone(),
+            codec: None,
+            stream: false,
+        });
+        // Both in one message: the stats request is read before the
+        // submit's transfer has got anywhere.
+        wire::send_unix_both(&raw, &submit, &Request::Stats).unwrap();
+        let sslot = match answer(&raw) {
+            Reply::Submitted { slot: sslot, peer_slot, bytes, .. } => {
+                assert_eq!((peer_slot, bytes), (slot, 1024 * tokens));
+                sslot
+            }
+            other => panic!("transfer {i}: the first answer is the submit's, not {other:?}"),
+        };
+        match answer(&raw) {
+            Reply::Stats { text } => assert!(text.contains("kvwire_payload_bytes_total"), "{text}"),
+            other => panic!("transfer {i}: the second answer is the stats', not {other:?}"),
+        }
+        cb.wait(slot, FlagName::DecoderUsable, WAIT).unwrap();
+        wire::send_unix(&raw, &Request::Wait { slot: sslot, flag: FlagName::DecoderUsable, timeout_ms: 20_000 }, &[]).unwrap();
+        assert!(matches!(answer(&raw), Reply::Waited { .. }), "transfer {i}: the source's decoder_usable");
+        assert!(read_back(&dst) == verify::expected_destination(&m, &ds, tokens, 0), "transfer {i}: destination bytes differ");
+    }
+}
