@@ -54,7 +54,7 @@ pub(super) struct Answer {
 enum Answering {
     #[default]
     Open,
-    Ready(Reply),
+    Ready(Box<Reply>),
     Sent { ok: bool },
 }
 
@@ -104,7 +104,7 @@ impl Answer {
 /// reply that is final: nothing after this may fail the request.
 pub(super) fn answer_early(reply: &Reply) -> Option<Arc<Answer>> {
     let a = ANSWERING.with(|a| a.borrow().clone())?;
-    *a.state.lock().expect("answer lock") = Answering::Ready(reply.clone());
+    *a.state.lock().expect("answer lock") = Answering::Ready(Box::new(reply.clone()));
     Some(a)
 }
 
