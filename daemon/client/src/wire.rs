@@ -114,8 +114,25 @@ pub fn send_unix_both<T: serde::Serialize, U: serde::Serialize>(s: &UnixStream, 
     send_unix_bytes(s, &bytes, &[])
 }
 
+/// Sends one frame on a Unix socket, carrying no descriptors, unless
+/// the socket has no room for any of it now: then nothing is sent and the
+/// answer is `false`. A frame begun is finished, waiting if it must.
+pub fn try_send_unix<T: serde::Serialize>(s: &UnixStream, msg: &T) -> Result<bool, WireError> {
+    let bytes = frame(msg);
+    let iov = [IoSlice::new(&bytes)];
+    match sendmsg::<()>(s.as_raw_fd(), &iov, &[], MsgFlags::MSG_NOSIGNAL | MsgFlags::MSG_DONTWAIT, None) {
+        Ok(n) => send_unix_from(s, &bytes, &[], n).map(|()| true),
+        Err(nix::errno::Errno::EAGAIN) => Ok(false),
+        Err(e) => Err(WireError::Io { op: "sendmsg", cause: e.into() }),
+    }
+}
+
 fn send_unix_bytes(s: &UnixStream, bytes: &[u8], fds: &[RawFd]) -> Result<(), WireError> {
-    let mut sent = 0;
+    send_unix_from(s, bytes, fds, 0)
+}
+
+/// Sends `bytes` from offset `sent` on; `fds` go with the first byte.
+fn send_unix_from(s: &UnixStream, bytes: &[u8], fds: &[RawFd], mut sent: usize) -> Result<(), WireError> {
     while sent < bytes.len() {
         let iov = [IoSlice::new(&bytes[sent..])];
         let cmsg = [ControlMessage::ScmRights(fds)];
@@ -356,5 +373,24 @@ mod tests {
         let (mut a, b) = UnixStream::pair().unwrap();
         a.write_all(&((MAX_MESSAGE + 1) as u32).to_le_bytes()).unwrap();
         assert!(matches!(UnixReader::new().recv(&b), Err(WireError::TooLong(n)) if n == MAX_MESSAGE + 1));
+    }
+
+    #[test]
+    fn a_try_send_to_a_full_socket_sends_nothing_and_a_later_one_goes_whole() {
+        let (a, b) = UnixStream::pair().unwrap();
+        // Fill a's way to b with frames until no more fit now.
+        let mut queued = 0;
+        while try_send_unix(&a, &"filler").unwrap() {
+            queued += 1;
+            assert!(queued < 1_000_000, "the socket never filled");
+        }
+        assert!(queued > 0);
+        let mut r = UnixReader::new();
+        for _ in 0..queued {
+            assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), "filler");
+        }
+        // Nothing of the refused frame went: the next read is the next frame.
+        assert!(try_send_unix(&a, &"after").unwrap());
+        assert_eq!(parse::<String>(&r.recv(&b).unwrap().0).unwrap(), "after");
     }
 }

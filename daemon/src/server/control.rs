@@ -59,23 +59,18 @@ enum Answering {
 }
 
 impl Answer {
-    /// Sends the answer if it is ready and not sent yet; whether the
-    /// stream still works. Sent under the lock, so an answer sent by the
-    /// other thread is out before this one returns (and before the
-    /// control thread answers anything later).
-    pub(super) fn send(&self) -> bool {
+    /// The transfer thread's end: sends the answer if it is ready, not
+    /// sent yet, and the client's socket has room for it now (a client
+    /// that stopped reading holds up its control thread, as before, not a
+    /// transfer thread). Sent under the lock, so it is out before the
+    /// control thread answers anything later.
+    pub(super) fn send(&self) {
         let mut st = self.state.lock().expect("answer lock");
-        match std::mem::take(&mut *st) {
-            Answering::Ready(r) => {
-                let ok = wire::send_unix(&self.stream, &r, &[]).is_ok();
-                *st = Answering::Sent { ok };
-                ok
+        if let Answering::Ready(r) = &*st {
+            match wire::try_send_unix(&self.stream, r) {
+                Ok(false) => {}
+                sent => *st = Answering::Sent { ok: sent.is_ok() },
             }
-            Answering::Sent { ok } => {
-                *st = Answering::Sent { ok };
-                ok
-            }
-            Answering::Open => true,
         }
     }
 
