@@ -42,9 +42,11 @@ thread_local! {
 /// the request started ([`answer_early`]). On a host with few cores the
 /// transfer thread, woken as a submit ends, takes the control thread's
 /// core and packs: the engine's submit call then waited for the whole
-/// pack (0.4 ms of 0.64 at shm 1 MiB, 0.6 ms at tcp 4 MiB). Waking it only
-/// after the answer instead moved where the scheduler put the wire's
-/// threads, and tcp transfers of 4-8 MiB took 10-20% longer.
+/// pack (0.4 ms of 0.64 at shm 1 MiB, 0.6 ms at tcp 4 MiB). Waking it
+/// only after the answer would keep it off the client's path as well, but
+/// delays every transfer's start by the answer; this keeps the start.
+/// Either way, on that host an engine answered early saw tcp 4 MiB
+/// transfers end later (README).
 pub(super) struct Answer {
     stream: Arc<UnixStream>,
     state: Mutex<Answering>,
