@@ -52,6 +52,12 @@ pub(crate) fn side(layout: &str, tokens: u64) -> Side {
 
 /// Registers every rank of `layout` as group `group`, filled from `bufs` (or zero).
 pub(crate) fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Option<&Buffers>, id: CacheIdentity) -> Side_ {
+    register_by(|r, mem| c.register(r, mem).unwrap(), group, layout, s, bufs, id)
+}
+
+/// [`register`], each rank's registration made by `registers` (the
+/// daemon's answer: regions, bytes, whether the group is complete).
+pub(crate) fn register_by(mut registers: impl FnMut(RegisterCache, &HostMem) -> (u32, u64, bool), group: &str, layout: &str, s: &Side, bufs: Option<&Buffers>, id: CacheIdentity) -> Side_ {
     let m = model();
     let mut mems = Vec::new();
     for rank in 0..s.shard.ranks.len() as u32 {
@@ -74,7 +80,7 @@ pub(crate) fn register(c: &Client, group: &str, layout: &str, s: &Side, bufs: Op
             num_blocks: s.num_blocks,
             identity: id.clone(),
         };
-        let (n, bytes, complete) = c.register(r, &mem).unwrap();
+        let (n, bytes, complete) = registers(r, &mem);
         assert_eq!((n as usize, bytes), (regions.len(), total));
         assert_eq!(complete, rank as usize == s.shard.ranks.len() - 1);
         mems.push(mem);
@@ -742,28 +748,14 @@ fn a_client_asking_again_behind_a_large_submit_reads_its_answers_in_order() {
     assert!(matches!(answer(&raw), Reply::Hello { .. }));
     let m = model();
     let src_bytes = verify::fill_source(&m, &ss, tokens);
-    let mut src_mems = Vec::new();
-    for rank in 0..ss.shard.ranks.len() as u32 {
-        let regions = ss.regions(&m, rank);
-        let mem = HostMem::new("test-rank", regions.iter().map(|(_, l)| l).sum()).unwrap();
-        let mut off = 0;
-        for (id, len) in &regions {
-            mem.write(off, &src_bytes.ranks[rank as usize][id]).unwrap();
-            off += len;
-        }
-        let r = RegisterCache {
-            group: "prefill".into(),
-            model: ModelSource::Toml(MODEL.into()),
-            format: "bf16".into(),
-            layout: SRC.into(),
-            rank,
-            num_blocks: ss.num_blocks,
-            identity: identity(),
-        };
+    let registers = |r: RegisterCache, mem: &HostMem| {
         wire::send_unix(&raw, &Request::RegisterCache(r), &[mem.fd().as_raw_fd()]).unwrap();
-        assert!(matches!(answer(&raw), Reply::Registered { .. }));
-        src_mems.push(mem);
-    }
+        match answer(&raw) {
+            Reply::Registered { regions, bytes, complete } => (regions, bytes, complete),
+            other => panic!("registration answered {other:?}"),
+        }
+    };
+    let _src = register_by(registers, "prefill", SRC, &ss, Some(&src_bytes), identity());
     for i in 0..6 {
         canary(&dst);
         let request = format!("r{i}");
