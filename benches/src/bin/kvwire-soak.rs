@@ -50,6 +50,8 @@ const LAYERS: u64 = 4;
 const KV_HEADS: u64 = 4;
 const HEAD_DIM: u64 = 64;
 const ELEM_BYTES: u64 = 2; // fp16
+/// Payload bytes a transfer moves per token (K and V of every layer).
+const BYTES_PER_TOKEN: u64 = LAYERS * KV_HEADS * HEAD_DIM * 2 * ELEM_BYTES;
 const MODEL: &str = "name = \"soak\"\ndtype = \"fp16\"\n[[layers]]\nrepeat = 4\nattention = \"dense\"\nkv_heads = 4\nhead_dim = 64\n";
 const SRC_LAYOUT: &str = "tp=2,block=16,layout=nhd,table=shuffle:3";
 const DST_LAYOUT: &str = "tp=1,block=32,layout=hnd,table=shuffle:7";
@@ -457,7 +459,7 @@ impl<'a> Session<'a> {
             let why = self.ca.status(sslot).ok().and_then(|s| s.error);
             return Err(SoakError::Daemon { step: "wait source_released", source: e, why });
         }
-        let want = LAYERS * KV_HEADS * HEAD_DIM * 2 * ELEM_BYTES * fx.tokens;
+        let want = BYTES_PER_TOKEN * fx.tokens;
         if bytes != want {
             return Err(SoakError::Bytes { got: bytes, want });
         }
@@ -781,7 +783,7 @@ fn judge(r: &Report) -> Vec<Verdict> {
                 // a step of one payload per client (and the allocator's
                 // slack), which at 16 MiB and above may first come late in
                 // a run.
-                let payload_kib = (LAYERS * KV_HEADS * HEAD_DIM * 2 * ELEM_BYTES * r.settings.tokens).div_ceil(1 << 20) * 1024;
+                let payload_kib = (BYTES_PER_TOKEN * r.settings.tokens).div_ceil(1 << 20) * 1024;
                 let allowed = mid + (16 * 1024).max(mid / 10).max(payload_kib * r.settings.clients as u64 + 4096);
                 say(
                     late <= allowed,
