@@ -69,7 +69,7 @@ const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm|verbs (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--check-every N (1)] [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm|verbs (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--check-every N (1)] [--transport-set KEY=VALUE]... [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -85,6 +85,7 @@ struct RawArgs {
     device: bool,
     gpudirect: Option<String>,
     check_every: Option<String>,
+    transport_set: Vec<String>,
     json: bool,
     help: bool,
 }
@@ -107,6 +108,9 @@ struct Settings {
     gpudirect: String,
     // Every Nth transfer writes a new key and is checked (1: all).
     check_every: u64,
+    // Lines of both daemons' `[transport]` table (`key = value`), to try
+    // a tuning without a rebuild.
+    transport_set: Vec<String>,
     json: bool,
 }
 
@@ -125,6 +129,7 @@ fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
             "--device" => raw.device = true,
             "--gpudirect" => raw.gpudirect = Some(value("--gpudirect")?),
             "--check-every" => raw.check_every = Some(value("--check-every")?),
+            "--transport-set" => raw.transport_set.push(value("--transport-set")?),
             "--json" => raw.json = true,
             "-h" | "--help" => raw.help = true,
             other => return Err(format!("unknown argument `{other}`")),
@@ -171,6 +176,14 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
             Some(m) => return Err(format!("--gpudirect `{m}`: expected auto, on or off")),
         },
         check_every: number("--check-every", raw.check_every.as_deref(), 1, 1..=1_000_000)?,
+        transport_set: raw
+            .transport_set
+            .iter()
+            .map(|kv| match kv.split_once('=') {
+                Some((k, v)) if !k.trim().is_empty() && !v.trim().is_empty() && !kv.contains('\n') => Ok(format!("{} = {}", k.trim(), v.trim())),
+                _ => Err(format!("--transport-set `{kv}`: expected KEY=VALUE, one line of the daemons' [transport] table")),
+            })
+            .collect::<Result<_, _>>()?,
         json: raw.json,
     })
 }
@@ -607,8 +620,10 @@ fn soak(s: &Settings) -> Result<Report, String> {
     let fx = fixture(s.tokens, s.stream, s.device)?;
     let device = if s.device { format!("[device]\nbackend = \"host\"\ngpudirect = \"{}\"\n", s.gpudirect) } else { String::new() };
     // tcp is the daemons' default (and --netns sets its listen address).
-    let kind = if s.transport == "tcp" { String::new() } else { format!("[transport]\nkind = \"{}\"\n", s.transport) };
-    let extra = &format!("{device}{kind}");
+    let mut transport = if s.transport == "tcp" { Vec::new() } else { vec![format!("kind = \"{}\"", s.transport)] };
+    transport.extend(s.transport_set.iter().cloned());
+    let transport = if transport.is_empty() { String::new() } else { format!("[transport]\n{}\n", transport.join("\n")) };
+    let extra = &format!("{device}{transport}");
     // The daemons' configs, secrets and sockets; removed on drop.
     let tmp = TempDir::try_new("soak")?;
     let dir = tmp.path();
