@@ -252,10 +252,20 @@ fn spawn_daemon(netns: Option<&str>, ip: &str, dir: &Path, node: &str, secret: &
         None => (extra, ""),
     };
     cfg = format!("{top}\n{cfg}");
-    if ip != "127.0.0.1" && !tables.contains("[transport]") {
-        cfg.push_str(&format!("[transport]\ntcp_listen = \"{ip}:0\"\n"));
-    }
-    cfg.push_str(tables);
+    // Off loopback the data plane listens on this host's address, in the
+    // [transport] table `extra` brings, or in one of its own.
+    let listen = format!("tcp_listen = \"{ip}:0\"\n");
+    let transport = tables.find("[transport]\n").map(|at| {
+        let body = &tables[at + "[transport]\n".len()..];
+        (at, &body[..body.find("\n[").map_or(body.len(), |end| end + 1)])
+    });
+    let tables = match transport {
+        _ if ip == "127.0.0.1" => tables.to_string(),
+        None => format!("[transport]\n{listen}{tables}"),
+        Some((_, body)) if body.contains("tcp_listen") => tables.to_string(),
+        Some((at, _)) => format!("{}[transport]\n{listen}{}", &tables[..at], &tables[at + "[transport]\n".len()..]),
+    };
+    cfg.push_str(&tables);
     let path = dir.join(format!("{node}.toml"));
     std::fs::write(&path, cfg).map_err(|e| format!("write {}: {e}", path.display()))?;
     let kvwired = find_bin("kvwired")?;
