@@ -254,16 +254,18 @@ fn spawn_daemon(netns: Option<&str>, ip: &str, dir: &Path, node: &str, secret: &
     cfg = format!("{top}\n{cfg}");
     // Off loopback the data plane listens on this host's address, in the
     // [transport] table `extra` brings, or in one of its own.
-    let listen = format!("tcp_listen = \"{ip}:0\"\n");
-    let transport = tables.find("[transport]\n").map(|at| {
-        let body = &tables[at + "[transport]\n".len()..];
-        (at, &body[..body.find("\n[").map_or(body.len(), |end| end + 1)])
-    });
-    let tables = match transport {
+    let (header, listen) = ("[transport]\n", format!("tcp_listen = \"{ip}:0\"\n"));
+    let tables = match tables.find(header) {
         _ if ip == "127.0.0.1" => tables.to_string(),
-        None => format!("[transport]\n{listen}{tables}"),
-        Some((_, body)) if body.contains("tcp_listen") => tables.to_string(),
-        Some((at, _)) => format!("{}[transport]\n{listen}{}", &tables[..at], &tables[at + "[transport]\n".len()..]),
+        None => format!("{header}{listen}{tables}"),
+        Some(at) => {
+            // The table runs to the next one's header.
+            let body = &tables[at + header.len()..];
+            match body[..body.find("\n[").map_or(body.len(), |end| end + 1)].contains("tcp_listen") {
+                true => tables.to_string(),
+                false => tables.replacen(header, &format!("{header}{listen}"), 1),
+            }
+        }
     };
     cfg.push_str(&tables);
     let path = dir.join(format!("{node}.toml"));
