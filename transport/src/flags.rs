@@ -129,9 +129,11 @@ pub struct SleepBoard {
 
 impl SleepBoard {
     /// A client that maps the page and has not declared a sleep page yet.
-    pub fn undeclared(&self) -> Undeclared<'_> {
+    /// Owns its share of the board: a client's state may move between
+    /// the daemon's threads.
+    pub fn undeclared(self: &Arc<Self>) -> Undeclared {
         self.undeclared.fetch_add(1, Ordering::SeqCst);
-        Undeclared { board: self, counted: true }
+        Undeclared { board: self.clone(), counted: true }
     }
 
     /// Client `client`'s sleep page, read before every wake from now on,
@@ -168,12 +170,12 @@ impl SleepBoard {
 /// A client counted as waking on every publish, until it declares its
 /// sleep page or goes away.
 #[derive(Debug)]
-pub struct Undeclared<'a> {
-    board: &'a SleepBoard,
+pub struct Undeclared {
+    board: Arc<SleepBoard>,
     counted: bool,
 }
 
-impl Undeclared<'_> {
+impl Undeclared {
     /// The client declared its page: no longer counted.
     pub fn declared(&mut self) {
         if std::mem::take(&mut self.counted) {
@@ -182,7 +184,7 @@ impl Undeclared<'_> {
     }
 }
 
-impl Drop for Undeclared<'_> {
+impl Drop for Undeclared {
     fn drop(&mut self) {
         self.declared();
     }

@@ -3,6 +3,7 @@
 
 use super::error::{refused, Refusal};
 use super::state::{bytes_of, DeviceRank, Group, Groups, Marked, Mirrored, Pin, RankCache, Role, Share, SlotId};
+use super::workers::Job;
 use super::Daemon;
 use crate::metrics::Metrics;
 use crate::peer;
@@ -14,6 +15,7 @@ use kvwire_core::shard::{LayoutSpec, RegionId};
 use kvwire_core::tensors::{self, TensorDesc};
 use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::DeviceHandle;
+use kvwire_transport::flags::Undeclared;
 use kvwire_transport::{Hop, HostMem, Tag};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -35,6 +37,30 @@ thread_local! {
     /// The answer to the request this control thread is serving; none
     /// outside a request.
     static ANSWERING: RefCell<Option<Arc<Answer>>> = const { RefCell::new(None) };
+    /// Work the request left to run on this thread once its answer is out.
+    static AFTER_ANSWER: RefCell<Option<Job>> = const { RefCell::new(None) };
+}
+
+/// Runs `job` on this control thread once the answer to its request is
+/// out, rather than on a worker woken for it: on a host whose idle cores
+/// halt, that wake-up was the longest wait before a small transfer's
+/// writes left. A request that comes while `job` runs waits for it, or
+/// for the ticker's next look, which hands the client to a worker. Gives
+/// `job` back off a control thread, or when one is left already.
+pub(super) fn run_after_answer(job: Job) -> Result<(), Job> {
+    if ANSWERING.with(|a| a.borrow().is_none()) {
+        return Err(job);
+    }
+    AFTER_ANSWER.with(|j| {
+        let mut j = j.borrow_mut();
+        match *j {
+            Some(_) => Err(job),
+            None => {
+                *j = Some(job);
+                Ok(())
+            }
+        }
+    })
 }
 
 /// The answer to one request, sent once, by whichever thread gets there
@@ -105,12 +131,48 @@ pub(super) fn answer_early(reply: &Reply) -> Option<Arc<Answer>> {
     Some(a)
 }
 
-/// Takes a client thread off the live count when it ends.
-struct Leave<'a>(&'a AtomicU64);
+/// Whether `s` has input waiting now.
+fn readable(s: &UnixStream) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds = [PollFd::new(std::os::fd::AsFd::as_fd(s), PollFlags::POLLIN)];
+    !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
+}
 
-impl Drop for Leave<'_> {
+/// Takes a client off the live count when it ends.
+struct Leave(Arc<AtomicU64>);
+
+impl Drop for Leave {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// One client's connection and what the daemon holds for it: served by
+/// one thread at a time (not always the same one, see
+/// [`run_after_answer`]), and let go when dropped, however its serving
+/// ended.
+struct ClientConn {
+    d: Arc<Daemon>,
+    s: Arc<UnixStream>,
+    client: u64,
+    reader: wire::UnixReader,
+    // From its hello (which hands it the flag page) until it declares its
+    // sleep page, every publish wakes, in case it sleeps.
+    undeclared: Option<Undeclared>,
+    _out: Leave,
+}
+
+impl Drop for ClientConn {
+    fn drop(&mut self) {
+        let (d, client) = (&self.d, self.client);
+        d.sleepers.remove(client);
+        self.undeclared = None;
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| d.release_client(client))).is_err() {
+            tracing::error!(client, "releasing a client panicked");
+        }
+        if d.clients.fetch_sub(1, Ordering::AcqRel) == 1 {
+            d.drop_kept();
+        }
     }
 }
 
@@ -134,13 +196,10 @@ impl Daemon {
                 continue;
             }
             let d = self.clone();
-            let live = live.clone();
             live.fetch_add(1, Ordering::AcqRel);
-            let spawned = std::thread::Builder::new().name("kvwired-client".into()).spawn(move || {
-                // Counted out however the thread ends, a panic included.
-                let _out = Leave(&live);
-                d.serve_client(s);
-            });
+            // Counted out however its serving ends, a panic included.
+            let out = Leave(live.clone());
+            let spawned = std::thread::Builder::new().name("kvwired-client".into()).spawn(move || d.serve_client(s, out));
             if let Err(e) = spawned {
                 tracing::warn!(error = %e, "cannot spawn a client thread");
             }
@@ -201,19 +260,22 @@ impl Daemon {
         }
     }
 
-    fn serve_client(self: &Arc<Self>, s: UnixStream) {
+    fn serve_client(self: &Arc<Self>, s: UnixStream, out: Leave) {
         if !self.same_uid(&s) {
             return;
         }
-        let s = Arc::new(s);
         let client = self.next_client.fetch_add(1, Ordering::Relaxed);
         self.clients.fetch_add(1, Ordering::AcqRel);
-        let mut reader = wire::UnixReader::new();
-        // From its hello (which hands it the flag page) until it declares
-        // its sleep page, every publish wakes, in case it sleeps.
-        let mut undeclared = None;
+        self.serve(ClientConn { d: self.clone(), s: Arc::new(s), client, reader: wire::UnixReader::new(), undeclared: None, _out: out });
+    }
+
+    /// Serves `c`'s requests until it leaves, or until the ticker handed
+    /// it to a worker while this thread ran work a request left
+    /// ([`run_after_answer`]).
+    fn serve(self: &Arc<Self>, mut c: ClientConn) {
+        let (s, client) = (c.s.clone(), c.client);
         loop {
-            let (body, fds) = match reader.recv(&s) {
+            let (body, fds) = match c.reader.recv(&s) {
                 Ok(m) => m,
                 Err(WireError::Closed) => break,
                 Err(e @ (WireError::TooLong(_) | WireError::Fds(_))) => {
@@ -251,8 +313,8 @@ impl Daemon {
                 continue;
             }
             let (send_page, declaring) = (matches!(req, Request::Hello { .. }), matches!(req, Request::SleepPage));
-            if send_page && undeclared.is_none() {
-                undeclared = Some(self.sleepers.undeclared());
+            if send_page && c.undeclared.is_none() {
+                c.undeclared = Some(self.sleepers.undeclared());
             }
             // A request that panics fails alone: the client hears so, and
             // what it holds is still let go when it leaves.
@@ -267,22 +329,49 @@ impl Daemon {
                     Refusal::new(Code::TransferFailed, "internal error: this request failed; the daemon's log says where").reply()
                 }
             };
-            if let Some(u) = undeclared.as_mut().filter(|_| declaring && matches!(reply, Reply::Recorded)) {
+            if let Some(u) = c.undeclared.as_mut().filter(|_| declaring && matches!(reply, Reply::Recorded)) {
                 u.declared();
             }
             let page = self.page.mem().clone();
             let fds = if send_page && !matches!(reply, Reply::Error { .. }) { vec![page.fd().as_raw_fd()] } else { vec![] };
-            if !answer.finish(&reply, &fds) {
+            // Left even by a request that failed or panicked after leaving
+            // it: the work fails its own transfer then, as on a worker.
+            let after = AFTER_ANSWER.with(|j| j.borrow_mut().take());
+            let answered = answer.finish(&reply, &fds);
+            if let Some(job) = after {
+                // A request already waiting is not held up behind it.
+                if !answered || readable(&s) {
+                    if let Err(e) = self.workers.spawn("kvwired-xfer", job, |_| {}) {
+                        tracing::error!(client, error = %e, "no thread for a transfer's work");
+                    }
+                } else {
+                    // One that comes while it runs waits at most a tick:
+                    // then a worker takes the client over (a stalled peer
+                    // would otherwise hold its cancel until the timeout).
+                    let parked = Arc::new(Mutex::new(Some(c)));
+                    let (d, p) = (self.clone(), parked.clone());
+                    self.ticker.add(Box::new(move || {
+                        let mut p = p.lock().expect("parked client lock");
+                        if !p.as_ref().is_some_and(|c| readable(&c.s)) {
+                            return p.is_some();
+                        }
+                        let (w, c) = (d.clone(), p.take().expect("parked"));
+                        if let Err(e) = d.workers.spawn("kvwired-client", move || w.serve(c), |why| tracing::error!(why, "a control thread panicked")) {
+                            tracing::error!(client, error = %e, "no thread for the client's next requests; its connection ends");
+                        }
+                        false
+                    }));
+                    job();
+                    let back = parked.lock().expect("parked client lock").take();
+                    match back {
+                        Some(back) => c = back,
+                        None => return,
+                    }
+                }
+            }
+            if !answered {
                 break;
             }
-        }
-        self.sleepers.remove(client);
-        drop(undeclared);
-        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.release_client(client))).is_err() {
-            tracing::error!(client, "releasing a client panicked");
-        }
-        if self.clients.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.drop_kept();
         }
     }
 

@@ -216,11 +216,12 @@ impl Daemon {
         // A large submit is answered once the transfer is planned and its
         // slot claimed: packing, hashing and the manifest run on the
         // transfer thread, not on the engine's call (a failure there fails
-        // the transfer, as one on the wire does). A small one is packed
-        // here, and its writes start on the transfer thread while this one
-        // hashes and sends the manifest: the destination granted the keys
-        // before it accepted or announced, and needs the manifest only to
-        // verify. Both go before the answer.
+        // the transfer, as one on the wire does). A small one is packed,
+        // hashed and its manifest sent here, before the answer; its writes
+        // follow on this same thread once the answer is out (`post`), or
+        // on a worker beside the manifest where this thread cannot take
+        // them. The destination granted the keys before it accepted or
+        // announced, and needs the manifest only to verify.
         let small = starts_on_submit(&g, &s, &p);
         let early = match small {
             true => Some(self.keeping_stage(self.pack(id, &g, &p, codec)?, |st| batches(&g, &p, &accept, codec, st))?),
@@ -239,8 +240,9 @@ impl Daemon {
             let moved = d.move_bytes(id, &rails, &prefer, batches, stop, link, &mut total).map(|_| ());
             // Every layer's checksums are out before the transfer waits for
             // its verdict, which the destination gives only once each layer
-            // verified. A small transfer's manifest went beside its writes;
-            // its stage, which the manifest hashed, is kept until it is out.
+            // verified. A small transfer's manifest went before or beside
+            // its writes; its stage, which the manifest hashed, is kept
+            // until it is out.
             let manifest = match small {
                 true => manifest_sent.recv().unwrap_or(false).then_some(()).ok_or_else(|| "the manifest did not go out".to_string()),
                 false => Ok(()),
@@ -1096,7 +1098,7 @@ impl Daemon {
         };
         let answer = final_answer.then(|| super::control::answer_early(&reply)).flatten();
         let thread_answer = answer.clone();
-        let spawned = self.workers.spawn("kvwired-xfer", move || {
+        let job = move || {
             if let Some(a) = thread_answer {
                 a.send();
             }
@@ -1154,7 +1156,14 @@ impl Daemon {
                     d.fail(id, e);
                 }
             }
-        }, on_panic);
+        };
+        // A small transfer (answered only once its manifest is out) runs
+        // on the thread that took its submit, after the answer: no thread
+        // is woken before its writes leave.
+        let spawned = match final_answer {
+            false => super::control::run_after_answer(super::workers::guarded(job, on_panic)).or_else(|job| self.workers.spawn("kvwired-xfer", job, |_| {})),
+            true => self.workers.spawn("kvwired-xfer", job, on_panic),
+        };
         if let Err(e) = spawned {
             if let Some(a) = answer {
                 a.withdraw();

@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Condvar, Mutex};
 
-type Job = Box<dyn FnOnce() + Send + 'static>;
+pub(super) type Job = Box<dyn FnOnce() + Send + 'static>;
 
 /// Idle workers kept at most.
 const KEEP_IDLE: usize = 16;
@@ -37,16 +37,12 @@ impl Workers {
     /// panic in `job` is caught and handed to `on_panic` (which fails the
     /// job's transfer), and the worker lives on.
     pub fn spawn(&self, name: &str, job: impl FnOnce() + Send + 'static, on_panic: impl FnOnce(String) + Send + 'static) -> std::io::Result<()> {
-        let job = move || {
-            if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
-                on_panic(panic_text(&*p));
-            }
-        };
+        let job = guarded(job, on_panic);
         let (lock, cv) = &*self.q;
         let mut q = lock.lock().expect("workers lock");
         q.draining = false;
         if q.idle > q.jobs.len() {
-            q.jobs.push(Box::new(job));
+            q.jobs.push(job);
             // Woken after the lock is released: woken under it, the worker
             // would wake only to wait for the lock this thread holds.
             drop(q);
@@ -69,6 +65,15 @@ impl Workers {
         lock.lock().expect("workers lock").draining = true;
         cv.notify_all();
     }
+}
+
+/// `job`, with a panic in it caught and handed to `on_panic`.
+pub(super) fn guarded(job: impl FnOnce() + Send + 'static, on_panic: impl FnOnce(String) + Send + 'static) -> Job {
+    Box::new(move || {
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)) {
+            on_panic(panic_text(&*p));
+        }
+    })
 }
 
 /// What a caught panic said.

@@ -300,6 +300,66 @@ fn a_frozen_source_fails_the_destination_once_silent_for_the_peer_timeout() {
     kill(pid, Signal::SIGCONT).unwrap();
 }
 
+/// A small transfer's work runs on the control thread that took its
+/// submit, once the answer is out. Its client's next requests are not
+/// held up behind it: with the destination frozen after it announced the
+/// receive, the work waits for answers that do not come, yet a status and
+/// a cancel from the same client are answered at once (well inside the
+/// peer timeout), and the client's next transfer moves every byte once
+/// the destination runs again.
+#[test]
+fn a_small_transfer_stuck_on_a_frozen_destination_holds_up_no_request_of_its_client() {
+    let _alone = crate::alone();
+    use nix::sys::signal::{kill, Signal};
+    let d = TempDir::new("faults-small-frozen");
+    let timeout = "[limits]\npeer_timeout_secs = 30\n";
+    let b = start_daemon(d.path(), "decode-host", SECRET, &[], timeout);
+    let a = start_daemon(d.path(), "prefill-host", SECRET, &[("decode-host", &b.peer)], timeout);
+    let (ca, cb) = (connect(&a, "prefill"), connect(&b, "decode"));
+    // 128 KiB: a small transfer, moved on the submit's own thread.
+    let c = Cache { layers: 2, heads: 2, dim: 64, blocks: 4 };
+    let Caches { orig, src: _src, dst } = caches(&ca, &cb, &c, 9);
+    let table: Vec<u32> = (0..c.blocks).collect();
+    let submit = |request: &str| Submit {
+        request: format!("src-{request}"),
+        group: "src".into(),
+        block_table: table.clone(),
+        tokens: c.tokens(),
+        peer: "decode-host".into(),
+        dst_group: "dst".into(),
+        dst_request: request.into(),
+        codec: None,
+        stream: false,
+    };
+    let prepare = |request: &str| {
+        let p = PrepareReceive { group: "dst".into(), request: request.into(), block_table: table.clone(), tokens: c.tokens(), prefix_tokens: 0, source: Some("prefill-host".into()) };
+        let (slot, announced) = cb.prepare_announced(p).unwrap();
+        (slot, announced)
+    };
+    // The first leaves a kept connection, which the next receives are announced on.
+    let (first, _) = prepare("first");
+    ca.submit(submit("first")).unwrap();
+    cb.wait(first, FlagName::DecoderUsable, Duration::from_secs(20)).expect("the first transfer lands");
+    let (_, announced) = prepare("stuck");
+    assert_eq!(announced, Some(Ok(())), "the receive was not announced to the source");
+    let pid = nix::unistd::Pid::from_raw(b.pid() as i32);
+    kill(pid, Signal::SIGSTOP).unwrap();
+    let Submitted { slot: sslot, .. } = ca.submit(submit("stuck")).expect("a small submit is answered before its writes complete");
+    let asked = Instant::now();
+    let st = ca.status(sslot).unwrap();
+    let answered = asked.elapsed();
+    assert_eq!(st.state, TransferState::Running, "{st:?}");
+    assert!(answered < Duration::from_secs(5), "the status waited {answered:?} behind the stuck transfer");
+    ca.cancel(sslot).unwrap();
+    assert!(is_failed_wait(&ca.wait(sslot, FlagName::DecoderUsable, Duration::from_secs(10))), "the cancelled transfer was not failed");
+    assert!(asked.elapsed() < Duration::from_secs(10), "status and cancel took {:?}", asked.elapsed());
+    kill(pid, Signal::SIGCONT).unwrap();
+    let (last, _) = prepare("after");
+    ca.submit(submit("after")).unwrap();
+    cb.wait(last, FlagName::DecoderUsable, Duration::from_secs(20)).expect("the next transfer lands");
+    assert_eq!(first_difference(&contents(&dst), &orig), None, "the destination differs from the source");
+}
+
 #[test]
 fn a_destination_killed_mid_transfer_fails_the_source_which_serves_another() {
     let _alone = crate::alone();
