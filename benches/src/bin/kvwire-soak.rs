@@ -11,7 +11,10 @@
 //! changes every iteration, so a byte the transfer failed to write still holds
 //! the previous key and shows. With `--check-every N` only every Nth
 //! transfer writes a new key and is checked; those between move the same
-//! bytes again, unchecked. A comparison with engines that time their writes
+//! bytes again, unchecked. With `--in-flight N` each client prepares N
+//! receives, submits N transfers back to back (as an engine sending a
+//! step's requests does) and only then waits for them; the N move the same
+//! key into the same blocks, and are checked together. A comparison with engines that time their writes
 //! and check once at the end (`kvwire bench peers`) takes the client's own
 //! full rewrite and compare out of the timed loop the same way: on a
 //! 2-core host that work shares the daemons' cores.
@@ -63,13 +66,16 @@ const SETTLE: Duration = Duration::from_secs(1);
 /// peer and data connections of its transfer in flight, and its share of
 /// those kept idle between transfers.
 const FDS_PER_CLIENT: u64 = 16;
+/// And for each transfer a client has in flight beyond its first
+/// (`--in-flight`): a peer and a data connection, and staging.
+const FDS_PER_IN_FLIGHT: u64 = 4;
 const FDS_SLACK: u64 = 32;
 /// Errors kept verbatim per client (the rest are only counted).
 const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm|verbs (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--check-every N (1)] [--transport-set KEY=VALUE]... [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm|verbs (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--check-every N (1)] [--in-flight N (1)] [--transport-set KEY=VALUE]... [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -85,6 +91,7 @@ struct RawArgs {
     device: bool,
     gpudirect: Option<String>,
     check_every: Option<String>,
+    in_flight: Option<String>,
     transport_set: Vec<String>,
     json: bool,
     help: bool,
@@ -108,6 +115,8 @@ struct Settings {
     gpudirect: String,
     // Every Nth transfer writes a new key and is checked (1: all).
     check_every: u64,
+    // Transfers each client submits back to back before it waits.
+    in_flight: u64,
     // Lines of both daemons' `[transport]` table (`key = value`), to try
     // a tuning without a rebuild.
     transport_set: Vec<String>,
@@ -129,6 +138,7 @@ fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
             "--device" => raw.device = true,
             "--gpudirect" => raw.gpudirect = Some(value("--gpudirect")?),
             "--check-every" => raw.check_every = Some(value("--check-every")?),
+            "--in-flight" => raw.in_flight = Some(value("--in-flight")?),
             "--transport-set" => raw.transport_set.push(value("--transport-set")?),
             "--json" => raw.json = true,
             "-h" | "--help" => raw.help = true,
@@ -151,11 +161,16 @@ fn number(key: &str, v: Option<&str>, default: u64, range: std::ops::RangeInclus
 }
 
 fn settings(raw: &RawArgs) -> Result<Settings, String> {
+    let clients = number("--clients", raw.clients.as_deref(), 8, 1..=64)?;
+    let in_flight = number("--in-flight", raw.in_flight.as_deref(), 1, 1..=64)?;
+    // A daemon runs at most 64 transfers at once by default.
+    if clients * in_flight > 64 {
+        return Err(format!("--clients {clients} x --in-flight {in_flight} is over the 64 transfers a daemon runs at once"));
+    }
     Ok(Settings {
         // Under 3 s the thirds of the run hold too few samples to judge RSS.
         seconds: number("--seconds", raw.seconds.as_deref(), 30, 3..=3600)?,
-        // A daemon runs at most 64 transfers at once by default; each client has one.
-        clients: number("--clients", raw.clients.as_deref(), 8, 1..=64)? as usize,
+        clients: clients as usize,
         tokens: number("--tokens", raw.tokens.as_deref(), 256, 1..=65536)?,
         transport: match (raw.transport.as_deref(), raw.netns) {
             (None | Some("tcp"), _) => "tcp",
@@ -176,6 +191,7 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
             Some(m) => return Err(format!("--gpudirect `{m}`: expected auto, on or off")),
         },
         check_every: number("--check-every", raw.check_every.as_deref(), 1, 1..=1_000_000)?,
+        in_flight,
         transport_set: raw
             .transport_set
             .iter()
@@ -409,77 +425,94 @@ impl<'a> Session<'a> {
         Ok(Session { fx, ca, cb, src_group, dst_group, src_mems, dst_mems, scratch: Vec::new(), want: Vec::new() })
     }
 
-    /// One transfer under `key`; returns submit → `decoder_usable` seen,
-    /// how long the submit call took, and the bytes moved. With `checked`
-    /// the source is written under `key` first and the destination
-    /// compared after; without, the source holds the last checked key.
-    fn transfer(&mut self, request: &str, key: u8, checked: bool) -> Result<(Duration, Duration, u64), SoakError> {
+    /// `n` transfers under `key`, submitted back to back (requests
+    /// `{request}-0..n`); returns each one's submit → `decoder_usable`
+    /// seen and how long its submit call took. With `checked` the source
+    /// is written under `key` first and the destination compared after
+    /// all `n` landed; without, the source holds the last checked key.
+    fn transfers(&mut self, request: &str, key: u8, checked: bool, n: u64) -> Result<Vec<(Duration, Duration)>, SoakError> {
         let fx = self.fx;
-        // The previous transfer's source_released was seen: the daemon no longer reads these pages.
+        // The previous transfers' source_released was seen: the daemon no longer reads these pages.
         for (mem, codes) in self.src_mems.iter().zip(&fx.src_codes).filter(|_| checked) {
             self.scratch.clear();
             self.scratch.extend(codes.iter().map(|b| b ^ key));
             mem.write(0, &self.scratch).map_err(|e| SoakError::Setup(e.to_string()))?;
         }
-        let slot = self
-            .cb
-            .prepare(PrepareReceive {
-                group: self.dst_group.clone(),
-                request: request.into(),
-                block_table: fx.dst.block_table.clone(),
-                tokens: fx.tokens,
-                prefix_tokens: 0,
-                source: Some(self.ca.node.clone()),
-            })
-            .map_err(step("prepare"))?;
-        let started = Instant::now();
-        let submitted = self.ca.submit(Submit {
-            request: format!("{request}-src"),
-            group: self.src_group.clone(),
-            block_table: fx.src.block_table.clone(),
-            tokens: fx.tokens,
-            peer: "soak-dst".into(),
-            dst_group: self.dst_group.clone(),
-            dst_request: request.into(),
-            codec: None,
-            stream: fx.stream,
-        });
-        let submit_call = started.elapsed();
-        let Submitted { slot: sslot, bytes, .. } = match submitted {
-            Ok(x) => x,
-            Err(e) => {
-                // Otherwise the prepared slot stays live for ever and the daemon runs out of slots.
-                let _ = self.cb.cancel(slot);
-                return Err(SoakError::Daemon { step: "submit", source: e, why: None });
+        let names: Vec<String> = (0..n).map(|k| if n == 1 { request.to_string() } else { format!("{request}-{k}") }).collect();
+        // (destination slot, source slot once submitted, when its submit began, its submit call)
+        let mut live: Vec<(u16, Option<u16>, Instant, Duration)> = Vec::new();
+        let run = (|| -> Result<Vec<(Duration, Duration)>, SoakError> {
+            for name in &names {
+                let p = PrepareReceive {
+                    group: self.dst_group.clone(),
+                    request: name.clone(),
+                    block_table: fx.dst.block_table.clone(),
+                    tokens: fx.tokens,
+                    prefix_tokens: 0,
+                    source: Some(self.ca.node.clone()),
+                };
+                live.push((self.cb.prepare(p).map_err(step("prepare"))?, None, Instant::now(), Duration::ZERO));
             }
-        };
-        if fx.stream {
-            for rank in 0..fx.src.shard.ranks.len() as u32 {
-                if let Err(e) = self.ca.produced(&self.src_group, &format!("{request}-src"), rank, LAYERS as u16) {
-                    let _ = self.ca.cancel(sslot);
-                    return Err(SoakError::Daemon { step: "produced", source: e, why: None });
+            for (name, l) in names.iter().zip(live.iter_mut()) {
+                let started = Instant::now();
+                let submitted = self.ca.submit(Submit {
+                    request: format!("{name}-src"),
+                    group: self.src_group.clone(),
+                    block_table: fx.src.block_table.clone(),
+                    tokens: fx.tokens,
+                    peer: "soak-dst".into(),
+                    dst_group: self.dst_group.clone(),
+                    dst_request: name.clone(),
+                    codec: None,
+                    stream: fx.stream,
+                });
+                let submit_call = started.elapsed();
+                let Submitted { slot: sslot, bytes, .. } = submitted.map_err(|e| SoakError::Daemon { step: "submit", source: e, why: None })?;
+                *l = (l.0, Some(sslot), started, submit_call);
+                let want = BYTES_PER_TOKEN * fx.tokens;
+                if bytes != want {
+                    return Err(SoakError::Bytes { got: bytes, want });
+                }
+                if fx.stream {
+                    for rank in 0..fx.src.shard.ranks.len() as u32 {
+                        self.ca.produced(&self.src_group, &format!("{name}-src"), rank, LAYERS as u16).map_err(|e| SoakError::Daemon { step: "produced", source: e, why: None })?;
+                    }
                 }
             }
-        }
-        if let Err(e) = self.cb.wait(slot, FlagName::DecoderUsable, WAIT) {
-            let why = self.cb.status(slot).ok().and_then(|s| s.error);
-            let _ = self.cb.cancel(slot);
-            let _ = self.ca.cancel(sslot);
-            return Err(SoakError::Daemon { step: "wait decoder_usable", source: e, why });
-        }
-        let took = started.elapsed();
-        if let Err(e) = self.ca.wait(sslot, FlagName::SourceReleased, WAIT) {
-            let why = self.ca.status(sslot).ok().and_then(|s| s.error);
-            return Err(SoakError::Daemon { step: "wait source_released", source: e, why });
-        }
-        let want = BYTES_PER_TOKEN * fx.tokens;
-        if bytes != want {
-            return Err(SoakError::Bytes { got: bytes, want });
-        }
+            let mut took = Vec::with_capacity(live.len());
+            for &(slot, _, started, submit_call) in &live {
+                if let Err(e) = self.cb.wait(slot, FlagName::DecoderUsable, WAIT) {
+                    let why = self.cb.status(slot).ok().and_then(|s| s.error);
+                    return Err(SoakError::Daemon { step: "wait decoder_usable", source: e, why });
+                }
+                took.push((started.elapsed(), submit_call));
+            }
+            for &(_, sslot, _, _) in &live {
+                let sslot = sslot.expect("submitted");
+                if let Err(e) = self.ca.wait(sslot, FlagName::SourceReleased, WAIT) {
+                    let why = self.ca.status(sslot).ok().and_then(|s| s.error);
+                    return Err(SoakError::Daemon { step: "wait source_released", source: e, why });
+                }
+            }
+            Ok(took)
+        })();
+        let took = match run {
+            Ok(took) => took,
+            Err(e) => {
+                // Otherwise their slots stay live for ever and the daemons run out of slots.
+                for (slot, sslot, _, _) in live {
+                    let _ = self.cb.cancel(slot);
+                    if let Some(s) = sslot {
+                        let _ = self.ca.cancel(s);
+                    }
+                }
+                return Err(e);
+            }
+        };
         if checked {
             self.check(key)?;
         }
-        Ok((took, submit_call, bytes))
+        Ok(took)
     }
 
     /// Every destination byte against the oracle under `key`.
@@ -512,7 +545,7 @@ impl<'a> Session<'a> {
     }
 }
 
-fn client(i: usize, fx: &Fixture, src: &DaemonProc, dst: &DaemonProc, deadline: Instant, check_every: u64) -> Tally {
+fn client(i: usize, fx: &Fixture, src: &DaemonProc, dst: &DaemonProc, deadline: Instant, (check_every, in_flight): (u64, u64)) -> Tally {
     let mut t = Tally::default();
     let fail = |t: &mut Tally, e: SoakError| {
         t.errors += 1;
@@ -537,12 +570,14 @@ fn client(i: usize, fx: &Fixture, src: &DaemonProc, dst: &DaemonProc, deadline: 
         // checked iteration's key.
         let checked = iter % check_every == 0;
         let key = ((i as u64 * 37 + iter / check_every) % 255 + 1) as u8;
-        match s.transfer(&format!("soak-{i}-{iter}"), key, checked) {
-            Ok((took, submit_call, bytes)) => {
-                t.latencies.push(took);
-                t.submits.push(submit_call);
-                t.bytes += bytes;
-                t.checked += u64::from(checked);
+        match s.transfers(&format!("soak-{i}-{iter}"), key, checked, in_flight) {
+            Ok(done) => {
+                for (took, submit_call) in done {
+                    t.latencies.push(took);
+                    t.submits.push(submit_call);
+                    t.bytes += BYTES_PER_TOKEN * fx.tokens;
+                    t.checked += u64::from(checked);
+                }
                 in_a_row = 0;
             }
             Err(e) => {
@@ -669,8 +704,8 @@ fn soak(s: &Settings) -> Result<Report, String> {
             }
         });
         let hs: Vec<_> = (0..s.clients).map(|i| sc.spawn({
-            let (fx, src, dst, check_every) = (&fx, &src, &dst, s.check_every);
-            move || client(i, fx, src, dst, deadline, check_every)
+            let (fx, src, dst, pace) = (&fx, &src, &dst, (s.check_every, s.in_flight));
+            move || client(i, fx, src, dst, deadline, pace)
         })).collect();
         let tallies: Vec<Tally> = hs.into_iter().map(|h| h.join().expect("client thread")).collect();
         // Every client connection is closed now; give the daemons time to notice and clean up.
@@ -784,7 +819,7 @@ fn judge(r: &Report) -> Vec<Verdict> {
         // socket, memfds, peer and data connections) must be closed once
         // the clients have gone and the transfers have finished.
         say(d.after.fds == d.before.fds, format!("{} fds: {} before clients connected, {} after they left", d.name, d.before.fds, d.after.fds));
-        let allowed = d.before.fds + FDS_PER_CLIENT * r.settings.clients as u64 + FDS_SLACK;
+        let allowed = d.before.fds + (FDS_PER_CLIENT + FDS_PER_IN_FLIGHT * (r.settings.in_flight - 1)) * r.settings.clients as u64 + FDS_SLACK;
         say(d.peak_fds <= allowed, format!("{} fds during the run: peak {}, allowed up to {allowed}", d.name, d.peak_fds));
         say(
             d.after.threads == d.before.threads,
@@ -873,13 +908,14 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
     let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
     let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
     println!(
-        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"transport\":\"{}\",\"netns\":{},\"stream\":{},\"device\":{},\"gpudirect\":\"{}\",\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"checked\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"transport\":\"{}\",\"netns\":{},\"stream\":{},\"in_flight\":{},\"device\":{},\"gpudirect\":\"{}\",\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"checked\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
         r.settings.seconds,
         r.settings.clients,
         r.settings.tokens,
         r.settings.transport,
         r.settings.netns,
         r.settings.stream,
+        r.settings.in_flight,
         r.settings.device,
         r.settings.gpudirect,
         json_str(SRC_LAYOUT),
@@ -922,6 +958,9 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     );
     if s.stream {
         println!("streamed submits: every layer announced right after the submit");
+    }
+    if s.in_flight > 1 {
+        println!("{} transfers in flight per client: submitted back to back, then waited for", s.in_flight);
     }
     if s.device {
         println!("caches registered as device memory (the stand-in backend's), gpudirect {}", s.gpudirect);
