@@ -14,10 +14,11 @@
 //! bytes again, unchecked. With `--in-flight N` each client prepares N
 //! receives, submits N transfers back to back (as an engine sending a
 //! step's requests does) and only then waits for them; the N move the same
-//! key into the same blocks, and are checked together. A comparison with engines that time their writes
-//! and check once at the end (`kvwire bench peers`) takes the client's own
-//! full rewrite and compare out of the timed loop the same way: on a
-//! 2-core host that work shares the daemons' cores.
+//! key into the same blocks, and are checked together. A comparison with
+//! engines that time their writes and check once at the end (`kvwire bench
+//! peers`) takes the client's own full rewrite and compare out of the
+//! timed loop the same way: on a 2-core host that work shares the daemons'
+//! cores.
 //!
 //! A sampler reads each daemon's VmRSS, Threads and open fds from /proc every
 //! 500 ms: before any client connects, during the run, and 1 s after every
