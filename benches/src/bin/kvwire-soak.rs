@@ -440,8 +440,9 @@ impl<'a> Session<'a> {
             mem.write(0, &self.scratch).map_err(|e| SoakError::Setup(e.to_string()))?;
         }
         let names: Vec<String> = (0..n).map(|k| if n == 1 { request.to_string() } else { format!("{request}-{k}") }).collect();
-        // (destination slot, source slot once submitted, when its submit began, its submit call)
-        let mut live: Vec<(u16, Option<u16>, Instant, Duration)> = Vec::new();
+        let want = BYTES_PER_TOKEN * fx.tokens;
+        // Destination slots prepared, and per submit: its source slot, when it began, how long the call took.
+        let (mut prepared, mut submitted): (Vec<u16>, Vec<(u16, Instant, Duration)>) = (Vec::new(), Vec::new());
         let run = (|| -> Result<Vec<(Duration, Duration)>, SoakError> {
             for name in &names {
                 let p = PrepareReceive {
@@ -452,11 +453,11 @@ impl<'a> Session<'a> {
                     prefix_tokens: 0,
                     source: Some(self.ca.node.clone()),
                 };
-                live.push((self.cb.prepare(p).map_err(step("prepare"))?, None, Instant::now(), Duration::ZERO));
+                prepared.push(self.cb.prepare(p).map_err(step("prepare"))?);
             }
-            for (name, l) in names.iter().zip(live.iter_mut()) {
+            for name in &names {
                 let started = Instant::now();
-                let submitted = self.ca.submit(Submit {
+                let answer = self.ca.submit(Submit {
                     request: format!("{name}-src"),
                     group: self.src_group.clone(),
                     block_table: fx.src.block_table.clone(),
@@ -468,9 +469,8 @@ impl<'a> Session<'a> {
                     stream: fx.stream,
                 });
                 let submit_call = started.elapsed();
-                let Submitted { slot: sslot, bytes, .. } = submitted.map_err(|e| SoakError::Daemon { step: "submit", source: e, why: None })?;
-                *l = (l.0, Some(sslot), started, submit_call);
-                let want = BYTES_PER_TOKEN * fx.tokens;
+                let Submitted { slot: sslot, bytes, .. } = answer.map_err(|e| SoakError::Daemon { step: "submit", source: e, why: None })?;
+                submitted.push((sslot, started, submit_call));
                 if bytes != want {
                     return Err(SoakError::Bytes { got: bytes, want });
                 }
@@ -480,16 +480,15 @@ impl<'a> Session<'a> {
                     }
                 }
             }
-            let mut took = Vec::with_capacity(live.len());
-            for &(slot, _, started, submit_call) in &live {
+            let mut took = Vec::with_capacity(submitted.len());
+            for (&slot, &(_, started, submit_call)) in prepared.iter().zip(&submitted) {
                 if let Err(e) = self.cb.wait(slot, FlagName::DecoderUsable, WAIT) {
                     let why = self.cb.status(slot).ok().and_then(|s| s.error);
                     return Err(SoakError::Daemon { step: "wait decoder_usable", source: e, why });
                 }
                 took.push((started.elapsed(), submit_call));
             }
-            for &(_, sslot, _, _) in &live {
-                let sslot = sslot.expect("submitted");
+            for &(sslot, _, _) in &submitted {
                 if let Err(e) = self.ca.wait(sslot, FlagName::SourceReleased, WAIT) {
                     let why = self.ca.status(sslot).ok().and_then(|s| s.error);
                     return Err(SoakError::Daemon { step: "wait source_released", source: e, why });
@@ -501,11 +500,11 @@ impl<'a> Session<'a> {
             Ok(took) => took,
             Err(e) => {
                 // Otherwise their slots stay live for ever and the daemons run out of slots.
-                for (slot, sslot, _, _) in live {
+                for slot in prepared {
                     let _ = self.cb.cancel(slot);
-                    if let Some(s) = sslot {
-                        let _ = self.ca.cancel(s);
-                    }
+                }
+                for (sslot, _, _) in submitted {
+                    let _ = self.ca.cancel(sslot);
                 }
                 return Err(e);
             }

@@ -124,11 +124,9 @@ impl WaitSpin {
 /// Polls `s` for input, yielding the core between looks, until it is
 /// readable or `window` passed.
 fn poll_readable(s: &UnixStream, window: Duration) {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let started = Instant::now();
     while started.elapsed() < window {
-        let mut fds = [PollFd::new(std::os::fd::AsFd::as_fd(s), PollFlags::POLLIN)];
-        if !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0)) {
+        if wire::readable_now(s) {
             return;
         }
         std::thread::yield_now();

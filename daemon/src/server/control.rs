@@ -131,13 +131,6 @@ pub(super) fn answer_early(reply: &Reply) -> Option<Arc<Answer>> {
     Some(a)
 }
 
-/// Whether `s` has input waiting now.
-fn readable(s: &UnixStream) -> bool {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let mut fds = [PollFd::new(std::os::fd::AsFd::as_fd(s), PollFlags::POLLIN)];
-    !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
-}
-
 /// Takes a client off the live count when it ends.
 struct Leave(Arc<AtomicU64>);
 
@@ -340,7 +333,7 @@ impl Daemon {
             let answered = answer.finish(&reply, &fds);
             if let Some(job) = after {
                 // A request already waiting is not held up behind it.
-                if !answered || readable(&s) {
+                if !answered || wire::readable_now(&s) {
                     if let Err(e) = self.workers.spawn("kvwired-xfer", job, |_| {}) {
                         tracing::error!(client, error = %e, "no thread for a transfer's work");
                     }
@@ -352,7 +345,7 @@ impl Daemon {
                     let (d, p) = (self.clone(), parked.clone());
                     self.ticker.add(Box::new(move || {
                         let mut p = p.lock().expect("parked client lock");
-                        if !p.as_ref().is_some_and(|c| readable(&c.s)) {
+                        if !p.as_ref().is_some_and(|c| wire::readable_now(&c.s)) {
                             return p.is_some();
                         }
                         let (w, c) = (d.clone(), p.take().expect("parked"));
