@@ -2,12 +2,6 @@ use clap::Parser;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-// Each transfer allocates and frees small buffers on four threads (the
-// request's parse, slot bookkeeping, frames); glibc's arenas took about a
-// tenth of the daemons' CPU at 64 KiB.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// kvwired: the per-host kvwire daemon.
 #[derive(Debug, Parser)]
 #[command(name = "kvwired", version)]
