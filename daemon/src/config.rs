@@ -93,7 +93,11 @@ pub struct TransportConfig {
     /// worker packs and hashes each layer, its checksums and then its bytes
     /// going as soon as it is done (striped over several rails: packed
     /// first, then hashed beside the writes). Smaller ones are packed and hashed
-    /// whole first (per-layer messages and hand-offs cost more than they save).
+    /// whole first (per-layer messages and hand-offs cost more than they save:
+    /// at 1 MiB, packing each piece just before its write and sending the
+    /// checksums after the bytes reached `decoder_usable` in 0.77-0.79 ms
+    /// against 0.68-0.71, its posts twice as long with the destination
+    /// woken per piece).
     pub hash_beside_bytes: u64,
     /// A receive prepared for a named source node (`source` in the
     /// prepare) of at most this many payload bytes is announced to it:

@@ -250,7 +250,10 @@ where
 /// or unpacked in parts side by side ([`by_chunk`]): below it a thread's
 /// start costs more than the part it takes. Split into 512 KiB parts,
 /// llama-3.1-8b's 1 MiB layers (256 tokens) over shm went 0.37-0.45 of
-/// memcpy -> 0.23-0.28 (`kvwire bench layouts`, 3 runs each).
+/// memcpy -> 0.23-0.28 (`kvwire bench layouts`, 3 runs each), and a
+/// 1 MiB remapped transfer packed and hashed in two parts reached
+/// `decoder_usable` in 0.82-0.85 ms against 0.70-0.73 in one
+/// (`kvwire-soak --tokens 256`, three pairs).
 const PARALLEL_BYTES: u64 = 1 << 20;
 
 /// Cores this process may run on, read once.
