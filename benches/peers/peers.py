@@ -164,15 +164,22 @@ def main():
     ap.add_argument("--engine", choices=sorted(ENGINES), required=True)
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--src-cpus", help="CPU list the initiating process runs on")
+    ap.add_argument("--dst-cpus", help="CPU list the target process runs on")
     ap.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     target_fn, initiator_fn = ENGINES[a.engine]
+    # Before the engine starts its threads: they inherit it.
+    cpus = a.dst_cpus if a.target else a.src_cpus
+    if cpus:
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
     if a.target:
         target_fn(max(sizes))
         return
+    pin = ["--dst-cpus", a.dst_cpus] if a.dst_cpus else []
     target = subprocess.Popen(
-        [sys.executable, __file__, "--engine", a.engine, "--sizes", a.sizes, "--target"],
+        [sys.executable, __file__, "--engine", a.engine, "--sizes", a.sizes, "--target"] + pin,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     try:

@@ -53,6 +53,12 @@ pub struct PeersArgs {
     /// Create the engines' virtualenv (target/peers-venv) if it is missing.
     #[arg(long)]
     install: bool,
+    /// Each side on CPUs of its own, as on two hosts: kvwire's source
+    /// daemon and engine, and the other engines' initiating processes, on
+    /// the first half of this process's CPUs; the destination daemon and
+    /// the other engines' targets on the second.
+    #[arg(long)]
+    pin: bool,
     /// Directory for peers.jsonl.
     #[arg(long, default_value = "kvwire-campaign")]
     out: PathBuf,
@@ -92,11 +98,15 @@ pub fn run(a: PeersArgs, out: &mut String) -> Result<(), Error> {
     if a.seconds < 3 || a.reps == 0 {
         return Err(Error::BadInput(anyhow!("--seconds must be at least 3 and --reps at least 1")));
     }
+    let pinned = match a.pin {
+        true => Some(crate::cpu_halves().map_err(|e| Error::BadInput(anyhow!("--pin: {e}")))?),
+        false => None,
+    };
     let mut points = Vec::new();
     for &size in &sizes {
         for kind in [TransportKind::Tcp, TransportKind::Shm] {
             eprintln!("kvwire: peers: kvwire end to end over {kind}, {size} bytes");
-            points.push(kvwire_e2e(size, a.seconds, kind).map_err(Error::Failed)?);
+            points.push(kvwire_e2e(size, a.seconds, kind, pinned.is_some()).map_err(Error::Failed)?);
             let t = crate::baseline::transport(kind, size, a.reps.clamp(3, 50)).map_err(Error::Failed)?;
             let us = size as f64 / (t.gbps * 1e9) * 1e6;
             points.push(PeerPoint { engine: engine_name("kvwire-transport", kind), size, p50_us: us, p99_us: None, gbps: t.gbps, verified: true, ratio_to_kvwire: None });
@@ -107,7 +117,7 @@ pub fn run(a: PeersArgs, out: &mut String) -> Result<(), Error> {
         Ok(py) => {
             for (engine, script_engine, tls) in [("mooncake-tcp", "mooncake", None), ("nixl-tcp", "nixl", Some("tcp")), ("nixl-cma", "nixl", None)] {
                 eprintln!("kvwire: peers: {engine}");
-                match engine_points(&py, engine, script_engine, tls, &sizes, a.reps) {
+                match engine_points(&py, engine, script_engine, tls, &sizes, a.reps, pinned.as_ref()) {
                     Ok(p) => points.extend(p),
                     Err(e) => skipped.push(Skipped { engine: engine.into(), reason: format!("{e:#}") }),
                 }
@@ -121,7 +131,7 @@ pub fn run(a: PeersArgs, out: &mut String) -> Result<(), Error> {
         p.ratio_to_kvwire = e2e.iter().find(|(e, s, _)| *e == path && *s == p.size).map(|(_, _, k)| p.p50_us / k);
     }
     write_jsonl(&a.out, &points, &skipped).map_err(Error::Failed)?;
-    render(out, &sizes, &points, &skipped);
+    render(out, &sizes, &points, &skipped, pinned.as_ref());
     Ok(())
 }
 
@@ -159,11 +169,15 @@ fn same_host(engine: &str) -> bool {
 const CHECK_EVERY: u32 = 64;
 
 /// kvwire end to end at `size` over `kind`: `kvwire-soak` with one client.
-fn kvwire_e2e(size: u64, seconds: u32, kind: TransportKind) -> anyhow::Result<PeerPoint> {
+fn kvwire_e2e(size: u64, seconds: u32, kind: TransportKind, pin: bool) -> anyhow::Result<PeerPoint> {
     let soak = kvwire_testkit::find_bin("kvwire-soak").map_err(|e| anyhow!(e))?;
     let tokens = size / SOAK_BYTES_PER_TOKEN;
-    let o = Command::new(&soak)
-        .args(["--seconds", &seconds.to_string(), "--clients", "1", "--tokens", &tokens.to_string(), "--transport", kind.as_str(), "--check-every", &CHECK_EVERY.to_string(), "--json"])
+    let mut c = Command::new(&soak);
+    c.args(["--seconds", &seconds.to_string(), "--clients", "1", "--tokens", &tokens.to_string(), "--transport", kind.as_str(), "--check-every", &CHECK_EVERY.to_string(), "--json"]);
+    if pin {
+        c.arg("--pin");
+    }
+    let o = c
         .output()
         .with_context(|| format!("run {}", soak.display()))?;
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).with_context(|| format!("kvwire-soak output: {}", String::from_utf8_lossy(&o.stderr)))?;
@@ -210,12 +224,15 @@ fn venv_dir() -> anyhow::Result<PathBuf> {
 }
 
 /// One engine at every size, through `peers.py`.
-fn engine_points(py: &Path, engine: &str, script_engine: &str, tls: Option<&str>, sizes: &[u64], reps: u32) -> anyhow::Result<Vec<PeerPoint>> {
+fn engine_points(py: &Path, engine: &str, script_engine: &str, tls: Option<&str>, sizes: &[u64], reps: u32, pinned: Option<&(Vec<usize>, Vec<usize>)>) -> anyhow::Result<Vec<PeerPoint>> {
     let script = py.parent().and_then(Path::parent).ok_or_else(|| anyhow!("no venv directory"))?.join("peers.py");
     std::fs::write(&script, PEERS_PY).with_context(|| format!("write {}", script.display()))?;
     let sizes_arg = sizes.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
     let mut c = Command::new(py);
     c.arg(&script).args(["--engine", script_engine, "--sizes", &sizes_arg, "--reps", &reps.to_string()]);
+    if let Some((src, dst)) = pinned {
+        c.args(["--src-cpus", &crate::cpu_list(src), "--dst-cpus", &crate::cpu_list(dst)]);
+    }
     // Without InfiniBand modules: a host's stray libefa crashes UCX at exit.
     c.env("UCX_MODULES", "^ib");
     if let Some(t) = tls {
@@ -260,9 +277,12 @@ fn write_jsonl(dir: &Path, points: &[PeerPoint], skipped: &[Skipped]) -> anyhow:
     Ok(())
 }
 
-fn render(out: &mut String, sizes: &[u64], points: &[PeerPoint], skipped: &[Skipped]) {
+fn render(out: &mut String, sizes: &[u64], points: &[PeerPoint], skipped: &[Skipped], pinned: Option<&(Vec<usize>, Vec<usize>)>) {
     let _ = writeln!(out, "kvwire bench peers: p50 µs per transfer, same host, same run; ratio = engine p50 / kvwire end-to-end p50 on the same path (tcp; same-host: -shm, nixl-cma), above 1: kvwire faster");
     let _ = writeln!(out, "{}", crate::host_conditions());
+    if let Some((src, dst)) = pinned {
+        let _ = writeln!(out, "pinned as on two hosts: sending side on CPUs {}, receiving side on CPUs {} (kvwire's daemons, the other engines' processes; kvwire-transport's endpoints share one process, unpinned)", crate::cpu_list(src), crate::cpu_list(dst));
+    }
     let _ = writeln!(out, "{:<20} {:>10} {:>10} {:>10} {:>8}  verified", "engine", "size", "p50 µs", "p99 µs", "ratio");
     for &size in sizes {
         for p in points.iter().filter(|p| p.size == size) {

@@ -27,6 +27,7 @@ use kvwire_client::wire::{read_body, write_msg, WireError, MAX_MESSAGE};
 pub use kvwire_core::session::msg::{PeerMsg, PEER_VERSION};
 use kvwire_core::session::kind;
 use kvwire_transport::auth::{self, Credential};
+use kvwire_transport::idle::IdleSpin;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::{Arc, Mutex};
@@ -309,6 +310,18 @@ impl Sealed {
         let m = m?;
         self.received += 1;
         Ok(m)
+    }
+
+    /// [`Sealed::recv`], polling the socket first while nothing is buffered
+    /// ([`IdleSpin`]: a serving thread kept running between messages that
+    /// come close together).
+    pub fn recv_polling(&mut self, spin: &mut IdleSpin) -> Result<PeerMsg, WireError> {
+        self.tx.lock().expect("peer send lock").flush()?;
+        if !self.reader.buffer().is_empty() {
+            return self.recv();
+        }
+        let stream = self.stream.clone();
+        spin.idle(&*stream, || self.recv())
     }
 
     /// Whether bytes wait to be read (an idle connection's unsolicited

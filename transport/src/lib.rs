@@ -29,6 +29,7 @@ pub mod auth;
 pub mod device;
 pub mod flags;
 pub mod hello;
+pub mod idle;
 mod ledger;
 pub mod logbudget;
 pub mod mem;

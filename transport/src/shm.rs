@@ -145,11 +145,14 @@ pub struct ShmLimits {
     pub idle_timeout: Duration,
     /// Caps on the listener's connections.
     pub caps: ConnectionCaps,
+    /// How long a connection's thread polls for the next request before it
+    /// sleeps ([`crate::idle::IdleSpin`]); zero: it sleeps at once.
+    pub idle_poll: Duration,
 }
 
 impl Default for ShmLimits {
     fn default() -> Self {
-        ShmLimits { max_sources: 1024, handshake_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(300), caps: ConnectionCaps::default() }
+        ShmLimits { max_sources: 1024, handshake_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(300), caps: ConnectionCaps::default(), idle_poll: Duration::ZERO }
     }
 }
 
@@ -584,14 +587,20 @@ fn serve_conn(stream: UnixStream, mut pass: Pass, serve: &Serve) -> Result<Strin
     let mut sources: HashMap<u32, Source> = HashMap::new();
     // Mappings by file (device, inode), while a window of it is shared.
     let mut files: HashMap<(u64, u64), Weak<HostMem>> = HashMap::new();
+    let mut spin = crate::idle::IdleSpin::new(serve.limits.idle_poll);
     loop {
         // Answer everything processed so far before blocking for more.
-        if rd.buffered() < HEADER_LEN + TRAILER_LEN as usize {
+        let waits = rd.buffered() < HEADER_LEN + TRAILER_LEN as usize;
+        if waits {
             if let Err(e) = out.flush() {
                 return Err(closing(&node, format!("send answers: {e}")));
             }
         }
-        let h = match read_header(&mut rd, TRAILER_LEN) {
+        let next = match waits {
+            true => spin.idle(out.out.get_ref(), || read_header(&mut rd, TRAILER_LEN)),
+            false => read_header(&mut rd, TRAILER_LEN),
+        };
+        let h = match next {
             Ok(h) => h,
             Err(Either::End(ReadEnd::Eof { got: 0 })) => {
                 return if rd.fds.is_empty() { Ok(node) } else { Err(closing(&node, "file descriptors sent without their messages".into())) }

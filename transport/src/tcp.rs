@@ -46,11 +46,14 @@ pub struct TcpLimits {
     pub idle_timeout: Duration,
     /// Caps on the listener's connections.
     pub caps: ConnectionCaps,
+    /// How long a connection's thread polls for the next frame before it
+    /// sleeps ([`crate::idle::IdleSpin`]); zero: it sleeps at once.
+    pub idle_poll: Duration,
 }
 
 impl Default for TcpLimits {
     fn default() -> Self {
-        TcpLimits { max_frame: 16 << 20, handshake_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(300), caps: ConnectionCaps::default() }
+        TcpLimits { max_frame: 16 << 20, handshake_timeout: Duration::from_secs(5), idle_timeout: Duration::from_secs(300), caps: ConnectionCaps::default(), idle_poll: Duration::ZERO }
     }
 }
 
@@ -189,8 +192,13 @@ fn serve(stream: TcpStream, mut pass: Pass, node: &str, registry: &Registry, pla
     let mut reader = BufReader::with_capacity(RECV_BUFFER, stream.try_clone().map_err(TransportError::io("clone socket"))?);
     let mut acks = BufWriter::new(stream);
     let mut discard = vec![0u8; 64 << 10];
+    let mut spin = crate::idle::IdleSpin::new(limits.idle_poll);
     loop {
-        let h = match read_header(&mut reader, limits.max_frame, "receive frame") {
+        let next = match reader.buffer().is_empty() {
+            true => spin.idle(acks.get_ref(), || read_header(&mut reader, limits.max_frame, "receive frame")),
+            false => read_header(&mut reader, limits.max_frame, "receive frame"),
+        };
+        let h = match next {
             Ok(h) => h,
             Err(TransportError::Io { kind: std::io::ErrorKind::UnexpectedEof, .. }) => return Ok(()),
             Err(e) => return Err(e),

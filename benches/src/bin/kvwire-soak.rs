@@ -76,7 +76,7 @@ const KEEP_ERRORS: usize = 3;
 /// A client stops after this many failures in a row: its daemon is likely gone.
 const GIVE_UP_AFTER: u32 = 3;
 
-const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm|verbs (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--check-every N (1)] [--in-flight N (1)] [--transport-set KEY=VALUE]... [--json]";
+const USAGE: &str = "usage: kvwire-soak [--seconds S (30)] [--clients N (8)] [--tokens T (256)] [--transport tcp|shm|verbs (tcp)] [--netns] [--stream] [--device [--gpudirect auto|on|off]] [--check-every N (1)] [--in-flight N (1)] [--pin] [--transport-set KEY=VALUE]... [--json]";
 
 // ------------------------------------------------------------------ arguments
 
@@ -93,6 +93,7 @@ struct RawArgs {
     gpudirect: Option<String>,
     check_every: Option<String>,
     in_flight: Option<String>,
+    pin: bool,
     transport_set: Vec<String>,
     json: bool,
     help: bool,
@@ -118,6 +119,8 @@ struct Settings {
     check_every: u64,
     // Transfers each client submits back to back before it waits.
     in_flight: u64,
+    // Each side on CPUs of its own, as on two hosts (`pin_halves`).
+    pin: bool,
     // Lines of both daemons' `[transport]` table (`key = value`), to try
     // a tuning without a rebuild.
     transport_set: Vec<String>,
@@ -140,6 +143,7 @@ fn raw_args(args: impl IntoIterator<Item = String>) -> Result<RawArgs, String> {
             "--gpudirect" => raw.gpudirect = Some(value("--gpudirect")?),
             "--check-every" => raw.check_every = Some(value("--check-every")?),
             "--in-flight" => raw.in_flight = Some(value("--in-flight")?),
+            "--pin" => raw.pin = true,
             "--transport-set" => raw.transport_set.push(value("--transport-set")?),
             "--json" => raw.json = true,
             "-h" | "--help" => raw.help = true,
@@ -193,6 +197,7 @@ fn settings(raw: &RawArgs) -> Result<Settings, String> {
         },
         check_every: number("--check-every", raw.check_every.as_deref(), 1, 1..=1_000_000)?,
         in_flight,
+        pin: raw.pin,
         transport_set: raw
             .transport_set
             .iter()
@@ -649,6 +654,19 @@ struct Report {
     per_client: (u64, u64),
     daemons: Vec<DaemonReport>,
     sampling: Option<String>,
+    // With --pin: the source's CPUs and the destination's.
+    pinned: Option<(String, String)>,
+}
+
+/// Each side on CPUs of its own, as on two hosts ([`kvwire_bench::cpu_halves`]):
+/// the source daemon and this process (both sides' engines) on the first
+/// half, the destination daemon on the second. Moves this thread, and so
+/// the engines' threads it starts, to the first half; returns both halves
+/// as CPU lists.
+fn pin_halves() -> Result<(String, String), String> {
+    let (src, dst) = kvwire_bench::cpu_halves().map_err(|e| format!("--pin: {e}"))?;
+    kvwire_bench::pin_thread(&src).map_err(|e| format!("--pin: {e}"))?;
+    Ok((kvwire_bench::cpu_list(&src), kvwire_bench::cpu_list(&dst)))
 }
 
 fn soak(s: &Settings) -> Result<Report, String> {
@@ -659,6 +677,13 @@ fn soak(s: &Settings) -> Result<Report, String> {
     transport.extend(s.transport_set.iter().cloned());
     let transport = if transport.is_empty() { String::new() } else { format!("[transport]\n{}\n", transport.join("\n")) };
     let extra = &format!("{device}{transport}");
+    let pinned = if s.pin { Some(pin_halves()?) } else { None };
+    // Top-level keys go before the tables.
+    let (src_extra, dst_extra) = match &pinned {
+        Some((src, dst)) => (format!("cpus = \"{src}\"\n{extra}"), format!("cpus = \"{dst}\"\n{extra}")),
+        None => (extra.clone(), extra.clone()),
+    };
+    let (src_extra, dst_extra) = (src_extra.as_str(), dst_extra.as_str());
     // The daemons' configs, secrets and sockets; removed on drop.
     let tmp = TempDir::try_new("soak")?;
     let dir = tmp.path();
@@ -666,13 +691,13 @@ fn soak(s: &Settings) -> Result<Report, String> {
     let link = if s.netns { Some(netns::Link::new("soak")?) } else { None };
     let (dst, src) = match &link {
         Some(l) => {
-            let dst = start_daemon_in(Some(&l.a.name), &l.a.ip, dir, "soak-dst", SECRET, &[], extra);
-            let src = start_daemon_in(Some(&l.b.name), &l.b.ip, dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], extra);
+            let dst = start_daemon_in(Some(&l.a.name), &l.a.ip, dir, "soak-dst", SECRET, &[], dst_extra);
+            let src = start_daemon_in(Some(&l.b.name), &l.b.ip, dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], src_extra);
             (dst, src)
         }
         None => {
-            let dst = start_daemon(dir, "soak-dst", SECRET, &[], extra);
-            let src = start_daemon(dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], extra);
+            let dst = start_daemon(dir, "soak-dst", SECRET, &[], dst_extra);
+            let src = start_daemon(dir, "soak-src", SECRET, &[("soak-dst", &dst.peer)], src_extra);
             (dst, src)
         }
     };
@@ -763,6 +788,7 @@ fn soak(s: &Settings) -> Result<Report, String> {
         submits,
         daemons,
         sampling: sampling_failed.into_inner().expect("sampling"),
+        pinned,
     };
     Ok(report)
 }
@@ -908,7 +934,7 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
     let judgement: Vec<String> = verdicts.iter().map(|v| format!("{{\"ok\":{},\"what\":{}}}", v.ok, json_str(&v.what))).collect();
     let errors: Vec<String> = r.kept.iter().map(|e| json_str(e)).collect();
     println!(
-        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"transport\":\"{}\",\"netns\":{},\"stream\":{},\"in_flight\":{},\"device\":{},\"gpudirect\":\"{}\",\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"checked\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
+        "{{\"seconds\":{},\"clients\":{},\"tokens\":{},\"transport\":\"{}\",\"netns\":{},\"stream\":{},\"in_flight\":{},\"pinned\":{},\"device\":{},\"gpudirect\":\"{}\",\"src_layout\":{},\"dst_layout\":{},\"transfers\":{},\"checked\":{},\"errors\":{},\"mismatches\":{},\"transfers_per_s\":{:.3},\"per_client_min\":{},\"per_client_max\":{},\"latency_ms\":{{\"p50\":{:.3},\"p99\":{:.3},\"max\":{:.3}}},\"submit_call_ms\":{{\"p50\":{:.3},\"p99\":{:.3}}},\"bytes\":{},\"gb_per_s\":{:.4},\"daemons\":[{}],\"first_errors\":[{}],\"judgement\":[{}],\"ok\":{}}}",
         r.settings.seconds,
         r.settings.clients,
         r.settings.tokens,
@@ -916,6 +942,7 @@ fn print_json(r: &Report, verdicts: &[Verdict]) {
         r.settings.netns,
         r.settings.stream,
         r.settings.in_flight,
+        r.pinned.as_ref().map_or("null".to_string(), |(a, b)| json_str(&format!("{a}|{b}"))),
         r.settings.device,
         r.settings.gpudirect,
         json_str(SRC_LAYOUT),
@@ -961,6 +988,9 @@ fn print_text(r: &Report, verdicts: &[Verdict]) {
     }
     if s.in_flight > 1 {
         println!("{} transfers in flight per client: submitted back to back, then waited for", s.in_flight);
+    }
+    if let Some((src, dst)) = &r.pinned {
+        println!("pinned as on two hosts: the source daemon and the engines on CPUs {src}, the destination daemon on CPUs {dst}");
     }
     if s.device {
         println!("caches registered as device memory (the stand-in backend's), gpudirect {}", s.gpudirect);

@@ -28,6 +28,7 @@ use kvwire_core::CacheFormat;
 use kvwire_transport::auth::{ConnectionCaps, Deadline, Gate, Pass};
 use kvwire_transport::mem::Streaming;
 use kvwire_transport::{Grant, Hop, Region, Tag};
+use kvwire_transport::idle::IdleSpin;
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -342,6 +343,7 @@ impl Daemon {
         // Transfers accepted on this connection, by slot: its messages may
         // name only these, and those still running when it ends fail then.
         let mut t = Transfers::default();
+        let mut spin = IdleSpin::new(self.cfg.idle_poll());
         let ended = loop {
             t.judged(&verdicts, &mut session);
             // The socket's timeout changes only when it must be shorter, or
@@ -356,7 +358,7 @@ impl Daemon {
                 let _ = s.read_timeout(wait);
             }
             let before = s.frames_read();
-            let msg = match s.recv() {
+            let msg = match s.recv_polling(&mut spin) {
                 Ok(m) => m,
                 Err(WireError::Closed) => break format!("peer `{peer}` went away mid-transfer"),
                 Err(e) if e.is_timeout() => match t.judged(&verdicts, &mut session).handle_timeout(Instant::now()) {

@@ -604,11 +604,11 @@ fn open_endpoint(cfg: &Config) -> anyhow::Result<FirstRail> {
     let ep: Arc<dyn Endpoint> = match t.kind {
         TransportKind::Tcp => {
             let reg = Arc::new(Registry::new(keys));
-            TcpEndpoint::bind(&cfg.node, t.tcp_listen.parse()?, reg, flags_placement()?, TcpLimits::default())?
+            TcpEndpoint::bind(&cfg.node, t.tcp_listen.parse()?, reg, flags_placement()?, TcpLimits { idle_poll: cfg.idle_poll(), ..TcpLimits::default() })?
         }
         TransportKind::Shm => {
             let reg = Arc::new(Registry::new(keys));
-            ShmEndpoint::new(&cfg.node, t.shm_dir.as_deref(), reg, flags_placement()?, ShmLimits::default())?
+            ShmEndpoint::new(&cfg.node, t.shm_dir.as_deref(), reg, flags_placement()?, ShmLimits { idle_poll: cfg.idle_poll(), ..ShmLimits::default() })?
         }
         TransportKind::Verbs => {
             let limits = VerbsLimits {
@@ -653,7 +653,7 @@ fn open_rails(cfg: &Config, ep: &Arc<dyn Endpoint>, verbs: Option<&Arc<VerbsEndp
             }
             None => {
                 let listen = r.tcp_listen.parse().map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
-                let extra = TcpEndpoint::bind(&cfg.node, listen, ep.registry().clone(), ep.placement().clone(), TcpLimits::default())
+                let extra = TcpEndpoint::bind(&cfg.node, listen, ep.registry().clone(), ep.placement().clone(), TcpLimits { idle_poll: cfg.idle_poll(), ..TcpLimits::default() })
                     .map_err(|e| anyhow::anyhow!("rails `{}` tcp_listen {}: {e}", r.name, r.tcp_listen))?;
                 (extra, r.device.clone())
             }

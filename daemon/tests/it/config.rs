@@ -363,3 +363,24 @@ fn a_secret_file_others_can_read_is_refused_naming_its_mode() {
     let text = format!("node = \"n1\"\nsecret_file = {:?}\n", p.display().to_string());
     assert!(load(&text).is_ok());
 }
+
+#[test]
+fn cpus_are_a_linux_cpu_list_and_set_the_poll_window() {
+    let dir = TempDir::new("config-cpus");
+    let c = load(&minimal(&dir, "cpus = \"0, 2-3,3\"", "")).unwrap();
+    assert_eq!(c.cpu_list().unwrap(), [0, 2, 3]);
+    // Cores of its own: the daemon polls between close messages, unless told otherwise.
+    assert_eq!(c.idle_poll(), kvwired::config::IDLE_POLL_PINNED);
+    let c = load(&minimal(&dir, "cpus = \"1\"", "[transport]\nidle_poll_us = 0\n")).unwrap();
+    assert_eq!(c.idle_poll(), std::time::Duration::ZERO);
+    // Unpinned, it sleeps at once unless told to poll.
+    let c = load(&minimal(&dir, "", "")).unwrap();
+    assert!(c.cpu_list().unwrap().is_empty());
+    assert_eq!(c.idle_poll(), std::time::Duration::ZERO);
+    let c = load(&minimal(&dir, "", "[transport]\nidle_poll_us = 50\n")).unwrap();
+    assert_eq!(c.idle_poll(), std::time::Duration::from_micros(50));
+    for (bad, why) in [("x", "not a CPU number"), ("3-1", "backwards"), ("1,,2", "not a CPU number"), ("5000", "below 1024"), ("-1", "not a CPU number")] {
+        assert_refused(&minimal(&dir, &format!("cpus = \"{bad}\""), ""), &["cpus", bad, why]);
+    }
+    assert_refused(&minimal(&dir, "", "[transport]\nidle_poll_us = 20000\n"), &["transport.idle_poll_us", "10000"]);
+}

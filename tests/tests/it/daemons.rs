@@ -524,6 +524,50 @@ fn daemons_on_two_hosts_in_network_namespaces() {
     assert_bitwise(&run(&p, &Scenario::new("netns")).unwrap());
 }
 
+/// The CPUs this process may run on (`Cpus_allowed_list`), ascending.
+fn allowed_cpus(pid: &str) -> Vec<usize> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
+    list.split(',')
+        .flat_map(|r| match r.split_once('-') {
+            Some((a, b)) => a.parse::<usize>().unwrap()..=b.parse().unwrap(),
+            None => r.parse::<usize>().unwrap()..=r.parse().unwrap(),
+        })
+        .collect()
+}
+
+#[test]
+fn daemons_on_cores_of_their_own_keep_to_them_poll_and_decode_bitwise() {
+    let _shared = crate::shared();
+    let cpus = allowed_cpus("self");
+    // Each daemon on a CPU of its own where there are two.
+    let (a_cpu, b_cpu) = (cpus[0], cpus[cpus.len() - 1]);
+    for (tag, table) in [("tcp", ""), ("shm", "[transport]\nkind = \"shm\"\n")] {
+        let p = pair_with(&format!("pinned-{tag}"), &format!("cpus = \"{a_cpu}\"\n{table}"), &format!("cpus = \"{b_cpu}\"\n{table}"));
+        // Back to back, so the destination's threads poll between them.
+        for i in 0..4 {
+            let mut sc = Scenario::new(&format!("pinned-{tag}-{i}"));
+            sc.tokens = 40 + 13 * i;
+            assert_bitwise(&run(&p, &sc).unwrap());
+        }
+        // Every thread, those its transfers started too, keeps to its daemon's CPU.
+        for (d, cpu) in [(&p._a, a_cpu), (&p._b, b_cpu)] {
+            for task in std::fs::read_dir(format!("/proc/{}/task", d.pid())).unwrap() {
+                let tid = task.unwrap().file_name().into_string().unwrap();
+                assert_eq!(allowed_cpus(&format!("{}/task/{tid}", d.pid())), [cpu], "{tag}: thread {tid} of {} runs off its CPU", d.node);
+            }
+        }
+    }
+    // A list naming no CPU this process may use stops the daemon, named.
+    let d = TempDir::new("e2e-pinned-nowhere");
+    let secret = d.write_private("secret", SECRET);
+    let cfg = d.path().join("nowhere.toml");
+    std::fs::write(&cfg, format!("node = \"n\"\ncpus = \"1023\"\ncontrol_socket = {:?}\npeer_listen = \"127.0.0.1:0\"\nsecret_file = {:?}\n", d.path().join("n.sock").display().to_string(), secret.display().to_string())).unwrap();
+    let o = std::process::Command::new(kvwire_testkit::kvwired_bin()).arg("--config").arg(&cfg).output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("config key `cpus`") && err.contains("1023"), "kvwired on CPU 1023: {err}");
+}
+
 #[test]
 fn concurrent_transfers_from_several_clients_are_all_exact() {
     let _shared = crate::shared();
