@@ -562,9 +562,6 @@ impl Config {
     }
 }
 
-/// Refuses a secret file that others could read or that another user
-/// owns, as ssh does with private keys: whoever reads it can pose as any
-/// daemon of the cluster.
 /// Most CPUs a list may name (glibc's `cpu_set_t`).
 const MAX_CPUS: usize = 1024;
 
@@ -590,6 +587,9 @@ fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
     Ok(cpus.into_iter().collect())
 }
 
+/// Refuses a secret file that others could read or that another user
+/// owns, as ssh does with private keys: whoever reads it can pose as any
+/// daemon of the cluster.
 fn check_private(path: &std::path::Path) -> Result<(), ConfigError> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path).map_err(|e| invalid("secret_file", format!("{}: {e}", path.display())))?;
