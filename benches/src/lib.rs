@@ -80,12 +80,7 @@ pub enum Error {
 pub fn host_conditions() -> String {
     let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
     // The host's, not this process's: a pinned run may use fewer.
-    let online = read("/sys/devices/system/cpu/online").and_then(|l| {
-        l.split(',').map(|r| match r.split_once('-') {
-            Some((a, b)) => Some(b.parse::<usize>().ok()? + 1 - a.parse::<usize>().ok()?),
-            None => r.parse::<usize>().ok().map(|_| 1),
-        }).sum::<Option<usize>>()
-    });
+    let online = read("/sys/devices/system/cpu/online").and_then(|l| kvwire_transport::topology::parse_cpu_list(&l).ok()).map(|c| c.len());
     let cpus = online.unwrap_or_else(|| std::thread::available_parallelism().map_or(0, |n| n.get()));
     let driver = read("/sys/devices/system/cpu/cpuidle/current_driver").unwrap_or_else(|| "unknown".into());
     let poll = match read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
@@ -111,16 +106,6 @@ pub fn cpu_halves() -> Result<(Vec<usize>, Vec<usize>), String> {
 /// `cpus` as a Linux CPU list (`0,1`), as `kvwired`'s `cpus` reads it.
 pub fn cpu_list(cpus: &[usize]) -> String {
     cpus.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
-}
-
-/// Runs this thread, and the threads it starts from now on, on `cpus`.
-pub fn pin_thread(cpus: &[usize]) -> Result<(), String> {
-    use nix::sched::{sched_setaffinity, CpuSet};
-    let mut set = CpuSet::new();
-    for &c in cpus {
-        set.set(c).map_err(|e| format!("CPU {c}: {e}"))?;
-    }
-    sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(|e| format!("sched_setaffinity to CPUs {}: {e}", cpu_list(cpus)))
 }
 
 /// Parses a size like `4096`, `64K`, `64M` or `1G` (binary multiples).

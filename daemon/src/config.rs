@@ -489,7 +489,7 @@ impl Config {
 
     /// The CPUs `cpus` names, ascending; empty when it is unset.
     pub fn cpu_list(&self) -> Result<Vec<usize>, ConfigError> {
-        parse_cpu_list(&self.cpus).map_err(|why| invalid("cpus", format!("`{}`: {why}", self.cpus)))
+        kvwire_transport::topology::parse_cpu_list(&self.cpus).map_err(|why| invalid("cpus", format!("`{}`: {why}", self.cpus)))
     }
 
     /// How long serving threads poll before they sleep: `transport.idle_poll_us`, or its default.
@@ -560,31 +560,6 @@ impl Config {
         }
         Ok(s)
     }
-}
-
-/// Most CPUs a list may name (glibc's `cpu_set_t`).
-const MAX_CPUS: usize = 1024;
-
-/// A Linux CPU list (`0-3,8`): numbers and ascending ranges, comma
-/// separated; empty gives none.
-fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
-    let mut cpus = std::collections::BTreeSet::new();
-    if s.trim().is_empty() {
-        return Ok(Vec::new());
-    }
-    for part in s.split(',') {
-        let part = part.trim();
-        let num = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n < MAX_CPUS).ok_or_else(|| format!("`{x}` is not a CPU number below {MAX_CPUS}"));
-        let (a, b) = match part.split_once('-') {
-            Some((a, b)) => (num(a)?, num(b)?),
-            None => (num(part)?, num(part)?),
-        };
-        if a > b {
-            return Err(format!("range `{part}` runs backwards"));
-        }
-        cpus.extend(a..=b);
-    }
-    Ok(cpus.into_iter().collect())
 }
 
 /// Refuses a secret file that others could read or that another user

@@ -42,9 +42,7 @@ impl IdleSpin {
     pub fn idle<T>(&mut self, s: impl AsFd, read: impl FnOnce() -> T) -> T {
         let started = Instant::now();
         if self.polls() {
-            while started.elapsed() < self.window && !readable(&s) {
-                std::thread::yield_now();
-            }
+            poll_readable(&s, self.window);
         }
         let r = read();
         self.waited(started.elapsed());
@@ -59,8 +57,18 @@ impl IdleSpin {
     }
 }
 
-/// Whether `s` has input (or an error or hang-up) now, without waiting.
-fn readable(s: &impl AsFd) -> bool {
+/// Polls `s` for input, yielding the core between looks, until it is
+/// readable or `window` passed.
+pub fn poll_readable(s: impl AsFd, window: Duration) {
+    let started = Instant::now();
+    while started.elapsed() < window && !readable_now(&s) {
+        std::thread::yield_now();
+    }
+}
+
+/// Whether `s` has input (or an error or hang-up to read) now, without
+/// waiting.
+pub fn readable_now(s: impl AsFd) -> bool {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
     !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))

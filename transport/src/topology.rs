@@ -402,3 +402,38 @@ pub fn numa_node_of(ptr: *const u8) -> Option<u32> {
     u32::try_from(status[0]).ok()
 }
 
+/// Most CPUs a list may name (glibc's `cpu_set_t`).
+pub const MAX_CPUS: usize = 1024;
+
+/// A Linux CPU list (`0-3,8`, as `cpus` in kvwired's config, sysfs's
+/// `online` and /proc's `Cpus_allowed_list` write them): numbers and
+/// ascending ranges, comma separated; empty gives none. Ascending, each once.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
+    let mut cpus = std::collections::BTreeSet::new();
+    if s.trim().is_empty() {
+        return Ok(Vec::new());
+    }
+    for part in s.split(',') {
+        let part = part.trim();
+        let num = |x: &str| x.trim().parse::<usize>().ok().filter(|&n| n < MAX_CPUS).ok_or_else(|| format!("`{x}` is not a CPU number below {MAX_CPUS}"));
+        let (a, b) = match part.split_once('-') {
+            Some((a, b)) => (num(a)?, num(b)?),
+            None => (num(part)?, num(part)?),
+        };
+        if a > b {
+            return Err(format!("range `{part}` runs backwards"));
+        }
+        cpus.extend(a..=b);
+    }
+    Ok(cpus.into_iter().collect())
+}
+
+/// Runs this thread, and the threads it starts from now on, on `cpus`.
+pub fn run_on_cpus(cpus: &[usize]) -> Result<(), String> {
+    use nix::sched::{sched_setaffinity, CpuSet};
+    let mut set = CpuSet::new();
+    for &c in cpus {
+        set.set(c).map_err(|e| format!("CPU {c}: {e}"))?;
+    }
+    sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(|e| format!("cannot run on CPUs {cpus:?}: {e} (none of them online, or outside this process's cpuset)"))
+}

@@ -665,7 +665,7 @@ struct Report {
 /// as CPU lists.
 fn pin_halves() -> Result<(String, String), String> {
     let (src, dst) = kvwire_bench::cpu_halves().map_err(|e| format!("--pin: {e}"))?;
-    kvwire_bench::pin_thread(&src).map_err(|e| format!("--pin: {e}"))?;
+    kvwire_transport::topology::run_on_cpus(&src).map_err(|e| format!("--pin: {e}"))?;
     Ok((kvwire_bench::cpu_list(&src), kvwire_bench::cpu_list(&dst)))
 }
 

@@ -121,18 +121,6 @@ impl WaitSpin {
     }
 }
 
-/// Polls `s` for input, yielding the core between looks, until it is
-/// readable or `window` passed.
-fn poll_readable(s: &UnixStream, window: Duration) {
-    let started = Instant::now();
-    while started.elapsed() < window {
-        if wire::readable_now(s) {
-            return;
-        }
-        std::thread::yield_now();
-    }
-}
-
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
@@ -229,7 +217,7 @@ impl Client {
         }
         // Nothing here yet: poll the socket first, as a flag wait polls its word.
         let started = Instant::now();
-        poll_readable(&self.sock, self.spin.window(Wait::Reply));
+        kvwire_transport::idle::poll_readable(&self.sock, self.spin.window(Wait::Reply));
         let got = reader.recv(&self.sock);
         self.spin.waited(Wait::Reply, started.elapsed());
         got

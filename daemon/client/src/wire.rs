@@ -114,14 +114,6 @@ pub fn send_unix_both<T: serde::Serialize, U: serde::Serialize>(s: &UnixStream, 
     send_unix_bytes(s, &bytes, &[])
 }
 
-/// Whether `s` has input waiting now (or an error or hang-up to read),
-/// without waiting.
-pub fn readable_now(s: &UnixStream) -> bool {
-    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    let mut fds = [PollFd::new(std::os::fd::AsFd::as_fd(s), PollFlags::POLLIN)];
-    !matches!(poll(&mut fds, PollTimeout::ZERO), Ok(0))
-}
-
 /// Sends one frame on a Unix socket, carrying no descriptors, unless
 /// the socket has no room for any of it now: then nothing is sent and the
 /// answer is `false`. A frame begun is finished, waiting if it must.

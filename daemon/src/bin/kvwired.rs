@@ -48,19 +48,6 @@ fn main() -> ExitCode {
     }
 }
 
-/// Runs this thread, and so every thread it starts, on `cpus` (none: as it is).
-fn pin(cpus: &[usize]) -> anyhow::Result<()> {
-    use nix::sched::{sched_setaffinity, CpuSet};
-    if cpus.is_empty() {
-        return Ok(());
-    }
-    let mut set = CpuSet::new();
-    for &c in cpus {
-        set.set(c).map_err(|e| anyhow::anyhow!("config key `cpus`: CPU {c}: {e}"))?;
-    }
-    sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).map_err(|e| anyhow::anyhow!("config key `cpus`: cannot run on CPUs {cpus:?}: {e} (none of them online, or outside this process's cpuset)"))
-}
-
 fn run(args: Args) -> anyhow::Result<()> {
     // Layers: file, then environment, then flags.
     let mut cfg = match &args.config {
@@ -90,7 +77,10 @@ fn run(args: Args) -> anyhow::Result<()> {
         return Ok(());
     }
     // Before any thread starts: every thread inherits it.
-    pin(&cfg.cpu_list()?)?;
+    let cpus = cfg.cpu_list()?;
+    if !cpus.is_empty() {
+        kvwire_transport::topology::run_on_cpus(&cpus).map_err(|e| anyhow::anyhow!("config key `cpus`: {e}"))?;
+    }
     let d = kvwired::server::Daemon::start(cfg)?;
     // Report where we listen, so scripts can wait for readiness.
     println!("kvwired ready node={} peer={} data={}", d.node(), d.peer_addr(), d.data_addr());

@@ -16,6 +16,7 @@ use kvwire_core::tensors::{self, TensorDesc};
 use kvwire_core::CacheFormat;
 use kvwire_transport::device::bound::DeviceHandle;
 use kvwire_transport::flags::Undeclared;
+use kvwire_transport::idle::readable_now;
 use kvwire_transport::{Hop, HostMem, Tag};
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -333,7 +334,7 @@ impl Daemon {
             let answered = answer.finish(&reply, &fds);
             if let Some(job) = after {
                 // A request already waiting is not held up behind it.
-                if !answered || wire::readable_now(&s) {
+                if !answered || readable_now(&*s) {
                     if let Err(e) = self.workers.spawn("kvwired-xfer", job, |_| {}) {
                         tracing::error!(client, error = %e, "no thread for a transfer's work");
                     }
@@ -345,7 +346,7 @@ impl Daemon {
                     let (d, p) = (self.clone(), parked.clone());
                     self.ticker.add(Box::new(move || {
                         let mut p = p.lock().expect("parked client lock");
-                        if !p.as_ref().is_some_and(|c| wire::readable_now(&c.s)) {
+                        if !p.as_ref().is_some_and(|c| readable_now(&*c.s)) {
                             return p.is_some();
                         }
                         let (w, c) = (d.clone(), p.take().expect("parked"));

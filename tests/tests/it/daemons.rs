@@ -527,13 +527,8 @@ fn daemons_on_two_hosts_in_network_namespaces() {
 /// The CPUs this process may run on (`Cpus_allowed_list`), ascending.
 fn allowed_cpus(pid: &str) -> Vec<usize> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap().trim().to_string();
-    list.split(',')
-        .flat_map(|r| match r.split_once('-') {
-            Some((a, b)) => a.parse::<usize>().unwrap()..=b.parse().unwrap(),
-            None => r.parse::<usize>().unwrap()..=r.parse().unwrap(),
-        })
-        .collect()
+    let list = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap();
+    kvwire_transport::topology::parse_cpu_list(list).unwrap()
 }
 
 #[test]
