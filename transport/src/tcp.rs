@@ -300,8 +300,9 @@ fn read_runs(reader: &mut BufReader<TcpStream>, runs: &mut [&mut [u8]]) -> std::
     // between frames: polling here too (daemons on cores of their own,
     // 1 MiB remapped transfers) halved the receive calls per transfer
     // (11 to 6) but tripled the destination's context switches, each
-    // yield a switch to its other threads; p50 level within this host's
-    // noise (0.60-0.69 ms both ways over eight runs), so not done.
+    // yield a switch to its other threads; p50 0.60-0.69 ms over sixteen
+    // runs against 0.63-0.69 over nine without, alternating: within this
+    // host's noise, so not done.
     if let [one] = &mut runs[first..] {
         return reader.get_mut().read_exact(one);
     }
