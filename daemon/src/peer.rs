@@ -304,6 +304,11 @@ impl Sealed {
     pub fn recv(&mut self) -> Result<PeerMsg, WireError> {
         // An answer to something held would never come.
         self.tx.lock().expect("peer send lock").flush()?;
+        self.read_next()
+    }
+
+    /// The next message, read and opened (what is held already went).
+    fn read_next(&mut self) -> Result<PeerMsg, WireError> {
         let mut counted = Counted { inner: &mut self.reader, n: 0 };
         let m = open_frame(&self.recv_key, self.received, &mut counted);
         self.read_bytes += counted.n;
@@ -318,10 +323,10 @@ impl Sealed {
     pub fn recv_polling(&mut self, spin: &mut IdleSpin) -> Result<PeerMsg, WireError> {
         self.tx.lock().expect("peer send lock").flush()?;
         if !self.reader.buffer().is_empty() {
-            return self.recv();
+            return self.read_next();
         }
         let stream = self.stream.clone();
-        spin.idle(&*stream, || self.recv())
+        spin.idle(&*stream, || self.read_next())
     }
 
     /// Whether bytes wait to be read (an idle connection's unsolicited
